@@ -1,0 +1,147 @@
+"""Paged attention over a KV pool shared by the target and the drafters.
+
+The pool is one pair of tensors per attention layer, `[num_kv_blocks, kv_block_size, num_kv_heads,
+head_dim]`; a request's K/V live in the kv_blocks its block table names, so slot `b * kv_block_size + o`
+is offset `o` of kv_block `b`. One step is a flat, variable-length batch of tokens. `AttnMetadata` says
+where each new token's K/V go (`slot_mapping`) and, per group of requests, which slots each query reads.
+
+Requests with short queries (decode and verify windows) are padded together into one SDPA call; long
+prompt chunks get a group each, so a 512-token chunk never pads 8 one-token decodes to 512 rows. On the
+CPU this gather + SDPA path is the implementation; a flash-attn varlen kernel can replace
+`paged_attention` on CUDA without changing the metadata. `tests/test_attention.py` checks it against
+dense SDPA over contiguous K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SHORT_QUERY_MAX = 16  # queries up to this length share one padded group
+
+
+@dataclass
+class AttnGroup:
+    """Requests whose queries run in one padded SDPA call."""
+
+    token_index: torch.Tensor  # [num_seqs, max_q] long: flat token row of each query (padding → 0)
+    query_valid: torch.Tensor  # [num_seqs, max_q] bool
+    kv_slots: torch.Tensor  # [num_seqs, max_kv] long: pool slot of each key (padding → 0)
+    mask: torch.Tensor | None  # [num_seqs, 1, max_q, max_kv] bool, True = may attend; None = all
+    all_valid: bool  # no query padding: scatter back with a plain reshape
+
+
+@dataclass
+class AttnMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V are stored; -1 = not stored
+    groups: list[AttnGroup]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """One request's part of a flat batch, as the runner (or a drafter) sees it."""
+
+    block_table: list[int]  # kv_block ids covering positions [0, num_cached + num_query)
+    num_cached: int  # keys already in the pool before this step's tokens (context length)
+    num_query: int  # new tokens of this request in the batch, stored at num_cached ..
+    token_offset: int  # row of its first new token in the flat batch
+    causal: bool = True  # False: the new tokens see each other both ways (a DSpark draft block)
+    store: bool = True  # False: queries only, the K/V of these positions are not written
+
+
+def slots_for(block_table: list[int], start: int, end: int, kv_block_size: int) -> list[int]:
+    """Pool slots of positions [start, end) under a block table."""
+    return [block_table[p // kv_block_size] * kv_block_size + p % kv_block_size for p in range(start, end)]
+
+
+def build_attn_metadata(
+    seqs: list[SeqSpec], *, num_tokens: int, kv_block_size: int, device: torch.device | str = "cpu"
+) -> AttnMetadata:
+    """Slot mapping and query groups for a flat batch; pure Python → tensors, built once per step."""
+    slot_mapping = [-1] * num_tokens
+    for s in seqs:
+        if s.store:
+            slot_mapping[s.token_offset:s.token_offset + s.num_query] = slots_for(
+                s.block_table, s.num_cached, s.num_cached + s.num_query, kv_block_size)
+    short = [s for s in seqs if s.num_query <= SHORT_QUERY_MAX]
+    groups = [_group([s], kv_block_size, device) for s in seqs if s.num_query > SHORT_QUERY_MAX]
+    if short:
+        groups.append(_group(short, kv_block_size, device))
+    return AttnMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        groups=groups, num_tokens=num_tokens)
+
+
+def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
+    max_q = max(s.num_query for s in seqs)
+    max_kv = max(s.num_cached + s.num_query for s in seqs)
+    token_index = torch.zeros(len(seqs), max_q, dtype=torch.long)
+    query_valid = torch.zeros(len(seqs), max_q, dtype=torch.bool)
+    kv_slots = torch.zeros(len(seqs), max_kv, dtype=torch.long)
+    mask = torch.zeros(len(seqs), 1, max_q, max_kv, dtype=torch.bool)
+    need_mask = False
+    for i, s in enumerate(seqs):
+        num_kv = s.num_cached + s.num_query
+        token_index[i, :s.num_query] = torch.arange(s.token_offset, s.token_offset + s.num_query)
+        query_valid[i, :s.num_query] = True
+        kv_slots[i, :num_kv] = torch.tensor(slots_for(s.block_table, 0, num_kv, kv_block_size))
+        if s.causal:
+            # query j sits at position num_cached + j and sees keys 0 .. num_cached + j
+            q_pos = torch.arange(s.num_query).unsqueeze(1) + s.num_cached
+            mask[i, 0, :s.num_query, :num_kv] = torch.arange(num_kv).unsqueeze(0) <= q_pos
+            need_mask |= s.num_query > 1
+        else:
+            mask[i, 0, :s.num_query, :num_kv] = True
+        mask[i, 0, s.num_query:, 0] = True  # padded query rows attend one key: no NaN, discarded
+        need_mask |= num_kv < max_kv or s.num_query < max_q
+    all_valid = bool(query_valid.all())
+    return AttnGroup(
+        token_index=token_index.to(device), query_valid=query_valid.to(device),
+        kv_slots=kv_slots.to(device), mask=mask.to(device) if need_mask else None,
+        all_valid=all_valid)
+
+
+def store_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_kv_blocks, kv_block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] long, -1 = skip
+) -> None:
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_kv_blocks, kv_block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    *,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of each query over its request's keys in the pool (the new tokens' K/V must be stored
+    first, see `store_kv`)."""
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        num_seqs, max_q = g.token_index.shape
+        qg = q[g.token_index.view(-1)].view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)
+        kg = k_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *k_flat.shape[1:]).transpose(1, 2)
+        vg = v_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *v_flat.shape[1:]).transpose(1, 2)
+        og = F.scaled_dot_product_attention(
+            qg, kg.to(q.dtype), vg.to(q.dtype), attn_mask=g.mask, scale=scale,
+            enable_gqa=qg.shape[1] != kg.shape[1])  # [num_seqs, num_heads, max_q, head_dim]
+        og = og.transpose(1, 2)  # [num_seqs, max_q, num_heads, head_dim]
+        if g.all_valid:
+            out[g.token_index.view(-1)] = og.reshape(-1, *q.shape[1:])
+        else:
+            out[g.token_index[g.query_valid]] = og[g.query_valid]
+    return out

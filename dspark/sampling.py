@@ -1,0 +1,106 @@
+"""Sampling parameters and the logits → probabilities → token path shared by the engine, the drafters
+and the verifier.
+
+`SamplingParams` validates itself on construction (bad values raise `ValueError` naming the field), so
+the server can turn the error straight into an HTTP 400.
+
+Greedy is a temperature below `GREEDY_EPS` (DeepSpec's convention); its probabilities are the one-hot
+argmax, so rejection sampling against a greedy target reproduces greedy decoding exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI / vLLM names and defaults)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    max_tokens: int | None = 16  # None: up to the model's max length
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    include_stop_str_in_output: bool = False
+    speculation: bool = True  # per-request opt-out of speculative decoding
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))  # normalising a user convenience, once
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
+        _check(self.max_tokens is None or self.max_tokens >= 1,
+               f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    *,
+    temperature: torch.Tensor,  # [num_rows] float
+    top_k: torch.Tensor,  # [num_rows] int, <= 0 means off
+    top_p: torch.Tensor,  # [num_rows] float, 1.0 means off
+) -> torch.Tensor:  # [num_rows, vocab_size] float32, rows sum to 1
+    """Processed target/draft distribution: one-hot argmax for greedy rows, else softmax(logits / T)
+    restricted to the top-k and then to the smallest top-p nucleus (vLLM's order)."""
+    logits = logits.float()
+    greedy = temperature < GREEDY_EPS  # [num_rows]
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs)
+        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    top_k: torch.Tensor,  # [num_rows]
+    top_p: torch.Tensor,  # [num_rows]
+) -> torch.Tensor:
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab_size = logits.shape[-1]
+    ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, vocab_size]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab_size)).unsqueeze(1)
+    drop = ranks >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [vocab_size] float32
+    generator: torch.Generator | None,
+) -> int:
+    """One token from a processed distribution (argmax of a one-hot is exact)."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())

