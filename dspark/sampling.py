@@ -25,7 +25,6 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     max_tokens: int | None = 16  # None: up to the model's max length
-    min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -43,7 +42,6 @@ class SamplingParams:
         _check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
         _check(self.max_tokens is None or self.max_tokens >= 1,
                f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
 
     @property

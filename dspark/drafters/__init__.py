@@ -1,0 +1,42 @@
+"""Drafter registry: method name → module with `check(spec, target_config)` (validates the drafter's
+configuration against the target before any weight is loaded; may be absent) and
+`build(spec, *, target_config, target_model, dtype, device) -> Drafter`.
+
+"dflash" is the DSpark drafter with the Markov and confidence heads switched off.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from dspark.config import SpecConfig
+from dspark.drafters.base import DraftProposal, Drafter
+
+DRAFTER_REGISTRY = {
+    "ngram": "dspark.drafters.ngram",
+    "draft_model": "dspark.drafters.draft_model",
+    "eagle3": "dspark.drafters.eagle3",
+    "dflash": "dspark.drafters.dspark",
+    "dspark": "dspark.drafters.dspark",
+}
+
+
+def _module(method: str):
+    if method not in DRAFTER_REGISTRY:
+        raise ValueError(f"unknown drafter {method!r}; registered: {', '.join(DRAFTER_REGISTRY)}")
+    return importlib.import_module(DRAFTER_REGISTRY[method])
+
+
+def check_drafter(spec: SpecConfig, target_config) -> None:
+    """Fail before loading weights when the drafter does not fit the target."""
+    check = getattr(_module(spec.method), "check", None)
+    if check is not None:
+        check(spec, target_config)
+
+
+def build_drafter(spec: SpecConfig, *, target_config, target_model, dtype, device) -> Drafter:
+    return _module(spec.method).build(spec, target_config=target_config, target_model=target_model,
+                                      dtype=dtype, device=device)
+
+
+__all__ = ["DRAFTER_REGISTRY", "DraftProposal", "Drafter", "build_drafter", "check_drafter"]

@@ -1,0 +1,144 @@
+"""Batch-1 greedy decode, side by side in one run: dspark (fp32, optional int8) vs HF transformers
+`generate` vs llama.cpp (llama-cpp-python, optional: F32, F16 and the shipped Q4_1 GGUF) on
+SmolLM2-135M-Instruct, the same chat prompts, 128 new tokens (EOS ignored).
+
+Reports decode tok/s (first token excluded) per engine, medians over prompts, ratios to HF and to
+llama.cpp F32, and the fraction of the weight-streaming limit: weight bytes per step ÷ measured memory
+bandwidth (a large tensor copy). The last stdout line is one JSON object; `--out` writes it too.
+
+    python benchmarks/bench_decode.py --num-prompts 3 --out benchmarks/results/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+MAX_NEW = 128
+
+
+def prompts(n: int) -> list[str]:
+    from dspark.bench.datasets import load_prompts
+    return [p.messages[0]["content"] if hasattr(p, "messages") else p for p in load_prompts("gsm8k", num_prompts=n, seed=0)]
+
+
+def memory_bandwidth_gbs() -> float:
+    x = torch.empty(256 * 2**20 // 4, dtype=torch.float32).fill_(1.0)  # 256 MiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        y.copy_(x)
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.numel() * 4 / best / 1e9  # read + write
+
+
+def bench_dspark(chat_ids: list[list[int]], quantization=None) -> list[float]:
+    from dspark import LLM, SamplingParams
+    llm = LLM(quantization=quantization, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    llm.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=8))
+    rates = []
+    for ids in chat_ids:
+        out = llm.generate([ids], params)[0]
+        rates.append((len(out.token_ids) - 1) / (out.e2e_s - out.ttft_s))
+    return rates
+
+
+def bench_hf(chat_ids: list[list[int]]) -> list[float]:
+    from transformers import AutoModelForCausalLM, TextStreamer  # noqa: F401
+    from dspark.models.loader import resolve_model_path
+    path = Path(resolve_model_path("default"))
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    rates = []
+    for ids in chat_ids:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            t1 = time.perf_counter()
+            out = model.generate(x, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+            t2 = time.perf_counter()
+        n = out.shape[1] - len(ids)
+        rates.append((n - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
+    return rates
+
+
+def bench_llama_cpp(chat_ids: list[list[int]], gguf_path: Path) -> list[float]:
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+    rates = []
+    for ids in chat_ids:
+        llm.reset()
+        t_first = None
+        n = 0
+        t0 = time.perf_counter()
+        for _tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            n += 1
+            if n == 1:
+                t_first = time.perf_counter()
+            if n >= MAX_NEW:
+                break
+        rates.append((n - 1) / (time.perf_counter() - t_first))
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-prompts", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--int8", action="store_true", help="also dspark weight-only int8")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from dspark.models.loader import load_model, resolve_model_path
+    model, cfg, tok = load_model("default")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    chat_ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts(args.num_prompts)]
+    del model
+    results: dict[str, list[float]] = {}
+    results["dspark_fp32"] = bench_dspark(chat_ids)
+    if args.int8:
+        results["dspark_int8"] = bench_dspark(chat_ids, "int8")
+    if not args.skip_hf:
+        results["hf_transformers_fp32"] = bench_hf(chat_ids)
+    try:
+        import llama_cpp  # noqa: F401
+        from benchmarks.gguf_f32 import cached_copy
+        src = Path(resolve_model_path("default"))
+        for label, path in (("llama_cpp_f32", cached_copy(src, "f32")), ("llama_cpp_f16", cached_copy(src, "f16")),
+                            ("llama_cpp_q4_1", src)):
+            results[label] = bench_llama_cpp(chat_ids, path)
+    except ImportError:
+        print("llama-cpp-python not installed: skipping llama.cpp (PEERS=1 bash scripts/setup.sh)")
+    bw = memory_bandwidth_gbs()
+    med = {k: statistics.median(v) for k, v in results.items()}
+    summary = {
+        "bench": "decode_batch1", "max_new_tokens": MAX_NEW, "num_prompts": len(chat_ids),
+        "threads": torch.get_num_threads(), "machine": platform.platform(), "date": time.strftime("%Y-%m-%d"),
+        "decode_tok_s_median": {k: round(v, 1) for k, v in med.items()},
+        "memory_bandwidth_gbs": round(bw, 1), "weight_bytes_fp32": weight_bytes,
+        "weight_streaming_limit_tok_s": round(bw * 1e9 / weight_bytes, 1),
+        "dspark_fraction_of_streaming_limit": round(med["dspark_fp32"] / (bw * 1e9 / weight_bytes), 3),
+    }
+    if "hf_transformers_fp32" in med:
+        summary["dspark_vs_hf"] = round(med["dspark_fp32"] / med["hf_transformers_fp32"], 2)
+    if "llama_cpp_f32" in med:
+        summary["dspark_vs_llama_cpp_f32"] = round(med["dspark_fp32"] / med["llama_cpp_f32"], 2)
+    for k, v in med.items():
+        print(f"{k:24s} {v:8.1f} tok/s")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"summary": summary, "per_prompt": results}, indent=2))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""`python -m dspark` → the CLI."""
+import sys
+
+from dspark.cli import main
+
+sys.exit(main())

@@ -1,0 +1,121 @@
+"""Engine configuration: frozen dataclasses composed into `EngineConfig`; every check lives in
+`__post_init__`, so a bad combination fails before any weight is loaded.
+
+`SpecConfig.from_dict` accepts vLLM's `--speculative-config` JSON schema (method, model,
+num_speculative_tokens, draft_sample_method, ...); unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+SPEC_METHODS = ("dspark", "dflash", "eagle3", "ngram", "draft_model")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+LENGTH_POLICY_NAMES = ("fixed", "threshold", "prefix", "async")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    kv_block_size: int = 16  # tokens per KV block
+    kv_cache_memory_gb: float = 1.0  # pool size when num_kv_blocks is not given
+    num_kv_blocks: int | None = None  # exact pool size (tests use small pools to force preemption)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 512  # token budget of one step (prompt chunks + decode + drafts)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    coalesce_steps: int = 0  # hold arriving prompts up to this many steps so they share one step
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 16:
+            raise ValueError(f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}")
+        if self.coalesce_steps < 0:
+            raise ValueError(f"coalesce_steps must be >= 0, got {self.coalesce_steps}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: vLLM's `speculative_config` keys plus dspark's length-policy keys."""
+
+    method: str
+    model: str | None = None  # drafter checkpoint (dspark, dflash, eagle3, draft_model)
+    num_speculative_tokens: int = 7  # γ
+    draft_sample_method: str = "greedy"
+    length_policy: str = "fixed"  # fixed | threshold | prefix | async
+    confidence_threshold: float = 0.5
+    cost_table: str | None = None  # JSON from `dspark profile`
+    prompt_lookup_min: int = 2  # n-gram
+    prompt_lookup_max: int = 5
+    draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} unknown; choose from {', '.join(SPEC_METHODS)}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method {self.draft_sample_method!r} unknown; "
+                             f"choose from {', '.join(DRAFT_SAMPLE_METHODS)}")
+        if self.length_policy not in LENGTH_POLICY_NAMES:
+            raise ValueError(f"length_policy {self.length_policy!r} unknown; "
+                             f"choose from {', '.join(LENGTH_POLICY_NAMES)}")
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method in ("dspark", "dflash", "eagle3") and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs 'model' (the drafter checkpoint)")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | str) -> "SpecConfig":
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        if "method" not in d:
+            raise ValueError("speculative config needs 'method'")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL  # GGUF file, HF folder, or the name of the embedded default
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    quantization: str | None = None  # None | "int8" (weight-only)
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be none or 'int8', got {self.quantization!r}")
+        if self.spec is not None and self.spec.num_speculative_tokens + 1 > self.scheduler.max_num_batched_tokens:
+            raise ValueError("num_speculative_tokens + 1 exceeds max_num_batched_tokens")

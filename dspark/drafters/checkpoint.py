@@ -1,0 +1,100 @@
+"""Checkpoint I/O shared by the drafters: read a folder's config.json, read safetensors (one
+`model.safetensors` or a sharded set with `model.safetensors.index.json`), check a tensor dict against a
+module's expected keys and shapes (every mismatch names the key and both shapes), and write
+safetensors.
+
+Only local folders are read; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """config.json of a checkpoint folder (or the file itself) as a dict."""
+    path = Path(path)
+    file = path / CONFIG_NAME if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"drafter checkpoint {str(path)!r} has no {CONFIG_NAME}")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files of a folder: via the shard index, else model.safetensors, else *.safetensors."""
+    path = Path(path)
+    index = path / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        return [path / name for name in sorted(set(weight_map.values()))]
+    if (path / WEIGHTS_NAME).is_file():
+        return [path / WEIGHTS_NAME]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"drafter checkpoint {str(path)!r} has no *.safetensors weights")
+    return files
+
+
+def load_tensors(path: str | Path, *, skip: Iterable[str] = (), device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder by name; names starting with a `skip` prefix are not read.
+    Floating-point tensors are cast to `dtype` when given (integer buffers such as `d2t` never are)."""
+    from safetensors import safe_open
+
+    skip = tuple(skip)
+    out: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if skip and name.startswith(skip):
+                    continue
+                t = f.get_tensor(name)
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                out[name] = t.to(device)
+    return out
+
+
+def check_tensors(expected: dict[str, torch.Size], tensors: dict[str, torch.Tensor], *,
+                  where: str) -> None:
+    """Exact key/shape match; raises ValueError naming the first offending key and both shapes."""
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(f"{where}: checkpoint lacks tensor {name!r} (expected shape {list(shape)})")
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ValueError(f"{where}: tensor {name!r} has shape {list(tensors[name].shape)}, "
+                             f"the model expects {list(shape)}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} (shape "
+                         f"{list(tensors[unexpected[0]].shape)}); the model has no such parameter")
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], file: str | Path, *,
+                 dtype: torch.dtype | None = None) -> None:
+    """Write one safetensors file (contiguous CPU copies; float tensors cast to `dtype` if given)."""
+    from safetensors.torch import save_file
+
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = t.to("cpu").contiguous().clone()
+    save_file(out, str(file), metadata={"format": "pt"})
+
+
+def write_json(obj: dict[str, Any], file: str | Path) -> None:
+    Path(file).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

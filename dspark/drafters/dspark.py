@@ -1,0 +1,318 @@
+"""DSpark drafter (and DFlash = the same class without the Markov and confidence heads) in the
+engine's paged KV pool, plus checkpoint check / load / save.
+
+Per step (reference §1.6, §7.2-7.3):
+  extend_context: taps of the newly committed positions → H_ctx = hidden_norm(fc(taps)) once → per
+      draft layer k_norm(k_proj(H_ctx)) + RoPE and v_proj(H_ctx) stored at those positions' pool slots
+      (vLLM's precompute_and_store_context_kv). Nothing else is ever written to the pool.
+  propose: one parallel forward of every request's block [anchor, mask × (block_size-1)] at positions
+      anchor_pos .. ; each block attends to its request's pool context (positions < anchor_pos, gathered
+      through the block table) and to its own block both ways. The block's own K/V stay local, so no
+      scratch slot is needed and both slot layouts fit the engine's lookahead. Then the sequential head
+      runs left to right over the drafts for all requests at once.
+
+Checkpoints are DeepSpec folders (config.json + safetensors, reference §3) or ours (the same plus
+`draft_vocab_size` / `d2t`, `slot_layout`, and an optional `calibration.json` {"temperatures": [T_k]}
+that divides the confidence logit of position k). `check` reads config.json only and fails before any
+weight is read. method "dflash" on a checkpoint with heads uses it with the heads off (DeepSpec's DFlash is
+exactly that network); method "dspark" on a checkpoint without a Markov head is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
+from dspark.drafters.checkpoint import (DTYPE_NAMES, check_tensors, load_tensors, read_config, save_tensors,
+                                        write_json)
+from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.dspark_model import DSparkModel
+from dspark.sampling import GREEDY_EPS, logits_to_probs
+
+CALIBRATION_NAME = "calibration.json"
+HEAD_PREFIXES = ("markov_head.", "confidence_head.")
+SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+CONFIDENCE_POLICIES = ("threshold", "prefix", "async")
+
+
+class DSparkDrafter(Drafter):
+    def __init__(self, model: DSparkModel, *, num_draft_tokens: int,
+                 confidence_temperatures: list[float] | None = None):
+        cfg = model.cfg
+        if not 1 <= num_draft_tokens <= cfg.max_draft_tokens:
+            raise ValueError(f"num_speculative_tokens {num_draft_tokens} must be in [1, "
+                             f"{cfg.max_draft_tokens}] (trained block_size {cfg.block_size}, "
+                             f"{cfg.slot_layout} layout)")
+        self.model = model.eval()
+        self.cfg = cfg
+        self.num_draft_tokens = num_draft_tokens
+        self.tap_layer_ids = cfg.tap_layer_ids
+        self.has_confidence = model.confidence_head is not None
+        temps = list(confidence_temperatures or [])
+        self.confidence_temperatures = torch.ones(num_draft_tokens)  # [num_draft_tokens]
+        self.confidence_temperatures[:min(len(temps), num_draft_tokens)] = torch.tensor(
+            temps[:num_draft_tokens], dtype=torch.float32)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.fc.weight.device
+
+    def kv_layer_specs(self) -> list[tuple[int, int]]:
+        return [(self.cfg.num_key_value_heads, self.cfg.head_dim)] * self.cfg.num_hidden_layers
+
+    def bind_kv(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(kv_caches) != self.cfg.num_hidden_layers:
+            raise ValueError(f"got {len(kv_caches)} KV layers for "
+                             f"{self.cfg.num_hidden_layers} draft layers")
+        self.kv_caches = list(kv_caches)
+
+    # -- context ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend_context(self, update: ContextUpdate) -> dict[str, int]:
+        segments = [s for s in update.segments if s.token_ids]
+        if not segments:
+            return {s.request_id: s.start_pos for s in update.segments}
+        if update.taps is None or self.kv_caches is None:
+            raise RuntimeError("DSpark drafter needs target taps and a bound KV pool")
+        kv_block_size = self.kv_caches[0][0].shape[1]
+        rows, positions, slots = [], [], []
+        for s in segments:
+            n = len(s.token_ids)
+            rows.append(torch.arange(s.tap_rows.start, s.tap_rows.start + n))
+            pos = torch.arange(s.start_pos, s.start_pos + n)  # [n]
+            table = torch.tensor(s.block_table, dtype=torch.long)
+            positions.append(pos)
+            slots.append(table[pos // kv_block_size] * kv_block_size + pos % kv_block_size)
+        dev = self.device
+        taps = update.taps[torch.cat(rows).to(update.taps.device)].to(dev)  # [num_rows, num_taps * hidden]
+        slot_mapping = torch.cat(slots).to(dev)  # [num_rows]
+        per_layer = self.model.context_kv(taps, torch.cat(positions).to(dev))
+        for (k, v), (k_cache, v_cache) in zip(per_layer, self.kv_caches):  # k, v [num_rows, G, hd]
+            flat_k = k_cache.view(-1, *k_cache.shape[2:])
+            flat_v = v_cache.view(-1, *v_cache.shape[2:])
+            flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+            flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return {s.request_id: s.start_pos + len(s.token_ids) for s in update.segments}
+
+    # -- drafting -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_blocks(self, batch: ProposeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One parallel block forward for all requests → (base_logits [num_reqs, num_draft, draft_vocab]
+        fp32, hidden [num_reqs, num_draft, hidden], anchor target ids [num_reqs])."""
+        cfg, model, dev = self.cfg, self.model, self.device
+        reqs = batch.requests
+        kv_block_size = self.kv_caches[0][0].shape[1]
+        anchor_pos = torch.tensor([r.anchor_pos for r in reqs], dtype=torch.long)  # [num_reqs]
+        anchor_ids = torch.tensor([r.all_ids[r.anchor_pos] for r in reqs], dtype=torch.long, device=dev)
+        max_ctx = int(anchor_pos.max())
+        # context slots of positions 0 .. anchor_pos-1 through each request's block table (padding → 0)
+        num_tables = max(1, -(-max_ctx // kv_block_size))
+        tables = torch.zeros(len(reqs), num_tables, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            used = min(len(r.block_table), num_tables)
+            tables[i, :used] = torch.tensor(r.block_table[:used], dtype=torch.long)
+        pos = torch.arange(max_ctx)  # [max_ctx]
+        # [num_reqs, max_ctx] pool slot of each context position
+        ctx_slots = tables[:, pos // kv_block_size] * kv_block_size + pos % kv_block_size
+        ctx_valid = pos.unsqueeze(0) < anchor_pos.unsqueeze(1)  # [num_reqs, max_ctx]
+        ctx_slots = torch.where(ctx_valid, ctx_slots, 0).to(dev)
+        mask = torch.cat([ctx_valid, torch.ones(len(reqs), cfg.block_size, dtype=torch.bool)], dim=1)
+        mask = None if bool(mask.all()) else mask[:, None, None, :].to(dev)  # [num_reqs, 1, 1, keys]
+
+        def layer_context_kv(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k_cache, v_cache = self.kv_caches[i]
+            k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, G, hd]
+            v_flat = v_cache.view(-1, *v_cache.shape[2:])
+            return k_flat[ctx_slots], v_flat[ctx_slots]  # [num_reqs, max_ctx, G, hd]
+
+        block_ids = model.block_ids(anchor_ids)  # [num_reqs, block_size]
+        positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(cfg.block_size, device=dev)
+        hidden = model.backbone(block_ids, positions, layer_context_kv=layer_context_kv, mask=mask)
+        off = cfg.slot_offset
+        hidden = hidden[:, off:off + self.num_draft_tokens]  # [num_reqs, num_draft, hidden]
+        return model.compute_logits(hidden), hidden, anchor_ids
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposeBatch) -> DraftProposal:
+        model, dev = self.model, self.device
+        reqs = batch.requests
+        base_logits, hidden, prev = self.forward_blocks(batch)
+        probabilistic = batch.draft_sample_method == "probabilistic"
+        temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev)
+        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
+        greedy_rows = (temperature < GREEDY_EPS).tolist()
+        head = model.markov_head
+        state = head.init_state(num_rows=len(reqs), device=dev, dtype=hidden.dtype) if head else None
+        draft_ids, draft_probs, conf_logits = [], [], []
+        for k in range(self.num_draft_tokens):
+            logits = base_logits[:, k]  # [num_reqs, draft_vocab] fp32
+            if head is not None:
+                logits, state = head.step(base_logits=logits, hidden=hidden[:, k], prev_ids=prev,
+                                          state=state)
+            conf = model.confidence_logits(hidden[:, k], prev_ids=prev)  # [num_reqs] or None
+            if conf is not None:
+                conf_logits.append(conf)
+            if probabilistic:
+                probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+                tokens = torch.stack([
+                    probs[i].argmax() if greedy_rows[i] else
+                    _sample(probs[i], r.generator).to(dev)
+                    for i, r in enumerate(reqs)])  # [num_reqs] draft-vocab ids
+                draft_probs.append(probs)
+            else:
+                tokens = logits.argmax(dim=-1)  # [num_reqs]
+            prev = model.d2t[tokens]  # target ids; the next position's predecessor
+            draft_ids.append(prev)
+        return DraftProposal(
+            draft_ids=torch.stack(draft_ids, dim=1).cpu(),  # [num_reqs, num_draft]
+            draft_probs=self._target_probs(draft_probs) if probabilistic and not all(greedy_rows) else None,
+            confidence=self._confidence(conf_logits))
+
+    def _target_probs(self, draft_probs: list[torch.Tensor]) -> torch.Tensor:
+        """[num_draft] × [num_reqs, draft_vocab] → [num_reqs, num_draft, vocab_size] fp32 (target ids)."""
+        probs = torch.stack(draft_probs, dim=1)
+        if self.cfg.draft_vocab_size is None:
+            return probs.cpu()
+        full = probs.new_zeros(*probs.shape[:2], self.cfg.vocab_size)
+        full[..., self.model.d2t] = probs
+        return full.cpu()
+
+    def _confidence(self, conf_logits: list[torch.Tensor]) -> torch.Tensor | None:
+        """σ(z_k / T_k) [num_reqs, num_draft] (T_k from calibration.json, else 1), or None."""
+        if not conf_logits:
+            return None
+        z = torch.stack(conf_logits, dim=1).cpu()  # [num_reqs, num_draft] fp32
+        return torch.sigmoid(z / self.confidence_temperatures)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draft-vocab id from [draft_vocab] probs, on the generator's device (a CPU generator for a
+    CUDA drafter keeps seeded requests reproducible)."""
+    if generator is not None:
+        probs = probs.to(generator.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(0)
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+def check(spec, target_config) -> None:
+    """Validate the drafter checkpoint's config.json against the target and the spec; reads no weight."""
+    cfg = DSparkConfig.from_deepspec_json(read_config(spec.model))
+    check_config(cfg, spec=spec, target_config=target_config)
+
+
+def check_config(cfg: DSparkConfig, *, spec, target_config) -> None:
+    """Every drafter/target/spec mismatch as a ValueError naming the field and both values."""
+    for name in ("vocab_size", "hidden_size"):
+        mine, theirs = getattr(cfg, name), getattr(target_config, name)
+        if mine != theirs:
+            raise ValueError(f"drafter {name} {mine} != target {name} {theirs}")
+    num_layers = target_config.num_hidden_layers
+    for i in cfg.tap_layer_ids:
+        if not -1 <= i < num_layers - 1:
+            raise ValueError(f"drafter tap layer id {i} (target_layer_ids {list(cfg.tap_layer_ids)}) "
+                             f"out of range [-1, {num_layers - 1}) for the {num_layers}-layer target "
+                             "(the final layer is forbidden)")
+    if cfg.num_target_layers != num_layers:
+        raise ValueError(f"drafter num_target_layers {cfg.num_target_layers} != target "
+                         f"num_hidden_layers {num_layers}")
+    if spec.num_speculative_tokens > cfg.max_draft_tokens:
+        raise ValueError(f"num_speculative_tokens {spec.num_speculative_tokens} > the drafter's "
+                         f"{cfg.max_draft_tokens} drafts per block (block_size {cfg.block_size}, "
+                         f"{cfg.slot_layout} layout)")
+    if spec.method == "dspark" and cfg.markov_rank == 0:
+        raise ValueError("method 'dspark' needs a Markov head but the checkpoint has markov_rank 0; "
+                         "use method 'dflash'")
+    has_conf = cfg.enable_confidence_head and spec.method == "dspark"
+    if spec.length_policy in CONFIDENCE_POLICIES and not has_conf:
+        raise ValueError(f"length_policy {spec.length_policy!r} needs a confidence head; method "
+                         f"{spec.method!r} with enable_confidence_head={cfg.enable_confidence_head} "
+                         "has none")
+
+
+def without_heads(cfg: DSparkConfig) -> DSparkConfig:
+    """The DFlash view of a DSpark config: Markov and confidence heads off."""
+    return dataclasses.replace(cfg, markov_rank=0, enable_confidence_head=False)
+
+
+def target_shared_weights(target_model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding [vocab, hidden], LM head [vocab, hidden]) of a dspark.models target."""
+    return target_model.model.embed_tokens.weight, target_model.lm_head.weight
+
+
+def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tensor | None = None,
+                lm_head_weight: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", drop_heads: bool = False
+                ) -> tuple[DSparkModel, list[float] | None]:
+    """Build a DSparkModel from a checkpoint folder → (model, confidence temperatures or None).
+
+    The frozen embedding / LM head come from the target (`target_model`, or explicit weights) whenever
+    the checkpoint's copies have the target's shapes (they are dropped) or are absent; otherwise
+    the checkpoint's own tensors are used. `drop_heads` loads a DSpark checkpoint as DFlash."""
+    cfg = DSparkConfig.from_deepspec_json(read_config(path))
+    if drop_heads:
+        cfg = without_heads(cfg)
+    if target_model is not None:
+        embed_weight, lm_head_weight = target_shared_weights(target_model)
+    with torch.device("meta"):
+        model = DSparkModel(cfg).to(dtype)  # no memory until the checkpoint's tensors are assigned
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    tensors = load_tensors(path, skip=HEAD_PREFIXES if drop_heads else (), device=device, dtype=dtype)
+    # The target's copies replace the checkpoint's when shapes agree (vLLM drops them) or fill them in
+    # when absent; a reduced-vocab head in the checkpoint is always its own.
+    share = {}
+    for key, target_w in (("embed_tokens.weight", embed_weight), ("lm_head.weight", lm_head_weight)):
+        in_ckpt = tensors.get(key)
+        own_rows = key == "lm_head.weight" and cfg.draft_vocab_size is not None
+        if target_w is not None and (in_ckpt is None or (
+                not own_rows and tuple(in_ckpt.shape) == tuple(target_w.shape))):
+            tensors.pop(key, None)
+            expected.pop(key)
+            share[key] = target_w
+    check_tensors(expected, tensors, where=f"drafter checkpoint {str(path)!r}")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.reset_buffers(d2t=tensors.get("d2t"), device=device)
+    model.share_target_weights(embed_weight=share.get("embed_tokens.weight"),
+                               lm_head_weight=share.get("lm_head.weight"))
+    for p in model.parameters():
+        if p.is_meta:
+            raise ValueError("drafter checkpoint left a parameter unfilled")
+    model.embed_tokens.weight.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(False)
+    calibration = Path(path) / CALIBRATION_NAME
+    temps = json.loads(calibration.read_text())["temperatures"] if calibration.is_file() else None
+    return model.to(device=device), temps
+
+
+def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtype: str = "bfloat16",
+                include_shared: bool = False) -> None:
+    """Write config.json + model.safetensors (float tensors in `dtype`). The frozen embedding and a
+    full-vocab LM head are left out unless `include_shared` (loading takes them from the target); a
+    reduced-vocab LM head and `d2t` are always written."""
+    if cfg != model.cfg:
+        raise ValueError("save_dspark: cfg differs from model.cfg")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r} unknown; choose from {', '.join(DTYPE_NAMES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    if not include_shared:
+        state.pop("embed_tokens.weight")
+        if cfg.draft_vocab_size is None:
+            state.pop("lm_head.weight")
+    save_tensors(state, path / "model.safetensors", dtype=DTYPE_NAMES[dtype])
+    write_json({**cfg.to_json(), "dtype": dtype}, path / "config.json")
+
+
+def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
+    """Registry entry for "dspark" and "dflash" (dflash = heads off)."""
+    check(spec, target_config)
+    model, temps = load_dspark(spec.model, target_model=target_model, dtype=dtype, device=device,
+                               drop_heads=spec.method == "dflash")
+    return DSparkDrafter(model, num_draft_tokens=spec.num_speculative_tokens,
+                         confidence_temperatures=temps if spec.method == "dspark" else None)

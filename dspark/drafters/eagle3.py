@@ -1,0 +1,182 @@
+"""EAGLE-3 drafter on the engine's paged contract (the network is in `eagle3_model.py`).
+
+Indexing. The target tap at position p summarises tokens ≤ p (it is what predicts token p+1). The
+drafter row at position p pairs it with the embedding of token p+1 and predicts token p+2; its K/V live
+at slot p of the drafter's one extra pool layer. So a committed position p has drafter context only once
+token p+1 is known:
+
+* `extend_context` (segment = positions s .. e−1 with their taps): rows s .. e−2 take their next token
+  from the segment; row e−1 takes `next_token_id` (after a verify step it is the bonus/recovered token,
+  i.e. the next anchor). When `next_token_id` is unknown the fused feature of e−1 is kept *pending* and
+  the row is completed later, by the next segment's first token or by `propose` with the anchor. The
+  output hidden of the last row is kept for this step's `propose` (its logits are draft 1).
+* `propose` (anchor at a = anchor_pos, context rows < a done): draft 1 comes from the row at a−1
+  (target feature f_{a−1} + anchor). Draft k+1 (k = 1 .. γ−1) comes from a row at position a+k−1 that
+  pairs the embedding of draft k with the drafter's own previous output in place of the missing target
+  feature (EAGLE's feature recycling); its K/V are scratch at slot a+k−1 (inside the block table, which
+  covers a + γ slots) and are overwritten by the next `extend_context`.
+
+Only state kept between calls: this step's last-row outputs (cleared by every `extend_context`) and
+pending features (a few vectors). Caveat, drafts only: after a prefix-cache hit the drafter K/V at the
+hit's last position were computed with the *original* request's next token.
+
+Sampling: greedy or probabilistic per request (`draft_sampling.py`); `draft_probs` over the full target
+vocabulary only when some request samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
+from dspark.drafters.checkpoint import safetensors_files
+from dspark.drafters.draft_sampling import DraftAccumulator
+from dspark.drafters.eagle3_model import (Eagle3Config, Eagle3Model, default_tap_layer_ids, load_eagle3,
+                                          read_eagle3_config, save_eagle3, ttt_targets)
+from dspark.models.attention import SeqSpec, build_attn_metadata
+
+__all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Model", "bind_to_target", "build", "check",
+           "default_tap_layer_ids", "load_eagle3", "save_eagle3", "ttt_targets"]
+
+
+class Eagle3Drafter(Drafter):
+    def __init__(self, model: Eagle3Model, *, num_draft_tokens: int):
+        self.model = model
+        self.num_draft_tokens = num_draft_tokens
+        self.tap_layer_ids = model.config.tap_layer_ids
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.device = model.fc.weight.device
+        self._last: dict[str, tuple[int, torch.Tensor]] = {}  # request → (position, layer output [d])
+        self._pending: dict[str, tuple[int, torch.Tensor]] = {}  # request → (position, fused feature [d])
+
+    def kv_layer_specs(self) -> list[tuple[int, int]]:
+        return [(self.model.config.num_key_value_heads, self.model.config.head_dim)]
+
+    def bind_kv(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(kv_caches) != 1:
+            raise ValueError(f"EAGLE-3 drafter keeps 1 KV layer, got {len(kv_caches)}")
+        self.kv_cache = kv_caches[0]
+
+    def _forward(self, chunks: list[tuple[list[int], int, list[int]]], hidden: torch.Tensor,
+                 kv_block_size: int) -> torch.Tensor:
+        """chunks: (block_table, first position, next tokens) per request, rows in order; hidden
+        [num_rows, d] the matching features. Stores K/V at those positions; → outputs [num_rows, d]."""
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqSpec] = []
+        for block_table, start, tokens in chunks:
+            seqs.append(SeqSpec(block_table=block_table, num_cached=start, num_query=len(tokens),
+                                token_offset=len(ids)))
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+        dev = self.device
+        meta = build_attn_metadata(seqs, num_tokens=len(ids), kv_block_size=kv_block_size, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev).clamp_(
+            max=self.model.rotary_emb.max_positions - 1)
+        return self.model(torch.tensor(ids, dtype=torch.long, device=dev), pos, hidden, meta, self.kv_cache)
+
+    @torch.inference_mode()
+    def extend_context(self, update: ContextUpdate) -> dict[str, int]:
+        self._last = {}
+        segs = [s for s in update.segments if s.token_ids]
+        if not segs:
+            return {}
+        if update.taps is None:
+            raise ValueError("EAGLE-3 drafter needs the target's taps in ContextUpdate")
+        rows = torch.cat([torch.arange(s.tap_rows.start, s.tap_rows.stop) for s in segs])
+        rows = rows.to(update.taps.device)
+        fused = self.model.fuse(update.taps[rows].to(self.model.fc.weight.dtype))  # [num_rows, d]
+        fused_per_seg = torch.split(fused, [len(s.token_ids) for s in segs])
+        chunks, feats, last_of = [], [], []
+        done: dict[str, int] = {}
+        for seg, f in zip(segs, fused_per_seg):
+            rid, start, toks = seg.request_id, seg.start_pos, list(seg.token_ids)
+            n = len(toks)
+            first, next_toks, feat = start, toks[1:], [f[:n - 1]]  # rows start .. start+n-2
+            pending = self._pending.pop(rid, None)
+            if pending is not None and pending[0] == start - 1:  # complete it with this segment's first token
+                first, next_toks, feat = start - 1, [toks[0]] + next_toks, [pending[1][None]] + feat
+            if seg.next_token_id is not None:
+                next_toks.append(seg.next_token_id)
+                feat.append(f[n - 1:])
+                done[rid] = start + n
+            else:
+                self._pending[rid] = (start + n - 1, f[n - 1])
+                done[rid] = start + n - 1
+            if next_toks:
+                chunks.append((seg.block_table, first, next_toks))
+                feats.extend(feat)
+                last_of.append((rid, first + len(next_toks) - 1, seg.next_token_id is not None))
+        if chunks:
+            kv_block_size = self.kv_cache[0].shape[1]  # pool layout [num_kv_blocks, kv_block_size, ...]
+            out = self._forward(chunks, torch.cat(feats), kv_block_size)  # [num_rows, d]
+            row = -1
+            for (rid, pos, keep), (_, _, toks) in zip(last_of, chunks):
+                row += len(toks)
+                if keep:
+                    self._last[rid] = (pos, out[row])
+        return done
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposeBatch) -> DraftProposal:
+        reqs = batch.requests
+        acc = DraftAccumulator(reqs, method=batch.draft_sample_method)
+        hidden: list[torch.Tensor | None] = [None] * len(reqs)
+        todo, chunks, feats = [], [], []
+        for i, r in enumerate(reqs):
+            a = r.anchor_pos
+            last = self._last.pop(r.request_id, None)
+            if last is not None and last[0] == a - 1:
+                hidden[i] = last[1]
+                continue
+            pending = self._pending.pop(r.request_id, None)
+            if pending is None or pending[0] != a - 1:
+                raise RuntimeError(f"EAGLE-3 drafter has no context row at position {a - 1} for request "
+                                   f"{r.request_id!r} (anchor_pos={a})")
+            todo.append(i)
+            chunks.append((r.block_table, a - 1, [r.all_ids[a]]))
+            feats.append(pending[1][None])
+        if todo:  # the row at a−1 still needed the anchor as its next token
+            out = self._forward(chunks, torch.cat(feats), batch.kv_block_size)
+            for j, i in enumerate(todo):
+                hidden[i] = out[j]
+        h = torch.stack(hidden)  # [num_reqs, d]
+        drafts = acc.sample(self.model.compute_logits(h)).tolist()
+        for k in range(1, self.num_draft_tokens):  # draft k at position a+k−1 → draft k+1
+            chunks = [(r.block_table, r.anchor_pos + k - 1, [d]) for r, d in zip(reqs, drafts)]
+            h = self._forward(chunks, h, batch.kv_block_size)
+            drafts = acc.sample(self.model.compute_logits(h)).tolist()
+        return acc.proposal()
+
+
+def bind_to_target(model: Eagle3Model, target_model) -> Eagle3Model:
+    """Share the target's input embedding and LM head (frozen, not copied)."""
+    inner = getattr(target_model, "model", None)
+    if inner is None or not hasattr(inner, "embed_tokens"):
+        raise TypeError(f"{type(target_model).__name__} exposes no model.embed_tokens to share")
+    return model.bind_target(embed=inner.embed_tokens, lm_head=target_model.compute_logits)
+
+
+# -- registry hooks ----------------------------------------------------------------------------------
+
+def check(spec, target_config) -> None:
+    """Fail before any weight loads: the checkpoint's geometry must fit the target."""
+    if spec.draft_num_layers not in (None, 1):
+        raise ValueError(f"EAGLE-3 has exactly one draft layer; draft_num_layers={spec.draft_num_layers}")
+    cfg = read_eagle3_config(spec.model)
+    for field in ("hidden_size", "vocab_size"):
+        mine, theirs = getattr(cfg, field), getattr(target_config, field)
+        if mine != theirs:
+            raise ValueError(f"EAGLE-3 checkpoint {field}={mine} does not match the target's "
+                             f"{field}={theirs}")
+    if cfg.target_num_hidden_layers != target_config.num_hidden_layers:
+        raise ValueError(f"EAGLE-3 checkpoint was trained on a target with target_num_hidden_layers="
+                         f"{cfg.target_num_hidden_layers}; this target has num_hidden_layers="
+                         f"{target_config.num_hidden_layers}")
+    safetensors_files(spec.model)  # raises naming the folder when it holds no weights
+
+
+def build(spec, *, target_config, target_model, dtype, device) -> Eagle3Drafter:
+    check(spec, target_config)
+    model = bind_to_target(load_eagle3(spec.model, dtype=dtype, device=device), target_model)
+    return Eagle3Drafter(model.eval(), num_draft_tokens=spec.num_speculative_tokens)

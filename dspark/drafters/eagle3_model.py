@@ -1,0 +1,345 @@
+"""EAGLE-3 draft network: fused target taps → one decoder layer with a doubled-width input → the
+drafter's own final norm → the target's LM head.
+
+    fused_p = fc(concat(tap_1[p], .., tap_n[p]))                    [d]   (n target layers, fc: n·d → d)
+    x_p     = concat(input_layernorm(embed(token_{p+1})), hidden_norm(h_p))   [2d]
+    h'_p    = h_p + o_proj(attn(q/k/v_proj(x_p)))                    (q/k/v: 2d → heads · head_dim)
+    h''_p   = h'_p + mlp(post_attention_layernorm(h'_p))             [d]
+    logits  = lm_head(norm(h''_p))                                   predicts token_{p+2}
+
+where h_p is fused_p for a committed position and, while drafting, the layer's own previous output
+(feature recycling). We keep EAGLE-3's doubled-input attention rather than the simpler
+`fc2(concat(embed, fused)) → d` + standard layer: it is the layout of the public EAGLE-3 checkpoints
+(DeepSpec's `eagle3_*`: q/k/v projections of width 2d, `layers.0.hidden_norm`, `fc` [d, n·d]), so our
+weight names and shapes line up with theirs, and the token embedding and the feature keep separate
+normalisations instead of being mixed by an untrained projection before attention.
+
+The embedding and the LM head are the target's, shared and frozen; they are bound with `bind_target`
+and are not parameters of this module (not trained, not saved). The q/k/v and MLP modules are the
+target family's (`models/llama.py`, `models/qwen3.py` when the target has q/k norm), so the paged
+forward is the same code as the target's attention.
+
+`training_forward` unrolls training-time test (TTT): step j ≥ 2 feeds the step j−1 output hidden in
+place of the target feature, and its query attends causally to the step-1 keys plus, diagonally, to the
+keys the same row produced at steps 2..j — exactly what the paged drafter sees when drafting (see
+`eagle3.py`). Step j at row p sits at position p + j − 1, the position the draft occupies at inference.
+
+Checkpoint (our format): `config.json` = `Eagle3Config.to_dict()`; `model.safetensors` with HF-style
+unfused names (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ..., `norm.weight`), no embed/lm_head.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dspark.drafters.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, check_tensors, load_tensors, read_config,
+                                       save_tensors, write_json)
+from dspark.models.attention import AttnMetadata
+from dspark.models.config import ModelConfig
+from dspark.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
+from dspark.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from dspark.models.qwen3 import Qwen3Attention
+
+FORMAT = "dspark-eagle3"
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def default_tap_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high taps: (1, L/2, L−4) as in EAGLE-3; shallow targets spread over what exists."""
+    if num_layers >= 8:
+        return (1, num_layers // 2, num_layers - 4)
+    if num_layers >= 3:
+        return (0, num_layers // 2, num_layers - 1)
+    raise ValueError(f"target has {num_layers} layers: give tap_layer_ids explicitly")
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int  # d, must equal the target's
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's (full vocab, no draft-vocab mapping)
+    tap_layer_ids: tuple[int, ...]  # target layers whose outputs are fused (-1 = embeddings)
+    target_num_hidden_layers: int
+    num_draft_tokens: int = 7  # TTT unroll length it was trained with
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 8192
+    qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3-style targets)
+    attention_bias: bool = False
+    format: str = FORMAT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tap_layer_ids", tuple(int(i) for i in self.tap_layer_ids))
+        if not self.tap_layer_ids or len(set(self.tap_layer_ids)) != len(self.tap_layer_ids):
+            raise ValueError(f"tap_layer_ids must be non-empty and distinct, got {list(self.tap_layer_ids)}")
+        bad = [i for i in self.tap_layer_ids if not -1 <= i < self.target_num_hidden_layers]
+        if bad:
+            raise ValueError(f"tap_layer_ids {bad} outside [-1, target_num_hidden_layers="
+                             f"{self.target_num_hidden_layers})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.format != FORMAT:
+            raise ValueError(f"config format {self.format!r} is not {FORMAT!r}")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.tap_layer_ids)
+
+    @classmethod
+    def from_target(cls, target: ModelConfig, *, tap_layer_ids: tuple[int, ...] | None = None,
+                    num_draft_tokens: int = 7, **overrides: Any) -> "Eagle3Config":
+        """Drafter geometry copied from the target (heads, head_dim, MLP width, RoPE)."""
+        taps = default_tap_layer_ids(target.num_hidden_layers) if tap_layer_ids is None else tap_layer_ids
+        base = dict(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                    num_attention_heads=target.num_attention_heads,
+                    num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+                    vocab_size=target.vocab_size, tap_layer_ids=tuple(taps),
+                    target_num_hidden_layers=target.num_hidden_layers, num_draft_tokens=num_draft_tokens,
+                    rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                    rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
+                    qk_norm=target.qk_norm, attention_bias=target.attention_bias)
+        base.update(overrides)
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tap_layer_ids"] = list(self.tap_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown EAGLE-3 config key(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def layer_config(self) -> ModelConfig:
+        """The decoder-layer geometry as a ModelConfig, to build the target family's modules."""
+        return ModelConfig(
+            architecture="Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM",
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias, qk_norm=self.qk_norm)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        lc = cfg.layer_config()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.hidden_norm = RMSNorm(d, eps=eps, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(d, eps=eps, dtype=dtype, device=device)
+        self.self_attn = (Qwen3Attention if cfg.qk_norm else LlamaAttention)(lc, dtype=dtype, device=device)
+        attn = self.self_attn
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        # EAGLE-3: q/k/v read [embedding ; feature], width 2d
+        attn.qkv_proj = MergedLinear(2 * d, (("q", q_size), ("k", kv_size), ("v", kv_size)),
+                                     bias=cfg.attention_bias, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(d, eps=eps, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(lc, dtype=dtype, device=device)
+
+    def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """emb, hidden [..., d] → [..., 2d]."""
+        return torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual over the incoming feature, then the MLP block. [..., d] → [..., d]."""
+        h = hidden + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Model(nn.Module):
+    def __init__(self, cfg: Eagle3Config, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config = cfg
+        d = cfg.hidden_size
+        self.fc = Linear(cfg.num_taps * d, d, bias=False, dtype=dtype, device=device)
+        self.layers = nn.ModuleList([Eagle3Layer(cfg, dtype=dtype, device=device)])
+        self.norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim=cfg.head_dim, max_positions=cfg.max_position_embeddings + max(cfg.num_draft_tokens, 16),
+            theta=cfg.rope_theta, scaling=cfg.rope_scaling, dtype=dtype, device=device)
+        self._shared: tuple[Callable, Callable] | None = None  # (embed, lm_head): the target's, frozen
+
+    # -- shared target modules ------------------------------------------------------------------------
+    def bind_target(self, *, embed: Callable[[torch.Tensor], torch.Tensor],
+                    lm_head: Callable[[torch.Tensor], torch.Tensor]) -> "Eagle3Model":
+        """embed: token ids [...] → [..., d]; lm_head: [rows, d] → logits [rows, vocab]. Kept outside the
+        module's parameters (a plain tuple), so they are neither trained nor saved."""
+        self._shared = (embed, lm_head)
+        return self
+
+    def _target(self) -> tuple[Callable, Callable]:
+        if self._shared is None:
+            raise RuntimeError("Eagle3Model has no embedding / LM head: call bind_target() first")
+        return self._shared
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._target()[0](ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, d] (layer output, pre-norm) → logits [rows, vocab] float32."""
+        return self._target()[1](self.norm(hidden)).float()
+
+    def init_weights(self, *, std: float = 0.02, seed: int = 0) -> "Eagle3Model":
+        """Random N(0, std) projections, unit norms (a fresh drafter before training)."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
+
+    # -- paged inference ------------------------------------------------------------------------------
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [..., num_taps * d] → fused feature [..., d]."""
+        return self.fc(taps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                attn_meta: AttnMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """Row i: token_{p+1} = input_ids[i] at position p = positions[i] with feature hidden[i] [d];
+        stores its K/V per `attn_meta` and returns the layer output [num_rows, d] (pre-norm)."""
+        layer = self.layers[0]
+        cos, sin = self.rotary_emb.lookup(positions)
+        x = layer.attn_input(self.embed(input_ids), hidden)  # [num_rows, 2d]
+        return layer.finish(hidden, layer.self_attn(x, cos, sin, attn_meta, kv_cache))
+
+    # -- training ------------------------------------------------------------------------------------
+    def training_forward(self, *, taps: torch.Tensor, input_ids: torch.Tensor,
+                         loss_mask: torch.Tensor | None = None, ttt_steps: int) -> list[torch.Tensor]:
+        """Dense TTT unroll over right-padded sequences.
+
+        taps [batch, seq_len, num_taps * d]: target taps at every position; input_ids [batch, seq_len].
+        Returns `ttt_steps` logits [batch, seq_len, vocab] float32; entry j (0-based) at row p predicts
+        input_ids[p + j + 2] (`ttt_targets` gives the matching targets and mask). `loss_mask` is not
+        needed by the forward (causality keeps padding out of earlier rows); it is accepted so every
+        drafter's `training_forward` takes the same batch."""
+        del loss_mask
+        batch, seq_len = input_ids.shape
+        layer = self.layers[0]
+        attn = layer.self_attn
+        hidden = self.fuse(taps)  # [batch, seq_len, d]
+        keys: list[torch.Tensor] = []  # per step [batch, kv_heads, seq_len, head_dim]
+        values: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
+        for j in range(ttt_steps):
+            tokens = torch.zeros_like(input_ids)
+            tokens[:, :max(seq_len - j - 1, 0)] = input_ids[:, j + 1:]  # row p holds token p + j + 1
+            positions = (torch.arange(seq_len, device=input_ids.device) + j).clamp_(
+                max=self.rotary_emb.max_positions - 1).repeat(batch)  # [batch * seq_len]
+            cos, sin = self.rotary_emb.lookup(positions)
+            x = layer.attn_input(self.embed(tokens), hidden).reshape(batch * seq_len, -1)
+            qkv = attn.qkv_proj(x)
+            q, k = attn.rope_qk(qkv, cos, sin)  # [B·S, H, hd], [B·S, Hkv, hd]
+            v = qkv[:, attn.qk_size:].reshape(batch * seq_len, attn.num_kv_heads, attn.head_dim)
+            q, k, v = (t.reshape(batch, seq_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+            keys.append(k)
+            values.append(v)
+            out = self._ttt_attention(q, keys, values, scale=attn.scale)  # [batch, heads, seq_len, hd]
+            out = attn.o_proj(out.transpose(1, 2).reshape(batch * seq_len, -1)).view(batch, seq_len, -1)
+            hidden = layer.finish(hidden, out)  # [batch, seq_len, d]
+            logits.append(self.compute_logits(hidden.reshape(batch * seq_len, -1)).view(batch, seq_len, -1))
+        return logits
+
+    @staticmethod
+    def _ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *,
+                       scale: float) -> torch.Tensor:
+        """q [B, H, S, hd]; keys/values per step [B, Hkv, S, hd]. Causal over step-1 keys, diagonal
+        (same row) over the keys of steps 2..j. → [B, H, S, hd]."""
+        rep = q.shape[1] // keys[0].shape[1]
+        expand = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
+        seq_len = q.shape[2]
+        scores = (q @ expand(keys[0]).transpose(-1, -2)) * scale  # [B, H, S, S]
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [(q * expand(k)).sum(-1, keepdim=True) * scale for k in keys[1:]]  # each [B, H, S, 1]
+        probs = torch.cat([scores, *diag], dim=-1).float().softmax(dim=-1).to(q.dtype)
+        out = probs[..., :seq_len] @ expand(values[0])
+        for i, v in enumerate(values[1:]):
+            out = out + probs[..., seq_len + i:seq_len + i + 1] * expand(v)
+        return out
+
+
+def ttt_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, step: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets and mask for `training_forward(...)[step]`: row p predicts input_ids[p + step + 2],
+    counted where that token exists and its loss_mask is set. Both [batch, seq_len]."""
+    shift = step + 2
+    targets = torch.zeros_like(input_ids)
+    mask = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if shift < input_ids.shape[1]:
+        targets[:, :-shift] = input_ids[:, shift:]
+        mask[:, :-shift] = loss_mask[:, shift:].bool()
+    return targets, mask
+
+
+# -- checkpoint I/O ---------------------------------------------------------------------------------
+
+_UNFUSED = {v: k for k, v in LlamaForCausalLM.packed_modules_mapping.items()}  # (fused, shard) → HF
+
+
+def state_dict_hf(model: Eagle3Model) -> dict[str, torch.Tensor]:
+    """Parameters under HF-style unfused names (q_proj / k_proj / v_proj, gate_proj / up_proj)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, MergedLinear):
+            prefix, _, fused = module_name.rpartition(".")
+            for shard, (start, rows) in module.shard_rows.items():
+                out[f"{prefix}.{_UNFUSED[(fused, shard)]}.{leaf}"] = p.detach().narrow(0, start, rows)
+        else:
+            out[name] = p.detach()
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def save_eagle3(model: Eagle3Model, cfg: Eagle3Config, path: str, *,
+                dtype: torch.dtype | None = None) -> None:
+    """Write `path/config.json` and `path/model.safetensors` (no shared embedding / LM head)."""
+    os.makedirs(path, exist_ok=True)
+    write_json(cfg.to_dict(), os.path.join(path, CONFIG_NAME))
+    save_tensors(state_dict_hf(model), os.path.join(path, WEIGHTS_NAME), dtype=dtype)
+
+
+def read_eagle3_config(path: str) -> Eagle3Config:
+    return Eagle3Config.from_dict(read_config(path))
+
+
+def load_eagle3(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+                ) -> Eagle3Model:
+    """Build from `path/config.json` and fill every parameter from its safetensors (a missing, unknown or
+    mis-shaped tensor raises ValueError naming it). Call `bind_target` before use."""
+    model = Eagle3Model(read_eagle3_config(path), dtype=dtype, device=device)
+    tensors = load_tensors(path, device=device, dtype=dtype)
+    check_tensors({k: v.shape for k, v in state_dict_hf(model).items()}, tensors,
+                  where=f"EAGLE-3 checkpoint {path!r}")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for hf_name, tensor in tensors.items():
+            parts = hf_name.split(".")
+            if len(parts) >= 2 and parts[-2] in LlamaForCausalLM.packed_modules_mapping:
+                fused, shard = LlamaForCausalLM.packed_modules_mapping[parts[-2]]
+                param = params[".".join(parts[:-2] + [fused, parts[-1]])]
+                param.weight_loader(param, tensor, shard)
+            else:
+                params[hf_name].weight_loader(params[hf_name], tensor)
+    return model

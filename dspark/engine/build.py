@@ -1,0 +1,69 @@
+"""build_engine: configuration → loaded target (+ drafter, length policy) → Engine.
+
+Order matters: the drafter's configuration is checked against the target's (read from the checkpoint
+header) before any weight is loaded, so a mismatch fails in a second, not after a long load.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.drafters import build_drafter, check_drafter
+from dspark.engine.engine import Engine
+from dspark.engine.model_runner import DTYPES
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(config: EngineConfig):
+    """Returns (engine, tokenizer_bundle)."""
+    from dspark.models.loader import load_model, read_model_config
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    target_config = read_model_config(config.model)
+    if config.spec is not None:
+        check_drafter(config.spec, target_config)
+        _check_length_policy(config)
+    load_kwargs = {"quantization": config.quantization} if config.quantization else {}
+    model, target_config, tokenizer = load_model(
+        config.model, dtype=DTYPES[config.dtype], device=config.device, **load_kwargs)
+    drafter = None
+    if config.spec is not None:
+        drafter = build_drafter(config.spec, target_config=target_config, target_model=model,
+                                dtype=DTYPES[config.dtype], device=config.device)
+    policy, cost = build_policy(config, drafter)
+    engine = Engine(config, model=model, model_config=target_config, drafter=drafter,
+                    length_policy=policy, cost_table=cost, eos_token_ids=tokenizer.eos_token_ids)
+    return engine, tokenizer
+
+
+def _check_length_policy(config: EngineConfig) -> None:
+    """Fail closed before loading weights: adaptive verification needs a confidence head (checked
+    by the drafter's `check`) and a cost table on disk."""
+    spec = config.spec
+    if spec.length_policy in ("prefix", "async") and not spec.cost_table:
+        raise ValueError(f"length_policy={spec.length_policy!r} needs a cost table: run `dspark profile "
+                         f"--out cost.json` and pass \"cost_table\": \"cost.json\" in the speculative config")
+    if spec.length_policy != "fixed" and spec.method not in ("dspark",):
+        raise ValueError(f"length_policy={spec.length_policy!r} needs a drafter with a confidence head "
+                         f"(method 'dspark'); {spec.method!r} has none")
+
+
+def build_policy(config: EngineConfig, drafter):
+    """The verify-length policy and its cost table (None, None without speculation)."""
+    spec = config.spec
+    if spec is None or drafter is None:
+        return None, None
+    from dspark.verify.cost_table import CostTable
+    from dspark.verify.length_policy import build_length_policy
+    cost = CostTable.load(spec.cost_table) if spec.cost_table else None
+    kwargs = {"fixed": {"verify_len": spec.num_speculative_tokens},
+              "threshold": {"threshold": spec.confidence_threshold},
+              "prefix": {}, "async": {"cold_start_len": spec.num_speculative_tokens}}[spec.length_policy]
+    policy = build_length_policy(spec.length_policy, confidence_available=drafter.has_confidence,
+                                 cost_available=cost is not None, **kwargs)
+    return policy, cost

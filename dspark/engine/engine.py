@@ -1,0 +1,256 @@
+"""Engine: one decode step = schedule → prepare → forward → verify → commit → extend_context → propose
+→ choose. The engine sees token ids only; tokenization and stop strings live in `detokenizer.py`.
+
+Plain decoding is the same step with no drafter: every request verifies zero drafts and the one
+"bonus" token is an ordinary sample from the target distribution.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.drafters.base import ContextSegment, ContextUpdate, Drafter, ProposeBatch, ProposeRequest
+from dspark.engine.block_manager import BlockManager
+from dspark.engine.metrics import EngineMetrics
+from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate_kv_pool,
+                                        kv_bytes_per_block)
+from dspark.engine.scheduler import Scheduler, SchedulerOutput
+from dspark.request import Request, SpecStats
+from dspark.sampling import SamplingParams, logits_to_probs
+from dspark.verify.rejection import VerifyResult, verify
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    spec: SpecStats
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, model, model_config, drafter: Drafter | None = None,
+                 length_policy=None, cost_table=None, eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.model_config = model_config
+        self.drafter = drafter
+        self.length_policy = length_policy
+        self.cost_table = cost_table
+        self.eos_token_ids = tuple(eos_token_ids) or tuple(model_config.eos_token_ids)
+        self.max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
+        dtype = DTYPES[config.dtype]
+        layer_specs = [model.kv_spec] * model.num_kv_layers
+        draft_specs = drafter.kv_layer_specs() if drafter else []
+        kv_block_size = config.cache.kv_block_size
+        num_kv_blocks = config.cache.num_kv_blocks or max(16, int(
+            config.cache.kv_cache_memory_gb * 2**30
+            // kv_bytes_per_block(layer_specs + draft_specs, kv_block_size, dtype)))
+        pool = allocate_kv_pool(layer_specs + draft_specs, num_kv_blocks=num_kv_blocks,
+                                kv_block_size=kv_block_size, dtype=dtype, device=config.device)
+        if drafter:
+            drafter.bind_kv(pool[len(layer_specs):])
+        self.block_manager = BlockManager(num_kv_blocks=num_kv_blocks, kv_block_size=kv_block_size,
+                                          enable_prefix_caching=config.cache.enable_prefix_caching)
+        gamma = drafter.num_draft_tokens if drafter else 0
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len=self.max_model_len,
+                                   num_lookahead_slots=gamma,
+                                   drafter_needs_kv=bool(drafter and drafter.needs_context_kv))
+        self.runner = ModelRunner(model, kv_caches=pool[:len(layer_specs)], kv_block_size=kv_block_size,
+                                  device=config.device,
+                                  tap_layer_ids=drafter.tap_layer_ids if drafter else ())
+        self.metrics = EngineMetrics()
+        # Called after each verification as f(request_id, draft_confidence, num_verified, num_accepted)
+        # for every request that emitted (eval / calibration tools: dspark.verify.acceptance).
+        self.verify_observers: list = []
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum model length is "
+                             f"{self.max_model_len} (prompt + at least one generated token)")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.model_config.vocab_size})")
+        req = Request(request_id, list(prompt_ids), params, eos_token_ids=self.eos_token_ids)
+        if params.seed is None:
+            req.generator = torch.Generator().manual_seed(hash((self.config.seed, request_id)) % 2**63)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish_request(req, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        self.metrics.num_preemptions += len(sched.preempted_ids)
+        emitted: dict[str, list[int]] = {}
+        if sched.scheduled:
+            batch = self.runner.prepare(sched)
+            logits, taps = self.runner.forward(batch)
+            result = self._verify(sched, logits)
+            emitted = self.scheduler.commit(sched, result.output_ids_by_id, result.num_accepted_by_id)
+            if self.drafter is not None:
+                self._extend_drafter_context(sched, batch, taps, result)
+                self._propose_and_choose(sched)
+            self._record(sched, result)
+        return self._outputs(sched, emitted)
+
+    # -- phases ----------------------------------------------------------------------------------
+    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor) -> "StepVerify":
+        items = [s for s in sched.scheduled if s.emits]
+        if not items:
+            return StepVerify({}, {})
+        temps, top_ks, top_ps = [], [], []
+        for s in items:
+            p = s.request.params
+            temps += [p.temperature] * s.num_logits
+            top_ks += [p.top_k] * s.num_logits
+            top_ps += [p.top_p] * s.num_logits
+        target_probs = logits_to_probs(
+            logits, temperature=torch.tensor(temps), top_k=torch.tensor(top_ks),
+            top_p=torch.tensor(top_ps))  # [num_logits, vocab_size]
+        rows = torch.split(target_probs, [s.num_logits for s in items])
+        result: VerifyResult = verify(
+            target_probs=list(rows),
+            draft_ids=[s.request.draft_ids[:s.num_drafts] for s in items],
+            draft_probs=[None if s.request.draft_probs is None or not s.num_drafts
+                         else s.request.draft_probs[:s.num_drafts] for s in items],
+            is_greedy=[s.request.params.is_greedy for s in items],
+            generators=[s.request.generator for s in items])
+        ids = [s.request.request_id for s in items]
+        for observe in self.verify_observers:
+            for rid, s, n in zip(ids, items, result.num_accepted):
+                observe(rid, s.request.draft_confidence, s.num_drafts, n)
+        return StepVerify(dict(zip(ids, result.output_ids)), dict(zip(ids, result.num_accepted)))
+
+    def _extend_drafter_context(self, sched: SchedulerOutput, batch: StepBatch, taps, result) -> None:
+        segments = []
+        for item, offset in zip(sched.scheduled, batch.token_offsets):
+            req = item.request
+            if req.is_finished or not req.uses_speculation:
+                continue
+            rejected = item.num_drafts - result.num_accepted_by_id.get(req.request_id, 0)
+            count = item.num_new_tokens - rejected if item.emits else item.num_new_tokens
+            all_ids = req.all_ids
+            end = item.start_pos + count
+            segments.append(ContextSegment(
+                request_id=req.request_id, block_table=req.block_table, start_pos=item.start_pos,
+                token_ids=batch.input_id_list[offset:offset + count],
+                next_token_id=all_ids[end] if end < len(all_ids) else None,
+                tap_rows=slice(offset, offset + count)))
+        if not segments:
+            return
+        done = self.drafter.extend_context(ContextUpdate(segments=segments, taps=taps))
+        for seg in segments:
+            req = self.requests[seg.request_id]
+            req.num_draft_computed = done.get(seg.request_id, seg.start_pos + len(seg.token_ids))
+            self.block_manager.commit(req)
+
+    def _propose_and_choose(self, sched: SchedulerOutput) -> None:
+        reqs = [s.request for s in sched.scheduled
+                if s.emits and not s.request.is_finished and s.request.uses_speculation]
+        if not reqs:
+            return
+        batch = ProposeBatch(
+            requests=[ProposeRequest(
+                request_id=r.request_id, all_ids=r.all_ids, anchor_pos=r.num_computed_tokens,
+                block_table=r.block_table, num_draft_computed=r.num_draft_computed, params=r.params,
+                generator=r.generator) for r in reqs],
+            kv_block_size=self.block_manager.kv_block_size,
+            draft_sample_method=self.config.spec.draft_sample_method if self.config.spec else "greedy")
+        proposal = self.drafter.propose(batch)
+        num_valid = ([proposal.draft_ids.shape[1]] * len(reqs) if proposal.num_valid is None
+                     else list(proposal.num_valid))
+        if self.length_policy is None:
+            verify_lens = list(num_valid)
+        else:
+            # tokens of the next step that are not drafts: one per decoding request + prompt chunks
+            num_nondraft = sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.scheduler.running)
+            verify_lens = list(self.length_policy.choose(
+                confidence=proposal.confidence, num_draft_tokens=proposal.draft_ids.shape[1],
+                num_nondraft_tokens=min(num_nondraft, self.config.scheduler.max_num_batched_tokens),
+                cost=self.cost_table, num_reqs=len(reqs), num_proposed=num_valid))
+            if hasattr(self.length_policy, "observe") and proposal.confidence is not None:
+                # after choose: the async policy's capacity reads confidences two steps old
+                self.length_policy.observe(proposal.confidence, num_proposed=num_valid)
+        for i, r in enumerate(reqs):
+            verify_lens[i] = min(int(verify_lens[i]), num_valid[i])
+            r.draft_ids = proposal.draft_ids[i, :num_valid[i]].tolist()
+            r.draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[i]
+            r.draft_confidence = None if proposal.confidence is None else proposal.confidence[i].tolist()
+            r.verify_len = int(verify_lens[i])
+        with self.metrics.lock:
+            self.metrics.verify_lens.extend(int(v) for v in verify_lens)
+
+    def _record(self, sched: SchedulerOutput, result: "StepVerify") -> None:
+        m = self.metrics
+        m.num_steps += 1
+        for item in sched.scheduled:
+            m.num_prompt_tokens += max(0, min(item.start_pos + item.num_new_tokens - item.num_drafts,
+                                              len(item.request.prompt_ids)) - item.start_pos)
+            if item.num_drafts:
+                m.record_verify(item.num_drafts, result.num_accepted_by_id.get(item.request.request_id, 0))
+
+    def _outputs(self, sched: SchedulerOutput, emitted: dict[str, list[int]]) -> list[StepOutput]:
+        outs = []
+        finished = {r.request_id: r for r in self.scheduler.take_finished()}
+        for rid in list(emitted) + [rid for rid in finished if rid not in emitted]:
+            req = self.requests[rid]
+            new_ids = emitted.get(rid, [])
+            self.metrics.num_generation_tokens += len(new_ids)
+            outs.append(StepOutput(
+                request_id=rid, new_token_ids=new_ids, finished=req.is_finished,
+                finish_reason=req.finish_reason, num_prompt_tokens=len(req.prompt_ids),
+                num_output_tokens=len(req.output_ids), num_cached_tokens=req.num_cached_tokens,
+                spec=req.spec))
+            if req.is_finished:
+                del self.requests[rid]
+        return outs
+
+    # -- introspection (server /metrics) ---------------------------------------------------------
+    @property
+    def kv_usage(self) -> float:
+        return self.block_manager.usage
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+
+@dataclass
+class StepVerify:
+    output_ids_by_id: dict[str, list[int]]
+    num_accepted_by_id: dict[str, int]

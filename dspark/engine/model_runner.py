@@ -1,0 +1,87 @@
+"""ModelRunner: owns the target model and the paged KV pool, turns a `SchedulerOutput` into one flat
+`StepBatch`, and runs the target forward. The only place that builds step tensors for the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.engine.scheduler import SchedulerOutput
+from dspark.models.attention import AttnMetadata, SeqSpec, build_attn_metadata
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [num_tokens] long
+    positions: torch.Tensor  # [num_tokens] long
+    attn_meta: AttnMetadata
+    logits_indices: torch.Tensor  # [num_logits] long: rows of the batch that become logits
+    token_offsets: list[int]  # [num_scheduled] first batch row of each scheduled request
+    logits_offsets: list[int]  # [num_scheduled] first logits row of each scheduled request
+    input_id_list: list[int]  # the same ids as a Python list (drafter context)
+
+
+def kv_bytes_per_block(layer_specs: list[tuple[int, int]], kv_block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return sum(2 * kv_block_size * heads * dim * elem for heads, dim in layer_specs)
+
+
+def allocate_kv_pool(layer_specs: list[tuple[int, int]], *, num_kv_blocks: int, kv_block_size: int,
+                     dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (k_cache, v_cache) pair per layer, each [num_kv_blocks, kv_block_size, heads, head_dim]."""
+    return [(torch.zeros(num_kv_blocks, kv_block_size, h, d, dtype=dtype, device=device),
+             torch.zeros(num_kv_blocks, kv_block_size, h, d, dtype=dtype, device=device))
+            for h, d in layer_specs]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, *, kv_caches, kv_block_size: int, device,
+                 tap_layer_ids: tuple[int, ...] = ()):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv_block_size = kv_block_size
+        self.device = torch.device(device)
+        self.tap_layer_ids = tap_layer_ids
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        seqs: list[SeqSpec] = []
+        token_offsets: list[int] = []
+        logits_offsets: list[int] = []
+        for item in sched.scheduled:
+            req = item.request
+            start = item.start_pos
+            num_prompt_part = item.num_new_tokens - item.num_drafts
+            ids = req.all_ids[start:start + num_prompt_part] + req.draft_ids[:item.num_drafts]
+            offset = len(input_ids)
+            token_offsets.append(offset)
+            logits_offsets.append(len(logits_indices))
+            seqs.append(SeqSpec(block_table=req.block_table, num_cached=start,
+                                num_query=item.num_new_tokens, token_offset=offset))
+            input_ids.extend(ids)
+            positions.extend(range(start, start + item.num_new_tokens))
+            if item.emits:
+                first = offset + item.num_new_tokens - item.num_logits
+                logits_indices.extend(range(first, offset + item.num_new_tokens))
+        dev = self.device
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            attn_meta=build_attn_metadata(seqs, num_tokens=len(input_ids),
+                                          kv_block_size=self.kv_block_size, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            token_offsets=token_offsets, logits_offsets=logits_offsets, input_id_list=input_ids)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (logits [num_logits, vocab_size] float32, taps [num_tokens, num_taps * hidden] | None)."""
+        hidden, taps = self.model(batch.input_ids, batch.positions, batch.attn_meta, self.kv_caches,
+                                  tap_layer_ids=self.tap_layer_ids)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return logits.float(), taps

@@ -1,0 +1,236 @@
+"""Token-budget scheduler with continuous batching (no prefill/decode phases).
+
+Every step each running request gets a number of new tokens: a prompt chunk, a one-token decode, or a
+verify window `[last, d1 .. dℓ]`. They share one flat batch under `max_num_batched_tokens`. Requests
+join at any step (prompt coalescing can hold them a bounded number of steps so several share one
+step) and leave when they finish. When the KV pool runs short the newest running request is preempted
+by recompute: its blocks are freed and it goes back to the front of the queue with its tokens, so no
+request is lost.
+
+`commit` applies a `VerifyResult`: accepted drafts and the recovered/bonus token become output, the
+committed length grows by what was verified (rejected positions roll back by a counter), and stop
+conditions that fall inside an accepted run cut the output exactly where plain decoding would.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dspark.config import SchedulerConfig
+from dspark.engine.block_manager import BlockManager
+from dspark.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens of this request in the batch
+    num_drafts: int  # drafts at the end of the window (ℓ); 0 for a prompt chunk or plain decode
+    emits: bool  # the window reaches the last token: 1 + num_drafts logits rows
+    start_pos: int = 0  # num_computed_tokens when scheduled: position of the first new token
+
+    @property
+    def num_logits(self) -> int:
+        return 1 + self.num_drafts if self.emits else 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, max_model_len: int,
+                 num_lookahead_slots: int = 0, drafter_needs_kv: bool = False):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.num_lookahead_slots = num_lookahead_slots  # drafter scratch past the committed end (γ)
+        self.drafter_needs_kv = drafter_needs_kv  # prefix hits must carry drafter K/V too
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []  # finished since the last take_finished()
+
+    # -- queue management ------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._finish(req, "abort")
+                    return req
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_finished(self) -> list[Request]:
+        out, self.finished = self.finished, []
+        return out
+
+    def load(self) -> int:
+        return len(self.running)
+
+    # -- schedule --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(scheduled=[])
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            item = self._fit(req, budget)
+            while not self._allocate(req, item):
+                victim = self._pick_victim(scheduled_ids)
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    item = None
+                    break
+            if item is None:
+                continue  # req itself was preempted; running[i] is now the next request
+            out.scheduled.append(item)
+            scheduled_ids.add(req.request_id)
+            budget -= item.num_new_tokens
+            i += 1
+        if not out.preempted_ids:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        hold = self.config.coalesce_steps > 0 and bool(self.running) and budget > 0
+        if hold and len(self.waiting) * 32 < budget:  # not enough waiting work yet to fill a step
+            if all(r.waiting_steps < self.config.coalesce_steps for r in self.waiting):
+                for r in self.waiting:
+                    r.waiting_steps += 1
+                return
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if not req.block_table and req.num_computed_tokens == 0:
+                cached = self.block_manager.match_prefix(
+                    req, need_draft_kv=self.drafter_needs_kv and req.uses_speculation)
+                req.num_computed_tokens = cached
+                req.num_cached_tokens = cached
+                req.num_draft_computed = cached if self.drafter_needs_kv and req.uses_speculation else 0
+            item = self._fit(req, budget)
+            if not self._allocate(req, item):
+                # pool short: give the prefix hit back (it stays cached) and wait for blocks
+                self.block_manager.free_request(req)
+                req.num_computed_tokens = req.num_cached_tokens = req.num_draft_computed = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(item)
+            budget -= item.num_new_tokens
+
+    def _fit(self, req: Request, budget: int) -> ScheduledRequest:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining > 1 or not req.draft_ids:
+            n = min(remaining, budget)
+            return ScheduledRequest(req, n, 0, emits=n == remaining, start_pos=req.num_computed_tokens)
+        num_drafts = min(req.verify_len, len(req.draft_ids), budget - 1,
+                         self.max_model_len - 1 - req.num_tokens)
+        num_drafts = max(num_drafts, 0)
+        return ScheduledRequest(req, 1 + num_drafts, num_drafts, emits=True,
+                                start_pos=req.num_computed_tokens)
+
+    def _allocate(self, req: Request, item: ScheduledRequest) -> bool:
+        lookahead = self.num_lookahead_slots if req.uses_speculation else 0
+        num_slots = min(req.num_computed_tokens + item.num_new_tokens + lookahead,
+                        self.max_model_len + lookahead)
+        return self.block_manager.allocate(req, num_slots)
+
+    def _pick_victim(self, scheduled_ids: set[str]) -> Request:
+        for req in reversed(self.running):
+            if req.request_id not in scheduled_ids:
+                return req
+        raise RuntimeError("KV pool too small for a single request's step")
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free_request(req)
+        req.reset_for_recompute()
+        self.waiting.appendleft(req)
+
+    # -- commit ----------------------------------------------------------------------------------
+    def commit(self, out: SchedulerOutput, output_ids: dict[str, list[int]],
+               num_accepted: dict[str, int]) -> dict[str, list[int]]:
+        """Apply verified tokens; returns the tokens each request emitted this step (stop-truncated)."""
+        emitted: dict[str, list[int]] = {}
+        for item in out.scheduled:
+            req = item.request
+            if not item.emits:
+                req.num_computed_tokens += item.num_new_tokens
+                self.block_manager.commit(req)
+                continue
+            accepted = num_accepted.get(req.request_id, 0)
+            req.num_computed_tokens += item.num_new_tokens - (item.num_drafts - accepted)
+            if item.num_drafts:
+                self._record_spec(req, item.num_drafts, accepted)
+            new_ids = self._append_until_stop(req, output_ids[req.request_id])
+            emitted[req.request_id] = new_ids
+            req.clear_drafts()
+            if req.is_finished:
+                self.running.remove(req)
+                self.block_manager.free_request(req)
+                self.finished.append(req)
+            else:
+                self.block_manager.commit(req)
+        return emitted
+
+    def _append_until_stop(self, req: Request, new_ids: list[int]) -> list[int]:
+        p = req.params
+        kept: list[int] = []
+        for token in new_ids:
+            req.output_ids.append(token)
+            kept.append(token)
+            reason = None
+            if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):
+                reason = "stop"
+            elif p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
+                reason = "length"
+            elif req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                req.status = RequestStatus.FINISHED
+                req.finish_reason = reason
+                break
+        return kept
+
+    @staticmethod
+    def _record_spec(req: Request, num_drafts: int, accepted: int) -> None:
+        s = req.spec
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += accepted
+        if len(s.accepted_per_pos) < num_drafts:
+            s.accepted_per_pos.extend([0] * (num_drafts - len(s.accepted_per_pos)))
+        for pos in range(accepted):
+            s.accepted_per_pos[pos] += 1
+
+    def finish_request(self, req: Request, reason: str) -> None:
+        """End a running or waiting request from outside (a stop string found by the detokenizer)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            return
+        self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.block_manager.free_request(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.clear_drafts()
+        self.finished.append(req)

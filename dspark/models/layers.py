@@ -1,0 +1,214 @@
+"""Building blocks shared by the target-model families: RMSNorm, rotary embeddings (default / linear /
+llama3 scaling, precomputed cos/sin tables), SiLU-and-mul, plain and merged (fused qkv, gate_up) linear
+layers, the vocab embedding and the LM head.
+
+Every parameter that a checkpoint fills carries a `weight_loader(param, tensor, shard_id=None)`, so the
+loader never needs to know how a module packs its weights: a merged linear copies each HF projection into
+its rows. All modules are stateless across calls; per-step data (positions, KV, metadata) are arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    """Copy a checkpoint tensor into a parameter of the same shape (casting dtype/device)."""
+    if shard_id is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} is not packed; got shard {shard_id!r}")
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+# ---------------------------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight over the last dim (HF Llama/Qwen3 semantics)."""
+
+    def __init__(self, size: int, *, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.shape = (size,)
+        self.weight = _set_loader(nn.Parameter(torch.ones(size, dtype=dtype, device=device),
+                                               requires_grad=False), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        # half precision: normalise in fp32, cast back, then scale (the HF order of operations)
+        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- rope
+
+
+def _inv_freq_default(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [hd/2]
+
+
+def _inv_freq_linear(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    return _inv_freq_default(head_dim, theta, scaling) / float(scaling["factor"])
+
+
+def _inv_freq_llama3(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths are divided by `factor`, short ones are
+    kept, and the band between is interpolated linearly in (context / wavelength)."""
+    inv_freq = _inv_freq_default(head_dim, theta, scaling)
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_ctx / low, inv_freq / factor, interpolated)
+    return torch.where(wavelen < old_ctx / high, inv_freq, out)
+
+
+ROPE_INIT: dict[str, Callable[[int, float, dict[str, Any]], torch.Tensor]] = {
+    "default": _inv_freq_default,
+    "linear": _inv_freq_linear,
+    "llama3": _inv_freq_llama3,
+}
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE with cos/sin tables precomputed for every position.
+
+    `lookup(positions)` is called once per forward; `apply_rope` then costs three ops per tensor.
+    """
+
+    def __init__(self, *, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        kind = rope_type(scaling)
+        if kind not in ROPE_INIT:
+            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_INIT)}")
+        inv_freq = ROPE_INIT[kind](head_dim, theta, dict(scaling or {}))  # [hd/2] fp32
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [max_pos, hd/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        self.max_positions = max_positions
+        self.register_buffer("cos_table", torch.cat((cos, cos), -1).to(device=device, dtype=dtype),
+                             persistent=False)  # [max_pos, hd]
+        # sign folded in: rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin)
+        self.register_buffer("sin_table", torch.cat((-sin, sin), -1).to(device=device, dtype=dtype),
+                             persistent=False)  # [max_pos, hd]
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim]."""
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, num_heads, head_dim] (may be a strided view) -> rotated, contiguous."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), -1)  # [num_tokens, num_heads, head_dim]
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+# ---------------------------------------------------------------------------------------------- mlp
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * d] (gate | up) -> [num_tokens, d]."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+# ---------------------------------------------------------------------------------------------- linear
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), weight in the HF [out_features, in_features] layout."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _set_loader(nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
+                                                           device=device), requires_grad=False),
+                                  self.weight_loader)
+        self.bias = None
+        if bias:
+            self.bias = _set_loader(nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                                 requires_grad=False), self.weight_loader)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        default_weight_loader(param, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several HF projections with the same input stacked along the output dim (qkv, gate_up).
+
+    `shards` names each part and its number of output rows, in order; the weight loader copies an HF
+    projection (`shard_id` = its name) into its rows.
+    """
+
+    def __init__(self, in_features: int, shards: tuple[tuple[str, int], ...], *, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(in_features, sum(n for _, n in shards), bias=bias, dtype=dtype, device=device)
+        self.shard_rows: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, rows in shards:
+            self.shard_rows[name] = (start, rows)
+            start += rows
+        self.split_sizes = [n for _, n in shards]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id not in self.shard_rows:
+            raise ValueError(f"merged linear has shards {list(self.shard_rows)}; got {shard_id!r}")
+        start, rows = self.shard_rows[shard_id]
+        default_weight_loader(param.narrow(0, start, rows), loaded)
+
+
+# ---------------------------------------------------------------------------------------------- vocab
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = _set_loader(nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype,
+                                                           device=device), requires_grad=False),
+                                  default_weight_loader)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """hidden -> fp32 logits; shares the embedding matrix when the checkpoint ties them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tied_to: VocabEmbedding | None,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        if tied_to is not None:
+            self.weight = tied_to.weight  # the same Parameter: loads once, listed once
+        else:
+            self.weight = _set_loader(nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype,
+                                                               device=device), requires_grad=False),
+                                      default_weight_loader)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab]
+        return F.linear(hidden, self.weight).float()

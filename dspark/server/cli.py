@@ -1,0 +1,65 @@
+"""`dspark serve [MODEL]`: build the engine and serve the OpenAI-compatible API with uvicorn.
+
+    dspark serve                                   # the embedded default model, 127.0.0.1:8000
+    dspark serve ./SmolLM2-360M --port 8001 --api-key secret --served-model-name smol
+    dspark serve MODEL --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+
+Without --speculative-config the model's shipped drafter (if any) is used; "none" turns it off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+
+log = logging.getLogger(__name__)
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def register(sub) -> None:
+    from dspark.cli import add_engine_args
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; use 0.0.0.0 to expose on the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the MODEL argument)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.set_defaults(func=run)
+
+
+def default_spec(model: str):
+    """The drafter shipped for `model` (dspark.drafters.shipped), or None when there is none."""
+    try:
+        shipped = importlib.import_module("dspark.drafters.shipped")
+    except ModuleNotFoundError as e:
+        if e.name == "dspark.drafters.shipped":
+            return None
+        raise
+    find = getattr(shipped, "default_spec_config", None)
+    return find(model) if find is not None else None
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dspark.cli import engine_config_from_args
+    from dspark.engine.build import build_engine
+    from dspark.server.app import build_app
+    from dspark.server.async_engine import AsyncEngine
+
+    logging.getLogger().setLevel(args.log_level.upper())
+    config = engine_config_from_args(args, default_spec=default_spec(args.model))
+    engine, tokenizer = build_engine(config)
+    model_name = args.served_model_name or args.model
+    spec = config.spec.method if config.spec else "none"
+    log.info("serving %s as %r on http://%s:%d (speculation: %s)", config.model, model_name,
+             args.host, args.port, spec)
+    app = build_app(AsyncEngine(engine, tokenizer), model_name=model_name, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

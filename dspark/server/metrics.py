@@ -1,0 +1,104 @@
+"""Prometheus metrics for one app: a private registry (several apps can live in one process, as in
+tests), vLLM-style names with the `dspark:` prefix.
+
+Counters that the engine already counts (tokens, spec-decode drafts) are not double-kept: a custom
+collector reads `EngineMetrics` at scrape time, so they are exact. Request-level latencies are
+histograms observed when a request ends (the `AsyncEngine.on_request_end` hook, on the engine
+thread; prometheus_client metrics are thread-safe). The verify-budget histogram is fed from
+`EngineMetrics.drain_verify_lens()` at each request end and each scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from dspark.server.async_engine import RequestRecord
+
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                  7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                  0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                 240.0, 480.0, 960.0)
+VERIFY_BUDGET_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
+
+
+class _EngineCollector:
+    """Reads the engine's counters and gauges at scrape time."""
+
+    def __init__(self, async_engine):
+        self.async_engine = async_engine
+
+    def describe(self):
+        return []  # no up-front description: register() must not call collect() early
+
+    def collect(self):
+        ae = self.async_engine
+        m = ae.metrics
+
+        def counter(name: str, doc: str, value: float):
+            return CounterMetricFamily(f"dspark:{name}", doc, value=value)
+
+        yield counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
+                      m.num_prompt_tokens)
+        yield counter("generation_tokens", "Output tokens produced by the engine.",
+                      m.num_generation_tokens)
+        yield counter("num_preemptions", "Requests preempted by recompute.", m.num_preemptions)
+        yield counter("spec_decode_num_drafts", "Verification rounds that carried drafts.",
+                      m.num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", m.num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      m.num_accepted_tokens)
+        yield counter("spec_decode_num_wasted_verify_tokens",
+                      "Verified draft tokens that were rejected.", m.num_wasted_verify_tokens)
+        per_pos = CounterMetricFamily("dspark:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by draft position.",
+                                      labels=["position"])
+        for pos, value in enumerate(list(m.accepted_per_pos)):
+            per_pos.add_metric([str(pos)], value)
+        yield per_pos
+        yield GaugeMetricFamily("dspark:kv_cache_usage_perc", "KV-cache usage (1 = full).",
+                                value=ae.kv_usage)
+        yield GaugeMetricFamily("dspark:num_requests_waiting", "Requests waiting for admission.",
+                                value=ae.num_waiting)
+        yield GaugeMetricFamily("dspark:num_requests_running", "Requests being scheduled.",
+                                value=ae.num_running)
+
+
+class ServerMetrics:
+    def __init__(self, async_engine):
+        self.async_engine = async_engine
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.request_success = Counter("dspark:request_success", "Finished requests.",
+                                       ["finish_reason"], registry=r)
+        self.ttft_s = Histogram("dspark:time_to_first_token_seconds", "Time to first token.",
+                                buckets=TTFT_BUCKETS_S, registry=r)
+        self.tpot_s = Histogram("dspark:time_per_output_token_seconds",
+                                "Mean time per output token after the first, per request.",
+                                buckets=TPOT_BUCKETS_S, registry=r)
+        self.e2e_s = Histogram("dspark:e2e_request_latency_seconds", "End-to-end request latency.",
+                               buckets=E2E_BUCKETS_S, registry=r)
+        self.verify_budget = Histogram("dspark:spec_decode_verify_budget",
+                                       "Drafts verified per request per step (verify length).",
+                                       buckets=VERIFY_BUDGET_BUCKETS, registry=r)
+        r.register(_EngineCollector(async_engine))
+
+    def on_request_end(self, record: RequestRecord) -> None:
+        self.request_success.labels(finish_reason=record.finish_reason).inc()
+        self.e2e_s.observe(record.end_s - record.arrival_s)
+        if record.first_token_s is not None:
+            self.ttft_s.observe(record.first_token_s - record.arrival_s)
+            if record.num_output_tokens > 1:
+                self.tpot_s.observe((record.end_s - record.first_token_s)
+                                    / (record.num_output_tokens - 1))
+        self._drain_verify_lens()
+
+    def _drain_verify_lens(self) -> None:
+        for verify_len in self.async_engine.metrics.drain_verify_lens():
+            self.verify_budget.observe(verify_len)
+
+    def render(self) -> bytes:
+        self._drain_verify_lens()
+        return generate_latest(self.registry)

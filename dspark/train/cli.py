@@ -1,0 +1,67 @@
+"""`dspark train`: train a DSpark / DFlash / EAGLE-3 drafter on data from `dspark prepare-data`.
+
+    dspark train --method dspark --config configs/train_dspark_smollm2.json --data data/smollm2_train \\
+        --out runs/dspark1 [--set max_steps=500 --set lr=3e-4] [--resume] [--export runs/dspark1/export] \\
+        [--cache-features runs/cache]
+    torchrun --nproc-per-node 2 -m dspark train ...          # data-parallel over 2 processes (gloo)
+
+The final drafter goes to --export (default OUT/export): config.json + model.safetensors that
+`--speculative-config '{"method": "dspark", "model": "runs/dspark1/export"}'` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter (dspark | dflash | eagle3)")
+    p.add_argument("--method", choices=["dspark", "dflash", "eagle3"], default=None,
+                   help="overrides nothing: must agree with the config's method when both are given")
+    p.add_argument("--config", default=None, help="JSON preset (configs/train_*.json)")
+    p.add_argument("--data", required=True, help="folder written by `dspark prepare-data`")
+    p.add_argument("--out", required=True, help="run folder: train.log, metrics.jsonl, checkpoints/")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key (JSON value); unknown keys are errors")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--export", default=None, help="final drafter folder (default OUT/export)")
+    p.add_argument("--cache-features", default=None, metavar="DIR",
+                   help="keep target taps on disk as fp16 (small sets: later epochs skip the target)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_main)
+
+
+def _init_distributed() -> bool:
+    import torch.distributed as dist
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+        return True
+    return False
+
+
+def _main(args: argparse.Namespace) -> int:
+    from dspark.train.config import load_train_config
+    from dspark.train.trainer import Trainer
+
+    try:
+        cfg = load_train_config(args.config, overrides=args.set, method=args.method)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    started = _init_distributed()
+    try:
+        trainer = Trainer(cfg, data_dir=args.data, out_dir=args.out, cache_dir=args.cache_features,
+                          show_progress=not args.no_progress)
+        record = trainer.fit(resume=args.resume)
+        if trainer.val_ds is not None:
+            record = {**record, "val": trainer.evaluate()}
+        trainer.export(args.export or os.path.join(args.out, "export"))
+        trainer.close()
+        if trainer.rank == 0:
+            print(json.dumps(record))
+    finally:
+        if started:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+    return 0

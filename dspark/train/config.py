@@ -1,0 +1,116 @@
+"""TrainConfig: every knob of `dspark train`, read from a JSON preset (configs/train_*.json) plus
+`--set key=value` overrides. Unknown keys are errors; keys starting with "_" (like "_comment") are notes.
+
+    cfg = load_train_config("configs/train_dspark_smollm2.json", overrides=["lr=3e-4", "max_steps=50"],
+                            method="dspark")
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from dspark.config import DEFAULT_MODEL
+
+METHODS = ("dspark", "dflash", "eagle3")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    method: str = "dspark"  # dspark | dflash | eagle3
+    model: str = DEFAULT_MODEL  # target: GGUF, HF folder or the embedded default
+    target_dtype: str = "float32"
+    # drafter shape
+    num_draft_layers: int = 2
+    block_size: int = 7  # γ (dspark slot layout: block_size drafts per block)
+    tap_layer_ids: tuple[int, ...] | None = None  # None: evenly spaced (dspark_config.default_tap_layer_ids)
+    markov_rank: int = 128  # dspark only; dflash forces 0
+    markov_head_type: str = "vanilla"
+    draft_vocab_size: int | None = 16384  # None: the full target vocabulary
+    ttt_steps: int = 7  # eagle3 test-time-training unroll
+    # data
+    num_anchors: int = 64  # blocks per sequence
+    max_seq_len: int = 1408  # prepare-data: max_prompt_tokens 1024 + max_tokens 384
+    batch_size: int = 4  # sequences per rank per micro-batch
+    grad_accum: int = 1
+    # optimisation (reference §4.5)
+    max_steps: int = 2000
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    min_lr_frac: float = 0.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0
+    init_std: float = 0.02
+    # losses (reference §4.4)
+    loss_ce: float = 0.1
+    loss_l1: float = 0.9
+    loss_confidence: float = 1.0
+    loss_decay: float = 4.0
+    step_loss_decay: float = 0.8  # eagle3
+    # bookkeeping
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 8
+    ckpt_every: int = 200
+    keep_checkpoints: int = 2
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tap_layer_ids is not None:
+            object.__setattr__(self, "tap_layer_ids", tuple(int(i) for i in self.tap_layer_ids))
+        _need(self.method in METHODS, f"method {self.method!r} unknown; choose from {', '.join(METHODS)}")
+        _need(self.target_dtype in ("float32", "bfloat16", "float16"), f"target_dtype {self.target_dtype!r}")
+        _need(self.num_draft_layers >= 1, "num_draft_layers must be >= 1")
+        _need(self.block_size >= 1 and self.ttt_steps >= 1, "block_size and ttt_steps must be >= 1")
+        _need(self.num_anchors >= 1 and self.batch_size >= 1 and self.grad_accum >= 1,
+              "num_anchors, batch_size and grad_accum must be >= 1")
+        _need(self.max_steps >= 1 and self.lr > 0, "max_steps must be >= 1 and lr > 0")
+        _need(0 <= self.warmup_frac < 1 and 0 <= self.min_lr_frac <= 1, "warmup_frac in [0,1), min_lr_frac in [0,1]")
+        _need(self.draft_vocab_size is None or self.draft_vocab_size >= 2, "draft_vocab_size must be >= 2")
+        _need(self.log_every >= 1 and self.keep_checkpoints >= 1, "log_every and keep_checkpoints must be >= 1")
+        if self.method == "dflash":
+            _need(self.loss_l1 == 0 and self.loss_confidence == 0,
+                  "dflash trains with CE only: set loss_l1=0 and loss_confidence=0")
+        if self.method == "dspark":
+            _need(self.markov_rank > 0, "dspark needs markov_rank > 0 (markov_rank 0 is dflash)")
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # bare strings: --set model=SmolLM2-135M-Instruct
+
+
+def load_train_config(path: str | Path | None, *, overrides: list[str] = (), method: str | None = None
+                      ) -> TrainConfig:
+    known = {f.name for f in fields(TrainConfig)}
+    values: dict[str, Any] = {}
+    if path is not None:
+        raw = json.loads(Path(path).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a train config must be a JSON object")
+        values.update({k: v for k, v in raw.items() if not k.startswith("_")})
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        values[key.strip()] = _parse_value(text.strip())
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown train config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    if method is not None:
+        if "method" in values and values["method"] != method:
+            raise ValueError(f"--method {method} contradicts the config's method {values['method']!r}")
+        values["method"] = method
+    return TrainConfig(**values)

@@ -1,0 +1,140 @@
+"""Per-method pieces of drafter training: build the drafter from the target, compute one batch's loss,
+export a checkpoint. The trainer loop (trainer.py) is the same for every method.
+
+    dspark  DSparkModel with a Markov head + confidence head; loss 0.1 CE + 0.9 L1 + 1.0 BCE, exp(-k/4)
+    dflash  the same network with markov_rank 0 and no confidence head; CE with exp(-k/4) (reference §3.4)
+    eagle3  one fused-taps decoder layer unrolled for ttt_steps; per-step soft CE, weights 0.8**j
+
+The drafter's embedding and LM head are the target's (frozen; for a reduced draft vocab the LM head is
+the target's d2t rows). Every other parameter is re-initialised N(0, init_std) (norms 1, biases 0) from
+the config seed, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dspark.train.anchors import block_eval_mask, block_positions, sample_anchors
+from dspark.train.data import Batch, t2d_labels
+from dspark.train.features import TargetFeatures, target_rows
+from dspark.train.losses import LossOutput, LossWeights, dspark_loss, eagle3_loss
+
+METHODS = ("dspark", "dflash", "eagle3")
+
+
+def init_trainable(model: nn.Module, *, std: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            owner = name.rsplit(".", 1)[0].split(".")[-1]  # e.g. input_layernorm, q_norm, proj
+            if "norm" in owner:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def target_embed_and_head(target) -> tuple[torch.Tensor, torch.Tensor]:
+    return target.model.embed_tokens.weight, target.lm_head.weight
+
+
+# -- DSpark / DFlash -----------------------------------------------------------------------------------
+
+def build_block_drafter(cfg, target, target_cfg, d2t: torch.Tensor | None):
+    from dspark.drafters.dspark_config import dspark_config_for_target
+    from dspark.drafters.dspark_model import DSparkModel
+    is_dspark = cfg.method == "dspark"
+    dcfg = dspark_config_for_target(
+        target_cfg, num_hidden_layers=cfg.num_draft_layers, block_size=cfg.block_size,
+        tap_layer_ids=cfg.tap_layer_ids, markov_rank=cfg.markov_rank if is_dspark else 0,
+        markov_head_type=cfg.markov_head_type, enable_confidence_head=is_dspark,
+        draft_vocab_size=None if d2t is None else d2t.numel())
+    model = DSparkModel(dcfg)
+    if d2t is not None:
+        model.reset_buffers(d2t=d2t)
+    embed, head = target_embed_and_head(target)
+    model.share_target_weights(embed_weight=embed, lm_head_weight=head)
+    init_trainable(model, std=cfg.init_std, seed=cfg.seed)
+    return model, dcfg
+
+
+def block_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None,
+               seeds: list[int], all_reduce: Callable) -> LossOutput:
+    num_draft = model.cfg.max_draft_tokens
+    anchors = sample_anchors(loss_mask=batch.loss_mask, lengths=batch.lengths, num_anchors=cfg.num_anchors,
+                             seeds=seeds)  # [batch, num_anchors]
+    eval_mask = block_eval_mask(loss_mask=batch.loss_mask, lengths=batch.lengths, anchors=anchors,
+                                block_size=num_draft)  # [batch, num_anchors, num_draft]
+    out = model.training_forward(taps=feats.taps, input_ids=batch.input_ids, anchor_positions=anchors)
+    labels = torch.where(eval_mask, out.labels, torch.full_like(out.labels, -100))
+    weights = LossWeights(ce=cfg.loss_ce, l1=cfg.loss_l1, confidence=cfg.loss_confidence, decay=cfg.loss_decay)
+    target_logits = target_lse = None
+    if cfg.loss_l1 or cfg.loss_confidence or out.confidence_logits is not None:
+        pos = block_positions(anchors=anchors, block_size=num_draft)  # output k predicts pos+1
+        rows_needed = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
+        rows_needed[torch.arange(pos.shape[0]).view(-1, 1, 1).expand_as(pos)[eval_mask], pos[eval_mask]] = True
+        rows = target_rows(target, feats.hidden, row_mask=rows_needed, d2t=d2t)
+        target_logits, target_lse = rows.gather(pos)
+    return dspark_loss(draft_logits=out.draft_logits, confidence_logits=out.confidence_logits, labels=labels,
+                       eval_mask=eval_mask, target_logits=target_logits, target_lse=target_lse,
+                       weights=weights, all_reduce=all_reduce)
+
+
+def export_block_drafter(model, dcfg, path: str | Path) -> None:
+    from dspark.drafters.dspark import save_dspark
+    save_dspark(model, dcfg, path)
+
+
+# -- EAGLE-3 ---------------------------------------------------------------------------------------------
+
+def build_eagle3(cfg, target, target_cfg, d2t: torch.Tensor | None):
+    """EAGLE-3 scores the full target vocabulary (its checkpoint format has no d2t map)."""
+    from dspark.drafters.eagle3 import bind_to_target
+    from dspark.drafters.eagle3_model import Eagle3Config, Eagle3Model
+    if d2t is not None:
+        raise ValueError("eagle3 drafts over the full target vocabulary: set draft_vocab_size to null")
+    ecfg = Eagle3Config.from_target(target_cfg, tap_layer_ids=cfg.tap_layer_ids, num_draft_tokens=cfg.ttt_steps)
+    model = Eagle3Model(ecfg).requires_grad_(True)  # target-family modules are built frozen
+    model.init_weights(std=cfg.init_std, seed=cfg.seed)
+    bind_to_target(model, target)
+    return model, ecfg
+
+
+def eagle3_batch_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None,
+                      seeds: list[int], all_reduce: Callable) -> LossOutput:
+    step_logits = model.training_forward(taps=feats.taps, input_ids=batch.input_ids,
+                                         loss_mask=batch.loss_mask, ttt_steps=cfg.ttt_steps)
+    valid = torch.arange(batch.input_ids.shape[1]).unsqueeze(0) < batch.lengths.unsqueeze(1)
+    rows_needed = torch.zeros_like(valid)
+    rows_needed[:, :-1] = batch.loss_mask[:, 1:].bool()  # target row r predicts token r+1
+    rows = target_rows(target, feats.hidden, row_mask=rows_needed & valid, d2t=d2t)
+    logits, lse = rows.gather(torch.arange(valid.shape[1]).expand_as(valid).contiguous())
+    vocab = target.config.vocab_size
+    labels = batch.input_ids if d2t is None else t2d_labels(batch.input_ids, d2t, vocab_size=vocab)
+    return eagle3_loss(step_logits=step_logits, labels=labels, loss_mask=batch.loss_mask * valid,
+                       target_logits=logits, target_lse=lse, step_decay=cfg.step_loss_decay,
+                       shift=1, all_reduce=all_reduce)  # step j at row p predicts token p+j+2
+
+
+def export_eagle3(model, ecfg, path: str | Path) -> None:
+    from dspark.drafters.eagle3_model import save_eagle3
+    save_eagle3(model, ecfg, path)
+
+
+def build(cfg, target, target_cfg, d2t):
+    return (build_eagle3 if cfg.method == "eagle3" else build_block_drafter)(cfg, target, target_cfg, d2t)
+
+
+def batch_loss(cfg, *args, **kwargs) -> LossOutput:
+    return (eagle3_batch_loss if cfg.method == "eagle3" else block_loss)(cfg, *args, **kwargs)
+
+
+def export(cfg, model, dcfg, path) -> None:
+    (export_eagle3 if cfg.method == "eagle3" else export_block_drafter)(model, dcfg, path)

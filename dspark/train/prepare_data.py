@@ -1,0 +1,213 @@
+"""`dspark prepare-data`: the target regenerates answers to the training prompts (reference §4.1).
+
+    dspark prepare-data --out data/smollm2_train --max-prompts 2000 --max-tokens 384 [--magpie 500]
+
+Prompts: the first user turn of every line of /work/shared/datasets/train/*.jsonl (never eval/), shuffled
+once with --seed so --max-prompts takes a mix of sources. Each prompt goes through the target's chat
+template and the dspark engine itself (`LLM.chat`, --batch-size conversations at a time, greedy or
+--temperature); a sample is prompt ids + answer ids (up to and including the end-of-turn token), with
+loss_mask 1 on the answer. Optional Magpie-style prompts: the target continues the chat template's user
+header with no content and writes a user request itself; that request is then answered like the others.
+
+Resumable: every batch is written as its own shard (data.py layout) before the next starts; a rerun
+skips prompt keys already written or dropped. A hash of the key puts --holdout of the samples in the
+validation split (used for calibration and validation, never for training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dspark.train.data import DROPPED, MANIFEST, assert_not_eval, done_keys, is_holdout, shard_paths, write_shard
+
+log = logging.getLogger("dspark.prepare_data")
+DEFAULT_PROMPTS = "/work/shared/datasets/train"
+MAGPIE_SENTINEL = "MAGPIE_SENTINEL_7f3a"
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    out: str
+    model: str
+    prompts: str = DEFAULT_PROMPTS
+    max_prompts: int | None = None
+    max_tokens: int = 384  # answer tokens per sample
+    max_prompt_tokens: int = 1024  # longer prompts are dropped (CPU training cost)
+    min_answer_tokens: int = 14  # DeepSpec drops samples with fewer supervised tokens
+    magpie: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 32
+    holdout: float = 0.05
+    seed: int = 0
+    dtype: str = "float32"
+    num_threads: int | None = None
+
+
+def load_prompts(root: str | Path, *, seed: int) -> list[tuple[str, str]]:
+    """(key, first user turn) for every line of root/*.jsonl, shuffled deterministically."""
+    assert_not_eval(root)
+    items = []
+    for path in sorted(Path(root).glob("*.jsonl")):
+        assert_not_eval(path)
+        for i, line in enumerate(path.read_text().split("\n")):  # not splitlines(): U+2028 in strings
+            if line.strip():
+                turns = json.loads(line)["turns"]
+                if turns and turns[0].strip():
+                    items.append((f"{path.stem}:{i}", turns[0]))
+    random.Random(seed).shuffle(items)
+    return items
+
+
+def magpie_header(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user message's content starts (system prompt and
+    user header included): the target continues it by writing a user request."""
+    text = tokenizer.render_chat([{"role": "user", "content": MAGPIE_SENTINEL}], add_generation_prompt=False)
+    return tokenizer.encode(text[:text.index(MAGPIE_SENTINEL)], add_special_tokens=False)
+
+
+def _params(cfg: PrepareConfig, max_tokens: int, seed: int):
+    from dspark.sampling import SamplingParams
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max_tokens,
+                          seed=None if cfg.temperature == 0 else seed)
+
+
+def magpie_prompts(llm, cfg: PrepareConfig, *, done: set[str]) -> list[tuple[str, str]]:
+    """Ask the target to write --magpie user requests (keys magpie:i), skipping ones already done."""
+    todo = [i for i in range(cfg.magpie) if f"magpie:{i}" not in done]
+    if not todo:
+        return []
+    header = magpie_header(llm.tokenizer)
+    out = []
+    for start in range(0, len(todo), cfg.batch_size):
+        chunk = todo[start:start + cfg.batch_size]
+        from dspark.sampling import SamplingParams
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=cfg.seed * 100_003 + i)
+                  for i in chunk]
+        for i, res in zip(chunk, llm.generate([list(header)] * len(chunk), params)):
+            text = res.text.strip()
+            if len(text) >= 8:
+                out.append((f"magpie:{i}", text))
+    log.info("magpie: %d/%d generated prompts kept", len(out), len(todo))
+    return out
+
+
+def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
+    """Generate, shard and write; `llm` (anything with .tokenizer, .generate) is injected by tests."""
+    from tqdm import tqdm
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / "prepare.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    done = done_keys(out)
+    items = load_prompts(cfg.prompts, seed=cfg.seed)
+    if cfg.max_prompts is not None:
+        items = items[:cfg.max_prompts]
+    if llm is None:
+        from dspark.llm import LLM
+        llm = LLM(cfg.model, dtype=cfg.dtype, seed=cfg.seed, num_threads=cfg.num_threads,
+                  max_num_seqs=cfg.batch_size, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 8)
+    items += magpie_prompts(llm, cfg, done=done)
+    todo = [(k, p) for k, p in items if k not in done]
+    log.info("prepare-data: %d prompts, %d already done, %d to generate (config %s)",
+             len(items), len(items) - len(todo), len(todo), json.dumps(asdict(cfg)))
+    shard_id = len(shard_paths(out))
+    bar = tqdm(total=len(todo), desc="prepare-data", unit="prompt")
+    num_tokens = num_kept = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(todo), cfg.batch_size):
+        chunk = todo[start:start + cfg.batch_size]
+        tok = llm.tokenizer
+        prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                      for _, p in chunk]
+        keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= cfg.max_prompt_tokens]
+        dropped = [f"{chunk[i][0]}\tprompt_too_long\n" for i in range(len(chunk)) if i not in keep]
+        params = [_params(cfg, cfg.max_tokens, cfg.seed * 1_000_003 + start + i) for i in keep]
+        results = llm.generate([prompt_ids[i] for i in keep], params) if keep else []
+        samples = []
+        for i, res in zip(keep, results):
+            key, answer = chunk[i][0], list(res.token_ids)
+            if len(answer) < cfg.min_answer_tokens:
+                dropped.append(f"{key}\tanswer_too_short\n")
+                continue
+            ids = list(res.prompt_token_ids) + answer
+            mask = [0] * len(res.prompt_token_ids) + [1] * len(answer)
+            samples.append((key, ids, mask, is_holdout(key, cfg.holdout)))
+            num_tokens += len(answer)
+        if samples:
+            write_shard(out / f"shard-{shard_id:05d}.safetensors", samples)
+            shard_id += 1
+        if dropped:
+            with open(out / DROPPED, "a") as f:
+                f.writelines(dropped)
+        num_kept += len(samples)
+        bar.update(len(chunk))
+        rate = num_tokens / max(1e-9, time.perf_counter() - t0)
+        bar.set_postfix(tok_s=f"{rate:.0f}", kept=num_kept)
+        log.info("shard %d: %d samples kept, %d dropped, %.0f answer tok/s", shard_id - 1, len(samples),
+                 len(dropped), rate)
+    bar.close()
+    manifest = write_manifest(out, cfg)
+    log.removeHandler(handler)
+    return manifest
+
+
+def write_manifest(out: Path, cfg: PrepareConfig) -> dict:
+    from safetensors import safe_open
+    counts = {"train": 0, "val": 0}
+    tokens = {"train": 0, "val": 0}
+    for p in shard_paths(out):
+        with safe_open(str(p), "pt") as f:
+            is_val = f.get_tensor("is_val").tolist()
+            lengths = f.get_tensor("offsets").diff().tolist()
+        for v, n in zip(is_val, lengths):
+            counts["val" if v else "train"] += 1
+            tokens["val" if v else "train"] += n
+    manifest = {"version": 1, "config": asdict(cfg), "num_samples": counts, "num_tokens": tokens,
+                "num_shards": len(shard_paths(out))}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    log.info("manifest: %s", json.dumps(manifest))
+    return manifest
+
+
+def register(sub) -> None:
+    from dspark.config import DEFAULT_MODEL
+    p = sub.add_parser("prepare-data", help="regenerate training answers with the target (drafter data)")
+    d = PrepareConfig(out="", model=DEFAULT_MODEL)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prompts", default=d.prompts, help="folder of train *.jsonl (eval/ is refused)")
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="answer tokens per sample")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    p.add_argument("--min-answer-tokens", type=int, default=d.min_answer_tokens)
+    p.add_argument("--magpie", type=int, default=0, help="also let the target write this many prompts")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="conversations per engine call")
+    p.add_argument("--holdout", type=float, default=d.holdout, help="validation fraction")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    p.add_argument("--num-threads", type=int, default=None)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = PrepareConfig(
+        out=args.out, model=args.model, prompts=args.prompts, max_prompts=args.max_prompts,
+        max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+        min_answer_tokens=args.min_answer_tokens, magpie=args.magpie, temperature=args.temperature,
+        top_p=args.top_p, batch_size=args.batch_size, holdout=args.holdout, seed=args.seed,
+        dtype=args.dtype, num_threads=args.num_threads)
+    manifest = prepare(cfg)
+    print(json.dumps({"out": cfg.out, **{k: manifest[k] for k in ("num_samples", "num_tokens")}}))
+    return 0

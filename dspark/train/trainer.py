@@ -1,0 +1,301 @@
+"""One training loop for every drafter (DSpark, DFlash, EAGLE-3), run by `dspark train` (see cli.py).
+
+Per optimizer step and per micro-batch: next global batch from the data cursor → this rank's slice →
+target taps online (features.py) → anchors → drafter.training_forward → loss (methods.py, losses.py) →
+backward. Then the gradients are summed over ranks, clipped, and AdamW + warm-up/cosine take a step.
+
+Distributed (torchrun / several processes, gloo on CPU): every rank draws the same global batch and
+takes its slice; anchor seeds depend on the sample and the step, never on the rank; loss denominators
+are global sums, so the summed gradient equals the single-process gradient of the global batch. (The
+drafter is not wrapped in DistributedDataParallel: its training entry point is `training_forward`,
+not `forward`, and the loss is already globally normalised.)
+
+Checkpoints (every ckpt_every steps, the last keep_checkpoints kept) hold the trainable weights, the
+optimizer, scheduler, RNG states, the data cursor and the draft vocabulary, so `--resume` continues
+bit for bit. Frozen weights (embedding, LM head) come from the target and are not stored.
+
+    trainer = Trainer(cfg, data_dir="data/smollm2_train", out_dir="runs/dspark1")
+    trainer.fit(resume=True); trainer.export("runs/dspark1/export")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import resource
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dspark.train import methods
+from dspark.train.config import TrainConfig
+from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, collate, token_counts,
+                               vocab_coverage)
+from dspark.train.features import FeatureCache, batch_features
+from dspark.train.losses import add_stats, summarise
+
+log = logging.getLogger("dspark.train")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _sum_all(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+def lr_lambda(step: int, *, total: int, warmup_frac: float, min_lr_frac: float) -> float:
+    """Linear warm-up over warmup_frac of the steps, then cosine down to min_lr_frac (reference §4.5)."""
+    warmup = max(1, round(total * warmup_frac))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, data_dir: str | Path, out_dir: str | Path, target=None,
+                 cache_dir: str | Path | None = None, show_progress: bool = True):
+        """target: (model, ModelConfig, eos_ids) to skip loading cfg.model (tests inject tiny models)."""
+        self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.show_progress = show_progress and self.rank == 0
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._log_handler = logging.FileHandler(self.out_dir / "train.log")
+            self._log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            log.addHandler(self._log_handler)
+            log.setLevel(logging.INFO)
+        if target is None:
+            from dspark.models.loader import load_model
+            model, target_cfg, tok = load_model(cfg.model, dtype=DTYPES[cfg.target_dtype])
+            target = (model, target_cfg, tuple(tok.eos_token_ids))
+        self.target, self.target_cfg, eos_ids = target
+        self.target.requires_grad_(False)
+        self.train_ds = TokenDataset(data_dir, split="train", max_seq_len=cfg.max_seq_len)
+        val = TokenDataset(data_dir, split="val", max_seq_len=cfg.max_seq_len)
+        self.val_ds = val if len(val) else None
+        self.d2t = self._draft_vocab(eos_ids)
+        torch.manual_seed(cfg.seed)
+        self.model, self.draft_cfg = methods.build(cfg, self.target, self.target_cfg, self.d2t)
+        self.tap_layer_ids = tuple(self.draft_cfg.tap_layer_ids)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                           eps=1e-8, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, total=cfg.max_steps, warmup_frac=cfg.warmup_frac,
+                                                min_lr_frac=cfg.min_lr_frac))
+        self.sampler = BatchSampler(num_samples=len(self.train_ds), global_batch=cfg.batch_size * self.world,
+                                    seed=cfg.seed)
+        self.cache = FeatureCache(cache_dir, tap_layer_ids=self.tap_layer_ids) if cache_dir else None
+        self.step, self.cursor = 0, Cursor()
+        if self.rank == 0:
+            n_train = sum(p.numel() for p in self.params)
+            log.info("train %s: %d trainable params, %d train / %d val sequences (%d tokens), world %d, "
+                     "config %s", cfg.method, n_train, len(self.train_ds), len(val), self.train_ds.num_tokens(),
+                     self.world, json.dumps(asdict(cfg)))
+
+    # -- draft vocabulary -----------------------------------------------------------------------------
+    def _draft_vocab(self, eos_ids: tuple[int, ...]) -> torch.Tensor | None:
+        vocab = self.target_cfg.vocab_size
+        if self.cfg.draft_vocab_size is None or self.cfg.draft_vocab_size >= vocab:
+            return None
+        counts = token_counts(self.train_ds, vocab_size=vocab)
+        d2t = build_draft_vocab(counts, size=self.cfg.draft_vocab_size, always=tuple(eos_ids))
+        cov = vocab_coverage(counts, d2t)
+        if self.rank == 0:
+            log.info("draft vocab: %d of %d tokens cover %.2f%% of training tokens", d2t.numel(), vocab, 100 * cov)
+            (self.out_dir / "draft_vocab.json").write_text(json.dumps({"coverage": cov, "d2t": d2t.tolist()}))
+        return d2t
+
+    # -- one optimizer step -----------------------------------------------------------------------------
+    def _anchor_seeds(self, indices: list[int], micro: int) -> list[int]:
+        base = (self.cfg.seed * 1_000_003 + self.step) * 131 + micro
+        return [(base * 2_654_435_761 + i * 40_503) % (2 ** 63 - 1) for i in indices]
+
+    def _micro_batch(self, micro: int):
+        indices, self.cursor = self.sampler.next_batch(self.cursor)
+        mine = indices[self.rank * self.cfg.batch_size:(self.rank + 1) * self.cfg.batch_size]
+        batch = collate([self.train_ds[i] for i in mine])
+        return batch, self._anchor_seeds(batch.indices, micro)
+
+    def _loss(self, batch, seeds):
+        feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=self.cache)
+        return methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t, seeds=seeds,
+                                  all_reduce=_sum_all)
+
+    def compute_grads(self) -> dict[str, torch.Tensor]:
+        """Forward + backward over grad_accum micro-batches, gradients summed over ranks; returns stats."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, torch.Tensor] = {}
+        for micro in range(self.cfg.grad_accum):
+            out = self._loss(*self._micro_batch(micro))
+            (out.loss / self.cfg.grad_accum).backward()
+            add_stats(stats, out.stats)
+        if self.world > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+        return stats
+
+    def train_step(self) -> dict[str, torch.Tensor]:
+        stats = self.compute_grads()
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip).detach().view(1)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return stats
+
+    # -- loop ----------------------------------------------------------------------------------------
+    def fit(self, *, resume: bool = False, stop_at: int | None = None) -> dict:
+        """Train to cfg.max_steps (or stop_at, for tests of interruption); returns the last log record."""
+        if resume:
+            self.load_checkpoint()
+        end = min(self.cfg.max_steps, stop_at or self.cfg.max_steps)
+        bar = None
+        if self.show_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=self.cfg.max_steps, initial=self.step, desc=f"train {self.cfg.method}", unit="step")
+        window: dict[str, torch.Tensor] = {}
+        record: dict = {}
+        t_window = time.perf_counter()
+        steps_in_window = 0
+        while self.step < end:
+            add_stats(window, self.train_step())
+            steps_in_window += 1
+            if bar:
+                bar.update(1)
+            if self.step % self.cfg.log_every == 0 or self.step == end:
+                record = self._log_record(window, steps_in_window, time.perf_counter() - t_window)
+                if bar:
+                    bar.set_postfix(ce=f"{record.get('ce', 0):.3f}", tau=f"{record['tau_top1']:.2f}")
+                window, steps_in_window, t_window = {}, 0, time.perf_counter()
+            if self.val_ds is not None and self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+                self.evaluate()
+            if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.step < end:
+                self.save_checkpoint()
+        if bar:
+            bar.close()
+        self.save_checkpoint()
+        return record
+
+    def _log_record(self, window, num_steps: int, seconds: float) -> dict:
+        window = {k: _sum_all(v) for k, v in window.items()}
+        grad_norm = float(window.pop("grad_norm").sum()) / max(1, num_steps) / self.world
+        record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], **summarise(window),
+                  "grad_norm": grad_norm, "s_per_step": seconds / max(1, num_steps),
+                  "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+        if self.rank == 0:
+            log.info("step %d %s", self.step, json.dumps(record))
+            with open(self.out_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out split on rank 0: the first eval_batches batches, fixed anchors (same every call)."""
+        if self.rank != 0:
+            return {}
+        self.model.eval()
+        size = min(len(self.val_ds), self.cfg.batch_size)
+        sampler = BatchSampler(num_samples=len(self.val_ds), global_batch=size, seed=0)
+        cursor, stats = Cursor(), {}
+        for _ in range(min(self.cfg.eval_batches, sampler.steps_per_epoch())):
+            indices, cursor = sampler.next_batch(cursor)
+            batch = collate([self.val_ds[i] for i in indices])
+            feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids)
+            out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t,
+                                     seeds=[10_007 * i + 1 for i in batch.indices], all_reduce=lambda t: t)
+            add_stats(stats, out.stats)
+        record = {"step": self.step, "split": "val", **summarise(stats)}
+        log.info("val %s", json.dumps(record))
+        with open(self.out_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        frozen = {n for n, p in self.model.named_parameters() if not p.requires_grad}
+        return {k: v.clone() for k, v in self.model.state_dict().items() if k not in frozen}
+
+    def save_checkpoint(self) -> Path | None:
+        if self.rank != 0:
+            if self.world > 1:
+                dist.barrier()
+            return None
+        ckpt_dir = self.out_dir / "checkpoints"
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": self.step, "cursor": asdict(self.cursor), "config": asdict(self.cfg),
+            "model": self._trainable_state(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "d2t": self.d2t, "world": self.world,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+        }
+        path = ckpt_dir / f"step-{self.step:07d}.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.rename(path)
+        for old in sorted(ckpt_dir.glob("step-*.pt"))[:-self.cfg.keep_checkpoints]:
+            old.unlink()
+        log.info("checkpoint %s", path)
+        if self.world > 1:
+            dist.barrier()
+        return path
+
+    def load_checkpoint(self, path: str | Path | None = None) -> bool:
+        if path is None:
+            found = sorted((self.out_dir / "checkpoints").glob("step-*.pt"))
+            if not found:
+                log.info("resume: no checkpoint in %s, starting fresh", self.out_dir)
+                return False
+            path = found[-1]
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state["world"] != self.world:
+            raise ValueError(f"checkpoint was written by {state['world']} ranks; resuming with {self.world} "
+                             f"changes the global batch and the data order")
+        for key in ("method", "batch_size", "draft_vocab_size", "seed"):
+            if state["config"][key] != getattr(self.cfg, key):
+                raise ValueError(f"checkpoint {key}={state['config'][key]!r} differs from config "
+                                 f"{getattr(self.cfg, key)!r}")
+        if (state["d2t"] is None) != (self.d2t is None) or (
+                self.d2t is not None and not torch.equal(state["d2t"], self.d2t)):
+            raise ValueError("checkpoint draft vocabulary differs from the one built from this data")
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        frozen = {n for n, p in self.model.named_parameters() if not p.requires_grad}
+        if unexpected or set(missing) - frozen:
+            raise ValueError(f"checkpoint does not fit the drafter: missing {sorted(set(missing) - frozen)}, "
+                             f"unexpected {unexpected}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        self.step, self.cursor = state["step"], Cursor(**state["cursor"])
+        log.info("resumed from %s at step %d", path, self.step)
+        return True
+
+    def export(self, path: str | Path) -> None:
+        """The drafter checkpoint the engine loads (config.json + model.safetensors) and the training
+        config next to it."""
+        if self.rank != 0:
+            return
+        methods.export(self.cfg, self.model, self.draft_cfg, path)
+        Path(path, "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+        log.info("exported %s drafter to %s", self.cfg.method, path)
+
+    def close(self) -> None:
+        if self.rank == 0:
+            log.removeHandler(self._log_handler)
+            self._log_handler.close()

@@ -1,0 +1,188 @@
+"""Step-cost table: verification steps per second SPS(B) as a function of the number of tokens B in
+the forward, plus (optionally) the drafter's seconds per step as a function of the number of
+requests.
+
+Profiled once per (model, hardware, dtype) with `profile()` — which times a caller-supplied
+function — then saved next to the model as JSON and looked up by the length policies
+(`length_policy.py`).
+
+Lookup rules (`sps`, `step_seconds`, `draft_seconds_for`):
+* inside the profiled range: linear interpolation between the two neighbouring points;
+* below the smallest profiled size: flat (a smaller batch is never assumed cheaper than measured);
+* above the largest: linear in *time*, continuing the slope of the last two points (compute-bound
+  growth), never below the last measured time; with a single point, time grows proportionally.
+
+    pytest tests/test_cost_table.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CostTable", "profile"]
+
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CostTable:
+    num_tokens: Sequence[int]  # [num_points] strictly increasing token counts B
+    steps_per_second: Sequence[float]  # [num_points] SPS(B) of a target verification forward
+    draft_num_reqs: Sequence[int] = ()  # [num_draft_points] strictly increasing request counts
+    draft_seconds: Sequence[float] = ()  # [num_draft_points] drafter seconds per step
+    meta: dict = field(default_factory=dict)  # free-form provenance: device, model, dtype, date
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_tokens", tuple(int(n) for n in self.num_tokens))
+        object.__setattr__(self, "steps_per_second", tuple(float(s) for s in self.steps_per_second))
+        object.__setattr__(self, "draft_num_reqs", tuple(int(n) for n in self.draft_num_reqs))
+        object.__setattr__(self, "draft_seconds", tuple(float(s) for s in self.draft_seconds))
+        object.__setattr__(self, "meta", dict(self.meta))
+        _check_curve("num_tokens", self.num_tokens, "steps_per_second", self.steps_per_second,
+                     allow_empty=False)
+        _check_curve("draft_num_reqs", self.draft_num_reqs, "draft_seconds", self.draft_seconds,
+                     allow_empty=True)
+        if any(s <= 0 for s in self.steps_per_second):
+            raise ValueError("steps_per_second must all be > 0")
+        if any(s < 0 for s in self.draft_seconds):
+            raise ValueError("draft_seconds must all be >= 0")
+
+    # ------------------------------------------------------------------------------------------
+    # Lookups
+
+    def sps(self, num_tokens: int) -> float:
+        """Verification steps per second at `num_tokens` tokens (interpolated in SPS inside the
+        profiled range; flat below; linear-in-time above)."""
+        return float(self.sps_array(np.asarray([num_tokens]))[0])
+
+    def sps_array(self, num_tokens: np.ndarray) -> np.ndarray:  # [num_sizes] -> [num_sizes] float
+        """Vectorised `sps` (the prefix scheduler evaluates every candidate batch size at once)."""
+        num_tokens = np.asarray(num_tokens, dtype=np.float64)
+        xs = np.asarray(self.num_tokens, dtype=np.float64)
+        ys = np.asarray(self.steps_per_second, dtype=np.float64)
+        inside = np.interp(num_tokens, xs, ys)  # flat outside [xs[0], xs[-1]]
+        last_seconds = 1.0 / ys[-1]
+        if len(xs) == 1:
+            above_seconds = last_seconds * num_tokens / xs[-1]
+        else:
+            slope = max((last_seconds - 1.0 / ys[-2]) / (xs[-1] - xs[-2]), 0.0)  # seconds per token
+            above_seconds = last_seconds + slope * (num_tokens - xs[-1])
+        return np.where(num_tokens > xs[-1], 1.0 / np.maximum(above_seconds, 1e-12), inside)
+
+    def step_seconds(self, num_tokens: int) -> float:
+        """Seconds of one verification forward over `num_tokens` tokens: 1 / sps(num_tokens)."""
+        return 1.0 / self.sps(num_tokens)
+
+    def draft_seconds_for(self, num_reqs: int) -> float:
+        """Drafter seconds per step for `num_reqs` requests; 0.0 without a draft curve."""
+        if not self.draft_num_reqs:
+            return 0.0
+        return _interpolate_seconds(self.draft_num_reqs, self.draft_seconds, num_reqs)
+
+    # ------------------------------------------------------------------------------------------
+    # Persistence
+
+    def to_dict(self) -> dict:
+        return {"format_version": _FORMAT_VERSION, "num_tokens": list(self.num_tokens),
+                "steps_per_second": list(self.steps_per_second),
+                "draft_num_reqs": list(self.draft_num_reqs),
+                "draft_seconds": list(self.draft_seconds), "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostTable:
+        data = dict(data)
+        version = data.pop("format_version", _FORMAT_VERSION)
+        if version != _FORMAT_VERSION:
+            raise ValueError(f"cost table format_version {version} is not supported "
+                             f"(expected {_FORMAT_VERSION})")
+        known = {"num_tokens", "steps_per_second", "draft_num_reqs", "draft_seconds", "meta"}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown cost table keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def profile(
+    step_fn: Callable[[int], None],
+    *,
+    token_counts: Sequence[int],
+    repeats: int = 5,
+    warmup: int = 2,
+    draft_fn: Callable[[int], None] | None = None,
+    draft_num_reqs: Sequence[int] = (),
+    meta: dict | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CostTable:
+    """Time `step_fn(num_tokens)` (one verification forward of that many tokens; it must block until
+    the work is done, e.g. synchronise the device) at each token count: `warmup` untimed calls, then
+    the median of `repeats` timed calls. Optionally time `draft_fn(num_reqs)` the same way."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    counts = sorted(set(int(n) for n in token_counts))
+    if not counts or counts[0] < 1:
+        raise ValueError(f"token_counts must be non-empty positive integers, "
+                         f"got {list(token_counts)}")
+    step_seconds = [_median_seconds(step_fn, n, repeats=repeats, warmup=warmup, clock=clock)
+                    for n in counts]
+    draft_counts: list[int] = []
+    draft_seconds: list[float] = []
+    if draft_fn is not None:
+        draft_counts = sorted(set(int(n) for n in draft_num_reqs))
+        if not draft_counts:
+            raise ValueError("draft_fn given without draft_num_reqs")
+        draft_seconds = [_median_seconds(draft_fn, n, repeats=repeats, warmup=warmup, clock=clock)
+                         for n in draft_counts]
+    # A measured time of 0 (coarse clock) would mean infinite SPS; floor it at 1 ns.
+    return CostTable(num_tokens=counts, steps_per_second=[1.0 / max(s, 1e-9) for s in step_seconds],
+                     draft_num_reqs=draft_counts, draft_seconds=draft_seconds,
+                     meta={"repeats": repeats, "warmup": warmup, **(meta or {})})
+
+
+def _median_seconds(fn: Callable[[int], None], n: int, *, repeats: int, warmup: int,
+                    clock: Callable[[], float]) -> float:
+    for _ in range(warmup):
+        fn(n)
+    samples = []
+    for _ in range(repeats):
+        start = clock()
+        fn(n)
+        samples.append(clock() - start)
+    return statistics.median(samples)
+
+
+def _interpolate_seconds(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys) seconds; flat below xs[0]; above xs[-1], continue the last
+    segment's slope (floored at 0), or proportionally to x when there is a single point."""
+    if x > xs[-1]:
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        return ys[-1] + slope * (x - xs[-1])
+    return float(np.interp(x, xs, ys))
+
+
+def _check_curve(x_name: str, xs: Sequence, y_name: str, ys: Sequence, *,
+                 allow_empty: bool) -> None:
+    if len(xs) != len(ys):
+        raise ValueError(f"{x_name} and {y_name} must have equal lengths, "
+                         f"got {len(xs)} and {len(ys)}")
+    if not xs and not allow_empty:
+        raise ValueError(f"{x_name} must not be empty")
+    if any(b <= a for a, b in zip(xs, xs[1:])):
+        raise ValueError(f"{x_name} must be strictly increasing, got {list(xs)}")
+    if xs and xs[0] < 1:
+        raise ValueError(f"{x_name} must be >= 1, got {list(xs)}")

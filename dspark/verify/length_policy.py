@@ -1,0 +1,284 @@
+"""Verify-length policies: how many of each request's drafts the target verifies this step.
+
+A policy sees the drafts' calibrated conditional confidences c_{r,k} (acceptance of draft k given
+drafts 1..k-1 were accepted), the step's composition and the step-cost table, and returns
+`verify_len` per request — always a prefix of that request's proposal.
+
+* `FixedLength(verify_len)` — the classic γ (capped by what was proposed).
+* `ConfidenceThreshold(threshold)` — keep the prefix whose survival a_k = Π_{i≤k} c_i stays
+  ≥ threshold (or, with `cumulative=False`, DeepSpec's rule on the conditional c_k).
+* `PrefixScheduler` — DSpark Algorithm 1 (reference §6.1): candidates (r, j) ranked by survival
+  a_{r,j}; admitted greedily while the expected throughput
+      Θ = (num_reqs + Σ admitted a) / (draft_seconds(num_reqs) + step_seconds(nondraft + admitted))
+  keeps rising (with no draft curve this is Θ = τ · SPS(B)). The loop BREAKS at the first admission
+  that does not raise Θ. The break is what keeps sampling lossless (reference §6.2): c_{k+1} is
+  computed from the sampled draft x_k, so a_{r,k+1} depends on x_k. Since a_{r,k+1} ≤ a_{r,k}, and
+  ties are broken by position, (r, k+1) is examined only after x_k's admission is final, so
+  admitting x_k never depends on x_k. Without the break (`break_on_drop=False`, tests only) a later
+  candidate can flip an earlier decision: the Appendix A counterexample, reproduced in
+  tests/test_length_policy.py.
+* `AsyncPrefixScheduler` — production variant (reference §6.3, §7.4): the *capacity* K (total drafts
+  verified this step) is the global argmax of Θ over survivals observed two steps earlier (a causal
+  barrier: they cannot depend on this step's drafts), then this step's candidates ranked by current
+  survival fill the K slots; no break is needed. The capacity reads only confidences handed to
+  `observe()` (a two-entry queue), never the current step's, which `choose()` uses only to rank.
+
+Policies that need confidences or a cost table fail closed: `build_length_policy(...,
+confidence_available=False)` or `choose(confidence=None)` raises a ValueError naming what is
+missing.
+
+    pytest tests/test_length_policy.py -q
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import numpy as np
+import torch
+
+from dspark.verify.cost_table import CostTable
+
+__all__ = ["LengthPolicy", "FixedLength", "ConfidenceThreshold", "PrefixScheduler",
+           "AsyncPrefixScheduler", "LENGTH_POLICIES", "build_length_policy"]
+
+
+class LengthPolicy(Protocol):
+    needs_confidence: ClassVar[bool]
+    needs_cost: ClassVar[bool]
+
+    def choose(
+        self,
+        *,
+        confidence: torch.Tensor | None,  # [num_reqs, >= num_draft_tokens] calibrated c_k
+        num_draft_tokens: int,  # γ: drafts proposed per request (the width of the proposal)
+        num_nondraft_tokens: int,  # tokens in the step that are not drafts (1 per decoding request
+        #                            + prefill chunk tokens)
+        cost: CostTable | None = None,  # required by "prefix" and "async"
+        num_reqs: int | None = None,  # needed only when confidence is None
+        num_proposed: Sequence[int] | None = None,  # [num_reqs] drafts actually proposed (<= γ)
+    ) -> list[int]:  # [num_reqs] verify_len per request
+        ...
+
+
+@dataclass(frozen=True)
+class FixedLength:
+    verify_len: int
+
+    needs_confidence: ClassVar[bool] = False
+    needs_cost: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.verify_len < 0:
+            raise ValueError(f"verify_len must be >= 0, got {self.verify_len}")
+
+    def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
+               num_reqs=None, num_proposed=None) -> list[int]:
+        limits = _proposal_limits(confidence, num_draft_tokens, num_reqs, num_proposed)
+        return [min(self.verify_len, limit) for limit in limits]
+
+
+@dataclass(frozen=True)
+class ConfidenceThreshold:
+    threshold: float
+    cumulative: bool = True  # True: survival Π c_i >= threshold; False: each conditional c_k >= it
+
+    needs_confidence: ClassVar[bool] = True
+    needs_cost: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+
+    def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
+               num_reqs=None, num_proposed=None) -> list[int]:
+        conditional = _checked_confidence(confidence, num_draft_tokens, policy="threshold")
+        scores = conditional.cumprod(dim=1) if self.cumulative else conditional
+        keep = scores >= self.threshold  # [num_reqs, num_draft_tokens]
+        lengths = keep.long().cumprod(dim=1).sum(dim=1).tolist()  # leading run of kept positions
+        limits = _proposal_limits(confidence, num_draft_tokens, num_reqs, num_proposed)
+        return [min(length, limit) for length, limit in zip(lengths, limits)]
+
+
+@dataclass(frozen=True)
+class PrefixScheduler:
+    break_on_drop: bool = True  # False is NOT lossless (Appendix A): for tests and ablations only
+
+    needs_confidence: ClassVar[bool] = True
+    needs_cost: ClassVar[bool] = True
+
+    def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
+               num_reqs=None, num_proposed=None) -> list[int]:
+        survival = _masked_survival(confidence, num_draft_tokens, num_proposed, policy="prefix")
+        cost = _require_cost(cost, policy="prefix")
+        num_reqs = survival.shape[0]
+        ranked_survival, ranked_reqs = _rank_candidates(survival)
+        throughput = _throughput_curve(ranked_survival, cost=cost, num_reqs=num_reqs,
+                                       num_nondraft_tokens=num_nondraft_tokens)
+        if self.break_on_drop:
+            improves = throughput[1:] > throughput[:-1]  # [num_candidates]
+            num_admitted = int(np.cumprod(improves).sum())  # stop at the first non-improvement
+        else:
+            num_admitted = int(np.argmax(throughput))  # first global maximum
+        return _lengths_from_ranking(ranked_reqs[:num_admitted], num_reqs)
+
+
+class AsyncPrefixScheduler:
+    """Capacity from confidences observed two `observe()` calls ago; current survivals fill it."""
+
+    needs_confidence: ClassVar[bool] = True
+    needs_cost: ClassVar[bool] = True
+
+    def __init__(self, *, cold_start_len: int | None = None) -> None:
+        # Until two observations exist: FixedLength(cold_start_len) (None: every proposed draft).
+        if cold_start_len is not None and cold_start_len < 0:
+            raise ValueError(f"cold_start_len must be >= 0, got {cold_start_len}")
+        self.cold_start_len = cold_start_len
+        self._history: deque[torch.Tensor] = deque(maxlen=2)  # survivals [num_candidates] each
+
+    def observe(
+        self,
+        confidence: torch.Tensor,  # [num_reqs, num_draft_tokens] a finished step's confidences
+        *,
+        num_proposed: Sequence[int] | None = None,  # [num_reqs]
+    ) -> None:
+        """Record a step's confidences; they set the capacity of the step after next."""
+        survival = _masked_survival(confidence, confidence.shape[1], num_proposed, policy="async")
+        self._history.append(survival[survival > 0].double().clone())
+
+    def reset(self) -> None:
+        self._history.clear()
+
+    def capacity(self, *, cost: CostTable, num_reqs: int, num_nondraft_tokens: int) -> int | None:
+        """K = global argmax of Θ over the stale survivals (no break); None during cold start."""
+        if len(self._history) < 2:
+            return None
+        stale_survival = self._history[0].sort(descending=True).values
+        throughput = _throughput_curve(stale_survival, cost=cost, num_reqs=num_reqs,
+                                       num_nondraft_tokens=num_nondraft_tokens)
+        return int(np.argmax(throughput))
+
+    def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
+               num_reqs=None, num_proposed=None) -> list[int]:
+        survival = _masked_survival(confidence, num_draft_tokens, num_proposed, policy="async")
+        cost = _require_cost(cost, policy="async")
+        num_reqs = survival.shape[0]
+        capacity = self.capacity(cost=cost, num_reqs=num_reqs,
+                                 num_nondraft_tokens=num_nondraft_tokens)
+        if capacity is None:  # cold start: a fixed length per request
+            per_request = num_draft_tokens if self.cold_start_len is None else self.cold_start_len
+            return FixedLength(per_request).choose(
+                confidence=confidence, num_draft_tokens=num_draft_tokens,
+                num_nondraft_tokens=num_nondraft_tokens, cost=cost, num_proposed=num_proposed)
+        _, ranked_reqs = _rank_candidates(survival)
+        return _lengths_from_ranking(ranked_reqs[:capacity], num_reqs)
+
+
+LENGTH_POLICIES: dict[str, type] = {
+    "fixed": FixedLength,
+    "threshold": ConfidenceThreshold,
+    "prefix": PrefixScheduler,
+    "async": AsyncPrefixScheduler,
+}
+
+
+def build_length_policy(
+    name: str,
+    *,
+    confidence_available: bool = True,  # does the drafter emit confidences?
+    cost_available: bool = True,  # is a cost table loaded?
+    **kwargs,
+) -> LengthPolicy:
+    """Construct a policy by name; fails closed if it needs confidences or a cost table that the
+    engine does not have."""
+    if name not in LENGTH_POLICIES:
+        raise ValueError(f"unknown length policy {name!r}; known: {sorted(LENGTH_POLICIES)}")
+    cls = LENGTH_POLICIES[name]
+    if cls.needs_confidence and not confidence_available:
+        raise ValueError(f"length policy {name!r} needs draft confidences, but the drafter "
+                         f"provides none (use 'fixed', or a drafter with a confidence head)")
+    if cls.needs_cost and not cost_available:
+        raise ValueError(f"length policy {name!r} needs a cost table (SPS curve), but none is "
+                         f"loaded (run `dspark profile` first)")
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _checked_confidence(confidence: torch.Tensor | None, num_draft_tokens: int, *,
+                        policy: str) -> torch.Tensor:  # [num_reqs, num_draft_tokens] float64
+    if confidence is None:
+        raise ValueError(f"length policy {policy!r} needs draft confidences, got confidence=None")
+    if confidence.dim() != 2 or confidence.shape[1] < num_draft_tokens:
+        raise ValueError(f"confidence must be [num_reqs, >= {num_draft_tokens}], "
+                         f"got {tuple(confidence.shape)}")
+    confidence = confidence[:, :num_draft_tokens].detach().to("cpu", torch.float64)
+    if bool(torch.isnan(confidence).any()):
+        raise ValueError(f"length policy {policy!r} got NaN confidences")
+    return confidence.clamp(0.0, 1.0)
+
+
+def _masked_survival(confidence: torch.Tensor | None, num_draft_tokens: int,
+                     num_proposed: Sequence[int] | None, *,
+                     policy: str) -> torch.Tensor:  # [num_reqs, num_draft_tokens] float64
+    """a_{r,j} = Π_{i≤j} c_{r,i}, zeroed past what request r actually proposed."""
+    survival = _checked_confidence(confidence, num_draft_tokens, policy=policy).cumprod(dim=1)
+    if num_proposed is not None:
+        limits = torch.as_tensor(list(num_proposed)).view(-1, 1)  # [num_reqs, 1]
+        if limits.shape[0] != survival.shape[0]:
+            raise ValueError(f"num_proposed has {limits.shape[0]} entries, "
+                             f"expected {survival.shape[0]}")
+        survival = survival.masked_fill(torch.arange(num_draft_tokens).view(1, -1) >= limits, 0.0)
+    return survival
+
+
+def _proposal_limits(confidence: torch.Tensor | None, num_draft_tokens: int, num_reqs: int | None,
+                     num_proposed: Sequence[int] | None) -> list[int]:
+    if num_proposed is not None:
+        return [min(int(n), num_draft_tokens) for n in num_proposed]
+    if num_reqs is None:
+        if confidence is None:
+            raise ValueError("need num_reqs (or num_proposed, or confidence) to size the batch")
+        num_reqs = confidence.shape[0]
+    return [num_draft_tokens] * num_reqs
+
+
+def _require_cost(cost: CostTable | None, *, policy: str) -> CostTable:
+    if cost is None:
+        raise ValueError(f"length policy {policy!r} needs a cost table (SPS curve), got cost=None")
+    return cost
+
+
+def _rank_candidates(
+    survival: torch.Tensor,  # [num_reqs, num_draft_tokens]
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_candidates] survival, [num_candidates] req index)
+    """Candidates with survival > 0, sorted by survival descending; ties keep position order (j
+    before j+1), so every admitted set of leading candidates is a per-request prefix."""
+    num_reqs, num_draft_tokens = survival.shape
+    by_position = survival.t().reshape(-1)  # [num_draft_tokens * num_reqs], position-major
+    req_index = torch.arange(num_reqs).repeat(num_draft_tokens)  # matches by_position
+    positive = by_position > 0
+    values, order = by_position[positive].sort(descending=True, stable=True)
+    return values, req_index[positive][order]
+
+
+def _throughput_curve(
+    ranked_survival: torch.Tensor,  # [num_candidates] sorted descending
+    *,
+    cost: CostTable,
+    num_reqs: int,
+    num_nondraft_tokens: int,
+) -> np.ndarray:  # [num_candidates + 1] Θ after admitting the first n candidates, n = 0..
+    expected_tokens = num_reqs + np.concatenate([[0.0], np.cumsum(ranked_survival.numpy())])
+    batch_tokens = num_nondraft_tokens + np.arange(ranked_survival.numel() + 1)
+    step_seconds = 1.0 / cost.sps_array(batch_tokens) + cost.draft_seconds_for(num_reqs)
+    return expected_tokens / step_seconds
+
+
+def _lengths_from_ranking(admitted_reqs: torch.Tensor, num_reqs: int) -> list[int]:
+    return torch.bincount(admitted_reqs, minlength=num_reqs).tolist()

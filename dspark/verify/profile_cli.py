@@ -1,0 +1,200 @@
+"""`dspark profile`: measure the step-cost table SPS(B) that the prefix scheduler (length policies
+"prefix" / "async") reads, on the current model, device and dtype, and save it as JSON.
+
+    dspark profile SmolLM2-135M-Instruct --out cost_table.json
+    dspark profile MODEL --speculative-config '{"method": "dspark", "model": "ckpt/dspark"}' \
+        --token-counts 1,2,4,8,16,32,64,128 --draft-num-reqs 1,2,4,8,16,32,64 --out cost_table.json
+
+Then serve with `{"length_policy": "prefix", "cost_table": "cost_table.json", ...}`.
+
+How: the engine is built exactly as for serving (same runner, KV pool, taps). For each token count B
+the profiler makes a synthetic verification batch — ceil(B / tokens_per_request) requests, each
+with `--context-len` committed positions (default 256) and a verify window [last, d1 .. dℓ], B tokens
+in all — and times `ModelRunner.prepare` + `forward` (the whole target step as the engine runs it,
+tensor building included) with `cost_table.profile` (warm-up calls, then the median of `--repeats`).
+The pool slots are allocated through the engine's `BlockManager`; K/V contents are whatever the pool
+holds (timing does not depend on values). With a speculative config, the drafter's `propose` for R
+requests at that context is timed too (drafter context extension is not included). The device is
+synchronised after each call on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import platform
+
+import torch
+
+DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_DRAFT_NUM_REQS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class StepProfiler:
+    """Synthetic verification and draft steps on a built engine. Call `close()` to free the blocks."""
+
+    def __init__(self, engine, *, context_len: int = 256, tokens_per_request: int = 8, seed: int = 0):
+        gamma = engine.drafter.num_draft_tokens if engine.drafter else 0
+        self.engine = engine
+        self.tokens_per_request = tokens_per_request
+        # keep context + window + drafter scratch inside the model length
+        room = engine.max_model_len - tokens_per_request - gamma - 1
+        self.context_len = max(1, min(context_len, room))
+        self.gamma = gamma
+        self._rng = torch.Generator().manual_seed(seed)
+        self._key = None
+        self._requests = []
+        self._ids = 0
+
+    def verify_step(self, num_tokens: int) -> None:
+        """One target forward over `num_tokens` verification tokens."""
+        from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+        reqs = self._batch(("verify", num_tokens), _split(num_tokens, self.tokens_per_request))
+        sched = SchedulerOutput(scheduled=[
+            ScheduledRequest(r, 1 + len(r.draft_ids), len(r.draft_ids), emits=True,
+                             start_pos=self.context_len) for r in reqs])
+        runner = self.engine.runner
+        runner.forward(runner.prepare(sched))
+        self._sync()
+
+    def draft_step(self, num_reqs: int) -> None:
+        """One drafter proposal for `num_reqs` requests."""
+        from dspark.drafters.base import ProposeBatch, ProposeRequest
+
+        reqs = self._batch(("draft", num_reqs), [1] * num_reqs)
+        spec = self.engine.config.spec
+        batch = ProposeBatch(
+            requests=[ProposeRequest(request_id=r.request_id, all_ids=r.all_ids,
+                                     anchor_pos=self.context_len, block_table=r.block_table,
+                                     num_draft_computed=self.context_len, params=r.params,
+                                     generator=r.generator) for r in reqs],
+            kv_block_size=self.engine.block_manager.kv_block_size,
+            draft_sample_method=spec.draft_sample_method if spec else "greedy")
+        with torch.inference_mode():
+            self.engine.drafter.propose(batch)
+        self._sync()
+
+    def close(self) -> None:
+        for r in self._requests:
+            self.engine.block_manager.free_request(r)
+        self._requests, self._key = [], None
+
+    # -- internals -------------------------------------------------------------------------------
+    def _batch(self, key, window_sizes: list[int]):
+        """Requests with `context_len` committed positions and a window of each size (cached while
+        the same key is timed repeatedly)."""
+        if key == self._key:
+            return self._requests
+        from dspark.request import Request
+        from dspark.sampling import SamplingParams
+
+        self.close()
+        vocab_size = self.engine.model_config.vocab_size
+        for size in window_sizes:
+            ids = torch.randint(0, vocab_size, (self.context_len + size,), generator=self._rng).tolist()
+            req = Request(f"profile-{self._ids}", ids[:self.context_len + 1],
+                          SamplingParams(temperature=0.0, max_tokens=1))
+            self._ids += 1
+            req.num_computed_tokens = req.num_draft_computed = self.context_len
+            req.draft_ids = ids[self.context_len + 1:]
+            num_slots = self.context_len + size + self.gamma + 1
+            if not self.engine.block_manager.allocate(req, num_slots):
+                self.close()
+                raise RuntimeError(f"KV pool too small for {len(window_sizes)} requests of "
+                                   f"{num_slots} slots; raise --kv-cache-memory-gb or lower "
+                                   f"--context-len")
+            self._requests.append(req)
+        self._key = key
+        return self._requests
+
+    def _sync(self) -> None:
+        if str(self.engine.config.device).startswith("cuda"):
+            torch.cuda.synchronize()
+
+
+def profile_engine(engine, *, token_counts=DEFAULT_TOKEN_COUNTS, draft_num_reqs=DEFAULT_DRAFT_NUM_REQS,
+                   context_len: int = 256, tokens_per_request: int | None = None, repeats: int = 5,
+                   warmup: int = 2, meta: dict | None = None):
+    """Profile a built engine; returns a `CostTable` (draft curve only when it has a drafter)."""
+    from dspark.verify.cost_table import profile
+
+    gamma = engine.drafter.num_draft_tokens if engine.drafter else 7
+    profiler = StepProfiler(engine, context_len=context_len,
+                            tokens_per_request=tokens_per_request or gamma + 1)
+    try:
+        return profile(
+            profiler.verify_step, token_counts=token_counts, repeats=repeats, warmup=warmup,
+            draft_fn=profiler.draft_step if engine.drafter else None,
+            draft_num_reqs=draft_num_reqs if engine.drafter else (),
+            meta={"context_len": profiler.context_len,
+                  "tokens_per_request": profiler.tokens_per_request,
+                  **_device_meta(engine), **(meta or {})})
+    finally:
+        profiler.close()
+
+
+def _split(num_tokens: int, per_request: int) -> list[int]:
+    """`num_tokens` spread evenly over ceil(num_tokens / per_request) requests."""
+    num_reqs = math.ceil(num_tokens / per_request)
+    base, extra = divmod(num_tokens, num_reqs)
+    return [base + (i < extra) for i in range(num_reqs)]
+
+
+def _device_meta(engine) -> dict:
+    device = str(engine.config.device)
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else (
+        platform.processor() or platform.machine())
+    return {"model": engine.config.model, "dtype": engine.config.dtype, "device": device,
+            "device_name": name, "num_threads": torch.get_num_threads(),
+            "speculative_method": engine.config.spec.method if engine.config.spec else None,
+            "torch": torch.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def register(sub) -> None:
+    from dspark.cli import add_engine_args
+    p = sub.add_parser("profile", help="measure the SPS(B) step-cost table for the prefix scheduler")
+    add_engine_args(p, positional_model=True)
+    p.add_argument("--out", default="cost_table.json")
+    p.add_argument("--token-counts", type=_int_list, default=list(DEFAULT_TOKEN_COUNTS))
+    p.add_argument("--draft-num-reqs", type=_int_list, default=list(DEFAULT_DRAFT_NUM_REQS))
+    p.add_argument("--context-len", type=int, default=256, help="committed positions per request")
+    p.add_argument("--tokens-per-request", type=int, default=None, help="verify window (default γ+1)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from dspark.cli import engine_config_from_args
+    from dspark.engine.build import build_engine
+
+    config = engine_config_from_args(args)
+    if config.spec is not None:  # the prefix policies need the very table being measured
+        config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, length_policy="fixed",
+                                                                      cost_table=None))
+    engine, _ = build_engine(config)
+    draft_num_reqs = [n for n in args.draft_num_reqs if n <= config.scheduler.max_num_seqs]
+    try:
+        table = profile_engine(engine, token_counts=args.token_counts, draft_num_reqs=draft_num_reqs,
+                               context_len=args.context_len, tokens_per_request=args.tokens_per_request,
+                               repeats=args.repeats, warmup=args.warmup)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: {e}")
+    table.save(args.out)
+    print(f"{'tokens':>7} {'steps/s':>9} {'ms/step':>8}")
+    for n, sps in zip(table.num_tokens, table.steps_per_second):
+        print(f"{n:>7} {sps:>9.1f} {1000 / sps:>8.2f}")
+    for n, s in zip(table.draft_num_reqs, table.draft_seconds):
+        print(f"draft  {n:>3} requests: {1000 * s:.2f} ms")
+    print(f"wrote {args.out}")
+    print(json.dumps({"out": args.out, **table.to_dict()}))
+    return 0

@@ -1,0 +1,66 @@
+"""Helpers for engine-level tests: tiny random targets (with their HF twins) wrapped in an Engine."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dspark.engine.engine import Engine
+from dspark.llm import LLM
+from dspark.models import build_model
+from dspark.sampling import SamplingParams
+
+
+def tiny_target(cfg, *, seed: int = 0):
+    """(our model, the HF twin) with the same random weights."""
+    from tests.conftest import hf_twin
+    hf = hf_twin(cfg, seed=seed)
+    model = build_model(cfg, dtype=torch.float32)
+    with torch.inference_mode():
+        model.load_weights(hf.state_dict().items())
+    return model, hf
+
+
+def make_engine(model, cfg, *, drafter=None, spec: SpecConfig | None = None, num_kv_blocks=256,
+                kv_block_size=4, budget=64, max_num_seqs=16, length_policy=None, prefix=True,
+                coalesce_steps=0):
+    config = EngineConfig(
+        cache=CacheConfig(kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
+                          enable_prefix_caching=prefix),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                  coalesce_steps=coalesce_steps),
+        spec=spec)
+    return Engine(config, model=model, model_config=cfg, drafter=drafter, length_policy=length_policy)
+
+
+def run(engine, prompts, params) -> list[list[int]]:
+    llm = LLM(engine=engine, tokenizer=None)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def run_one_at_a_time(engine, prompts, params) -> list[list[int]]:
+    return [run(engine, [p], params)[0] for p in prompts]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                          do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def repetitive_prompts(n: int, vocab: int, *, seed: int = 0, length: int = 40) -> list[list[int]]:
+    """Prompts with repeated n-grams (the n-gram drafter finds matches) and shared prefixes (prefix-cache
+    hits)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (9,), generator=g).tolist()
+    out = []
+    for i in range(n):
+        motif = torch.randint(3, vocab, (5,), generator=g).tolist()
+        body = (motif * (length // 5 + 1))[:length - 9 - i]
+        out.append((shared if i % 2 == 0 else []) + body + motif[:2])
+    return out

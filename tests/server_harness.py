@@ -1,0 +1,148 @@
+"""Test harness for the server tests: a tiny random-weight Llama engine, a printable-ASCII character
+tokenizer with a chat template, and a uvicorn server on 127.0.0.1 (port chosen by the OS) in a
+background thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dspark.drafters import build_drafter
+from dspark.engine.engine import Engine
+from dspark.models import build_model
+from dspark.models.config import ModelConfig
+from dspark.server.app import build_app
+from dspark.server.async_engine import AsyncEngine
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 128
+FIRST_CHAR = 32  # token id t >= NUM_SPECIAL decodes to chr(FIRST_CHAR + t - NUM_SPECIAL)
+NUM_SPECIAL = 3  # 0 pad, 1 bos, 2 eos
+TINY = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=NUM_SPECIAL + 95, hidden_size=64,
+    intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, rms_norm_eps=1e-5,
+    max_position_embeddings=256, bos_token_id=1, eos_token_ids=(2,))
+
+
+class CharTokenizer:
+    """Printable-ASCII character tokenizer, its own HF-style `.tokenizer` and chat template."""
+
+    eos_token_ids = (2,)
+
+    @property
+    def tokenizer(self):
+        return self
+
+    def encode(self, text: str) -> list[int]:
+        return [NUM_SPECIAL + ord(c) - FIRST_CHAR if FIRST_CHAR <= ord(c) < FIRST_CHAR + 95
+                else NUM_SPECIAL + ord("?") - FIRST_CHAR for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(FIRST_CHAR + t - NUM_SPECIAL) if t >= NUM_SPECIAL else
+                       ("" if skip_special_tokens else f"<{t}>") for t in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"unknown role {m['role']!r}")
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return [1] + self.encode(text + ("assistant: " if add_generation_prompt else ""))
+
+
+def build_tiny_model():
+    torch.manual_seed(0)
+    model = build_model(TINY, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.05)  # small weights: greedy text falls into loops the n-gram
+                # drafter can predict, so speculative chunks carry several tokens
+    return model
+
+
+def make_engine(model, *, spec: SpecConfig | None = None, num_kv_blocks: int = 96) -> Engine:
+    config = EngineConfig(
+        model=MODEL, cache=CacheConfig(kv_block_size=4, num_kv_blocks=num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                  max_model_len=MAX_MODEL_LEN), spec=spec)
+    drafter = None if spec is None else build_drafter(spec, target_config=TINY, target_model=model,
+                                                      dtype=torch.float32, device="cpu")
+    return Engine(config, model=model, model_config=TINY, drafter=drafter, eos_token_ids=(2,))
+
+
+@dataclass
+class Served:
+    base_url: str
+    engine: Engine
+    async_engine: AsyncEngine
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0,
+                             timeout=60)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.post(self.base_url + path, timeout=60, **kwargs)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def wait_idle(self, timeout_s: float = 20.0) -> None:
+        """Until the engine has no request and every KV block is free; then check the pool."""
+        bm = self.engine.block_manager
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (not self.engine.requests and bm.num_free_blocks == len(bm.blocks)
+                    and not self.async_engine.num_active):
+                break
+            time.sleep(0.02)
+        assert not self.engine.requests, f"left in the engine: {list(self.engine.requests)}"
+        assert bm.num_free_blocks == len(bm.blocks), (
+            f"{bm.num_free_blocks}/{len(bm.blocks)} blocks free")
+        bm.check_invariants()
+
+
+@contextlib.contextmanager
+def serve(engine: Engine, *, api_key: str | None = None):
+    async_engine = AsyncEngine(engine, CharTokenizer())
+    app = build_app(async_engine, model_name=MODEL, api_key=api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield Served(f"http://127.0.0.1:{port}", engine, async_engine)
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+def stream_events(srv: Served, path: str, payload: dict) -> list[str]:
+    """The `data:` payloads of one SSE response, checking the framing (event, blank line)."""
+    with httpx.stream("POST", srv.base_url + path, json=payload, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        body = resp.read().decode()
+    events = body.split("\n\n")
+    assert events[-1] == "", "the stream must end with a blank line after the last event"
+    assert all(e.startswith("data: ") for e in events[:-1]), events
+    return [e[len("data: "):] for e in events[:-1]]

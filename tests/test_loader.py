@@ -1,0 +1,148 @@
+"""Loading: HF safetensors directories (single file and sharded index) round-trip into our modules,
+bad checkpoints raise naming the key, the SmolLM2 GGUF header maps onto ModelConfig, the GGUF q/k row
+un-permutation inverts llama.cpp's, and the tokenizer's chat template emits <|im_start|>."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_LLAMA, TINY_QWEN3, PagedKV, hf_twin
+from dspark.models.loader import (DEFAULT_MODEL, GGUFSource, SafetensorsSource, load_model,
+                                  resolve_model_path, unpermute_rope_rows)
+
+ATOL = 1e-5
+
+
+def _save_tiny(cfg, tmp_path, *, max_shard_size=None):
+    hf = hf_twin(cfg, seed=11)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    hf.save_pretrained(tmp_path, safe_serialization=True, **kwargs)
+    return hf
+
+
+def _check_same_logits(model, hf, vocab):
+    ids = list(range(3, 3 + 11))
+    kv = PagedKV.create(model, num_requests=1, max_len=len(ids), kv_block_size=4)
+    hidden, _ = kv.step(model, [(ids, 0)])
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    err = (model.compute_logits(hidden) - ref).abs().max().item()
+    assert err < 1e-4, f"loaded model logits differ from the saved HF model by {err:.2e} (atol 1e-4)"
+
+
+@pytest.mark.parametrize("cfg", [TINY_LLAMA, TINY_QWEN3], ids=["llama", "qwen3"])
+def test_safetensors_roundtrip(cfg, tmp_path):
+    hf = _save_tiny(cfg, tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    source = SafetensorsSource(tmp_path)
+    assert source.config == cfg, f"config.json round trip changed the config: {source.config} vs {cfg}"
+    from dspark.models import build_model
+    model = build_model(source.config)
+    model.load_weights(source.weights())
+    _check_same_logits(model, hf, cfg.vocab_size)
+
+
+def test_sharded_safetensors(tmp_path):
+    hf = _save_tiny(TINY_LLAMA, tmp_path, max_shard_size="60KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "expected several shards"
+    source = SafetensorsSource(tmp_path)
+    from dspark.models import build_model
+    model = build_model(source.config)
+    model.load_weights(source.weights())
+    _check_same_logits(model, hf, TINY_LLAMA.vocab_size)
+
+
+def test_bad_checkpoint_keys_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from dspark.models import build_model
+    _save_tiny(TINY_LLAMA, tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match=r"model\.layers\.0\.mlp\.extra_proj\.weight"):
+        build_model(TINY_LLAMA).load_weights(SafetensorsSource(tmp_path).weights())
+    del sd["model.layers.0.mlp.extra_proj.weight"]
+    del sd["model.layers.2.mlp.up_proj.weight"]
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match=r"model\.layers\.2\.mlp\.up_proj\.weight"):
+        build_model(TINY_LLAMA).load_weights(SafetensorsSource(tmp_path).weights())
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        SafetensorsSource(tmp_path)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    # llama.cpp's converter: reshape(heads, 2, hd/2, ...).swapaxes(1, 2) — interleave the two halves
+    heads, hd, cols = 3, 8, 5
+    w = torch.randn(heads * hd, cols)
+    permuted = w.reshape(heads, 2, hd // 2, cols).transpose(1, 2).reshape(w.shape)
+    assert torch.equal(unpermute_rope_rows(permuted, heads), w)
+
+
+@pytest.fixture(scope="module")
+def gguf_source():
+    try:
+        return GGUFSource(resolve_model_path(DEFAULT_MODEL))
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def test_smollm2_gguf_header(gguf_source):
+    c = gguf_source.config
+    assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.intermediate_size) == \
+        ("LlamaForCausalLM", 30, 576, 1536)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert (c.vocab_size, c.tie_word_embeddings, c.qk_norm) == (49152, True, False)
+    assert c.rope_theta == 100000.0 and c.rms_norm_eps == 1e-5 and c.rope_scaling is None
+    assert c.max_position_embeddings == 8192 and c.eos_token_ids == (2,) and c.bos_token_id == 1
+
+
+def test_resolve_default_and_missing():
+    assert resolve_model_path("default") == resolve_model_path(DEFAULT_MODEL)
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        resolve_model_path("/no-such-model")
+
+
+def test_smollm2_tokenizer_chat_template(smollm2):
+    _, _, tok = smollm2
+    assert tok.eos_token_ids == (2,) and tok.tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+    im_start = tok.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hello there"}])
+    assert ids.count(im_start) >= 2, f"chat prompt should contain <|im_start|> ({im_start}) ids: {ids}"
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+    assert tok.decode(tok.encode("Hello world")) == "Hello world"
+
+
+def test_gguf_conversion_cache_matches_fresh_dequant(gguf_source, smollm2):
+    """The smollm2 fixture may read the converted-weights cache; it must equal a fresh GGUF conversion."""
+    model, _, _ = smollm2
+    fresh = {}
+    for name, t in gguf_source.weights():
+        if name.startswith("model.layers.3.self_attn.") or name == "model.embed_tokens.weight":
+            fresh[name] = t
+        if name.startswith("model.layers.4."):
+            break
+    attn = model.model.layers[3].self_attn
+    q, k, v = attn.qkv_proj.weight.split(attn.qkv_proj.split_sizes)
+    assert torch.equal(q, fresh["model.layers.3.self_attn.q_proj.weight"])
+    assert torch.equal(k, fresh["model.layers.3.self_attn.k_proj.weight"])
+    assert torch.equal(v, fresh["model.layers.3.self_attn.v_proj.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, fresh["model.embed_tokens.weight"])
+
+
+def test_load_model_from_hf_dir_with_tokenizer(tmp_path, smollm2):
+    _, _, smol_tok = smollm2
+    cfg = TINY_LLAMA
+    from dataclasses import replace
+    cfg = replace(cfg, vocab_size=len(smol_tok.tokenizer), eos_token_ids=(2,))
+    hf = _save_tiny(cfg, tmp_path)
+    smol_tok.tokenizer.save_pretrained(tmp_path)
+    model, loaded_cfg, tok = load_model(str(tmp_path))
+    assert loaded_cfg == cfg and tok.eos_token_ids == (2,)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        smol_tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    _check_same_logits(model, hf, cfg.vocab_size)

@@ -1,0 +1,134 @@
+"""Our Llama/Qwen3 modules over the paged KV pool vs transformers: tiny random models (one-shot prefill,
+chunked prefill + decode, taps) and the real SmolLM2-135M GGUF against transformers' own GGUF loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PagedKV, hf_twin
+from dspark.models import MODEL_REGISTRY, build_model
+
+ATOL = 1e-4
+
+
+def ours_from_hf(cfg, hf_model):
+    model = build_model(cfg, dtype=torch.float32, device="cpu")
+    model.load_weights(hf_model.state_dict().items())
+    return model
+
+
+def hf_comparable_tap(model, tap: torch.Tensor, layer_id: int) -> torch.Tensor:
+    """Taps are the raw residual stream; HF's last hidden_states entry is taken after the final norm."""
+    if layer_id == model.config.num_hidden_layers - 1:
+        return model.model.norm(tap)
+    return tap
+
+
+def hf_reference(hf_model, ids: list[int]):
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0].float(), [h[0] for h in out.hidden_states]
+
+
+def test_registry_has_both_families():
+    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "Qwen3ForCausalLM"}
+
+
+@pytest.mark.parametrize("kv_block_size", [4, 16])
+def test_prefill_logits_and_taps_match_hf(tiny_config, kv_block_size):
+    hf = hf_twin(tiny_config)
+    ours = ours_from_hf(tiny_config, hf)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, tiny_config.vocab_size, (37,), generator=g).tolist()
+    ref_logits, ref_hidden = hf_reference(hf, ids)
+    taps_ids = (-1, 0, tiny_config.num_hidden_layers - 1, 0)
+    kv = PagedKV.create(ours, num_requests=1, max_len=len(ids), kv_block_size=kv_block_size)
+    hidden, taps = kv.step(ours, [(ids, 0)], tap_layer_ids=taps_ids)
+    logits = ours.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (len(ids), tiny_config.vocab_size)
+    err = (logits - ref_logits).abs().max().item()
+    assert err < ATOL, f"prefill logits differ from HF by {err:.2e} (atol {ATOL})"
+    H = tiny_config.hidden_size
+    assert taps.shape == (len(ids), len(taps_ids) * H)
+    for j, layer_id in enumerate(taps_ids):
+        err = (hf_comparable_tap(ours, taps[:, j * H:(j + 1) * H], layer_id) - ref_hidden[layer_id + 1]).abs().max().item()
+        assert err < ATOL, f"tap {layer_id} differs from HF hidden_states[{layer_id + 1}] by {err:.2e}"
+    _, no_taps = kv.step(ours, [(ids[:3], 0)])
+    assert no_taps is None
+
+
+def test_chunked_prefill_and_decode_match_one_shot(tiny_config):
+    hf = hf_twin(tiny_config, seed=3)
+    ours = ours_from_hf(tiny_config, hf)
+    g = torch.Generator().manual_seed(2)
+    # two requests in one batch: A decodes while B is mid-prompt, so groups mix
+    a = torch.randint(3, tiny_config.vocab_size, (30,), generator=g).tolist()
+    b = torch.randint(3, tiny_config.vocab_size, (26,), generator=g).tolist()
+    ref_a, _ = hf_reference(hf, a)
+    ref_b, _ = hf_reference(hf, b)
+    kv = PagedKV.create(ours, num_requests=2, max_len=32, kv_block_size=4, seed=5)
+    rows_a, rows_b = [], []
+    # step 1: A chunk 0..19, B chunk 0..4
+    h, _ = kv.step(ours, [(a[:20], 0), (b[:5], 0)])
+    rows_a.append(h[:20]); rows_b.append(h[20:])
+    # step 2: A chunk 20..26 (7 tokens), B chunk 5..22 (18 tokens: a >16 group of its own)
+    h, _ = kv.step(ours, [(a[20:27], 20), (b[5:23], 5)])
+    rows_a.append(h[:7]); rows_b.append(h[7:])
+    # steps 3..: one token at a time for both (decode)
+    for t in range(3):
+        h, _ = kv.step(ours, [(a[27 + t:28 + t], 27 + t), (b[23 + t:24 + t], 23 + t)])
+        rows_a.append(h[:1]); rows_b.append(h[1:])
+    for rows, ref, name in ((rows_a, ref_a, "A"), (rows_b, ref_b, "B")):
+        logits = ours.compute_logits(torch.cat(rows))
+        err = (logits - ref[:logits.shape[0]]).abs().max().item()
+        assert err < ATOL, f"request {name}: chunked prefill + decode logits differ by {err:.2e} (atol {ATOL})"
+
+
+def test_load_weights_rejects_unknown_and_missing():
+    from conftest import TINY_LLAMA
+    hf = hf_twin(TINY_LLAMA)
+    ours = build_model(TINY_LLAMA)
+    sd = dict(hf.state_dict())
+    sd["model.layers.0.self_attn.bogus.weight"] = torch.zeros(1)
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.bogus.weight"):
+        ours.load_weights(sd.items())
+    del sd["model.layers.0.self_attn.bogus.weight"]
+    del sd["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+        ours.load_weights(sd.items())
+
+
+def test_bad_tap_id_and_rope_type():
+    from dataclasses import replace
+    from conftest import TINY_LLAMA
+    ours = build_model(TINY_LLAMA)
+    kv = PagedKV.create(ours, num_requests=1, max_len=4, kv_block_size=4)
+    with pytest.raises(ValueError, match="tap layer id 3"):
+        kv.step(ours, [([5, 6], 0)], tap_layer_ids=(3,))
+    with pytest.raises(ValueError, match="yarn"):
+        build_model(replace(TINY_LLAMA, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+# ------------------------------------------------------------------------------------------- SmolLM2
+
+SMOL_ATOL = 2e-3  # fp32, 30 layers, logits of magnitude ~20: summation-order noise only
+
+
+def test_smollm2_gguf_matches_transformers_gguf(smollm2, hf_smollm2):
+    model, cfg, tok = smollm2
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ref_logits, ref_hidden = hf_reference(hf_smollm2, ids)
+    taps_ids = (-1, 1, 15, 29)
+    kv = PagedKV.create(model, num_requests=1, max_len=len(ids), kv_block_size=16)
+    hidden, taps = kv.step(model, [(ids, 0)], tap_layer_ids=taps_ids)
+    logits = model.compute_logits(hidden)
+    err = (logits - ref_logits).abs().max().item()
+    assert err < SMOL_ATOL, f"SmolLM2 logits differ from transformers by {err:.2e} (atol {SMOL_ATOL})"
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1)), "greedy tokens differ from transformers"
+    H = cfg.hidden_size
+    for j, layer_id in enumerate(taps_ids):
+        ref = ref_hidden[layer_id + 1]
+        tol = SMOL_ATOL * max(1.0, ref.abs().max().item() / 10)  # residual stream grows with depth
+        err = (hf_comparable_tap(model, taps[:, j * H:(j + 1) * H], layer_id) - ref).abs().max().item()
+        assert err < tol, f"SmolLM2 tap {layer_id} differs by {err:.2e} (atol {tol:.1e})"

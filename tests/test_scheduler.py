@@ -1,0 +1,127 @@
+"""Scheduler: token budget with mixed prompt chunks and decode/verify windows, preemption by
+recompute, stop conditions inside an accepted run."""
+
+from dspark.config import SchedulerConfig
+from dspark.engine.block_manager import BlockManager
+from dspark.engine.scheduler import Scheduler
+from dspark.request import Request
+from dspark.sampling import SamplingParams
+
+
+def _sched(num_kv_blocks=64, budget=16, lookahead=0, **kw):
+    bm = BlockManager(num_kv_blocks=num_kv_blocks, kv_block_size=4)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, **kw)
+    return Scheduler(cfg, bm, max_model_len=256, num_lookahead_slots=lookahead), bm
+
+
+def _commit_all(s, out, token=7, accepted=None):
+    ids = {i.request.request_id: [token] * (1 + (accepted or {}).get(i.request.request_id, 0))
+           for i in out.scheduled if i.emits}
+    return s.commit(out, ids, accepted or {})
+
+
+def test_chunked_prefill_and_decode_share_a_step():
+    s, _ = _sched(budget=16)
+    a = Request("a", list(range(10)), SamplingParams(max_tokens=5))
+    s.add(a)
+    out = s.schedule()
+    assert [(i.num_new_tokens, i.emits) for i in out.scheduled] == [(10, True)]
+    _commit_all(s, out)
+    assert a.num_computed_tokens == 10 and a.output_ids == [7] and a.is_decoding
+    b = Request("b", list(range(100, 140)), SamplingParams(max_tokens=5))
+    s.add(b)
+    out = s.schedule()  # a decodes 1 token, b gets the rest of the budget as a chunk
+    assert [(i.request.request_id, i.num_new_tokens, i.emits) for i in out.scheduled] == [
+        ("a", 1, True), ("b", 15, False)]
+    _commit_all(s, out)
+    assert b.num_computed_tokens == 15 and b.output_ids == []
+
+
+def test_verify_window_and_rollback_counter():
+    s, _ = _sched(budget=16, lookahead=3)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    s.add(a)
+    _commit_all(s, s.schedule())
+    a.draft_ids, a.verify_len = [4, 5, 6], 3
+    out = s.schedule()
+    item = out.scheduled[0]
+    assert (item.num_new_tokens, item.num_drafts, item.num_logits) == (4, 3, 4)
+    # 1 of 3 drafts accepted: accepted + recovered emitted, committed length grows by 2
+    emitted = s.commit(out, {"a": [4, 9]}, {"a": 1})
+    assert emitted == {"a": [4, 9]}
+    assert a.num_computed_tokens == 3 + 2 and a.all_ids == [1, 2, 3, 7, 4, 9] and a.is_decoding
+    assert a.spec.num_drafts == 1 and a.spec.num_draft_tokens == 3 and a.spec.num_accepted_tokens == 1
+    # blocks cover the committed length + window + drafter scratch
+    assert len(a.block_table) * 4 >= 3 + 4 + 3
+
+
+def test_stop_token_inside_accepted_run_truncates():
+    s, _ = _sched(budget=16, lookahead=4)
+    a = Request("a", [1, 2], SamplingParams(max_tokens=50, stop_token_ids=(42,)))
+    s.add(a)
+    _commit_all(s, s.schedule())
+    a.draft_ids, a.verify_len = [5, 42, 6, 8], 4
+    out = s.schedule()
+    emitted = s.commit(out, {"a": [5, 42, 6, 8, 3]}, {"a": 4})
+    assert emitted == {"a": [5, 42]} and a.finish_reason == "stop" and a.is_finished
+    assert a.output_ids == [7, 5, 42]
+
+
+def test_max_tokens_inside_accepted_run():
+    s, bm = _sched(budget=16, lookahead=4)
+    a = Request("a", [1, 2], SamplingParams(max_tokens=3))
+    s.add(a)
+    _commit_all(s, s.schedule())
+    a.draft_ids, a.verify_len = [5, 6, 7, 8], 4
+    out = s.schedule()
+    emitted = s.commit(out, {"a": [5, 6, 7, 8, 9]}, {"a": 4})
+    assert emitted == {"a": [5, 6]} and a.finish_reason == "length"
+    assert bm.num_free_blocks == 64  # finished → blocks released
+
+
+def test_preemption_by_recompute_loses_nothing():
+    s, bm = _sched(num_kv_blocks=6, budget=64)
+    reqs = [Request(f"r{i}", list(range(i * 10, i * 10 + 7)), SamplingParams(max_tokens=12))
+            for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    preempted = 0
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        out = s.schedule()
+        preempted += len(out.preempted_ids)
+        _commit_all(s, out)
+        bm.check_invariants()
+    assert preempted > 0, "a 6-block pool must force preemption"
+    assert all(r.is_finished and len(r.output_ids) == 12 for r in reqs)
+    assert bm.num_free_blocks == 6
+
+
+def test_abort_frees_blocks():
+    s, bm = _sched()
+    a = Request("a", list(range(30)), SamplingParams())
+    s.add(a)
+    s.schedule()
+    assert bm.num_free_blocks < 64
+    s.abort("a")
+    assert bm.num_free_blocks == 64 and a.finish_reason == "abort"
+    assert s.take_finished() == [a] and not s.has_unfinished()
+
+
+def test_coalescing_holds_prompts_a_bounded_number_of_steps():
+    s, _ = _sched(budget=256, coalesce_steps=2)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    s.add(a)
+    _commit_all(s, s.schedule())
+    b = Request("b", [4, 5, 6], SamplingParams(max_tokens=50))
+    s.add(b)
+    held = 0
+    for _ in range(5):
+        out = s.schedule()
+        ids = [i.request.request_id for i in out.scheduled]
+        _commit_all(s, out)
+        if "b" in ids:
+            break
+        held += 1
+    assert held == 2

@@ -1,0 +1,289 @@
+"""Drafter training: loss terms against hand-computed values, anchors on a toy sequence, data prep with
+a stub engine, a few steps on a tiny random target reduce the loss, resume is bit-exact, and 2 gloo
+processes give the single-process gradients of the same global batch.
+
+    pytest tests/test_train.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import TINY_LLAMA
+from dspark.models import build_model
+from dspark.train import methods
+from dspark.train.anchors import block_eval_mask, block_labels, sample_anchors, valid_anchor_mask
+from dspark.train.config import TrainConfig, load_train_config
+from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, collate, done_keys,
+                               write_shard)
+from dspark.train.features import target_features
+from dspark.train.losses import LossWeights, dspark_loss, eagle3_loss, summarise
+from dspark.train.trainer import Trainer
+
+W1 = math.exp(-1 / 4)  # position weight of slot 1
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, and kinder to a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- losses -------------------------------------------------------------------------------------------
+
+def _toy_block():
+    """One block of two slots over a draft vocab of 2 target tokens (the target vocab has a third)."""
+    draft_logits = torch.tensor([[[[0.0, math.log(3)], [0.0, 0.0]]]])  # p_d = [.25, .75], [.5, .5]
+    p_t = torch.tensor([[[[0.5, 0.3], [0.1, 0.9]]]])  # target probs on the draft vocab; slot 0 has 0.2 outside
+    return dict(draft_logits=draft_logits, target_logits=p_t.log(), target_lse=torch.zeros(1, 1, 2),
+                labels=torch.tensor([[[1, 1]]]), eval_mask=torch.ones(1, 1, 2, dtype=torch.bool),
+                confidence_logits=torch.tensor([[[0.0, math.log(3)]]]))  # σ = 0.5, 0.75
+
+
+def test_dspark_loss_terms_match_hand_computed_values():
+    out = dspark_loss(**_toy_block(), weights=LossWeights())
+    ce = (-math.log(0.75) + W1 * -math.log(0.5)) / (1 + W1)
+    l1_0 = 0.25 + 0.45 + 0.2  # |p_d - p_t| on the draft vocab + target mass outside it
+    l1_1 = 0.4 + 0.4
+    l1 = (l1_0 + W1 * l1_1) / (1 + W1)
+    c0, c1 = 1 - l1_0 / 2, 1 - l1_1 / 2  # c* = 0.55, 0.6
+    bce_0 = -(c0 * math.log(0.5) + (1 - c0) * math.log(0.5))
+    bce_1 = -(c1 * math.log(0.75) + (1 - c1) * math.log(0.25))
+    bce = (bce_0 + W1 * bce_1) / (1 + W1)
+    assert out.loss.item() == pytest.approx(0.1 * ce + 0.9 * l1 + 1.0 * bce, rel=1e-5)
+    s = summarise(out.stats)
+    assert s["ce"] == pytest.approx(ce, rel=1e-5)
+    assert s["l1"] == pytest.approx(l1, rel=1e-5)
+    assert s["bce"] == pytest.approx(bce, rel=1e-5)
+    assert s["alpha"] == pytest.approx([c0, c1], abs=1e-4)
+    assert s["acc"] == [1.0, 0.0]  # argmax: slot 0 → 1 (= label), slot 1 → 0 (tie; label 1)
+    assert s["tau_top1"] == pytest.approx(2.0)  # slot 0 matches, slot 1 does not
+
+
+def test_dspark_loss_masks_and_dflash_ce_only():
+    toy = _toy_block()
+    toy["eval_mask"] = torch.tensor([[[True, False]]])  # slot 1 unsupervised: no term at all
+    toy["labels"] = torch.tensor([[[-100, 1]]])  # slot 0 label outside the draft vocab: no CE, still L1
+    out = dspark_loss(**toy, weights=LossWeights())
+    s = summarise(out.stats)
+    assert s["l1"] == pytest.approx(0.9, rel=1e-5) and s["ce"] == 0.0
+    dflash = dspark_loss(**{**_toy_block(), "confidence_logits": None, "target_logits": None, "target_lse": None},
+                         weights=LossWeights(ce=1.0, l1=0.0, confidence=0.0))
+    expected = (-math.log(0.75) + W1 * -math.log(0.5)) / (1 + W1)
+    assert dflash.loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_eagle3_loss_is_decayed_soft_ce_on_shifted_rows():
+    # seq of 5 tokens, 2 TTT steps; step j at row p predicts token p+j+2 against target row p+j+1
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1]])
+    logits = [torch.zeros(1, 5, 2), torch.zeros(1, 5, 2)]  # uniform draft: soft CE = ln 2 everywhere
+    target = torch.log(torch.tensor([[[0.5, 0.5], [0.2, 0.8], [0.3, 0.7], [0.9, 0.1], [0.5, 0.5]]]))
+    out = eagle3_loss(step_logits=logits, labels=torch.zeros(1, 5, dtype=torch.long), loss_mask=loss_mask,
+                      target_logits=target, target_lse=torch.zeros(1, 5), step_decay=0.8)
+    # step 0 scores rows 0,1,2 (tokens 2,3,4), step 1 rows 0,1 (tokens 3,4): each mean is ln 2
+    assert out.loss.item() == pytest.approx(math.log(2) * (1 + 0.8), rel=1e-5)
+    assert out.stats["slots"].tolist() == [3.0, 2.0]
+
+
+# -- anchors and data -------------------------------------------------------------------------------------
+
+def test_anchors_on_a_toy_sequence():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 0], [20, 21, 22, 23, 24, 25, 26, 27]])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0], [0, 1, 0, 1, 1, 1, 1, 1]])
+    lengths = torch.tensor([7, 8])
+    valid = valid_anchor_mask(loss_mask=loss_mask, lengths=lengths)
+    assert valid[0].nonzero().flatten().tolist() == [2, 3, 4, 5]  # predicts an assistant token inside the row
+    anchors = sample_anchors(loss_mask=loss_mask, lengths=lengths, num_anchors=6, seeds=[0, 1])
+    assert anchors[0].tolist() == [2, 3, 4, 5, -1, -1]
+    few = sample_anchors(loss_mask=loss_mask, lengths=lengths, num_anchors=3, seeds=[7, 7])
+    assert few.shape == (2, 3) and (few >= 0).all() and valid.gather(1, few).all()
+    assert few[1].tolist() == sorted(few[1].tolist())
+    assert torch.equal(few, sample_anchors(loss_mask=loss_mask, lengths=lengths, num_anchors=3, seeds=[7, 7]))
+    toy = torch.tensor([[2, 4, -1], [0, 2, 6]])
+    mask = block_eval_mask(loss_mask=loss_mask, lengths=lengths, anchors=toy, block_size=3)
+    assert mask[0].tolist() == [[True, True, True], [True, True, False], [False, False, False]]
+    assert mask[1, 0].tolist() == [True, False, False]  # token 2 is a prompt token: cumulative AND stops
+    assert mask[1, 2].tolist() == [True, False, False]  # position 8 is past the end
+    labels = block_labels(input_ids=ids, anchors=toy, eval_mask=mask)
+    assert labels[0, 0].tolist() == [13, 14, 15] and labels[0, 1].tolist() == [15, 16, -100]
+
+
+def test_draft_vocab_and_batch_sampler():
+    counts = torch.tensor([5, 0, 9, 9, 1, 0])
+    assert build_draft_vocab(counts, size=3, always=(5,)).tolist() == [2, 3, 5]
+    assert build_draft_vocab(counts, size=10).tolist() == list(range(6))
+    sampler = BatchSampler(num_samples=5, global_batch=2, seed=3)
+    seen, cursor = [], Cursor()
+    for _ in range(2):
+        idx, cursor = sampler.next_batch(cursor)
+        seen += idx
+    assert sorted(seen) == sorted(set(seen)) and cursor == Cursor(0, 4)
+    _, cursor = sampler.next_batch(cursor)
+    assert cursor == Cursor(1, 2)  # partial batch dropped, next epoch
+
+
+def test_train_config_rejects_unknown_keys(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"_comment": "notes are fine", "lr": 1e-3, "method": "dspark"}))
+    assert load_train_config(path, overrides=["max_steps=7"]).max_steps == 7
+    with pytest.raises(ValueError, match="unknown train config key"):
+        load_train_config(path, overrides=["learning_rate=1"])
+    with pytest.raises(ValueError, match="contradicts"):
+        load_train_config(path, method="eagle3")
+
+
+class _StubTokenizer:
+    eos_token_ids = (2,)
+
+    def apply_chat_template(self, conv, add_generation_prompt=True):
+        return [1] + [ord(c) % 50 + 3 for c in conv[-1]["content"][:12]] + [9]
+
+
+class _StubLLM:
+    """Answers every prompt with 20 tokens; counts the prompts it saw."""
+
+    def __init__(self):
+        self.tokenizer, self.calls = _StubTokenizer(), 0
+
+    def generate(self, prompt_ids, params):
+        from types import SimpleNamespace
+        self.calls += len(prompt_ids)
+        return [SimpleNamespace(prompt_token_ids=p, token_ids=[(p[1] + k) % 60 + 3 for k in range(19)] + [2])
+                for p in prompt_ids]
+
+
+def test_prepare_data_shards_resume_and_holdout(tmp_path):
+    from dspark.train.prepare_data import PrepareConfig, prepare
+    prompts = tmp_path / "train"
+    prompts.mkdir()
+    (prompts / "toy.jsonl").write_text("\n".join(json.dumps({"turns": [f"question {i} " * 3]}) for i in range(30)))
+    cfg = PrepareConfig(out=str(tmp_path / "data"), model="stub", prompts=str(prompts), max_prompts=20,
+                        batch_size=8, holdout=0.2)
+    llm = _StubLLM()
+    manifest = prepare(cfg, llm=llm)
+    assert llm.calls == 20 and len(done_keys(cfg.out)) == 20
+    assert manifest["num_samples"]["train"] + manifest["num_samples"]["val"] == 20
+    assert manifest["num_samples"]["val"] > 0
+    prepare(PrepareConfig(**{**cfg.__dict__, "max_prompts": 24}), llm=llm)  # resume: only 4 new
+    assert llm.calls == 24
+    ds = TokenDataset(cfg.out, split="train")
+    s = ds[0]
+    assert s.loss_mask.sum() == 20 and s.loss_mask[-1] == 1 and s.input_ids[-1] == 2
+    with pytest.raises(AssertionError, match="evaluation prompts"):
+        prepare(PrepareConfig(**{**cfg.__dict__, "prompts": str(tmp_path / "datasets" / "eval")}), llm=llm)
+
+
+# -- training on a tiny random target -------------------------------------------------------------------
+
+def tiny_target(seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(TINY_LLAMA)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 0.5 if name.startswith("lm_head") else 0.1  # a peaked target: its distribution is learnable
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * std)
+    return model, TINY_LLAMA, (2,)
+
+
+def toy_data(root: Path, *, n: int = 8) -> Path:
+    """Random prompts, then an answer with a learnable pattern (arithmetic progression mod 60)."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(n):
+        plen, alen = int(torch.randint(4, 10, (1,), generator=g)), int(torch.randint(14, 24, (1,), generator=g))
+        prompt = torch.randint(3, 200, (plen,), generator=g).tolist()
+        start = int(torch.randint(0, 60, (1,), generator=g))
+        answer = [(start + 3 * k) % 60 + 3 for k in range(alen)]
+        samples.append((f"toy:{i}", prompt + answer, [0] * plen + [1] * alen, i == n - 1))
+    root.mkdir(parents=True, exist_ok=True)
+    write_shard(root / "shard-00000.safetensors", samples)
+    return root
+
+
+def tiny_config(**kw) -> TrainConfig:
+    base = dict(num_draft_layers=1, block_size=4, tap_layer_ids=(0, 1), markov_rank=8, draft_vocab_size=80,
+                num_anchors=6, batch_size=2, max_steps=8, lr=1e-2, warmup_frac=0.0, log_every=4,
+                eval_every=0, ckpt_every=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def _fixed_loss(trainer: Trainer) -> float:
+    batch = collate([trainer.train_ds[i] for i in range(4)])
+    feats = target_features(trainer.target, input_ids=batch.input_ids, lengths=batch.lengths,
+                            tap_layer_ids=trainer.tap_layer_ids)
+    with torch.no_grad():
+        out = methods.batch_loss(trainer.cfg, trainer.model, trainer.target, batch, feats, d2t=trainer.d2t,
+                                 seeds=[1, 2, 3, 4], all_reduce=lambda t: t)
+    return out.loss.item()
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash", "eagle3"])
+def test_a_few_steps_reduce_the_loss(tmp_path, method):
+    extra = {"dflash": dict(markov_rank=0, loss_ce=1.0, loss_l1=0.0, loss_confidence=0.0),
+             "eagle3": dict(draft_vocab_size=None, ttt_steps=2, tap_layer_ids=(0, 1, 2))}.get(method, {})
+    cfg = tiny_config(method=method, max_steps=40, lr=3e-2, log_every=10, **extra)
+    trainer = Trainer(cfg, data_dir=toy_data(tmp_path / "data"), out_dir=tmp_path / "run", target=tiny_target(),
+                      show_progress=False)
+    before = _fixed_loss(trainer)
+    trainer.fit()
+    after = _fixed_loss(trainer)
+    trainer.export(tmp_path / "export")
+    trainer.close()
+    assert after < 0.9 * before, (before, after)
+    assert (tmp_path / "export" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") >= 2
+
+
+def test_resume_matches_uninterrupted_training(tmp_path):
+    data = toy_data(tmp_path / "data")
+    cfg = tiny_config(max_steps=6, grad_accum=2)
+    full = Trainer(cfg, data_dir=data, out_dir=tmp_path / "full", target=tiny_target(), show_progress=False)
+    full.fit()
+    first = Trainer(cfg, data_dir=data, out_dir=tmp_path / "split", target=tiny_target(), show_progress=False)
+    first.fit(stop_at=3)
+    second = Trainer(cfg, data_dir=data, out_dir=tmp_path / "split", target=tiny_target(), show_progress=False)
+    second.fit(resume=True)
+    assert second.step == full.step == 6 and second.cursor == full.cursor
+    for (name, a), b in zip(full.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    for t in (full, first, second):
+        t.close()
+
+
+def _ddp_worker(rank: int, world: int, store: str, data: str, out: str, result: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        trainer = Trainer(tiny_config(batch_size=1), data_dir=data, out_dir=out, target=tiny_target(),
+                          show_progress=False)
+        trainer.compute_grads()
+        if rank == 0:
+            torch.save({n: p.grad for n, p in trainer.model.named_parameters() if p.requires_grad}, result)
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_match_single_process_gradients(tmp_path):
+    data = toy_data(tmp_path / "data")
+    single = Trainer(tiny_config(batch_size=2), data_dir=data, out_dir=tmp_path / "single", target=tiny_target(),
+                     show_progress=False)
+    single.compute_grads()
+    result = tmp_path / "grads.pt"
+    mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "store"), str(data), str(tmp_path / "ddp"),
+                                          str(result)), nprocs=2, join=True, start_method="fork")
+    grads = torch.load(result)
+    for name, p in single.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    single.close()
