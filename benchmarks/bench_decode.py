@@ -25,7 +25,7 @@ MAX_NEW = 128
 
 def prompts(n: int) -> list[str]:
     from dspark.bench.datasets import load_prompts
-    return [p.messages[0]["content"] if hasattr(p, "messages") else p for p in load_prompts("gsm8k", num_prompts=n, seed=0)]
+    return [p.prompt for p in load_prompts("gsm8k", num_prompts=n, seed=0)]
 
 
 def memory_bandwidth_gbs() -> float:

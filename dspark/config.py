@@ -58,6 +58,7 @@ class SpecConfig:
     length_policy: str = "fixed"  # fixed | threshold | prefix | async
     confidence_threshold: float = 0.5
     cost_table: str | None = None  # JSON from `dspark profile`
+    online_upkeep: bool = False  # refresh the cost table and confidence temperatures from live steps
     prompt_lookup_min: int = 2  # n-gram
     prompt_lookup_max: int = 5
     draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target

@@ -128,7 +128,8 @@ def test_spec_decode_stats_from_deltas():
 
 def test_spec_decode_stats_missing_or_lazy_counters():
     after = _exposition("vllm:", 10, 40, 15, [8, 5, 2])
-    assert spec_decode_stats("process_cpu_seconds_total 1\n", "process_cpu_seconds_total 2\n") is None
+    no_spec = ("process_cpu_seconds_total 1\n", "process_cpu_seconds_total 2\n")
+    assert spec_decode_stats(*no_spec) is None
     assert spec_decode_stats(None, after) is None  # no baseline: delta unknown
     lazy = spec_decode_stats("process_cpu_seconds_total 1\n", after)  # created after the scrape
     assert lazy["acceptance_length"] == pytest.approx(2.5)

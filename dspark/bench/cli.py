@@ -11,7 +11,8 @@ names in kebab case, with the defaults of `BenchConfig`.
 
 From Python (sweeps): `run_bench(BenchConfig(max_concurrency=8, label="dspark")) -> dict`.
 The top-level CLI mounts this with
-    bench = sub.add_parser("bench"); bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bench = sub.add_parser("bench")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
     register(bsub)          # then: args = parser.parse_args(); sys.exit(args.func(args))
 """
 
@@ -50,7 +51,8 @@ async def arun_bench(cfg: BenchConfig) -> dict:
 def run_bench(cfg: BenchConfig) -> dict:
     """Run one serving benchmark and return the result dict: aggregate metrics (flat keys such as
     `output_throughput_tok_s`, `mean_tpot_ms`), `spec_decode` (if the server exports the counters),
-    `clock_check`, `config`, and `requests` (per-request records). Writes `cfg.result_file` if set."""
+    `clock_check`, `config`, and `requests` (per-request records).
+    Writes `cfg.result_file` if set."""
     return asyncio.run(arun_bench(cfg))
 
 

@@ -1,4 +1,4 @@
-"""Async load generator for any OpenAI-compatible streaming server (the engine of `dspark bench serve`).
+"""Async load generator for any OpenAI-compatible streaming server (behind `dspark bench serve`).
 
 It sends each prompt to `/v1/chat/completions` (or `/v1/completions`) with `stream: true` and
 `stream_options: {"include_usage": true}`, and records per request the send time, the arrival time
@@ -133,7 +133,7 @@ def build_payload(cfg: BenchConfig, model: str, prompt: str) -> dict:
         max_tokens=cfg.max_tokens, temperature=cfg.temperature, stream=True,
         stream_options={"include_usage": True},
     )
-    if cfg.ignore_eos:  # vLLM / dspark extension; left out otherwise so strict servers accept the body
+    if cfg.ignore_eos:  # vLLM / dspark extension; omitted otherwise, for strict servers
         payload["ignore_eos"] = True
     return payload
 
@@ -207,7 +207,8 @@ async def send_request(
     return RequestRecord(
         request_index=request_index, prompt_source=prompt.source,
         send_s=send - t0, end_s=end - t0,
-        chunk_arrival_s=tuple(state.chunk_arrival_s), chunk_num_tokens=tuple(state.chunk_num_tokens),
+        chunk_arrival_s=tuple(state.chunk_arrival_s),
+        chunk_num_tokens=tuple(state.chunk_num_tokens),
         num_prompt_tokens=state.num_prompt_tokens,
         num_output_tokens=(state.usage_completion_tokens if usage_reported
                            else sum(state.chunk_num_tokens)),
@@ -274,7 +275,8 @@ async def fetch_metrics_text(client: httpx.AsyncClient, cfg: BenchConfig) -> str
 async def run_load(cfg: BenchConfig, prompts: list[BenchPrompt]) -> RunOutput:
     """Warm up, snapshot /metrics, run the measured requests, snapshot /metrics again."""
     num_connections = max(cfg.max_concurrency or len(prompts), cfg.num_warmup, 1)
-    limits = httpx.Limits(max_connections=num_connections, max_keepalive_connections=num_connections)
+    limits = httpx.Limits(max_connections=num_connections,
+                          max_keepalive_connections=num_connections)
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
     # trust_env=False: proxy variables must not reroute requests meant for a local server.
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:

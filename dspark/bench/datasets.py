@@ -1,6 +1,6 @@
 """Prompt sets for the serving benchmark (`dspark bench serve --dataset NAME`).
 
-Sources, all JSONL rows of the shape `{"turns": [str, ...], "domain": "math|code|chat", "source": NAME}`:
+Sources, all JSONL rows shaped `{"turns": [str, ...], "domain": "math|code|chat", "source": NAME}`:
 
 - a prompt-set name: gsm8k, math500, humaneval, mbpp, livecodebench, mt-bench
   (files `<datasets>/eval/<name>.jsonl`);
@@ -73,8 +73,9 @@ def _read_jsonl(path: Path) -> list[BenchPrompt]:
             row = json.loads(line)
             turns = row.get("turns")
             if not turns or not isinstance(turns[0], str):
-                raise ValueError(f"{path}:{line_no}: expected a non-empty list of strings in 'turns'")
-            rows.append(BenchPrompt(turns[0], row.get("domain", "unknown"), row.get("source", path.stem)))
+                raise ValueError(f"{path}:{line_no}: 'turns' must be a non-empty list of strings")
+            domain, source = row.get("domain", "unknown"), row.get("source", path.stem)
+            rows.append(BenchPrompt(turns[0], domain, source))
     return rows
 
 
@@ -104,7 +105,8 @@ def random_prompts(num_prompts: int, input_len: int, seed: int) -> list[BenchPro
     """`num_prompts` synthetic prompts of `input_len` random common words each."""
     rng = random.Random(seed)
     return [
-        BenchPrompt(" ".join(rng.choices(_RANDOM_WORDS, k=input_len)), RANDOM_DATASET, RANDOM_DATASET)
+        BenchPrompt(" ".join(rng.choices(_RANDOM_WORDS, k=input_len)), RANDOM_DATASET,
+                    RANDOM_DATASET)
         for _ in range(num_prompts)
     ]
 

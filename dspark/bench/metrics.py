@@ -6,10 +6,11 @@ Definitions (vLLM's `benchmark_serving` meanings, computed here from `RequestRec
 - E2EL  = end of the response stream − send time.
 - TPOT  = (E2EL − TTFT) / (output_tokens − 1), per request; requests with one output token are left
           out of TPOT (division by zero).
-- ITL   = the gaps between consecutive content chunks, pooled over all requests. A chunk that carries
-          several tokens (speculative decoding emits accepted drafts + bonus at once) contributes ONE
-          gap, so with speculation ITL measures time between *steps*, not between tokens: mean ITL
-          ≈ TPOT × tokens-per-chunk, and ITL and TPOT differ. Compare methods with TPOT.
+- ITL   = the gaps between consecutive content chunks, pooled over all requests. A chunk that
+          carries several tokens (speculative decoding emits accepted drafts + bonus at once)
+          contributes ONE gap, so with speculation ITL measures time between *steps*, not between
+          tokens: mean ITL ≈ TPOT × tokens-per-chunk, and ITL and TPOT differ. Compare methods
+          with TPOT.
 - Duration = first send → last stream end over the measured requests; request / output / total
           token throughput are divided by it. Failed requests count in the duration only.
 - `per_user_output_tok_s` = 1000 / mean TPOT in ms (the speed one user sees).
@@ -90,7 +91,8 @@ def compute_metrics(records: list[RequestRecord] | tuple[RequestRecord, ...],
     """Aggregate metrics of a run (flat dict, JSON-ready), plus the `clock_check` sub-dict."""
     per_request = [m for m in (request_metrics(r) for r in records) if m is not None]
     ok = [r for r in records if r.success and r.chunk_arrival_s]
-    duration_s = (max(r.end_s for r in records) - min(r.send_s for r in records)) if records else 0.0
+    duration_s = (max(r.end_s for r in records) - min(r.send_s for r in records)
+                  if records else 0.0)
     total_output = sum(r.num_output_tokens for r in ok)
     total_input = sum(r.num_prompt_tokens or 0 for r in ok)
     num_chunks = sum(len(r.chunk_arrival_s) for r in ok)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ class StepOutput:
     num_output_tokens: int
     num_cached_tokens: int
     spec: SpecStats
+    coalesce_held_steps: int = 0  # steps the prompt was held back by coalescing before admission
 
 
 class Engine:
@@ -75,6 +77,11 @@ class Engine:
         # Called after each verification as f(request_id, draft_confidence, num_verified, num_accepted)
         # for every request that emitted (eval / calibration tools: dspark.verify.acceptance).
         self.verify_observers: list = []
+        self.upkeep = None  # online cost-table / calibration upkeep (spec "online_upkeep")
+        if drafter is not None and config.spec is not None and config.spec.online_upkeep:
+            from dspark.verify.upkeep import OnlineUpkeep
+            self.upkeep = OnlineUpkeep(drafter=drafter, cost_table=cost_table)
+            self.verify_observers.append(self.upkeep.observe_verify)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -114,9 +121,13 @@ class Engine:
         self.metrics.num_preemptions += len(sched.preempted_ids)
         emitted: dict[str, list[int]] = {}
         if sched.scheduled:
+            start = time.perf_counter()
             batch = self.runner.prepare(sched)
             logits, taps = self.runner.forward(batch)
             result = self._verify(sched, logits)
+            if self.upkeep is not None:  # verify synchronised the device: the timing is complete
+                self.cost_table = self.upkeep.observe_step(
+                    num_tokens=sched.num_batched_tokens, seconds=time.perf_counter() - start)
             emitted = self.scheduler.commit(sched, result.output_ids_by_id, result.num_accepted_by_id)
             if self.drafter is not None:
                 self._extend_drafter_context(sched, batch, taps, result)
@@ -231,8 +242,9 @@ class Engine:
                 request_id=rid, new_token_ids=new_ids, finished=req.is_finished,
                 finish_reason=req.finish_reason, num_prompt_tokens=len(req.prompt_ids),
                 num_output_tokens=len(req.output_ids), num_cached_tokens=req.num_cached_tokens,
-                spec=req.spec))
+                spec=req.spec, coalesce_held_steps=req.waiting_steps))
             if req.is_finished:
+                self.metrics.record_finished(coalesce_held_steps=req.waiting_steps)
                 del self.requests[rid]
         return outs
 

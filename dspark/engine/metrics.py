@@ -18,6 +18,7 @@ class EngineMetrics:
     accepted_per_pos: list[int] = field(default_factory=list)
     verify_lens: list[int] = field(default_factory=list)  # recent per-request verify budgets (drained by the server)
     num_wasted_verify_tokens: int = 0  # verified drafts that were rejected
+    coalesce_held_steps: list[int] = field(default_factory=list)  # per finished request (drained)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_verify(self, num_drafts: int, num_accepted: int) -> None:
@@ -30,7 +31,16 @@ class EngineMetrics:
         for pos in range(num_accepted):
             self.accepted_per_pos[pos] += 1
 
+    def record_finished(self, *, coalesce_held_steps: int) -> None:
+        with self.lock:
+            self.coalesce_held_steps.append(coalesce_held_steps)
+
     def drain_verify_lens(self) -> list[int]:
         with self.lock:
             out, self.verify_lens = self.verify_lens, []
+        return out
+
+    def drain_coalesce_held_steps(self) -> list[int]:
+        with self.lock:
+            out, self.coalesce_held_steps = self.coalesce_held_steps, []
         return out

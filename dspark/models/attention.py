@@ -38,6 +38,7 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V are stored; -1 = not stored
     groups: list[AttnGroup]
     num_tokens: int
+    all_stored: bool = False  # no -1 in slot_mapping: store without a mask (and without a host sync)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def build_attn_metadata(
         groups.append(_group(short, kv_block_size, device))
     return AttnMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        groups=groups, num_tokens=num_tokens)
+        groups=groups, num_tokens=num_tokens, all_stored=-1 not in slot_mapping)
 
 
 def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
@@ -110,9 +111,11 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_kv_blocks, kv_block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] long, -1 = skip
+    *,
+    all_stored: bool = False,  # the caller knows there is no -1: skip the mask (a host sync)
 ) -> None:
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if not all_stored:
+        keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -135,6 +135,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- linear
 
+# On CPU (MKL), few-row products are up to ~2x faster as W @ x^T than as F.linear's x @ W^T (measured on
+# the 576x49152 head and 576x3072 gate_up at 1-8 rows); many-row products are the same either way.
+SMALL_M = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in]^T (+ bias) -> [rows, out] contiguous."""
+    if x.dim() == 2 and x.shape[0] <= SMALL_M and x.device.type == "cpu":
+        out = torch.mm(weight, x.t()).t()  # [rows, out] view of [out, rows]
+        if x.shape[0] > 1:
+            out = out.contiguous()
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b), weight in the HF [out_features, in_features] layout."""
@@ -155,7 +170,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -211,4 +226,4 @@ class LMHead(nn.Module):
                                       default_weight_loader)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab]
-        return F.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight).float()

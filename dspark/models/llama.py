@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
         q, k = self.rope_qk(qkv, cos, sin)
         v = qkv[:, self.qk_size:].view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, hd]
         k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_stored=meta.all_stored)
         out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)  # [T, H, hd]
         return self.o_proj(out.reshape(out.shape[0], -1))
 

@@ -4,8 +4,11 @@ tests), vLLM-style names with the `dspark:` prefix.
 Counters that the engine already counts (tokens, spec-decode drafts) are not double-kept: a custom
 collector reads `EngineMetrics` at scrape time, so they are exact. Request-level latencies are
 histograms observed when a request ends (the `AsyncEngine.on_request_end` hook, on the engine
-thread; prometheus_client metrics are thread-safe). The verify-budget histogram is fed from
-`EngineMetrics.drain_verify_lens()` at each request end and each scrape.
+thread; prometheus_client metrics are thread-safe). The verify-budget and coalescing histograms
+are fed from `EngineMetrics.drain_verify_lens()` / `drain_coalesce_held_steps()` at each request end
+and each scrape. τ (mean tokens per verification round) is derived from the counters at scrape
+time, and the cost table the length policy is using (live, if online upkeep refreshes it) is one
+gauge sample per profiled point.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                  240.0, 480.0, 960.0)
 VERIFY_BUDGET_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
+COALESCE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 
 
 class _EngineCollector:
@@ -58,6 +62,18 @@ class _EngineCollector:
         for pos, value in enumerate(list(m.accepted_per_pos)):
             per_pos.add_metric([str(pos)], value)
         yield per_pos
+        tau = 1.0 + m.num_accepted_tokens / m.num_drafts if m.num_drafts else 1.0
+        yield GaugeMetricFamily("dspark:spec_decode_mean_acceptance_length",
+                                "Mean tokens per verification round with drafts (tau, bonus "
+                                "included).", value=tau)
+        cost_table = getattr(ae.engine, "cost_table", None)
+        if cost_table is not None:
+            sps = GaugeMetricFamily("dspark:cost_table_sps",
+                                    "Verification steps per second at num_tokens, from the "
+                                    "cost table in use.", labels=["num_tokens"])
+            for num_tokens, value in zip(cost_table.num_tokens, cost_table.steps_per_second):
+                sps.add_metric([str(num_tokens)], value)
+            yield sps
         yield GaugeMetricFamily("dspark:kv_cache_usage_perc", "KV-cache usage (1 = full).",
                                 value=ae.kv_usage)
         yield GaugeMetricFamily("dspark:num_requests_waiting", "Requests waiting for admission.",
@@ -83,6 +99,9 @@ class ServerMetrics:
         self.verify_budget = Histogram("dspark:spec_decode_verify_budget",
                                        "Drafts verified per request per step (verify length).",
                                        buckets=VERIFY_BUDGET_BUCKETS, registry=r)
+        self.coalesce_held = Histogram("dspark:coalesce_held_steps",
+                                       "Steps a request's prompt was held back by coalescing.",
+                                       buckets=COALESCE_BUCKETS, registry=r)
         r.register(_EngineCollector(async_engine))
 
     def on_request_end(self, record: RequestRecord) -> None:
@@ -96,8 +115,11 @@ class ServerMetrics:
         self._drain_verify_lens()
 
     def _drain_verify_lens(self) -> None:
-        for verify_len in self.async_engine.metrics.drain_verify_lens():
+        m = self.async_engine.metrics
+        for verify_len in m.drain_verify_lens():
             self.verify_budget.observe(verify_len)
+        for held in m.drain_coalesce_held_steps():
+            self.coalesce_held.observe(held)
 
     def render(self) -> bytes:
         self._drain_verify_lens()

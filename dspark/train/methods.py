@@ -7,7 +7,7 @@ export a checkpoint. The trainer loop (trainer.py) is the same for every method.
 
 The drafter's embedding and LM head are the target's (frozen; for a reduced draft vocab the LM head is
 the target's d2t rows). Every other parameter is re-initialised N(0, init_std) (norms 1, biases 0) from
-the config seed, so a run is reproducible.
+the config seed, so a run is reproducible; the final norm starts as the target's final norm.
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ def init_trainable(model: nn.Module, *, std: float, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
+def copy_final_norm(model: nn.Module, target) -> None:
+    """Start the drafter's final norm at the target's: the frozen LM head then sees hidden states on the
+    scale it was trained for (a unit norm makes the first logits far too sharp for SmolLM2's head)."""
+    with torch.no_grad():
+        model.norm.weight.copy_(target.model.norm.weight.to(model.norm.weight.dtype))
+
+
 def target_embed_and_head(target) -> tuple[torch.Tensor, torch.Tensor]:
     return target.model.embed_tokens.weight, target.lm_head.weight
 
@@ -62,6 +69,7 @@ def build_block_drafter(cfg, target, target_cfg, d2t: torch.Tensor | None):
     embed, head = target_embed_and_head(target)
     model.share_target_weights(embed_weight=embed, lm_head_weight=head)
     init_trainable(model, std=cfg.init_std, seed=cfg.seed)
+    copy_final_norm(model, target)
     return model, dcfg
 
 
@@ -103,6 +111,7 @@ def build_eagle3(cfg, target, target_cfg, d2t: torch.Tensor | None):
     ecfg = Eagle3Config.from_target(target_cfg, tap_layer_ids=cfg.tap_layer_ids, num_draft_tokens=cfg.ttt_steps)
     model = Eagle3Model(ecfg).requires_grad_(True)  # target-family modules are built frozen
     model.init_weights(std=cfg.init_std, seed=cfg.seed)
+    copy_final_norm(model, target)
     bind_to_target(model, target)
     return model, ecfg
 

@@ -130,9 +130,13 @@ class Trainer:
         return batch, self._anchor_seeds(batch.indices, micro)
 
     def _loss(self, batch, seeds):
+        t0 = time.perf_counter()
         feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=self.cache)
-        return methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t, seeds=seeds,
-                                  all_reduce=_sum_all)
+        t1 = time.perf_counter()
+        out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t, seeds=seeds,
+                                 all_reduce=_sum_all)
+        out.stats["t_target_s"] = torch.tensor([t1 - t0])  # target forward (taps), per rank
+        return out
 
     def compute_grads(self) -> dict[str, torch.Tensor]:
         """Forward + backward over grad_accum micro-batches, gradients summed over ranks; returns stats."""
@@ -194,8 +198,9 @@ class Trainer:
     def _log_record(self, window, num_steps: int, seconds: float) -> dict:
         window = {k: _sum_all(v) for k, v in window.items()}
         grad_norm = float(window.pop("grad_norm").sum()) / max(1, num_steps) / self.world
+        t_target = float(window.pop("t_target_s").sum()) / max(1, num_steps) / self.world
         record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], **summarise(window),
-                  "grad_norm": grad_norm, "s_per_step": seconds / max(1, num_steps),
+                  "grad_norm": grad_norm, "s_per_step": seconds / max(1, num_steps), "s_target_per_step": t_target,
                   "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
         if self.rank == 0:
             log.info("step %d %s", self.step, json.dumps(record))

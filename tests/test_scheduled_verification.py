@@ -1,0 +1,409 @@
+"""Confidence-scheduled verification on the serving path, end to end on a tiny random Llama target
+with a random-weight DSpark drafter (Markov + confidence heads):
+
+* greedy parity, token for token, under every length policy (fixed K ∈ {1, 3, γ}, threshold,
+  prefix with a synthetic cost table, async) with prompts arriving while the engine steps, a long
+  prompt chunked across steps, and prompt coalescing on; speculation stays on in mixed steps
+  (a prompt chunk and a verify window with drafts in one step);
+* a flat cost curve admits every draft (verify_lens == proposal lengths), a steep one fewer;
+* fail-closed configuration through `build_engine` (prefix/async without a cost table, threshold
+  with n-gram, a DSpark checkpoint without a confidence head);
+* the coalescing cost per request (StepOutput.coalesce_held_steps) and the /metrics surface
+  (verify budget, wasted tokens, τ gauge, per-position acceptance, cost table, coalescing);
+* online upkeep (dspark/verify/upkeep.py): moves the cost table and the temperatures toward the
+  truth, stays bounded, is a no-op when switched off, and keeps greedy parity in the engine.
+
+    pytest tests/test_scheduled_verification.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dspark.drafters.dspark import build as build_dspark
+from dspark.drafters.dspark import save_dspark
+from dspark.drafters.dspark_config import dspark_config_for_target
+from dspark.drafters.dspark_model import DSparkModel
+from dspark.engine.engine import Engine
+from dspark.verify.calibration import OnlineCalibrationConfig
+from dspark.verify.cost_table import CostTable
+from dspark.verify.length_policy import (AsyncPrefixScheduler, ConfidenceThreshold, FixedLength,
+                                         PrefixScheduler)
+from dspark.verify.upkeep import OnlineUpkeep, UpkeepConfig
+from tests.conftest import TINY_LLAMA
+from tests.engine_helpers import greedy, make_engine, repetitive_prompts, run, tiny_target
+
+GAMMA = 4
+BUDGET = 64  # tokens per step: a 150-token prompt takes several chunks; coalescing holds 1 prompt
+MAX_TOKENS = 20
+# Mildly rising step time: the prefix scheduler admits some drafts and not others.
+MILD = CostTable(num_tokens=[1, 8, 16, 32, 64], steps_per_second=[100.0, 95.0, 80.0, 60.0, 35.0])
+FLAT = CostTable(num_tokens=[1, 512], steps_per_second=[100.0, 100.0])
+STEEP = CostTable(num_tokens=[1, 2, 4, 8, 16, 32, 64],  # time ∝ B
+                  steps_per_second=[64.0, 32.0, 16.0, 8.0, 4.0, 2.0, 1.0])
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target():
+    model, hf = tiny_target(TINY_LLAMA, seed=0)
+    return model, hf
+
+
+def _random_drafter_model(cfg, seed: int) -> DSparkModel:
+    torch.manual_seed(seed)
+    model = DSparkModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn_like(p)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    return model.eval()
+
+
+def _save_drafter(path, *, confidence: bool = True, bigrams: dict[int, int] | None = None) -> str:
+    """A random DSpark checkpoint; with `bigrams` (prev → next target id) its Markov head is a
+    full-rank bigram table that dominates the random base logits, and its confidence is high after
+    a known predecessor, so drafts are often accepted (the accept path is exercised) and the
+    confidence carries signal for the adaptive policies."""
+    vocab = TINY_LLAMA.vocab_size
+    cfg = dspark_config_for_target(TINY_LLAMA, num_hidden_layers=1, block_size=GAMMA,
+                                   tap_layer_ids=(-1, 0, 1), markov_rank=vocab if bigrams else 8,
+                                   enable_confidence_head=confidence)
+    model = _random_drafter_model(cfg, seed=3)
+    if bigrams:
+        known = torch.zeros(vocab)  # [vocab] 1 for a predecessor with a known successor
+        with torch.no_grad():
+            model.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
+            table = model.markov_head.markov_w2.weight  # [vocab (next), vocab (prev)]
+            table.zero_()
+            for prev, nxt in bigrams.items():
+                table[nxt, prev] = 30.0
+                known[prev] = 1.0
+            if confidence:
+                model.confidence_head.proj.weight[0, cfg.hidden_size:] = 4.0 * known - 2.0
+    save_dspark(model, cfg, path, dtype="float32")
+    return str(path)
+
+
+def _bigrams(prompts, outputs) -> dict[int, int]:
+    """The most frequent successor of each token in the prompts' greedy continuations."""
+    counts: dict[int, dict[int, int]] = {}
+    for prompt, out in zip(prompts, outputs):
+        seq = prompt[-1:] + out
+        for a, b in zip(seq, seq[1:]):
+            counts.setdefault(a, {}).setdefault(b, 0)
+            counts[a][b] += 1
+    return {a: max(succ, key=succ.get) for a, succ in counts.items()}
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, plain_outputs):
+    return _save_drafter(tmp_path_factory.mktemp("dspark_drafter"),
+                         bigrams=_bigrams(_prompts(), plain_outputs))
+
+
+def _spec(drafter_dir, **kw) -> SpecConfig:
+    return SpecConfig(method="dspark", model=drafter_dir, num_speculative_tokens=GAMMA, **kw)
+
+
+def _spec_engine(target, drafter_dir, policy, *, cost=None, coalesce_steps=2, **spec_kw) -> Engine:
+    model, _ = target
+    spec = _spec(drafter_dir, **spec_kw)
+    drafter = build_dspark(spec, target_config=TINY_LLAMA, target_model=model, dtype=torch.float32,
+                           device="cpu")
+    config = EngineConfig(
+        cache=CacheConfig(kv_block_size=4, num_kv_blocks=512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=16,
+                                  coalesce_steps=coalesce_steps), spec=spec)
+    return Engine(config, model=model, model_config=TINY_LLAMA, drafter=drafter,
+                  length_policy=policy, cost_table=cost)
+
+
+def _prompts() -> list[list[int]]:
+    long_prompt = torch.randint(3, TINY_LLAMA.vocab_size, (150,),
+                                generator=torch.Generator().manual_seed(11)).tolist()
+    return repetitive_prompts(5, TINY_LLAMA.vocab_size, seed=1) + [long_prompt, [1, 90, 4]]
+
+
+ARRIVAL_STEPS = [0, 0, 0, 3, 6, 9, 9]  # the long prompt (index 5) arrives while 4 requests decode
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(target):
+    model, _ = target
+    return run(make_engine(model, TINY_LLAMA, budget=BUDGET), _prompts(), greedy(MAX_TOKENS))
+
+
+@dataclasses.dataclass
+class StagedRun:
+    outputs: list[list[int]]
+    held_steps: list[int]  # per request, from its finishing StepOutput
+    steps: list[list[tuple[bool, int]]]  # per step: (is a prompt chunk, num_drafts) per item
+
+
+def run_staged(engine: Engine, prompts, params, arrival_steps) -> StagedRun:
+    """Add prompt i at step arrival_steps[i] while the engine runs; record each step's schedule."""
+    steps: list[list[tuple[bool, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append([(s.start_pos < len(s.request.prompt_ids), s.num_drafts)
+                      for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    ids: dict[int, str] = {}
+    tokens: dict[str, list[int]] = {}
+    held: dict[str, int] = {}
+    step = 0
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        for i, prompt in enumerate(prompts):
+            if arrival_steps[i] == step:
+                ids[i] = engine.add_request(prompt, params)
+                tokens[ids[i]] = []
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                held[o.request_id] = o.coalesce_held_steps
+        step += 1
+        assert step < 2000, "the engine did not finish"
+    return StagedRun([tokens[ids[i]] for i in range(len(prompts))],
+                     [held[ids[i]] for i in range(len(prompts))], steps)
+
+
+def _mixed_steps(steps) -> int:
+    """Steps carrying a prompt chunk AND a verify window with at least one draft."""
+    return sum(any(chunk for chunk, _ in items) and any(n > 0 for _, n in items) for items in steps)
+
+
+def _mismatches(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x != y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) + sum(
+        abs(len(ra) - len(rb)) for ra, rb in zip(a, b))
+
+
+# -- greedy parity under every policy --------------------------------------------------------------
+POLICIES = {
+    "fixed1": (lambda: FixedLength(1), None),
+    "fixed3": (lambda: FixedLength(3), None),
+    "fixedG": (lambda: FixedLength(GAMMA), None),
+    "threshold": (lambda: ConfidenceThreshold(0.3), None),
+    "prefix": (lambda: PrefixScheduler(), MILD),
+    "async": (lambda: AsyncPrefixScheduler(cold_start_len=GAMMA), MILD),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_greedy_parity_every_policy_with_arrivals_and_coalescing(target, drafter_dir, plain_outputs,
+                                                                 name):
+    make_policy, cost = POLICIES[name]
+    engine = _spec_engine(target, drafter_dir, make_policy(), cost=cost, coalesce_steps=2)
+    staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert _mismatches(staged.outputs, plain_outputs) == 0, name
+    m = engine.metrics
+    assert m.num_accepted_tokens > 0 and m.num_wasted_verify_tokens > 0, \
+        "both the accept and the reject path must be exercised"
+    assert max(staged.held_steps) > 0, "coalescing never held a prompt"
+    assert max(staged.held_steps) <= 2, "coalescing must stay bounded by coalesce_steps"
+    assert any(chunk and len(items) > 1 for items in staged.steps for chunk, _ in items), \
+        "no prompt chunk ever shared a step with decoding requests"
+    if name.startswith("fixed"):
+        assert _mixed_steps(staged.steps) > 0, "speculation must stay on while a prompt is chunked"
+    bm = engine.block_manager
+    assert bm.num_free_blocks == len(bm.blocks)
+
+
+def test_speculation_stays_on_while_a_long_prompt_is_chunked(target, drafter_dir):
+    engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=FLAT, coalesce_steps=0)
+    staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    long_chunks = [items for items in staged.steps
+                   if any(chunk for chunk, _ in items) and any(n == GAMMA for _, n in items)]
+    assert len(long_chunks) >= 2, "decoding requests must verify full windows during prefill"
+
+
+# -- the cost curve drives admission ---------------------------------------------------------------
+def test_flat_curve_admits_every_draft_steep_curve_fewer(target, drafter_dir, plain_outputs):
+    results = {}
+    for label, cost in (("flat", FLAT), ("steep", STEEP)):
+        engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=cost, coalesce_steps=0)
+        staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+        assert _mismatches(staged.outputs, plain_outputs) == 0, label
+        results[label] = list(engine.metrics.verify_lens)
+    flat, steep = results["flat"], results["steep"]
+    assert flat and all(v == GAMMA for v in flat), "flat: every draft with survival > 0 is admitted"
+    assert sum(steep) < sum(flat)
+    # time ∝ B: a draft pays for itself only while a prompt chunk already fills the step
+    assert steep.count(0) > len(steep) // 2
+
+
+# -- fail closed --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target_dir(target, tmp_path_factory):
+    _, hf = target
+    path = tmp_path_factory.mktemp("tiny_target")
+    hf.config.save_pretrained(path)  # the checks fail before any weight is read
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["prefix_no_cost", "async_no_cost", "threshold_ngram",
+                                  "prefix_ngram", "threshold_no_head"])
+def test_build_engine_fails_closed(target_dir, drafter_dir, tmp_path, case):
+    from dspark.engine.build import build_engine
+
+    spec, expected = {
+        "prefix_no_cost": (_spec(drafter_dir, length_policy="prefix"), "cost table"),
+        "async_no_cost": (_spec(drafter_dir, length_policy="async"), "cost table"),
+        "threshold_ngram": (SpecConfig(method="ngram", length_policy="threshold"),
+                            "confidence head"),
+        "prefix_ngram": (SpecConfig(method="ngram", length_policy="prefix",
+                                    cost_table=str(tmp_path / "c.json")), "confidence head"),
+        "threshold_no_head": (_spec(_save_drafter(tmp_path / "nohead", confidence=False),
+                                    length_policy="threshold"), "confidence head"),
+    }[case]
+    with pytest.raises(ValueError, match=expected):
+        build_engine(EngineConfig(model=target_dir, spec=spec))
+
+
+# -- /metrics -------------------------------------------------------------------------------------
+def test_metrics_scrape_scheduled_verification(tmp_path):
+    from server_harness import MODEL, TINY, build_tiny_model, serve
+
+    model = build_tiny_model()
+    cfg = dspark_config_for_target(TINY, num_hidden_layers=1, block_size=GAMMA,
+                                   tap_layer_ids=(-1, 0), markov_rank=8,
+                                   enable_confidence_head=True)
+    save_dspark(_random_drafter_model(cfg, seed=5), cfg, tmp_path / "d", dtype="float32")
+    spec = _spec(str(tmp_path / "d"), length_policy="prefix")
+    drafter = build_dspark(spec, target_config=TINY, target_model=model, dtype=torch.float32,
+                           device="cpu")
+    config = EngineConfig(model=MODEL, cache=CacheConfig(kv_block_size=4, num_kv_blocks=96),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                    max_model_len=128, coalesce_steps=2), spec=spec)
+    engine = Engine(config, model=model, model_config=TINY, drafter=drafter,
+                    length_policy=PrefixScheduler(), cost_table=FLAT, eos_token_ids=(2,))
+    with serve(engine) as srv:
+        for prompt in ("ab ab ab", "hello there"):
+            srv.client().completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                            temperature=0, extra_body={"ignore_eos": True})
+        srv.wait_idle()
+        m = srv.metrics()
+    drafts = m[("dspark:spec_decode_num_drafts_total", ())]
+    accepted = m[("dspark:spec_decode_num_accepted_tokens_total", ())]
+    verified = m[("dspark:spec_decode_num_draft_tokens_total", ())]
+    assert drafts > 0
+    assert m[("dspark:spec_decode_verify_budget_count", ())] > 0
+    assert m[("dspark:spec_decode_verify_budget_sum", ())] == pytest.approx(
+        GAMMA * m[("dspark:spec_decode_verify_budget_count", ())]), "flat curve: every budget is γ"
+    assert m[("dspark:spec_decode_num_wasted_verify_tokens_total", ())] == verified - accepted
+    tau = m[("dspark:spec_decode_mean_acceptance_length", ())]
+    assert tau == pytest.approx(1 + accepted / drafts)
+    assert ("dspark:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),)) in m
+    for b, sps in zip(FLAT.num_tokens, FLAT.steps_per_second):
+        assert m[("dspark:cost_table_sps", (("num_tokens", str(b)),))] == pytest.approx(sps)
+    assert m[("dspark:coalesce_held_steps_count", ())] == 2  # one observation per finished request
+
+
+# -- online upkeep --------------------------------------------------------------------------------
+PROFILED = CostTable(num_tokens=[1, 8, 64], steps_per_second=[1000.0, 800.0, 200.0])
+
+
+def _feed_timings(upkeep: OnlineUpkeep, seconds_of, num_steps: int) -> None:
+    for i in range(num_steps):
+        b = (1, 8, 64)[i % 3]
+        upkeep.observe_step(num_tokens=b, seconds=seconds_of(b))
+
+
+def test_upkeep_moves_cost_table_toward_truth():
+    upkeep = OnlineUpkeep(cost_table=PROFILED, config=UpkeepConfig(refresh_every=12, min_samples=2))
+    truth = {b: 2.0 / sps for b, sps in zip(PROFILED.num_tokens, PROFILED.steps_per_second)}
+    _feed_timings(upkeep, truth.get, 12 * 12)
+    for b, sps in zip(upkeep.cost_table.num_tokens, upkeep.cost_table.steps_per_second):
+        assert 1.0 / sps == pytest.approx(truth[b], rel=0.02), b
+    assert upkeep.cost_table.meta["online_refreshes"] == 12
+    assert upkeep._ratio.numel() == len(PROFILED.num_tokens), "memory is one EMA per profiled point"
+
+
+def test_upkeep_cost_table_is_bounded():
+    cfg = UpkeepConfig(refresh_every=3, min_samples=1, max_step_factor=1.5, max_drift_factor=4.0)
+    upkeep = OnlineUpkeep(cost_table=PROFILED, config=cfg)
+    previous = PROFILED
+    for _ in range(20):  # absurdly slow steps: each refresh moves ≤ 1.5x, the total ≤ 4x
+        _feed_timings(upkeep, lambda b: 1000.0, 3)
+        for old, new in zip(previous.steps_per_second, upkeep.cost_table.steps_per_second):
+            assert old / new <= 1.5 + 1e-9
+        previous = upkeep.cost_table
+    for base, new in zip(PROFILED.steps_per_second, upkeep.cost_table.steps_per_second):
+        assert base / new == pytest.approx(4.0)
+
+
+class _FakeDrafter:
+    has_confidence = True
+
+    def __init__(self, num_positions: int):
+        self.confidence_temperatures = torch.ones(num_positions)
+
+
+def _feed_rounds(upkeep: OnlineUpkeep, drafter: _FakeDrafter, *, true_temperature: float,
+                 num_steps: int, rounds_per_step: int = 8, seed: int = 0) -> None:
+    """Rounds whose conditional acceptance is σ(z / true_temperature); confidences are emitted
+    with the drafter's current temperatures, as the DSpark drafter does."""
+    g = torch.Generator().manual_seed(seed)
+    gamma = drafter.confidence_temperatures.numel()
+    for _ in range(num_steps):
+        for r in range(rounds_per_step):
+            z = torch.rand(gamma, generator=g, dtype=torch.float64) * 12 - 6  # [γ] raw logits
+            conf = torch.sigmoid(z / drafter.confidence_temperatures.double())
+            accept = torch.rand(gamma, generator=g, dtype=torch.float64) < torch.sigmoid(
+                z / true_temperature)
+            num_accepted = int(accept.long().cumprod(0).sum())
+            upkeep.observe_verify(f"r{r}", conf.tolist(), gamma, num_accepted)
+        upkeep.observe_step(num_tokens=8, seconds=1e-3)
+
+
+def test_upkeep_moves_temperatures_toward_truth():
+    drafter = _FakeDrafter(GAMMA)
+    calibration = OnlineCalibrationConfig(refit_every=4, prior_weight=8.0)
+    upkeep = OnlineUpkeep(drafter=drafter, config=UpkeepConfig(calibration=calibration))
+    _feed_rounds(upkeep, drafter, true_temperature=2.0, num_steps=300)
+    temps = drafter.confidence_temperatures.tolist()
+    assert temps == pytest.approx(list(upkeep.calibrator.temperatures), rel=1e-6), "not pushed"
+    for k, t in enumerate(temps):
+        assert abs(math.log(t / 2.0)) < math.log(1.3), f"position {k + 1}: T = {t:.3g}, truth 2"
+        assert calibration.min_temperature <= t <= calibration.max_temperature
+
+
+def test_upkeep_switched_off_changes_nothing():
+    drafter = _FakeDrafter(GAMMA)
+    upkeep = OnlineUpkeep(drafter=drafter, cost_table=PROFILED,
+                          config=UpkeepConfig(enabled=False, refresh_every=1, min_samples=1))
+    _feed_rounds(upkeep, drafter, true_temperature=2.0, num_steps=100)
+    _feed_timings(upkeep, lambda b: 1.0, 30)
+    assert upkeep.cost_table is PROFILED
+    assert drafter.confidence_temperatures.tolist() == [1.0] * GAMMA
+
+
+def test_engine_online_upkeep_wiring(target, drafter_dir, plain_outputs):
+    off = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD)
+    assert off.upkeep is None and not off.verify_observers, "online_upkeep defaults to off"
+
+    engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, online_upkeep=True)
+    assert engine.upkeep is not None and engine.upkeep.observe_verify in engine.verify_observers
+    # the same wiring with a faster schedule, so a short run refreshes and refits
+    engine.verify_observers.remove(engine.upkeep.observe_verify)
+    fast = UpkeepConfig(refresh_every=8, min_samples=1,
+                        calibration=OnlineCalibrationConfig(refit_every=2, min_trials=8.0))
+    engine.upkeep = OnlineUpkeep(drafter=engine.drafter, cost_table=engine.cost_table, config=fast)
+    engine.verify_observers.append(engine.upkeep.observe_verify)
+    temps_before = engine.drafter.confidence_temperatures.clone()
+    staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert _mismatches(staged.outputs, plain_outputs) == 0
+    assert engine.cost_table is engine.upkeep.cost_table
+    assert engine.cost_table.meta.get("online_refreshes", 0) >= 1
+    assert engine.cost_table.num_tokens == MILD.num_tokens
+    assert not torch.equal(engine.drafter.confidence_temperatures, temps_before), \
+        "live verification outcomes must refit the temperatures"
