@@ -80,3 +80,22 @@ def test_store_kv_skips_negative_slots():
     store_kv(k, 2 * k, k_cache, v_cache, torch.tensor([5, -1, 0]))
     assert k_cache.view(-1, 1, 2)[[0, 5]].eq(1).all() and v_cache.view(-1, 1, 2)[[0, 5]].eq(2).all()
     assert k_cache.sum() == 4, "slot -1 must not be written"
+
+
+def test_reduced_precision_grouped_query_path_matches_sdpa():
+    """bf16 takes the grouped-query matmul path (fp32 softmax); it must equal fp32 SDPA within bf16
+    rounding (2^-8 relative on O(1) outputs → 0.05 absolute)."""
+    import torch.nn.functional as F
+    from dspark.models.attention import _attend
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 5, 16, generator=g)
+    k = torch.randn(3, 2, 21, 16, generator=g)
+    v = torch.randn(3, 2, 21, 16, generator=g)
+    mask = torch.rand(3, 1, 5, 21, generator=g) > 0.3
+    mask[..., 0] = True
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    out = _attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.25).float()
+    assert (out - ref).abs().max() < 0.05
+    out_nomask = _attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.25).float()
+    ref_nomask = F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
+    assert (out_nomask - ref_nomask).abs().max() < 0.05

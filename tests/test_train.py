@@ -287,3 +287,19 @@ def test_two_gloo_processes_match_single_process_gradients(tmp_path):
         if p.requires_grad:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
     single.close()
+
+
+def test_feature_cache_is_written_and_read_back(tmp_path):
+    from dspark.train.features import batch_features
+    data = toy_data(tmp_path / "data")
+    trainer = Trainer(tiny_config(max_steps=4), data_dir=data, out_dir=tmp_path / "run", target=tiny_target(),
+                      cache_dir=tmp_path / "cache", show_progress=False)
+    trainer.fit()
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) >= 6  # 3 steps of 2 fill epoch 0
+    seen = trainer.sampler.permutation(0)[:2]
+    batch = collate([trainer.train_ds[i] for i in seen])
+    cached = batch_features(None, batch=batch, tap_layer_ids=trainer.tap_layer_ids, cache=trainer.cache)
+    fresh = target_features(trainer.target, input_ids=batch.input_ids, lengths=batch.lengths,
+                            tap_layer_ids=trainer.tap_layer_ids)
+    torch.testing.assert_close(cached.taps, fresh.taps, rtol=2e-3, atol=2e-3)  # fp16 on disk
+    trainer.close()

@@ -25,6 +25,8 @@ summed over all other labels:
   acceptance_length = 1 + accepted / drafts   (tokens per verify step, bonus included)
   acceptance_rate   = accepted / draft_tokens
   per_position_acceptance_rate[k] = accepted_at_position_k / drafts
+  mean_verify_budget = Δsum / Δcount of the `..._spec_decode_verify_budget` histogram
+                      (drafts verified per request per step, as the length policy chose them)
 Missing counters give no stats (None), not an error.
 """
 
@@ -41,6 +43,7 @@ SPEC_PREFIXES = ("dspark:", "vllm:")
 _SPEC_TOTALS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                 "spec_decode_num_accepted_tokens")
 _SPEC_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+_VERIFY_BUDGET = "spec_decode_verify_budget"  # histogram: _sum and _count samples
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class SpecCounters:
     num_draft_tokens: float
     num_accepted_tokens: float
     num_accepted_tokens_per_pos: dict[int, float]
+    verify_budget_sum: float = 0.0  # histogram `spec_decode_verify_budget` sum of verify lengths
+    verify_budget_count: float = 0.0  # ... and number of (request, step) observations
 
 
 def request_metrics(record: RequestRecord) -> RequestMetrics | None:
@@ -170,7 +175,10 @@ def parse_spec_counters(text: str | None) -> SpecCounters | None:
         names = [prefix + n for n in _SPEC_TOTALS]
         if any(n in sums for n in names) or prefix + _SPEC_PER_POS in per_pos:
             return SpecCounters(*(sums.get(n, 0.0) for n in names),
-                                num_accepted_tokens_per_pos=per_pos.get(prefix + _SPEC_PER_POS, {}))
+                                num_accepted_tokens_per_pos=per_pos.get(prefix + _SPEC_PER_POS, {}),
+                                verify_budget_sum=sums.get(prefix + _VERIFY_BUDGET + "_sum", 0.0),
+                                verify_budget_count=sums.get(prefix + _VERIFY_BUDGET + "_count",
+                                                             0.0))
     return None
 
 
@@ -199,4 +207,9 @@ def spec_decode_stats(before_text: str | None, after_text: str | None) -> dict |
             ]
     if draft_tokens > 0:
         stats["acceptance_rate"] = accepted / draft_tokens
+    budget_count = after.verify_budget_count - before.verify_budget_count
+    if budget_count > 0:
+        stats["num_verify_budget_samples"] = budget_count
+        stats["mean_verify_budget"] = (after.verify_budget_sum
+                                       - before.verify_budget_sum) / budget_count
     return stats

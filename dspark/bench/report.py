@@ -86,6 +86,7 @@ def format_summary(result: dict) -> str:
             f"{spec['num_accepted_tokens']:.0f}")
         row("Acceptance length (incl. bonus)", spec.get("acceptance_length"), 3)
         row("Acceptance rate", spec.get("acceptance_rate"), 3)
+        row("Mean verify budget (drafts/request/step)", spec.get("mean_verify_budget"), 3)
         per_pos = spec.get("per_position_acceptance_rate")
         if per_pos:
             lines.append("Per-position acceptance: " + " ".join(f"{r:.2f}" for r in per_pos))
@@ -116,6 +117,32 @@ def write_result_file(path: str | Path, result: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
+
+
+def run_info(argv: Sequence[str] | None = None) -> dict:
+    """`command`, `date` (UTC, ISO 8601) and `machine` (platform, CPU count, torch threads, GPU)
+    for a result file, so `benchmarks/make_board.py` can say how each figure was produced."""
+    import datetime
+    import os
+    import platform
+    import shlex
+
+    args = list(sys.argv if argv is None else argv)
+    if args and args[0].endswith(("/dspark", "dspark/__main__.py")):
+        args[0] = "dspark"
+    machine = f"{platform.platform()}, {platform.processor() or platform.machine()}, " \
+              f"{os.cpu_count()} CPUs"
+    try:
+        import torch
+
+        machine += f", torch {torch.__version__} ({torch.get_num_threads()} threads)"
+        if torch.cuda.is_available():
+            machine += f", {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {"command": shlex.join(args), "date": now.isoformat(timespec="seconds"),
+            "machine": machine}
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:

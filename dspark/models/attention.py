@@ -139,12 +139,35 @@ def paged_attention(
         qg = q[g.token_index.view(-1)].view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)
         kg = k_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *k_flat.shape[1:]).transpose(1, 2)
         vg = v_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *v_flat.shape[1:]).transpose(1, 2)
-        og = F.scaled_dot_product_attention(
-            qg, kg.to(q.dtype), vg.to(q.dtype), attn_mask=g.mask, scale=scale,
-            enable_gqa=qg.shape[1] != kg.shape[1])  # [num_seqs, num_heads, max_q, head_dim]
+        og = _attend(qg, kg.to(q.dtype), vg.to(q.dtype), g.mask, scale)  # [num_seqs, heads, max_q, head_dim]
         og = og.transpose(1, 2)  # [num_seqs, max_q, num_heads, head_dim]
         if g.all_valid:
             out[g.token_index.view(-1)] = og.reshape(-1, *q.shape[1:])
         else:
             out[g.token_index[g.query_valid]] = og[g.query_valid]
     return out
+
+
+def _attend(
+    q: torch.Tensor,  # [num_seqs, num_heads, max_q, head_dim]
+    k: torch.Tensor,  # [num_seqs, num_kv_heads, max_kv, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # [num_seqs, 1, max_q, max_kv] bool
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, max_q, head_dim]
+    """SDPA in fp32 (its fused CPU kernel); for bf16/fp16 the grouped-query matmul path with an fp32
+    softmax, which is ~10x faster than SDPA's reduced-precision CPU path (benchmarked on AVX-512)."""
+    if q.dtype == torch.float32 or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    num_seqs, num_heads, max_q, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # query head h reads kv head h // group: fold the group into the query rows
+    qg = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [seqs, kv_heads, group*max_q, max_kv]
+    if mask is not None:
+        m = mask.unsqueeze(2).expand(num_seqs, 1, group, max_q, mask.shape[-1])
+        scores = scores.masked_fill(~m.reshape(num_seqs, 1, group * max_q, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(num_seqs, num_heads, max_q, head_dim)

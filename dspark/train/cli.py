@@ -53,9 +53,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, data_dir=args.data, out_dir=args.out, cache_dir=args.cache_features,
                           show_progress=not args.no_progress)
-        record = trainer.fit(resume=args.resume)
-        if trainer.val_ds is not None:
-            record = {**record, "val": trainer.evaluate()}
+        record = trainer.fit(resume=args.resume)  # ends with a validation pass when there is a val split
         trainer.export(args.export or os.path.join(args.out, "export"))
         trainer.close()
         if trainer.rank == 0:

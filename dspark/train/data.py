@@ -182,12 +182,14 @@ class BatchSampler:
         return self.num_samples // self.global_batch
 
 
-def token_counts(dataset: TokenDataset, *, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] long: how often each token appears (every position; assistant tokens counted twice
-    so the vocabulary leans toward what the drafter must predict)."""
+def token_counts(dataset: TokenDataset, *, vocab_size: int, assistant_only: bool = False) -> torch.Tensor:
+    """[vocab_size] long: how often each token appears. By default every position counts once and
+    assistant tokens once more, so the vocabulary leans toward what the drafter must predict while
+    prompt-only tokens (which anchors and Markov predecessors still see) are not ignored."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in dataset.samples:
-        counts += torch.bincount(s.input_ids, minlength=vocab_size)[:vocab_size]
+        if not assistant_only:
+            counts += torch.bincount(s.input_ids, minlength=vocab_size)[:vocab_size]
         counts += torch.bincount(s.input_ids[s.loss_mask.bool()], minlength=vocab_size)[:vocab_size]
     return counts
 

@@ -44,6 +44,8 @@ class TargetRows:
         """positions [batch, ...] (must be computed rows wherever they are used) → logits
         [batch, ..., draft_vocab], lse [batch, ...]; uncomputed positions give row 0 (mask them)."""
         batch, seq_len = self.index.shape
+        if self.logits.shape[0] == 0:  # no row was needed: everything here is masked out
+            return (torch.zeros(*positions.shape, self.logits.shape[1]), torch.zeros(positions.shape))
         flat = positions.clamp(0, seq_len - 1).reshape(batch, -1)
         rows = torch.gather(self.index, 1, flat).clamp(min=0)  # [batch, n]
         logits = self.logits[rows.flatten()].view(*positions.shape, -1)

@@ -49,7 +49,7 @@ class LossWeights:
     decay: float = 4.0  # position weight exp(-k / decay), k 0-based; <= 0 turns the decay off
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossOutput:
     loss: torch.Tensor  # scalar: what to backward
     stats: dict[str, torch.Tensor]  # detached sums and counts; add across steps/ranks, then summarise()

@@ -92,7 +92,7 @@ def magpie_prompts(llm, cfg: PrepareConfig, *, done: set[str]) -> list[tuple[str
                   for i in chunk]
         for i, res in zip(chunk, llm.generate([list(header)] * len(chunk), params)):
             text = res.text.strip()
-            if len(text) >= 8:
+            if res.outputs[0].finish_reason == "stop" and len(text) >= 8:  # a request that ended its turn
                 out.append((f"magpie:{i}", text))
     log.info("magpie: %d/%d generated prompts kept", len(out), len(todo))
     return out

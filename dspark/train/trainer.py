@@ -112,9 +112,10 @@ class Trainer:
             return None
         counts = token_counts(self.train_ds, vocab_size=vocab)
         d2t = build_draft_vocab(counts, size=self.cfg.draft_vocab_size, always=tuple(eos_ids))
-        cov = vocab_coverage(counts, d2t)
+        cov = vocab_coverage(token_counts(self.train_ds, vocab_size=vocab, assistant_only=True), d2t)
         if self.rank == 0:
-            log.info("draft vocab: %d of %d tokens cover %.2f%% of training tokens", d2t.numel(), vocab, 100 * cov)
+            log.info("draft vocab: %d of %d tokens cover %.2f%% of the assistant tokens", d2t.numel(), vocab,
+                     100 * cov)
             (self.out_dir / "draft_vocab.json").write_text(json.dumps({"coverage": cov, "d2t": d2t.tolist()}))
         return d2t
 
@@ -182,16 +183,18 @@ class Trainer:
             if bar:
                 bar.update(1)
             if self.step % self.cfg.log_every == 0 or self.step == end:
-                record = self._log_record(window, steps_in_window, time.perf_counter() - t_window)
+                record = self._log_record(window, steps_in_window, time.perf_counter() - t_window)  # no "val"
                 if bar:
                     bar.set_postfix(ce=f"{record.get('ce', 0):.3f}", tau=f"{record['tau_top1']:.2f}")
                 window, steps_in_window, t_window = {}, 0, time.perf_counter()
             if self.val_ds is not None and self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
-                self.evaluate()
+                record["val"] = self.evaluate()
             if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.step < end:
                 self.save_checkpoint()
         if bar:
             bar.close()
+        if self.val_ds is not None and "val" not in record:
+            record["val"] = self.evaluate()
         self.save_checkpoint()
         return record
 

@@ -1,0 +1,144 @@
+"""Speculation overhead terms at batch 1 on SmolLM2-135M (issue: speculative decoding core).
+
+Per-step wall time split into draft (drafter.extend_context + drafter.propose) and verify (target
+forward + verification), versus a plain one-token decode step, and tokens per step — for the n-gram
+drafter on code prompts and an untrained (random-weight) DSpark drafter, plus the shipped trained
+drafter when present. Timers wrap the engine's phase methods; medians over all decode steps.
+
+    python benchmarks/bench_spec_overhead.py --num-prompts 4 --max-tokens 96 --out benchmarks/results/spec_overhead.json
+
+Targets: DSpark draft ≤ 25% of a target decode step; verifying γ+1 = 8 tokens ≤ 1.5× a one-token step.
+The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _timed(obj, name, sink):
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        sink.append(time.perf_counter() - t)
+        return out
+    setattr(obj, name, wrapper)
+
+
+def run_method(model, cfg, tok, prompts, *, spec, max_tokens):
+    from dspark.config import CacheConfig, EngineConfig, SchedulerConfig
+    from dspark.drafters import build_drafter
+    from dspark.engine.engine import Engine
+    from dspark.llm import LLM
+    from dspark.sampling import SamplingParams
+    drafter = None if spec is None else build_drafter(spec, target_config=cfg, target_model=model,
+                                                      dtype=torch.float32, device="cpu")
+    engine = Engine(EngineConfig(cache=CacheConfig(num_kv_blocks=512), scheduler=SchedulerConfig(max_num_seqs=1),
+                                 spec=spec), model=model, model_config=cfg, drafter=drafter,
+                    eos_token_ids=tok.eos_token_ids)
+    fwd, draft, step_tokens = [], [], []
+    _timed(engine.runner, "forward", fwd)
+    if drafter is not None:
+        _timed(drafter, "propose", draft)
+        _timed(drafter, "extend_context", draft)
+    llm = LLM(engine=engine, tokenizer=None)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    fwd.clear(), draft.clear()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    steps = engine.metrics.num_steps
+    tokens = sum(len(o.token_ids) for o in outs)
+    decode_fwd = fwd[len(prompts):] if len(fwd) > len(prompts) else fwd  # drop the prefill steps roughly
+    num_drafts = engine.metrics.num_drafts
+    return {
+        "forward_ms_median": 1e3 * statistics.median(decode_fwd),
+        "draft_ms_median_per_step": 1e3 * statistics.median(
+            [a + b for a, b in zip(draft[0::2], draft[1::2])]) if draft else 0.0,
+        "tokens_per_step": tokens / max(1, sum(1 for _ in decode_fwd)),
+        "acceptance_length": 1 + engine.metrics.num_accepted_tokens / num_drafts if num_drafts else 1.0,
+        "output_tok_s": tokens / wall,
+    }
+
+
+def verify_cost(model, *, window: int, context: int = 256, repeats: int = 15) -> float:
+    """Median ms of one target forward over `window` new tokens at `context` cached tokens."""
+    from dspark.engine.model_runner import allocate_kv_pool
+    from dspark.models.attention import SeqSpec, build_attn_metadata
+    pool = allocate_kv_pool([model.kv_spec] * model.num_kv_layers, num_kv_blocks=64, kv_block_size=16,
+                            dtype=torch.float32, device="cpu")
+    table = list(range(64))
+    meta = build_attn_metadata([SeqSpec(table, context, window, 0)], num_tokens=window, kv_block_size=16)
+    ids = torch.randint(0, 1000, (window,))
+    pos = torch.arange(context, context + window)
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 3):
+            t = time.perf_counter()
+            hidden, _ = model(ids, pos, meta, pool)
+            model.compute_logits(hidden)
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from dspark.bench.datasets import load_prompts
+    from dspark.config import SpecConfig
+    from dspark.models.loader import load_model
+    model, cfg, tok = load_model("default")
+    code = [tok.apply_chat_template([{"role": "user", "content": p.prompt}])
+            for p in load_prompts("humaneval", num_prompts=args.num_prompts, seed=0)]
+    results = {"verify_ms": {f"window_{w}": verify_cost(model, window=w) for w in (1, 2, 4, 8)}}
+    results["verify_8_over_1"] = results["verify_ms"]["window_8"] / results["verify_ms"]["window_1"]
+    methods = {"none": None, "ngram": SpecConfig(method="ngram", num_speculative_tokens=7)}
+    with tempfile.TemporaryDirectory() as tmp:
+        from dspark.drafters.dspark import save_dspark
+        from dspark.drafters.dspark_config import dspark_config_for_target
+        from dspark.drafters.dspark_model import DSparkModel
+        dcfg = dspark_config_for_target(cfg, num_hidden_layers=2, block_size=7, markov_rank=64)
+        save_dspark(DSparkModel(dcfg), dcfg, Path(tmp) / "untrained", dtype="float32")
+        methods["dspark_untrained"] = SpecConfig(method="dspark", model=str(Path(tmp) / "untrained"),
+                                                 num_speculative_tokens=7)
+        try:
+            from dspark.drafters.shipped import default_spec_config
+            shipped = default_spec_config("default")
+            if shipped is not None:
+                methods["dspark_shipped"] = shipped
+        except ImportError:
+            pass
+        for name, spec in methods.items():
+            results[name] = run_method(model, cfg, tok, code, spec=spec, max_tokens=args.max_tokens)
+    plain = results["none"]["forward_ms_median"]
+    for name in methods:
+        if name != "none":
+            results[name]["draft_over_decode_step"] = results[name]["draft_ms_median_per_step"] / plain
+    summary = {"bench": "spec_overhead_batch1", "date": time.strftime("%Y-%m-%d"),
+               "machine": platform.platform(), "threads": torch.get_num_threads(),
+               "command": "python benchmarks/bench_spec_overhead.py " + " ".join(
+                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+               **results}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The method table of `dspark bench sweep`: a method name → the `--speculative-config` JSON that
+`dspark serve` gets for it. Not run directly (see `dspark.bench.sweep`).
+
+A name is `BASE[-kN][-POLICY]`, parts separated by "-":
+- BASE: `none` (no speculation), `ngram` (prompt lookup), or a drafter method `dspark`, `dflash`,
+  `eagle3`, `draft_model` (these need a drafter checkpoint: `--drafter-dir METHOD=PATH`, else the
+  one `dspark.drafters.shipped` ships for the target model; without either the method is skipped);
+- `kN`: num_speculative_tokens = N, length policy `fixed` unless a policy part follows
+  (`dspark-k3`, `dspark-k7`, `ngram-k4`);
+- POLICY: `fixed`, `threshold`, `prefix` or `async` (`dspark-prefix`, `dspark-async`; all but
+  `fixed` need a confidence head, so dspark only); `prefix` and `async` read the cost table
+  that `dspark profile` writes once per sweep (`needs_cost_table`).
+Plain `ngram` drafts NGRAM_DEFAULT_TOKENS tokens; plain drafter methods use `SpecConfig`'s
+default γ.
+
+Example: `method_spec(parse_method("dspark-k3"), drafter_dir="ckpt/dspark")`
+→ `{"method": "dspark", "model": "ckpt/dspark", "num_speculative_tokens": 3,
+    "length_policy": "fixed"}`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from dspark.config import LENGTH_POLICY_NAMES, SPEC_METHODS
+
+NO_SPEC = "none"
+DRAFTER_METHODS = ("dspark", "dflash", "eagle3", "draft_model")
+COST_TABLE_POLICIES = ("prefix", "async")
+CONFIDENCE_METHODS = ("dspark",)  # adaptive policies need a confidence head (engine/build.py)
+NGRAM_DEFAULT_TOKENS = 4
+
+
+class MethodUnavailable(Exception):
+    """The method cannot run here (no drafter checkpoint); the sweep skips it with this message."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """A parsed method name."""
+
+    name: str
+    base: str  # none | ngram | dspark | dflash | eagle3 | draft_model
+    num_speculative_tokens: int | None = None  # None: the method's default
+    length_policy: str | None = None  # None: SpecConfig's default (fixed)
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self.base in DRAFTER_METHODS
+
+    @property
+    def needs_cost_table(self) -> bool:
+        return self.length_policy in COST_TABLE_POLICIES
+
+
+def parse_method(name: str) -> Method:
+    """`dspark-k3` → Method(base="dspark", num_speculative_tokens=3, length_policy="fixed")."""
+    base, *parts = name.strip().split("-")
+    if base != NO_SPEC and base not in SPEC_METHODS:
+        raise ValueError(f"method {name!r}: unknown base {base!r}; "
+                         f"choose from {', '.join((NO_SPEC, *SPEC_METHODS))}")
+    num_tokens, policy = None, None
+    for part in parts:
+        if part.startswith("k") and part[1:].isdigit() and int(part[1:]) >= 1:
+            num_tokens = int(part[1:])
+        elif part in LENGTH_POLICY_NAMES:
+            policy = part
+        else:
+            raise ValueError(f"method {name!r}: part {part!r} is neither kN nor a length policy "
+                             f"({', '.join(LENGTH_POLICY_NAMES)})")
+    if base == NO_SPEC and parts:
+        raise ValueError(f"method {name!r}: 'none' takes no options")
+    if policy not in (None, "fixed") and base not in CONFIDENCE_METHODS:
+        raise ValueError(f"method {name!r}: length policy {policy!r} needs a confidence head "
+                         f"({', '.join(CONFIDENCE_METHODS)})")
+    if num_tokens is not None and policy is None:
+        policy = "fixed"
+    return Method(name, base, num_tokens, policy)
+
+
+def method_spec(method: Method, *, drafter_dir: str | None = None,
+                cost_table_path: str | None = None) -> dict | None:
+    """The speculative config dict for `method` (None for `none`); raises `MethodUnavailable`."""
+    if method.base == NO_SPEC:
+        return None
+    spec: dict = {"method": method.base}
+    if method.needs_drafter:
+        if not drafter_dir:
+            raise MethodUnavailable(f"{method.name}: no drafter checkpoint for {method.base!r} "
+                                    f"(pass --drafter-dir {method.base}=PATH)")
+        spec["model"] = drafter_dir
+    num_tokens = method.num_speculative_tokens
+    if num_tokens is None and method.base == "ngram":
+        num_tokens = NGRAM_DEFAULT_TOKENS
+    if num_tokens is not None:
+        spec["num_speculative_tokens"] = num_tokens
+    if method.length_policy is not None:
+        spec["length_policy"] = method.length_policy
+    if method.needs_cost_table:
+        if not cost_table_path:
+            raise MethodUnavailable(f"{method.name}: length policy {method.length_policy!r} "
+                                    "needs a cost table")
+        spec["cost_table"] = cost_table_path
+    return spec
+
+
+def shipped_drafter_dir(model: str, base: str) -> str | None:
+    """The drafter checkpoint `dspark.drafters.shipped` provides for `model` and method `base`, or
+    None (module absent, or nothing shipped for that pair)."""
+    try:
+        shipped = importlib.import_module("dspark.drafters.shipped")
+    except ModuleNotFoundError as e:
+        if e.name == "dspark.drafters.shipped":
+            return None
+        raise
+    find_dir = getattr(shipped, "drafter_dir", None)
+    if find_dir is not None:
+        found = find_dir(model, base)
+        return str(found) if found else None
+    find_spec = getattr(shipped, "default_spec_config", None)
+    spec = find_spec(model) if find_spec is not None else None
+    if spec is not None and getattr(spec, "method", None) == base and getattr(spec, "model", None):
+        return str(spec.model)
+    return None
+
+
+def parse_drafter_dirs(items: list[str] | None) -> dict[str, str]:
+    """`["dspark=ckpt/a", "eagle3=ckpt/b"]` → {"dspark": "ckpt/a", "eagle3": "ckpt/b"}; a method
+    name with options (`dspark-k3=PATH`) applies to that method only."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, path = item.partition("=")
+        if not sep or not key or not path:
+            raise ValueError(f"--drafter-dir {item!r}: expected METHOD=PATH")
+        out[key.strip()] = path.strip()
+    return out

@@ -1,0 +1,261 @@
+"""`dspark bench sweep`: serve each method in turn and run the serving benchmark over a grid of
+concurrencies and datasets, then write results.json, report.md and plots.
+
+    dspark bench sweep --model SmolLM2-135M-Instruct \
+        --methods none,ngram,dspark-k3,dspark-k7,dspark-prefix --drafter-dir dspark=ckpt/dspark \
+        --concurrency 1,4,8,16,32 --dataset gsm8k,humaneval,mt-bench \
+        --num-prompts 64 --max-tokens 256 --repeats 3 --out-dir benchmarks/results/sweep_smollm2
+    # another OpenAI server (a method name is then only a label):
+    dspark bench sweep --methods llama.cpp --server-cmd 'llama-server -m M.gguf --port {port}' ...
+
+Per method (names: see `dspark.bench.methods`): start `python -m dspark serve MODEL --port P
+--speculative-config JSON [--engine-args ...]` on 127.0.0.1 and a free port, wait for /health, run
+`run_bench` for every dataset × concurrency × repeat (same prompts each repeat), stop the server
+(SIGTERM, then SIGKILL after a timeout). Methods that need a drafter checkpoint take it from
+`--drafter-dir METHOD=PATH` or `dspark.drafters.shipped`, else they are skipped with a message.
+Length policies prefix/async get a cost table that `dspark profile` writes once per drafter method
+into the out dir (`cost_table_<method>.json`, reused when present, or `--cost-table PATH`).
+
+Writes into --out-dir: results.json (command, date, machine, every point, the averaged table),
+report.md, pareto_<dataset>.png, tpot_vs_concurrency.png, tau_by_dataset.png,
+verify_budget_vs_concurrency.png, raw/<method>_<dataset>_c<C>_r<R>.json (per-request records),
+logs/ (server and profile output). The last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from dspark.bench.client import BenchConfig
+from dspark.bench.methods import (Method, MethodUnavailable, method_spec, parse_drafter_dirs,
+                                  parse_method, shipped_drafter_dir)
+from dspark.bench.report import json_safe, run_info
+from dspark.bench.server_proc import ServerError, ServerProcess, log_tail
+from dspark.bench.sweep_report import report_header, safe_name, write_report
+
+POINT_KEYS = ("num_requests", "num_completed", "num_failed", "duration_s", "total_input_tokens",
+              "total_output_tokens", "request_throughput_req_s", "output_throughput_tok_s",
+              "per_user_output_tok_s", "mean_tokens_per_chunk", "mean_ttft_ms", "median_ttft_ms",
+              "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
+              "mean_e2el_ms", "first_error")
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _csv_ints(text: str) -> list[int]:
+    return [int(x) for x in _csv(text)]
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    from dspark.config import DEFAULT_MODEL
+
+    d = {f.name: f.default for f in fields(BenchConfig)}
+    p = subparsers.add_parser("sweep", help="serve methods in turn and benchmark a grid",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target model given to `dspark serve`")
+    p.add_argument("--methods", type=_csv, default=["none", "ngram"],
+                   help="comma list: none, ngram[-kN], dspark[-kN][-POLICY], dflash, eagle3, ...")
+    p.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 8, 16, 32])
+    p.add_argument("--dataset", type=_csv, default=["gsm8k"], help="comma list of datasets")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--num-prompts-per-concurrency", type=int, default=0,
+                   help="at least this many prompts per concurrency slot (0: off)")
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"])
+    p.add_argument("--ignore-eos", action="store_true", help="fixed output length: max-tokens")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--drafter-dir", action="append", default=[], metavar="METHOD=PATH",
+                   help="drafter checkpoint per method base (dspark=PATH) or full name")
+    p.add_argument("--cost-table", default=None, help="use this table instead of profiling")
+    p.add_argument("--engine-args", default="",
+                   help="extra engine flags for serve and profile, e.g. '--num-threads 4'")
+    p.add_argument("--profile-args", default="", help="extra flags for `dspark profile`")
+    p.add_argument("--server-cmd", default=None,
+                   help="serve with this command instead (placeholders {port}, {model}, "
+                        "{speculative_config}); method names become labels")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default=d["endpoint"])
+    p.add_argument("--temperature", type=float, default=d["temperature"])
+    p.add_argument("--num-warmup", type=int, default=d["num_warmup"])
+    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--random-input-len", type=int, default=d["random_input_len"])
+    p.add_argument("--request-timeout-s", type=float, default=d["request_timeout_s"])
+    p.add_argument("--start-timeout-s", type=float, default=600.0)
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def server_argv(args: argparse.Namespace, spec: dict | None) -> list[str]:
+    """The command that serves `args.model` with `spec` on port `{port}`."""
+    spec_json = "none" if spec is None else json.dumps(spec, separators=(",", ":"))
+    if args.server_cmd:
+        return [a.replace("{model}", args.model).replace("{speculative_config}", spec_json)
+                for a in shlex.split(args.server_cmd)]
+    return [sys.executable, "-m", "dspark", "serve", args.model, "--port", "{port}",
+            "--host", "127.0.0.1", "--log-level", "warning", "--speculative-config", spec_json,
+            *shlex.split(args.engine_args)]
+
+
+def ensure_cost_table(args: argparse.Namespace, spec: dict, out_dir: Path) -> str:
+    """A cost table for the drafter in `spec`: --cost-table, a previous one, or `dspark profile`."""
+    if args.cost_table:
+        return args.cost_table
+    path = out_dir / f"cost_table_{spec['method']}.json"
+    if path.is_file():
+        return str(path)
+    profile_spec = {k: v for k, v in spec.items() if k not in ("length_policy", "cost_table")}
+    argv = [sys.executable, "-m", "dspark", "profile", args.model, "--out", str(path),
+            "--speculative-config", json.dumps(profile_spec), *shlex.split(args.engine_args),
+            *shlex.split(args.profile_args)]
+    log = out_dir / "logs" / f"profile_{spec['method']}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[sweep] profiling the cost table: {shlex.join(argv)}", file=sys.stderr)
+    with open(log, "wb") as f:
+        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not path.is_file():
+        raise MethodUnavailable(f"`dspark profile` failed (exit {rc}):\n{log_tail(log)}")
+    return str(path)
+
+
+def resolve_spec(args: argparse.Namespace, method: Method, drafter_dirs: dict[str, str],
+                 out_dir: Path) -> dict | None:
+    """The speculative config of one method; raises MethodUnavailable when it cannot run."""
+    drafter = None
+    if method.needs_drafter:
+        drafter = (drafter_dirs.get(method.name) or drafter_dirs.get(method.base)
+                   or shipped_drafter_dir(args.model, method.base))
+    spec = method_spec(method, drafter_dir=drafter, cost_table_path="<pending>")
+    if method.needs_cost_table:
+        spec["cost_table"] = ensure_cost_table(args, spec, out_dir)
+    return spec
+
+
+def to_point(result: dict, *, method: str, dataset: str, concurrency: int, repeat: int) -> dict:
+    """One results.json point: the aggregate metrics plus τ and verify budget from /metrics."""
+    spec = result.get("spec_decode") or {}
+    point = {"method": method, "dataset": dataset, "max_concurrency": concurrency,
+             "repeat": repeat, **{k: result.get(k) for k in POINT_KEYS}}
+    point["tau"] = spec.get("acceptance_length")
+    point["acceptance_rate"] = spec.get("acceptance_rate")
+    point["mean_verify_budget"] = spec.get("mean_verify_budget")
+    point["spec_decode"] = spec or None
+    return point
+
+
+def bench_method(args: argparse.Namespace, name: str, base_url: str, out_dir: Path) -> list[dict]:
+    """Every dataset × concurrency × repeat against one running server."""
+    from dspark.bench.cli import run_bench
+
+    points = []
+    for dataset in args.dataset:
+        for concurrency in args.concurrency:
+            num_prompts = max(args.num_prompts, args.num_prompts_per_concurrency * concurrency)
+            for repeat in range(args.repeats):
+                raw = (out_dir / "raw" / f"{safe_name(name)}_{safe_name(dataset)}"
+                       f"_c{concurrency}_r{repeat}.json")
+                cfg = BenchConfig(
+                    base_url=base_url, endpoint=args.endpoint, dataset=dataset,
+                    num_prompts=num_prompts, max_tokens=args.max_tokens,
+                    ignore_eos=args.ignore_eos, max_concurrency=concurrency,
+                    num_warmup=args.num_warmup, seed=args.seed, result_file=str(raw),
+                    temperature=args.temperature, random_input_len=args.random_input_len,
+                    request_timeout_s=args.request_timeout_s, progress=False, label=name)
+                try:
+                    point = to_point(run_bench(cfg), method=name, dataset=dataset,
+                                     concurrency=concurrency, repeat=repeat)
+                    point["raw_file"] = str(raw.relative_to(out_dir))
+                except Exception as e:  # noqa: BLE001 - one failed point must not end the sweep
+                    point = {"method": name, "dataset": dataset, "max_concurrency": concurrency,
+                             "repeat": repeat, "error": f"{type(e).__name__}: {e}"}
+                print(f"[sweep] {name} {dataset} c={concurrency} r={repeat}: "
+                      f"{_point_line(point)}", file=sys.stderr, flush=True)
+                points.append(point)
+    return points
+
+
+def _point_line(point: dict) -> str:
+    if point.get("error"):
+        return f"ERROR {point['error'][:200]}"
+    tput, tpot, tau = (point.get("output_throughput_tok_s"), point.get("mean_tpot_ms"),
+                       point.get("tau"))
+    return (f"{tput or 0:.1f} tok/s, TPOT {tpot or 0:.1f} ms"
+            + (f", tau {tau:.2f}" if tau is not None else ""))
+
+
+def summary(results: dict) -> dict:
+    """The last-line JSON: counts, skipped methods and per dataset × method peak throughput."""
+    peak: dict[str, dict[str, float]] = {}
+    for row in results["table"]:
+        by_method = peak.setdefault(row["dataset"], {})
+        value = row.get("output_throughput_tok_s") or 0.0
+        by_method[row["method"]] = round(max(by_method.get(row["method"], 0.0), value), 2)
+    return {"bench": "serve_sweep", "out_dir": results["out_dir"],
+            "num_points": len(results["points"]),
+            "num_failed_points": sum(1 for p in results["points"] if p.get("error")),
+            "methods": list(results["servers"]), "skipped": results["skipped"],
+            "peak_output_tok_s": peak}
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drafter_dirs = parse_drafter_dirs(args.drafter_dir)
+    results: dict = {"bench": "serve_sweep", **run_info(), "model": args.model,
+                     "out_dir": str(out_dir),
+                     "config": {k: v for k, v in vars(args).items()
+                                if k not in ("func", "command", "bench_command")},
+                     "skipped": {}, "servers": {}, "points": []}
+    for name in args.methods:
+        try:
+            method = parse_method(name)
+            spec = resolve_spec(args, method, drafter_dirs, out_dir)
+        except ValueError as e:
+            if not args.server_cmd:
+                raise SystemExit(f"error: {e}")
+            spec = None  # an external server: the name is only a label
+        except MethodUnavailable as e:
+            print(f"[sweep] skipping {name}: {e}", file=sys.stderr)
+            results["skipped"][name] = str(e)
+            continue
+        server = ServerProcess(server_argv(args, spec),
+                               log_path=out_dir / "logs" / f"server_{safe_name(name)}.log",
+                               start_timeout_s=args.start_timeout_s)
+        print(f"[sweep] starting {name}: {shlex.join(server.argv)}", file=sys.stderr, flush=True)
+        try:
+            with server:
+                results["servers"][name] = {"argv": server.argv, "speculative_config": spec,
+                                            "startup_s": server.startup_s,
+                                            "log": str(server.log_path.relative_to(out_dir))}
+                results["points"] += bench_method(args, name, server.base_url, out_dir)
+        except ServerError as e:
+            print(f"[sweep] {name}: {e}", file=sys.stderr)
+            results["skipped"][name] = f"server failed: {str(e).splitlines()[0]}"
+    written = write_report(results["points"], out_dir, header=report_header(results),
+                           skipped=results["skipped"])
+    results["table"] = written["rows"]
+    (out_dir / "results.json").write_text(
+        json.dumps(json_safe(results), indent=2, allow_nan=False) + "\n")
+    print(json.dumps(json_safe(summary(results)), allow_nan=False), flush=True)
+    ok = any(not p.get("error") for p in results["points"])
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dspark bench")
+    register(parser.add_subparsers(dest="bench_command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
