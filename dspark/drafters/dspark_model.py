@@ -113,9 +113,17 @@ class DSparkAttention(nn.Module):
         k_blk, v_blk = self.kv(x, cos, sin)
         k = torch.cat([k_ctx.to(x.dtype), k_blk], dim=1).transpose(1, 2)  # [batch, kv_heads, keys, hd]
         v = torch.cat([v_ctx.to(x.dtype), v_blk], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
-            enable_gqa=self.num_heads != self.num_kv_heads)  # [batch, heads, num_query, head_dim]
+        q = q.transpose(1, 2)
+        if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # training under bf16 autocast: bf16 SDPA on CPU is very slow, so attention runs in fp32
+            with torch.autocast("cpu", enabled=False):
+                out = F.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), attn_mask=mask, scale=self.head_dim ** -0.5,
+                    enable_gqa=self.num_heads != self.num_kv_heads)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
+                enable_gqa=self.num_heads != self.num_kv_heads)  # [batch, heads, num_query, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_query, -1))
 
 

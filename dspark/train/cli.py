@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--export", default=None, help="final drafter folder (default OUT/export)")
     p.add_argument("--cache-features", default=None, metavar="DIR",
                    help="keep target taps on disk as fp16 (small sets: later epochs skip the target)")
+    p.add_argument("--precompute-features", action="store_true",
+                   help="only fill the config's feature_cache (target once over every sample), then exit")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)
 
@@ -53,6 +55,14 @@ def _main(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, data_dir=args.data, out_dir=args.out, cache_dir=args.cache_features,
                           show_progress=not args.no_progress)
+        if args.precompute_features:
+            if not cfg.feature_cache:
+                raise SystemExit("error: --precompute-features needs feature_cache in the config (--set feature_cache=DIR)")
+            record = trainer.precompute_features() or {"cached_samples": len(trainer.cache)}
+            if trainer.rank == 0:
+                print(json.dumps(record))
+            trainer.close()
+            return 0
         record = trainer.fit(resume=args.resume)  # ends with a validation pass when there is a val split
         trainer.export(args.export or os.path.join(args.out, "export"))
         trainer.close()

@@ -22,6 +22,11 @@ class TrainConfig:
     method: str = "dspark"  # dspark | dflash | eagle3
     model: str = DEFAULT_MODEL  # target: GGUF, HF folder or the embedded default
     target_dtype: str = "float32"
+    # features: precomputed once into this folder (ShardedFeatureCache); None = target online every step
+    feature_cache: str | None = None
+    feature_tokens_per_forward: int = 4096  # flat varlen tokens per target forward in the feature pass
+    drafter_autocast: str | None = None  # "bfloat16": drafter forward under CPU autocast (fp32 master
+    #                                      weights, fp32 losses); None = plain fp32
     # drafter shape
     num_draft_layers: int = 2
     block_size: int = 7  # γ (dspark slot layout: block_size drafts per block)
@@ -65,6 +70,7 @@ class TrainConfig:
             object.__setattr__(self, "tap_layer_ids", tuple(int(i) for i in self.tap_layer_ids))
         _need(self.method in METHODS, f"method {self.method!r} unknown; choose from {', '.join(METHODS)}")
         _need(self.target_dtype in ("float32", "bfloat16", "float16"), f"target_dtype {self.target_dtype!r}")
+        _need(self.drafter_autocast in (None, "bfloat16"), f"drafter_autocast {self.drafter_autocast!r}")
         _need(self.num_draft_layers >= 1, "num_draft_layers must be >= 1")
         _need(self.block_size >= 1 and self.ttt_steps >= 1, "block_size and ttt_steps must be >= 1")
         _need(self.num_anchors >= 1 and self.batch_size >= 1 and self.grad_accum >= 1,

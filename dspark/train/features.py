@@ -10,8 +10,15 @@ vocabulary plus the full-vocabulary logsumexp (see losses.py for why that pair i
     rows = target_rows(target, feats.hidden, row_mask=valid, d2t=d2t)
     logits, lse = rows.gather(positions)          # positions [batch, ...] → [batch, ..., draft_vocab]
 
-Optional on-disk cache (`FeatureCache`, for small sets): taps and hidden per sample as fp16
-safetensors, keyed by the sample key and the tap layers; a cached batch skips the target forward.
+Optional on-disk caches:
+  `FeatureCache` (legacy, --cache-features): taps and hidden per sample as fp16 safetensors, one file per
+      sample, filled during the first epoch.
+  `ShardedFeatureCache` (config `feature_cache`, `dspark train --precompute-features`): one pass of the
+      target (bf16 by default) over every sample, flat varlen batches of ~tokens_per_forward tokens; per
+      shard of many samples one safetensors file with taps + final hidden (bf16) and the full-vocab
+      target logsumexp (fp32, only at rows whose next token is supervised, NaN elsewhere). Later steps
+      never run the target nor a full-vocab LM head: draft-vocab target logits come from the cached
+      hidden times the d2t rows of the LM head (`target_rows(..., lse=...)`). Shards are memory-mapped.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dspark.models.attention import SeqSpec, build_attn_metadata
 class TargetFeatures:
     taps: torch.Tensor  # [batch, seq_len, num_taps * hidden] (zero on padding)
     hidden: torch.Tensor  # [batch, seq_len, hidden] final-normed last hidden state (zero on padding)
+    lse: torch.Tensor | None = None  # [batch, seq_len] fp32 full-vocab target logsumexp (cache only)
 
 
 @dataclass(frozen=True)
@@ -94,14 +102,21 @@ def target_rows(
     row_mask: torch.Tensor,  # [batch, seq_len] bool: rows whose logits a loss needs
     d2t: torch.Tensor | None,  # [draft_vocab] long target ids, None = the full vocabulary
     chunk: int = 256,
+    lse: torch.Tensor | None = None,  # [batch, seq_len] cached full-vocab logsumexp: skip the full head
+    head_rows: torch.Tensor | None = None,  # [draft_vocab, hidden] = lm_head.weight[d2t] (precomputed)
 ) -> TargetRows:
     rows = hidden[row_mask]  # [num_rows, hidden]
     index = torch.full(row_mask.shape, -1, dtype=torch.long)
     index[row_mask] = torch.arange(rows.shape[0])
+    param = next(target.parameters())
+    if lse is not None:  # cached features: only the draft-vocab rows of the LM head
+        w = head_rows if head_rows is not None else (
+            target.lm_head.weight if d2t is None else target.lm_head.weight[d2t])
+        logits = (rows.to(w.dtype) @ w.t()).float()
+        return TargetRows(logits=logits, lse=lse[row_mask].float(), index=index)
     draft_vocab = target.config.vocab_size if d2t is None else d2t.numel()
     logits = torch.empty(rows.shape[0], draft_vocab)
     lse = torch.empty(rows.shape[0])
-    param = next(target.parameters())
     for s in range(0, rows.shape[0], chunk):
         full = target.compute_logits(rows[s:s + chunk].to(param.device, param.dtype)).float().cpu()
         lse[s:s + chunk] = torch.logsumexp(full, dim=-1)
@@ -145,8 +160,13 @@ class FeatureCache:
 
 
 def batch_features(target, *, batch, tap_layer_ids: tuple[int, ...],
-                   cache: FeatureCache | None = None) -> TargetFeatures:
+                   cache=None) -> TargetFeatures:
     """Features of a data.Batch, through the cache when one is given."""
+    if isinstance(cache, ShardedFeatureCache):
+        hit = cache.get(batch.keys, batch.lengths)
+        if hit is None:
+            raise KeyError("feature cache misses samples of this batch; run --precompute-features")
+        return hit
     if cache is not None:
         hit = cache.get(batch.keys, batch.lengths)
         if hit is not None:
@@ -157,3 +177,178 @@ def batch_features(target, *, batch, tap_layer_ids: tuple[int, ...],
         cache.put(batch.keys, batch.lengths, feats)
         return cache.get(batch.keys, batch.lengths)  # train on what a later epoch will read back
     return feats
+
+
+# -- sharded, precomputed cache ----------------------------------------------------------------------
+
+def lse_row_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[..., seq_len] → bool rows whose target logits a loss can need: row p predicts token p+1, so
+    rows with loss_mask[p+1] (DSpark/DFlash blocks and EAGLE-3 both only score those)."""
+    out = torch.zeros(loss_mask.shape, dtype=torch.bool)
+    out[..., :-1] = loss_mask[..., 1:].bool()
+    return out
+
+
+@torch.no_grad()
+def full_lse(target, hidden: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
+    """[rows, hidden] → [rows] fp32 logsumexp of the target's full-vocab logits (target's dtype)."""
+    param = next(target.parameters())
+    out = torch.empty(hidden.shape[0])
+    for s in range(0, hidden.shape[0], chunk):
+        out[s:s + chunk] = torch.logsumexp(
+            target.compute_logits(hidden[s:s + chunk].to(param.device, param.dtype)).float(), dim=-1).cpu()
+    return out
+
+
+class ShardedFeatureCache:
+    """Precomputed target features, many samples per safetensors shard (memory-mapped on read).
+
+    Shard `feat-NNNNN.safetensors`: taps [tokens, num_taps*hidden], hidden [tokens, hidden] (bf16 or
+    fp16, as stored), lse [tokens] fp32 (NaN where not needed), offsets [samples+1] int64; metadata:
+    keys (JSON list), tag (tap layers + target dtype). A key maps to (shard, start, end)."""
+
+    def __init__(self, root: str | Path, *, tap_layer_ids: tuple[int, ...], target_dtype: str = "bfloat16"):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.tag = ",".join(str(i) for i in tap_layer_ids) + "|" + target_dtype
+        self._handles: dict[int, object] = {}
+        self._index: dict[str, tuple[int, int, int]] = {}
+        self._num_shards = 0
+        self.refresh()
+
+    def refresh(self) -> None:
+        import json
+        from safetensors import safe_open
+        self._handles.clear()
+        self._index.clear()
+        paths = sorted(self.root.glob("feat-*.safetensors"))
+        for sid, p in enumerate(paths):
+            f = safe_open(str(p), "pt")
+            meta = f.metadata()
+            if meta.get("tag") != self.tag:
+                raise ValueError(f"{p} was written for {meta.get('tag')!r}, this run needs {self.tag!r}")
+            off = f.get_tensor("offsets").tolist()
+            for i, key in enumerate(json.loads(meta["keys"])):
+                self._index[key] = (sid, off[i], off[i + 1])
+            self._handles[sid] = f
+        self._num_shards = len(paths)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get(self, keys: list[str], lengths: torch.Tensor) -> TargetFeatures | None:
+        if not all(k in self._index for k in keys):
+            return None
+        seq_len = int(lengths.max())
+        parts = []
+        for i, key in enumerate(keys):
+            sid, a, b = self._index[key]
+            f = self._handles[sid]
+            n = min(b - a, int(lengths[i]))  # max_seq_len may cut a sample shorter than stored
+            parts.append((f.get_slice("taps")[a:a + n], f.get_slice("hidden")[a:a + n],
+                          f.get_slice("lse")[a:a + n]))
+        t0, h0 = parts[0][0], parts[0][1]
+        taps = torch.zeros(len(keys), seq_len, t0.shape[-1], dtype=t0.dtype)
+        hidden = torch.zeros(len(keys), seq_len, h0.shape[-1], dtype=h0.dtype)
+        lse = torch.zeros(len(keys), seq_len)
+        for i, (t, h, l) in enumerate(parts):
+            n = t.shape[0]
+            taps[i, :n], hidden[i, :n], lse[i, :n] = t, h, l
+        return TargetFeatures(taps=taps, hidden=hidden, lse=lse)
+
+    @torch.no_grad()
+    def precompute(self, target, samples, *, tap_layer_ids: tuple[int, ...], tokens_per_forward: int = 4096,
+                   samples_per_shard: int = 512, progress: bool = True, log=None) -> dict:
+        """Run the target once over every sample (data.Sample) whose key is not cached yet."""
+        import json
+        import time
+        from safetensors.torch import save_file
+        todo = [s for s in samples if s.key not in self._index]
+        todo.sort(key=lambda s: s.input_ids.numel())  # similar lengths per forward: less KV padding
+        t_start, tokens = time.perf_counter(), 0
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=sum(s.input_ids.numel() for s in todo), desc="features", unit="tok")
+        pending: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+        def flush():
+            nonlocal pending
+            if not pending:
+                return
+            offsets = [0]
+            for _, t, _, _ in pending:
+                offsets.append(offsets[-1] + t.shape[0])
+            path = self.root / f"feat-{self._num_shards:05d}.safetensors"
+            tmp = path.with_suffix(".tmp")
+            save_file({"taps": torch.cat([p[1] for p in pending]).contiguous(),
+                       "hidden": torch.cat([p[2] for p in pending]).contiguous(),
+                       "lse": torch.cat([p[3] for p in pending]).contiguous(),
+                       "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp),
+                      metadata={"keys": json.dumps([p[0] for p in pending]), "tag": self.tag})
+            tmp.rename(path)
+            self._num_shards += 1
+            pending = []
+
+        i = 0
+        while i < len(todo):
+            group = [todo[i]]
+            i += 1
+            while i < len(todo) and (len(group) + 1) * todo[i].input_ids.numel() <= tokens_per_forward:
+                group.append(todo[i])  # sorted ascending: the newest is the longest (padded KV size)
+                i += 1
+            lens = torch.tensor([s.input_ids.numel() for s in group])
+            ids = torch.zeros(len(group), int(lens.max()), dtype=torch.long)
+            for r, s in enumerate(group):
+                ids[r, :s.input_ids.numel()] = s.input_ids
+            taps, hidden = _flat_features(target, ids, lens, tap_layer_ids)
+            need = torch.cat([lse_row_mask(s.loss_mask) for s in group])
+            lse = torch.full((hidden.shape[0],), float("nan"))
+            lse[need] = full_lse(target, hidden[need])
+            store = hidden.dtype if hidden.dtype != torch.float32 else torch.bfloat16
+            o = 0
+            for s, n in zip(group, lens.tolist()):
+                pending.append((s.key, taps[o:o + n].to(store), hidden[o:o + n].to(store), lse[o:o + n]))
+                o += n
+            tokens += int(lens.sum())
+            if bar:
+                bar.update(int(lens.sum()))
+            if len(pending) >= samples_per_shard:
+                flush()
+        flush()
+        if bar:
+            bar.close()
+        self.refresh()
+        seconds = time.perf_counter() - t_start
+        record = {"samples": len(todo), "tokens": tokens, "seconds": seconds,
+                  "tokens_per_s": tokens / max(seconds, 1e-9), "cached_samples": len(self._index)}
+        if log is not None:
+            log.info("feature pass %s", json.dumps(record))
+        return record
+
+
+@torch.no_grad()
+def _flat_features(target, input_ids, lengths, tap_layer_ids):
+    """Like target_features but returns the flat [num_tokens, ...] taps and hidden (no padding)."""
+    batch, seq_len = input_ids.shape
+    param = next(target.parameters())
+    dtype, device = param.dtype, param.device
+    lens = [int(n) for n in lengths]
+    valid = torch.arange(seq_len).unsqueeze(0) < lengths.unsqueeze(1)
+    flat_ids = input_ids[valid].to(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    seqs = [SeqSpec(block_table=[i], num_cached=0, num_query=n, token_offset=offsets[i])
+            for i, n in enumerate(lens)]
+    meta = build_attn_metadata(seqs, num_tokens=offsets[-1], kv_block_size=seq_len, device=device)
+    kv_heads, head_dim = target.kv_spec
+    kv_caches = [(torch.empty(batch, seq_len, kv_heads, head_dim, dtype=dtype, device=device),
+                  torch.empty(batch, seq_len, kv_heads, head_dim, dtype=dtype, device=device))
+                 for _ in range(target.num_kv_layers)]
+    hidden, taps = target(flat_ids, positions, meta, kv_caches, tap_layer_ids=tuple(tap_layer_ids))
+    return taps.cpu(), hidden.cpu()

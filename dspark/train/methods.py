@@ -74,7 +74,7 @@ def build_block_drafter(cfg, target, target_cfg, d2t: torch.Tensor | None):
 
 
 def block_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None,
-               seeds: list[int], all_reduce: Callable) -> LossOutput:
+               seeds: list[int], all_reduce: Callable, head_rows: torch.Tensor | None = None) -> LossOutput:
     num_draft = model.cfg.max_draft_tokens
     anchors = sample_anchors(loss_mask=batch.loss_mask, lengths=batch.lengths, num_anchors=cfg.num_anchors,
                              seeds=seeds)  # [batch, num_anchors]
@@ -88,7 +88,8 @@ def block_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: 
         pos = block_positions(anchors=anchors, block_size=num_draft)  # output k predicts pos+1
         rows_needed = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
         rows_needed[torch.arange(pos.shape[0]).view(-1, 1, 1).expand_as(pos)[eval_mask], pos[eval_mask]] = True
-        rows = target_rows(target, feats.hidden, row_mask=rows_needed, d2t=d2t)
+        rows = target_rows(target, feats.hidden, row_mask=rows_needed, d2t=d2t, lse=feats.lse,
+                           head_rows=head_rows)
         target_logits, target_lse = rows.gather(pos)
     return dspark_loss(draft_logits=out.draft_logits, confidence_logits=out.confidence_logits, labels=labels,
                        eval_mask=eval_mask, target_logits=target_logits, target_lse=target_lse,
@@ -117,13 +118,15 @@ def build_eagle3(cfg, target, target_cfg, d2t: torch.Tensor | None):
 
 
 def eagle3_batch_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None,
-                      seeds: list[int], all_reduce: Callable) -> LossOutput:
+                      seeds: list[int], all_reduce: Callable, head_rows: torch.Tensor | None = None
+                      ) -> LossOutput:
     step_logits = model.training_forward(taps=feats.taps, input_ids=batch.input_ids,
                                          loss_mask=batch.loss_mask, ttt_steps=cfg.ttt_steps)
     valid = torch.arange(batch.input_ids.shape[1]).unsqueeze(0) < batch.lengths.unsqueeze(1)
     rows_needed = torch.zeros_like(valid)
     rows_needed[:, :-1] = batch.loss_mask[:, 1:].bool()  # target row r predicts token r+1
-    rows = target_rows(target, feats.hidden, row_mask=rows_needed & valid, d2t=d2t)
+    rows = target_rows(target, feats.hidden, row_mask=rows_needed & valid, d2t=d2t, lse=feats.lse,
+                       head_rows=head_rows)
     logits, lse = rows.gather(torch.arange(valid.shape[1]).expand_as(valid).contiguous())
     vocab = target.config.vocab_size
     labels = batch.input_ids if d2t is None else t2d_labels(batch.input_ids, d2t, vocab_size=vocab)
@@ -141,7 +144,10 @@ def build(cfg, target, target_cfg, d2t):
     return (build_eagle3 if cfg.method == "eagle3" else build_block_drafter)(cfg, target, target_cfg, d2t)
 
 
-def batch_loss(cfg, *args, **kwargs) -> LossOutput:
+def batch_loss(cfg, model, target, batch, feats, **kwargs) -> LossOutput:
+    if feats.taps.dtype != torch.float32 and not torch.is_autocast_enabled("cpu"):
+        feats = TargetFeatures(taps=feats.taps.float(), hidden=feats.hidden, lse=feats.lse)  # fp32 drafter
+    args = (model, target, batch, feats)
     return (eagle3_batch_loss if cfg.method == "eagle3" else block_loss)(cfg, *args, **kwargs)
 
 

@@ -37,7 +37,7 @@ from dspark.train import methods
 from dspark.train.config import TrainConfig
 from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, collate, token_counts,
                                vocab_coverage)
-from dspark.train.features import FeatureCache, batch_features
+from dspark.train.features import FeatureCache, ShardedFeatureCache, batch_features
 from dspark.train.losses import add_stats, summarise
 
 log = logging.getLogger("dspark.train")
@@ -98,6 +98,12 @@ class Trainer:
         self.sampler = BatchSampler(num_samples=len(self.train_ds), global_batch=cfg.batch_size * self.world,
                                     seed=cfg.seed)
         self.cache = FeatureCache(cache_dir, tap_layer_ids=self.tap_layer_ids) if cache_dir else None
+        if cfg.feature_cache:
+            self.cache = ShardedFeatureCache(cfg.feature_cache, tap_layer_ids=self.tap_layer_ids,
+                                             target_dtype=cfg.target_dtype)
+        # draft-vocab rows of the target's LM head: per-step target logits from cached hidden states
+        head = self.target.lm_head.weight.detach()
+        self.head_rows = head if self.d2t is None else head[self.d2t.to(head.device)].contiguous()
         self.step, self.cursor = 0, Cursor()
         if self.rank == 0:
             n_train = sum(p.numel() for p in self.params)
@@ -134,10 +140,33 @@ class Trainer:
         t0 = time.perf_counter()
         feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=self.cache)
         t1 = time.perf_counter()
-        out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t, seeds=seeds,
-                                 all_reduce=_sum_all)
+        with self._autocast():
+            out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t, seeds=seeds,
+                                     all_reduce=_sum_all, head_rows=self.head_rows)
         out.stats["t_target_s"] = torch.tensor([t1 - t0])  # target forward (taps), per rank
         return out
+
+    def _autocast(self):
+        if self.cfg.drafter_autocast == "bfloat16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        import contextlib
+        return contextlib.nullcontext()
+
+    def precompute_features(self) -> dict | None:
+        """Fill the sharded feature cache (config feature_cache) with every train + val sample, once.
+        Rank 0 computes; other ranks wait and re-read the index."""
+        if not isinstance(self.cache, ShardedFeatureCache):
+            return None
+        samples = list(self.train_ds.samples) + (list(self.val_ds.samples) if self.val_ds is not None else [])
+        record = None
+        if self.rank == 0 and any(s.key not in self.cache for s in samples):
+            record = self.cache.precompute(self.target, samples, tap_layer_ids=self.tap_layer_ids,
+                                           tokens_per_forward=self.cfg.feature_tokens_per_forward,
+                                           progress=self.show_progress, log=log)
+        if self.world > 1:
+            dist.barrier()
+            self.cache.refresh()
+        return record
 
     def compute_grads(self) -> dict[str, torch.Tensor]:
         """Forward + backward over grad_accum micro-batches, gradients summed over ranks; returns stats."""
@@ -168,6 +197,7 @@ class Trainer:
         """Train to cfg.max_steps (or stop_at, for tests of interruption); returns the last log record."""
         if resume:
             self.load_checkpoint()
+        self.precompute_features()
         end = min(self.cfg.max_steps, stop_at or self.cfg.max_steps)
         bar = None
         if self.show_progress:
@@ -223,9 +253,12 @@ class Trainer:
         for _ in range(min(self.cfg.eval_batches, sampler.steps_per_epoch())):
             indices, cursor = sampler.next_batch(cursor)
             batch = collate([self.val_ds[i] for i in indices])
-            feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids)
-            out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t,
-                                     seeds=[10_007 * i + 1 for i in batch.indices], all_reduce=lambda t: t)
+            cache = self.cache if isinstance(self.cache, ShardedFeatureCache) else None
+            feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=cache)
+            with self._autocast():
+                out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t,
+                                         seeds=[10_007 * i + 1 for i in batch.indices], all_reduce=lambda t: t,
+                                         head_rows=self.head_rows)
             add_stats(stats, out.stats)
         record = {"step": self.step, "split": "val", **summarise(stats)}
         log.info("val %s", json.dumps(record))

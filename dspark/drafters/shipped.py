@@ -1,0 +1,40 @@
+"""Drafters shipped inside the package for the embedded default model (SmolLM2-135M-Instruct).
+
+`dspark serve` with no `--speculative-config` uses `default_spec_config(model)`: the trained DSpark
+drafter (Markov head + calibrated confidence head) when the model is the embedded default and the
+weights are present, else no speculation. How they were made: docs/drafters.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark.config import DEFAULT_MODEL, SpecConfig
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+SHIPPED: dict[tuple[str, str], str] = {  # (model, method) → folder under ASSETS
+    (DEFAULT_MODEL, "dspark"): "dspark-smollm2-135m",
+    (DEFAULT_MODEL, "dflash"): "dflash-smollm2-135m",
+    (DEFAULT_MODEL, "eagle3"): "eagle3-smollm2-135m",
+}
+DEFAULT_NUM_SPECULATIVE_TOKENS = 7
+
+
+def _canonical(model: str) -> str:
+    return DEFAULT_MODEL if model in (DEFAULT_MODEL, "default") else model
+
+
+def drafter_dir(model: str, method: str = "dspark") -> Path | None:
+    """The shipped drafter folder for (model, method), or None when none is shipped."""
+    name = SHIPPED.get((_canonical(model), method))
+    if name is None:
+        return None
+    path = ASSETS / name
+    return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None
+
+
+def default_spec_config(model: str) -> SpecConfig | None:
+    path = drafter_dir(model, "dspark")
+    if path is None:
+        return None
+    return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS)
