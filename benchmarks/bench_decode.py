@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -96,8 +97,11 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--int8", action="store_true", help="also dspark weight-only int8")
+    ap.add_argument("--threads", type=int, default=None, help="torch/llama.cpp threads (default: torch's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from dspark.models.loader import load_model, resolve_model_path
     model, cfg, tok = load_model("default")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -111,7 +115,8 @@ def main() -> None:
         results["hf_transformers_fp32"] = bench_hf(chat_ids)
     try:
         import llama_cpp  # noqa: F401
-        from benchmarks.gguf_f32 import cached_copy
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gguf_f32 import cached_copy
         src = Path(resolve_model_path("default"))
         for label, path in (("llama_cpp_f32", cached_copy(src, "f32")), ("llama_cpp_f16", cached_copy(src, "f16")),
                             ("llama_cpp_q4_1", src)):
@@ -121,7 +126,10 @@ def main() -> None:
     bw = memory_bandwidth_gbs()
     med = {k: statistics.median(v) for k, v in results.items()}
     summary = {
-        "bench": "decode_batch1", "max_new_tokens": MAX_NEW, "num_prompts": len(chat_ids),
+        "bench": "decode_batch1", "max_new_tokens": MAX_NEW,
+        "command": "python benchmarks/bench_decode.py " + " ".join(
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+            for k, v in vars(args).items() if v not in (None, False)), "num_prompts": len(chat_ids),
         "threads": torch.get_num_threads(), "machine": platform.platform(), "date": time.strftime("%Y-%m-%d"),
         "decode_tok_s_median": {k: round(v, 1) for k, v in med.items()},
         "memory_bandwidth_gbs": round(bw, 1), "weight_bytes_fp32": weight_bytes,

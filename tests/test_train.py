@@ -303,3 +303,43 @@ def test_feature_cache_is_written_and_read_back(tmp_path):
                             tap_layer_ids=trainer.tap_layer_ids)
     torch.testing.assert_close(cached.taps, fresh.taps, rtol=2e-3, atol=2e-3)  # fp16 on disk
     trainer.close()
+
+
+def _bf16_target():
+    model, cfg, eos = tiny_target()
+    return model.to(torch.bfloat16), cfg, eos
+
+
+@pytest.mark.parametrize("method", ["dspark", "eagle3"])
+def test_sharded_feature_cache_matches_online_features_and_step(tmp_path, method):
+    """Precomputed bf16 features == online bf16 features; a step from the cache == the same step online."""
+    from dspark.train.features import ShardedFeatureCache
+    data = toy_data(tmp_path / "data")
+    kw = dict(target_dtype="bfloat16", drafter_autocast="bfloat16", max_steps=2)
+    if method == "eagle3":
+        kw.update(method="eagle3", draft_vocab_size=None, ttt_steps=2, markov_rank=0)
+    online = Trainer(tiny_config(**kw), data_dir=data, out_dir=tmp_path / "online", target=_bf16_target(),
+                     show_progress=False)
+    cached = Trainer(tiny_config(**kw, feature_cache=str(tmp_path / "fc")), data_dir=data,
+                     out_dir=tmp_path / "cached", target=_bf16_target(), show_progress=False)
+    rec = cached.precompute_features()
+    assert isinstance(cached.cache, ShardedFeatureCache) and rec["samples"] == len(cached.cache) == 8
+    assert len(list((tmp_path / "fc").glob("feat-*.safetensors"))) == 1  # many samples per shard
+    batch = collate([online.train_ds[i] for i in range(4)])
+    fresh = target_features(online.target, input_ids=batch.input_ids, lengths=batch.lengths,
+                            tap_layer_ids=online.tap_layer_ids)
+    hit = cached.cache.get(batch.keys, batch.lengths)
+    torch.testing.assert_close(hit.taps.float(), fresh.taps.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(hit.hidden.float(), fresh.hidden.float(), rtol=1e-2, atol=1e-2)
+    need = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
+    need[:, :-1] = batch.loss_mask[:, 1:].bool()
+    full = torch.logsumexp(online.target.compute_logits(fresh.hidden[need]).float(), -1)
+    torch.testing.assert_close(hit.lse[need], full, rtol=1e-3, atol=1e-3)
+    s_online, s_cached = online.train_step(), cached.train_step()
+    for key in ("ce_num", "w_den") if method != "eagle3" else ("soft_ce_num",):
+        if key in s_online:
+            torch.testing.assert_close(s_cached[key], s_online[key], rtol=2e-2, atol=2e-2)
+    for (n, a), b in zip(online.model.named_parameters(), cached.model.parameters()):
+        if a.requires_grad:
+            torch.testing.assert_close(b, a, rtol=1e-2, atol=2e-3, msg=n)
+    assert float(s_cached["t_target_s"]) < 1.0

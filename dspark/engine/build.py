@@ -7,6 +7,7 @@ header) before any weight is loaded, so a mismatch fails in a second, not after 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -38,6 +39,10 @@ def build_engine(config: EngineConfig):
     policy, cost = build_policy(config, drafter)
     engine = Engine(config, model=model, model_config=target_config, drafter=drafter,
                     length_policy=policy, cost_table=cost, eos_token_ids=tokenizer.eos_token_ids)
+    if config.spec is not None and config.spec.cost_table == "auto":
+        from dspark.verify.profile_cli import profile_engine
+        log.info("profiling the step-cost table at startup (cost_table='auto')")
+        engine.cost_table = profile_engine(engine, repeats=3, warmup=1)
     return engine, tokenizer
 
 
@@ -45,9 +50,12 @@ def _check_length_policy(config: EngineConfig) -> None:
     """Fail closed before loading weights: adaptive verification needs a confidence head (checked
     by the drafter's `check`) and a cost table on disk."""
     spec = config.spec
+    if spec.cost_table and spec.cost_table != "auto" and not Path(spec.cost_table).is_file():
+        raise ValueError(f"cost_table {spec.cost_table!r} does not exist (run `dspark profile --out PATH`)")
     if spec.length_policy in ("prefix", "async") and not spec.cost_table:
         raise ValueError(f"length_policy={spec.length_policy!r} needs a cost table: run `dspark profile "
-                         f"--out cost.json` and pass \"cost_table\": \"cost.json\" in the speculative config")
+                         f"--out cost.json` and pass \"cost_table\": \"cost.json\" (or \"auto\": profile at "
+                         f"startup) in the speculative config")
     if spec.length_policy != "fixed" and spec.method not in ("dspark",):
         raise ValueError(f"length_policy={spec.length_policy!r} needs a drafter with a confidence head "
                          f"(method 'dspark'); {spec.method!r} has none")
@@ -60,10 +68,11 @@ def build_policy(config: EngineConfig, drafter):
         return None, None
     from dspark.verify.cost_table import CostTable
     from dspark.verify.length_policy import build_length_policy
-    cost = CostTable.load(spec.cost_table) if spec.cost_table else None
+    # "auto": profiled at startup once the engine exists (see build_engine)
+    cost = CostTable.load(spec.cost_table) if spec.cost_table and spec.cost_table != "auto" else None
     kwargs = {"fixed": {"verify_len": spec.num_speculative_tokens},
               "threshold": {"threshold": spec.confidence_threshold},
               "prefix": {}, "async": {"cold_start_len": spec.num_speculative_tokens}}[spec.length_policy]
     policy = build_length_policy(spec.length_policy, confidence_available=drafter.has_confidence,
-                                 cost_available=cost is not None, **kwargs)
+                                 cost_available=cost is not None or spec.cost_table == "auto", **kwargs)
     return policy, cost

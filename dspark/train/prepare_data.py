@@ -2,7 +2,7 @@
 
     dspark prepare-data --out data/smollm2_train --max-prompts 2000 --max-tokens 384 [--magpie 500]
 
-Prompts: the first user turn of every line of /work/shared/datasets/train/*.jsonl (never eval/), shuffled
+Prompts: the first user turn of every line of <shared>/datasets/train/*.jsonl (never eval/), shuffled
 once with --seed so --max-prompts takes a mix of sources. Each prompt goes through the target's chat
 template and the dspark engine itself (`LLM.chat`, --batch-size conversations at a time, greedy or
 --temperature); a sample is prompt ids + answer ids (up to and including the end-of-turn token), with
@@ -24,10 +24,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dspark.bench.datasets import datasets_dir
 from dspark.train.data import DROPPED, MANIFEST, assert_not_eval, done_keys, is_holdout, shard_paths, write_shard
 
 log = logging.getLogger("dspark.prepare_data")
-DEFAULT_PROMPTS = "/work/shared/datasets/train"
+DEFAULT_PROMPTS = str(datasets_dir() / "train")  # $DSPARK_DATASETS or <repo>/../shared/datasets
 MAGPIE_SENTINEL = "MAGPIE_SENTINEL_7f3a"
 
 
