@@ -81,7 +81,6 @@ def bench_llama_cpp(chat_ids: list[list[int]], gguf_path: Path) -> list[float]:
         llm.reset()
         t_first = None
         n = 0
-        t0 = time.perf_counter()
         for _tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
             n += 1
             if n == 1:

@@ -46,7 +46,7 @@ def run_method(model, cfg, tok, prompts, *, spec, max_tokens):
     engine = Engine(EngineConfig(cache=CacheConfig(num_kv_blocks=512), scheduler=SchedulerConfig(max_num_seqs=1),
                                  spec=spec), model=model, model_config=cfg, drafter=drafter,
                     eos_token_ids=tok.eos_token_ids)
-    fwd, draft, step_tokens = [], [], []
+    fwd, draft = [], []
     _timed(engine.runner, "forward", fwd)
     if drafter is not None:
         _timed(drafter, "propose", draft)
@@ -55,19 +55,24 @@ def run_method(model, cfg, tok, prompts, *, spec, max_tokens):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     fwd.clear(), draft.clear()
+    steps_before = engine.metrics.num_steps
+    drafts_before = (engine.metrics.num_drafts, engine.metrics.num_accepted_tokens)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
-    steps = engine.metrics.num_steps
     tokens = sum(len(o.token_ids) for o in outs)
-    decode_fwd = fwd[len(prompts):] if len(fwd) > len(prompts) else fwd  # drop the prefill steps roughly
-    num_drafts = engine.metrics.num_drafts
+    # batch 1, prompts shorter than the token budget: each request has exactly one prefill step
+    # (which emits its first token); every other step is a decode/verify step
+    num_decode_steps = engine.metrics.num_steps - steps_before - len(prompts)
+    decode_fwd = sorted(fwd)[:max(1, len(fwd) - len(prompts))]  # drop the slowest (prefill) forwards
+    num_drafts = engine.metrics.num_drafts - drafts_before[0]
+    num_accepted = engine.metrics.num_accepted_tokens - drafts_before[1]
     return {
         "forward_ms_median": 1e3 * statistics.median(decode_fwd),
         "draft_ms_median_per_step": 1e3 * statistics.median(
             [a + b for a, b in zip(draft[0::2], draft[1::2])]) if draft else 0.0,
-        "tokens_per_step": tokens / max(1, sum(1 for _ in decode_fwd)),
-        "acceptance_length": 1 + engine.metrics.num_accepted_tokens / num_drafts if num_drafts else 1.0,
+        "tokens_per_step": (tokens - len(prompts)) / max(1, num_decode_steps),
+        "acceptance_length": 1 + num_accepted / num_drafts if num_drafts else 1.0,
         "output_tok_s": tokens / wall,
     }
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 
 # subcommand → module exposing register(subparsers)

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, DEFAULT_MODEL

@@ -10,7 +10,7 @@ argmax, so rejection sampling against a greedy target reproduces greedy decoding
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

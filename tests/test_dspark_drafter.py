@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from dspark.drafters import dspark as dspark_mod
 from dspark.drafters.base import ContextSegment, ContextUpdate, ProposeBatch, ProposeRequest
 from dspark.drafters.checkpoint import save_tensors
 from dspark.drafters.dspark import DSparkDrafter, build, check, load_dspark, save_dspark

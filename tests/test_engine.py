@@ -5,10 +5,10 @@ speculative greedy output equals plain greedy for the n-gram drafter; KV blocks 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dspark.config import SpecConfig
 from dspark.drafters.ngram import NgramDrafter
+from dspark.llm import LLM
 from dspark.sampling import SamplingParams
 from tests.conftest import TINY_LLAMA, TINY_QWEN3
 from tests.engine_helpers import (greedy, hf_greedy, make_engine, repetitive_prompts, run,
@@ -46,15 +46,11 @@ def test_prefix_cache_hit_gives_same_tokens():
     model, _ = tiny_target(cfg)
     engine = make_engine(model, cfg)
     prompt = repetitive_prompts(1, cfg.vocab_size, seed=3, length=38)[0]
-    first = run(engine, [prompt], greedy(12))[0]
-    rid = engine.add_request(prompt, greedy(12))
-    engine.step()
-    llm_out = first
-    while engine.has_unfinished():
-        engine.step()
-    # a second identical request reuses the committed full blocks
-    second = run(engine, [prompt], greedy(12))[0]
-    assert second == llm_out
+    llm = LLM(engine=engine, tokenizer=None)
+    first = llm.generate([prompt], greedy(12))[0]
+    second = llm.generate([prompt], greedy(12))[0]  # reuses the committed full blocks
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 36
+    assert second.token_ids == first.token_ids
 
 
 def _ngram_engine(model, cfg, **kw):

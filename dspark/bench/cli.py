@@ -112,10 +112,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dspark bench")
-    register(parser.add_subparsers(dest="bench_command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """`python -m dspark.bench.cli ...` = `dspark bench ...` (serve, sweep, offline)."""
+    from dspark.cli import main as dspark_main
+    return dspark_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -159,14 +159,3 @@ def _print_tables(result: dict) -> None:
         tau = row.get("tau")
         print(f"{name:<34} {row['median_ttft_ms'] or 0:>8.1f} {row['median_tpot_ms'] or 0:>8.2f} "
               f"{row['decode_tok_s'] or 0:>8.1f} {tau if tau is None else round(tau, 2)!s:>5}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dspark bench")
-    register(parser.add_subparsers(dest="bench_command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -248,14 +248,3 @@ def run_cli(args: argparse.Namespace) -> int:
     print(json.dumps(json_safe(summary(results)), allow_nan=False), flush=True)
     ok = any(not p.get("error") for p in results["points"])
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dspark bench")
-    register(parser.add_subparsers(dest="bench_command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

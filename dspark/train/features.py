@@ -70,27 +70,12 @@ def target_features(
 ) -> TargetFeatures:
     batch, seq_len = input_ids.shape
     cfg = target.config
-    param = next(target.parameters())
-    dtype, device = param.dtype, param.device
-    lens = [int(n) for n in lengths]
     valid = torch.arange(seq_len).unsqueeze(0) < lengths.unsqueeze(1)  # [batch, seq_len]
-    flat_ids = input_ids[valid].to(device)  # [num_tokens]
-    positions = torch.cat([torch.arange(n) for n in lens]).to(device)  # [num_tokens]
-    offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
-    seqs = [SeqSpec(block_table=[i], num_cached=0, num_query=n, token_offset=offsets[i])
-            for i, n in enumerate(lens)]
-    meta = build_attn_metadata(seqs, num_tokens=offsets[-1], kv_block_size=seq_len, device=device)
-    kv_heads, head_dim = target.kv_spec
-    kv_caches = [(torch.empty(batch, seq_len, kv_heads, head_dim, dtype=dtype, device=device),
-                  torch.empty(batch, seq_len, kv_heads, head_dim, dtype=dtype, device=device))
-                 for _ in range(target.num_kv_layers)]
-    hidden, taps = target(flat_ids, positions, meta, kv_caches, tap_layer_ids=tuple(tap_layer_ids))
+    taps, hidden = _flat_features(target, input_ids, lengths, tap_layer_ids)  # [num_tokens, ...]
     out_taps = torch.zeros(batch, seq_len, taps.shape[-1], dtype=taps.dtype)
     out_hidden = torch.zeros(batch, seq_len, cfg.hidden_size, dtype=hidden.dtype)
-    out_taps[valid] = taps.cpu()
-    out_hidden[valid] = hidden.cpu()
+    out_taps[valid] = taps
+    out_hidden[valid] = hidden
     return TargetFeatures(taps=out_taps, hidden=out_hidden)
 
 
