@@ -1,4 +1,4 @@
-"""Batch-1 greedy decode, side by side in one run: dspark (fp32, optional int8) vs HF transformers
+"""Batch-1 greedy decode, side by side in one run: dspark (fp32) vs HF transformers
 `generate` vs llama.cpp (llama-cpp-python, optional: F32, F16 and the shipped Q4_1 GGUF) on
 SmolLM2-135M-Instruct, the same chat prompts, 128 new tokens (EOS ignored).
 
@@ -41,9 +41,9 @@ def memory_bandwidth_gbs() -> float:
     return 2 * x.numel() * 4 / best / 1e9  # read + write
 
 
-def bench_dspark(chat_ids: list[list[int]], quantization=None) -> list[float]:
+def bench_dspark(chat_ids: list[list[int]]) -> list[float]:
     from dspark import LLM, SamplingParams
-    llm = LLM(quantization=quantization, max_num_seqs=1)
+    llm = LLM(max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     llm.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=8))
     rates = []
@@ -95,7 +95,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--int8", action="store_true", help="also dspark weight-only int8")
     ap.add_argument("--threads", type=int, default=None, help="torch/llama.cpp threads (default: torch's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -108,8 +107,6 @@ def main() -> None:
     del model
     results: dict[str, list[float]] = {}
     results["dspark_fp32"] = bench_dspark(chat_ids)
-    if args.int8:
-        results["dspark_int8"] = bench_dspark(chat_ids, "int8")
     if not args.skip_hf:
         results["hf_transformers_fp32"] = bench_hf(chat_ids)
     try:

@@ -40,7 +40,6 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = True
     else:
         p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default=EngineConfig.dtype, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8"])
     p.add_argument("--seed", type=int, default=EngineConfig.seed)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
@@ -70,7 +69,7 @@ def engine_config_from_args(args: argparse.Namespace, *, default_spec=None):
             raise SystemExit(f"error: --speculative-config: {e}")
     try:
         return EngineConfig(
-            model=args.model, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
+            model=args.model, dtype=args.dtype, seed=args.seed,
             num_threads=args.num_threads,
             cache=CacheConfig(kv_block_size=args.kv_block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                               num_kv_blocks=args.num_kv_blocks,

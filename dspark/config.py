@@ -107,7 +107,6 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    quantization: str | None = None  # None | "int8" (weight-only)
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -116,7 +115,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be none or 'int8', got {self.quantization!r}")
         if self.spec is not None and self.spec.num_speculative_tokens + 1 > self.scheduler.max_num_batched_tokens:
             raise ValueError("num_speculative_tokens + 1 exceeds max_num_batched_tokens")

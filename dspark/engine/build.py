@@ -29,9 +29,8 @@ def build_engine(config: EngineConfig):
     if config.spec is not None:
         check_drafter(config.spec, target_config)
         _check_length_policy(config)
-    load_kwargs = {"quantization": config.quantization} if config.quantization else {}
-    model, target_config, tokenizer = load_model(
-        config.model, dtype=DTYPES[config.dtype], device=config.device, **load_kwargs)
+    model, target_config, tokenizer = load_model(config.model, dtype=DTYPES[config.dtype],
+                                                 device=config.device)
     drafter = None
     if config.spec is not None:
         drafter = build_drafter(config.spec, target_config=target_config, target_model=model,

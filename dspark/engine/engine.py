@@ -146,9 +146,10 @@ class Engine:
             temps += [p.temperature] * s.num_logits
             top_ks += [p.top_k] * s.num_logits
             top_ps += [p.top_p] * s.num_logits
+        dev = logits.device
         target_probs = logits_to_probs(
-            logits, temperature=torch.tensor(temps), top_k=torch.tensor(top_ks),
-            top_p=torch.tensor(top_ps))  # [num_logits, vocab_size]
+            logits, temperature=torch.tensor(temps, device=dev), top_k=torch.tensor(top_ks, device=dev),
+            top_p=torch.tensor(top_ps, device=dev))  # [num_logits, vocab_size]
         rows = torch.split(target_probs, [s.num_logits for s in items])
         result: VerifyResult = verify(
             target_probs=list(rows),
