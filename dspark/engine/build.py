@@ -49,15 +49,15 @@ def _check_length_policy(config: EngineConfig) -> None:
     """Fail closed before loading weights: adaptive verification needs a confidence head (checked
     by the drafter's `check`) and a cost table on disk."""
     spec = config.spec
+    if spec.length_policy != "fixed" and spec.method not in ("dspark",):
+        raise ValueError(f"length_policy={spec.length_policy!r} needs a drafter with a confidence head "
+                         f"(method 'dspark'); {spec.method!r} has none")
     if spec.cost_table and spec.cost_table != "auto" and not Path(spec.cost_table).is_file():
         raise ValueError(f"cost_table {spec.cost_table!r} does not exist (run `dspark profile --out PATH`)")
     if spec.length_policy in ("prefix", "async") and not spec.cost_table:
         raise ValueError(f"length_policy={spec.length_policy!r} needs a cost table: run `dspark profile "
                          f"--out cost.json` and pass \"cost_table\": \"cost.json\" (or \"auto\": profile at "
                          f"startup) in the speculative config")
-    if spec.length_policy != "fixed" and spec.method not in ("dspark",):
-        raise ValueError(f"length_policy={spec.length_policy!r} needs a drafter with a confidence head "
-                         f"(method 'dspark'); {spec.method!r} has none")
 
 
 def build_policy(config: EngineConfig, drafter):
