@@ -16,8 +16,12 @@ from tests.engine_helpers import (greedy, hf_greedy, make_engine, repetitive_pro
 
 
 @pytest.mark.parametrize("cfg", [TINY_LLAMA, TINY_QWEN3], ids=["llama", "qwen3"])
-def test_greedy_equals_hf_transformers(cfg):
+@pytest.mark.parametrize("decode_layout", [False, True], ids=["out_in", "decode_layout"])
+def test_greedy_equals_hf_transformers(cfg, decode_layout):
+    from dspark.models.layers import add_decode_layout
     model, hf = tiny_target(cfg)
+    if decode_layout:  # one-row products read the transposed copies (batch-1 decode fast path)
+        assert add_decode_layout(model) > 0
     engine = make_engine(model, cfg)
     prompts = repetitive_prompts(4, cfg.vocab_size, seed=1)
     ours = run_one_at_a_time(engine, prompts, greedy(24))

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dspark.models import build_model
+from dspark.models.layers import add_decode_layout
 from dspark.models.config import ModelConfig
 from dspark.models.tokenizer import TokenizerBundle, gguf_cache_dir, load_tokenizer
 
@@ -56,7 +57,7 @@ def resolve_model_path(name: str | Path) -> Path:
 
 
 def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[torch.nn.Module, ModelConfig, TokenizerBundle]:
+               device: torch.device | str = "cpu", decode_layout: bool = True) -> tuple[torch.nn.Module, ModelConfig, TokenizerBundle]:
     """-> (eval-mode model with weights, its ModelConfig, its TokenizerBundle)."""
     path = resolve_model_path(path_or_name)
     if path.is_file() and path.suffix == ".gguf":
@@ -77,6 +78,8 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
             _write_gguf_cache(gguf_cache_dir(path), source.config, converted)
         else:
             model.load_weights(source.weights())
+    if decode_layout and torch.device(device).type == "cpu":
+        add_decode_layout(model)
     tokenizer = load_tokenizer(path, eos_token_ids=source.config.eos_token_ids)
     return model, source.config, tokenizer
 
