@@ -34,7 +34,13 @@ def drafter_dir(model: str, method: str = "dspark") -> Path | None:
 
 
 def default_spec_config(model: str) -> SpecConfig | None:
+    """DSpark with the prefix scheduler (Algorithm 1) on the cost table profiled on this project's
+    machines (2 CPU cores); on other hardware run `dspark profile` or pass "cost_table": "auto"."""
     path = drafter_dir(model, "dspark")
     if path is None:
         return None
-    return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS)
+    cost = path / "cost_table.json"
+    if not cost.is_file():
+        return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS)
+    return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                      length_policy="prefix", cost_table=str(cost))
