@@ -33,7 +33,7 @@ def test_sweep_end_to_end(tiny_dir, tmp_path):
            "--methods", "none,ngram,dspark-k3", "--concurrency", "1,2", "--dataset", "random",
            "--random-input-len", "16", "--num-prompts", "3", "--max-tokens", "8",
            "--out-dir", str(out), "--engine-args", "--num-threads 1", "--start-timeout-s", "240"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path  # a hang guard, not a speed check)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)  # a hang guard, not a speed check
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["num_points"] == 4 and summary["num_failed_points"] == 0

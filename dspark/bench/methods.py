@@ -20,7 +20,6 @@ Example: `method_spec(parse_method("dspark-k3"), drafter_dir="ckpt/dspark")`
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 from dspark.config import LENGTH_POLICY_NAMES, SPEC_METHODS
@@ -107,22 +106,10 @@ def method_spec(method: Method, *, drafter_dir: str | None = None,
 
 def shipped_drafter_dir(model: str, base: str) -> str | None:
     """The drafter checkpoint `dspark.drafters.shipped` provides for `model` and method `base`, or
-    None (module absent, or nothing shipped for that pair)."""
-    try:
-        shipped = importlib.import_module("dspark.drafters.shipped")
-    except ModuleNotFoundError as e:
-        if e.name == "dspark.drafters.shipped":
-            return None
-        raise
-    find_dir = getattr(shipped, "drafter_dir", None)
-    if find_dir is not None:
-        found = find_dir(model, base)
-        return str(found) if found else None
-    find_spec = getattr(shipped, "default_spec_config", None)
-    spec = find_spec(model) if find_spec is not None else None
-    if spec is not None and getattr(spec, "method", None) == base and getattr(spec, "model", None):
-        return str(spec.model)
-    return None
+    None when nothing is shipped for that pair."""
+    from dspark.drafters.shipped import drafter_dir
+    found = drafter_dir(model, base)
+    return str(found) if found else None
 
 
 def parse_drafter_dirs(items: list[str] | None) -> dict[str, str]:

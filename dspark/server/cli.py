@@ -10,7 +10,6 @@ Without --speculative-config the model's shipped drafter (if any) is used; "none
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 
 log = logging.getLogger(__name__)
@@ -35,14 +34,8 @@ def register(sub) -> None:
 
 def default_spec(model: str):
     """The drafter shipped for `model` (dspark.drafters.shipped), or None when there is none."""
-    try:
-        shipped = importlib.import_module("dspark.drafters.shipped")
-    except ModuleNotFoundError as e:
-        if e.name == "dspark.drafters.shipped":
-            return None
-        raise
-    find = getattr(shipped, "default_spec_config", None)
-    return find(model) if find is not None else None
+    from dspark.drafters.shipped import default_spec_config
+    return default_spec_config(model)
 
 
 def run(args: argparse.Namespace) -> int:
