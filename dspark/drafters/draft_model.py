@@ -27,6 +27,7 @@ catch-up and scratch logic.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import torch
@@ -34,7 +35,7 @@ from torch import nn
 
 from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
 from dspark.drafters.draft_sampling import DraftAccumulator
-from dspark.models.attention import SeqSpec, build_attn_metadata
+from dspark.models.attention import flat_batch
 
 
 class DraftModelDrafter(Drafter):
@@ -57,18 +58,9 @@ class DraftModelDrafter(Drafter):
     def _forward(self, chunks: list[tuple[list[int], int, list[int]]], kv_block_size: int) -> torch.Tensor:
         """chunks: (block_table, first position, token ids) per request; K/V stored at those positions.
         Returns the final-normed hidden of each chunk's last token, [num_chunks, hidden]."""
-        ids: list[int] = []
-        positions: list[int] = []
-        seqs: list[SeqSpec] = []
-        last_rows: list[int] = []
-        for block_table, start, tokens in chunks:
-            seqs.append(SeqSpec(block_table=block_table, num_cached=start, num_query=len(tokens),
-                                token_offset=len(ids)))
-            ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            last_rows.append(len(ids) - 1)
         dev = self.device
-        meta = build_attn_metadata(seqs, num_tokens=len(ids), kv_block_size=kv_block_size, device=dev)
+        ids, positions, meta = flat_batch(chunks, kv_block_size=kv_block_size, device=dev)
+        last_rows = [end - 1 for end in itertools.accumulate(len(tokens) for _, _, tokens in chunks)]
         pos = torch.tensor(positions, dtype=torch.long, device=dev).clamp_(max=self.max_positions - 1)
         hidden, _ = self.model(torch.tensor(ids, dtype=torch.long, device=dev), pos, meta, self.kv_caches)
         return hidden[torch.tensor(last_rows, dtype=torch.long, device=dev)]

@@ -33,7 +33,7 @@ from dspark.drafters.checkpoint import safetensors_files
 from dspark.drafters.draft_sampling import DraftAccumulator
 from dspark.drafters.eagle3_model import (Eagle3Config, Eagle3Model, default_tap_layer_ids, load_eagle3,
                                           read_eagle3_config, save_eagle3, ttt_targets)
-from dspark.models.attention import SeqSpec, build_attn_metadata
+from dspark.models.attention import flat_batch
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Model", "bind_to_target", "build", "check",
            "default_tap_layer_ids", "load_eagle3", "save_eagle3", "ttt_targets"]
@@ -61,16 +61,8 @@ class Eagle3Drafter(Drafter):
                  kv_block_size: int) -> torch.Tensor:
         """chunks: (block_table, first position, next tokens) per request, rows in order; hidden
         [num_rows, d] the matching features. Stores K/V at those positions; → outputs [num_rows, d]."""
-        ids: list[int] = []
-        positions: list[int] = []
-        seqs: list[SeqSpec] = []
-        for block_table, start, tokens in chunks:
-            seqs.append(SeqSpec(block_table=block_table, num_cached=start, num_query=len(tokens),
-                                token_offset=len(ids)))
-            ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
         dev = self.device
-        meta = build_attn_metadata(seqs, num_tokens=len(ids), kv_block_size=kv_block_size, device=dev)
+        ids, positions, meta = flat_batch(chunks, kv_block_size=kv_block_size, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev).clamp_(
             max=self.model.rotary_emb.max_positions - 1)
         return self.model(torch.tensor(ids, dtype=torch.long, device=dev), pos, hidden, meta, self.kv_cache)

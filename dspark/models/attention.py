@@ -76,6 +76,23 @@ def build_attn_metadata(
         groups=groups, num_tokens=num_tokens, all_stored=-1 not in slot_mapping)
 
 
+def flat_batch(
+    chunks: list[tuple[list[int], int, list[int]]], *, kv_block_size: int, device: torch.device | str = "cpu"
+) -> tuple[list[int], list[int], AttnMetadata]:
+    """(block_table, first position, new token ids) per request → the flat batch's token ids,
+    positions and causal attention metadata (the new tokens' K/V stored at those positions)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    seqs: list[SeqSpec] = []
+    for block_table, start, tokens in chunks:
+        seqs.append(SeqSpec(block_table=block_table, num_cached=start, num_query=len(tokens),
+                            token_offset=len(ids)))
+        ids.extend(tokens)
+        positions.extend(range(start, start + len(tokens)))
+    return ids, positions, build_attn_metadata(seqs, num_tokens=len(ids), kv_block_size=kv_block_size,
+                                               device=device)
+
+
 def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
     max_q = max(s.num_query for s in seqs)
     max_kv = max(s.num_cached + s.num_query for s in seqs)
