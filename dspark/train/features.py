@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.models.attention import SeqSpec, build_attn_metadata
+from dspark.models.attention import flat_batch
 
 
 @dataclass(frozen=True)
@@ -321,16 +321,11 @@ def _flat_features(target, input_ids, lengths, tap_layer_ids):
     batch, seq_len = input_ids.shape
     param = next(target.parameters())
     dtype, device = param.dtype, param.device
-    lens = [int(n) for n in lengths]
-    valid = torch.arange(seq_len).unsqueeze(0) < lengths.unsqueeze(1)
-    flat_ids = input_ids[valid].to(device)
-    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
-    seqs = [SeqSpec(block_table=[i], num_cached=0, num_query=n, token_offset=offsets[i])
-            for i, n in enumerate(lens)]
-    meta = build_attn_metadata(seqs, num_tokens=offsets[-1], kv_block_size=seq_len, device=device)
+    # one kv_block of seq_len slots per sequence: sequence i uses block i
+    chunks = [([i], 0, input_ids[i, :int(n)].tolist()) for i, n in enumerate(lengths)]
+    ids, positions, meta = flat_batch(chunks, kv_block_size=seq_len, device=device)
+    flat_ids = torch.tensor(ids, dtype=torch.long, device=device)
+    positions = torch.tensor(positions, dtype=torch.long, device=device)
     kv_heads, head_dim = target.kv_spec
     kv_caches = [(torch.empty(batch, seq_len, kv_heads, head_dim, dtype=dtype, device=device),
                   torch.empty(batch, seq_len, kv_heads, head_dim, dtype=dtype, device=device))
