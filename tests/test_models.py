@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark import kernels
+
 from conftest import PagedKV, hf_twin
 from dspark.models import MODEL_REGISTRY, build_model
 
@@ -58,7 +60,12 @@ def test_prefill_logits_and_taps_match_hf(tiny_config, kv_block_size):
     assert no_taps is None
 
 
-def test_chunked_prefill_and_decode_match_one_shot(tiny_config):
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_chunked_prefill_and_decode_match_one_shot(tiny_config, cpu_kernels, monkeypatch):
+    if not cpu_kernels:  # the slow twin: every op through torch
+        monkeypatch.setattr(kernels, "ops", lambda: None)
+    elif kernels.ops() is None:
+        pytest.skip("CPU kernels unavailable")
     hf = hf_twin(tiny_config, seed=3)
     ours = ours_from_hf(tiny_config, hf)
     g = torch.Generator().manual_seed(2)

@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark import kernels
+from dspark.kernels import Linear  # nn.Linear; few-row fp32 inference through the CPU kernel
+
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.heads import build_heads
 from dspark.models.layers import ROPE_INIT, rope_type
@@ -46,6 +49,8 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -54,9 +59,9 @@ class _RMSNorm(nn.Module):
 class _MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -86,10 +91,10 @@ class DSparkAttention(nn.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                             cfg.num_key_value_heads, hd)
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.q_proj = Linear(d, self.num_heads * hd, bias=False)
+        self.k_proj = Linear(d, self.num_kv_heads * hd, bias=False)
+        self.v_proj = Linear(d, self.num_kv_heads * hd, bias=False)
+        self.o_proj = Linear(self.num_heads * hd, d, bias=False)
         self.q_norm = _RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = _RMSNorm(hd, cfg.rms_norm_eps)
 
@@ -148,10 +153,10 @@ class DSparkModel(nn.Module):
         d, vocab, draft_vocab = cfg.hidden_size, cfg.vocab_size, cfg.effective_draft_vocab_size
         self.embed_tokens = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(DSparkDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.fc = nn.Linear(cfg.num_taps * d, d, bias=False)
+        self.fc = Linear(cfg.num_taps * d, d, bias=False)
         self.hidden_norm = _RMSNorm(d, cfg.rms_norm_eps)
         self.norm = _RMSNorm(d, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(d, draft_vocab, bias=False)
+        self.lm_head = Linear(d, draft_vocab, bias=False)
         self.markov_head, self.confidence_head = build_heads(cfg)
         for p in (self.embed_tokens.weight, self.lm_head.weight):
             p.requires_grad_(False)

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dspark.kernels import Linear  # nn.Linear; few-row fp32 inference through the CPU kernel
+
 
 class MarkovHead(nn.Module):
     """Vanilla first-order Markov bias: logits_k = base_k + W2 · W1[x_{k-1}]."""
@@ -32,7 +34,7 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)  # rows: target ids
-        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)  # weight [draft_vocab, rank]
+        self.markov_w2 = Linear(rank, draft_vocab_size, bias=False)  # weight [draft_vocab, rank]
 
     def embed_prev(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """W1[x_{k-1}]: [...] target ids → [..., rank] (also the confidence head's input)."""
@@ -72,7 +74,7 @@ class GatedMarkovHead(MarkovHead):
     def __init__(self, *, vocab_size: int, draft_vocab_size: int, hidden_size: int, rank: int):
         super().__init__(vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
                          hidden_size=hidden_size, rank=rank)
-        self.gate_proj = nn.Linear(hidden_size + rank, rank, bias=True)  # weight [rank, hidden + rank]
+        self.gate_proj = Linear(hidden_size + rank, rank, bias=True)  # weight [rank, hidden + rank]
 
     def _bias(self, prev_embed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden.to(prev_embed.dtype), prev_embed], -1)))
@@ -86,7 +88,7 @@ class RNNHead(MarkovHead):
     def __init__(self, *, vocab_size: int, draft_vocab_size: int, hidden_size: int, rank: int):
         super().__init__(vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
                          hidden_size=hidden_size, rank=rank)
-        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=True)
+        self.joint_proj = Linear(2 * rank + hidden_size, 3 * rank, bias=True)
 
     def _cell(self, state: torch.Tensor, prev_embed: torch.Tensor, hidden: torch.Tensor):
         z = torch.cat([state, prev_embed, hidden.to(prev_embed.dtype)], dim=-1)  # [..., 2r + d]
@@ -117,7 +119,7 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, *, hidden_size: int, markov_rank: int):
         super().__init__()
-        self.proj = nn.Linear(hidden_size + markov_rank, 1, bias=True)  # weight [1, hidden + rank]
+        self.proj = Linear(hidden_size + markov_rank, 1, bias=True)  # weight [1, hidden + rank]
         self.with_markov = markov_rank > 0
 
     def forward(

@@ -6,9 +6,10 @@ is offset `o` of kv_block `b`. One step is a flat, variable-length batch of toke
 where each new token's K/V go (`slot_mapping`) and, per group of requests, which slots each query reads.
 
 Requests with short queries (decode and verify windows) are padded together into one SDPA call; long
-prompt chunks get a group each, so a 512-token chunk never pads 8 one-token decodes to 512 rows. On the
-CPU this gather + SDPA path is the implementation; a flash-attn varlen kernel can replace
-`paged_attention` on CUDA without changing the metadata. `tests/test_attention.py` checks it against
+prompt chunks get a group each, so a 512-token chunk never pads 8 one-token decodes to 512 rows. In fp32 on
+the CPU the short group runs the fused kernel of `dspark.kernels` (keys read in place through the slot
+table); everything else is gather + SDPA. A flash-attn varlen kernel can replace `paged_attention` on
+CUDA without changing the metadata. `tests/test_attention.py` checks it against
 dense SDPA over contiguous K/V.
 """
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from dspark import kernels
 
 SHORT_QUERY_MAX = 16  # queries up to this length share one padded group
 
@@ -31,6 +34,7 @@ class AttnGroup:
     kv_slots: torch.Tensor  # [num_seqs, max_kv] long: pool slot of each key (padding → 0)
     mask: torch.Tensor | None  # [num_seqs, 1, max_q, max_kv] bool, True = may attend; None = all
     all_valid: bool  # no query padding: scatter back with a plain reshape
+    key_limit: torch.Tensor  # [num_seqs, max_q] long: query j reads keys [0, limit); 0 = padding
 
 
 @dataclass
@@ -97,6 +101,7 @@ def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
     max_q = max(s.num_query for s in seqs)
     max_kv = max(s.num_cached + s.num_query for s in seqs)
     token_index = torch.zeros(len(seqs), max_q, dtype=torch.long)
+    key_limit = torch.zeros(len(seqs), max_q, dtype=torch.long)
     query_valid = torch.zeros(len(seqs), max_q, dtype=torch.bool)
     kv_slots = torch.zeros(len(seqs), max_kv, dtype=torch.long)
     mask = torch.zeros(len(seqs), 1, max_q, max_kv, dtype=torch.bool)
@@ -110,16 +115,18 @@ def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
             # query j sits at position num_cached + j and sees keys 0 .. num_cached + j
             q_pos = torch.arange(s.num_query).unsqueeze(1) + s.num_cached
             mask[i, 0, :s.num_query, :num_kv] = torch.arange(num_kv).unsqueeze(0) <= q_pos
+            key_limit[i, :s.num_query] = q_pos[:, 0] + 1
             need_mask |= s.num_query > 1
         else:
             mask[i, 0, :s.num_query, :num_kv] = True
+            key_limit[i, :s.num_query] = num_kv
         mask[i, 0, s.num_query:, 0] = True  # padded query rows attend one key: no NaN, discarded
         need_mask |= num_kv < max_kv or s.num_query < max_q
     all_valid = bool(query_valid.all())
     return AttnGroup(
         token_index=token_index.to(device), query_valid=query_valid.to(device),
         kv_slots=kv_slots.to(device), mask=mask.to(device) if need_mask else None,
-        all_valid=all_valid)
+        all_valid=all_valid, key_limit=key_limit.to(device))
 
 
 def store_kv(
@@ -153,6 +160,9 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in meta.groups:
         num_seqs, max_q = g.token_index.shape
+        if max_q <= SHORT_QUERY_MAX and kernels.short_attention(q, k_flat, v_flat, g.token_index, g.key_limit,
+                                                                g.kv_slots, out, scale):
+            continue  # fp32 CPU: the fused kernel read the keys in place (dspark/kernels)
         qg = q[g.token_index.view(-1)].view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)
         kg = k_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *k_flat.shape[1:]).transpose(1, 2)
         vg = v_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *v_flat.shape[1:]).transpose(1, 2)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark import kernels
+
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
     """Copy a checkpoint tensor into a parameter of the same shape (casting dtype/device)."""
@@ -47,9 +49,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps)
         # half precision: normalise in fp32, cast back, then scale (the HF order of operations)
         return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm); fp32 CPU adds in place into `residual` in the same pass as the norm."""
+        if x.dtype == torch.float32:
+            normed = kernels.add_rms_norm_(x, residual, self.weight, self.eps)
+            return residual, normed
+        residual = residual + x
+        return residual, self.forward(residual)
 
 
 # ---------------------------------------------------------------------------------------------- rope
@@ -136,7 +146,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- linear
 
 # On CPU (MKL), few-row products are up to ~2x faster as W @ x^T than as F.linear's x @ W^T (measured on
-# the 576x49152 head and 576x3072 gate_up at 1-8 rows); many-row products are the same either way.
+# the 576x49152 head and 576x3072 gate_up at 1-8 rows); many-row products are the same either way. In fp32
+# up to kernels.MAX_ROWS rows go to dspark.kernels' small_mm first.
 SMALL_M = 16
 
 
@@ -146,6 +157,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     `weight_t` [in, out] (see `add_decode_layout`): a one-row product streams it ~1.8x faster than
     the [out, in] layout on CPU (measured: 7.2 vs 12.7 ms for SmolLM2's 113 MB LM head)."""
+    out = kernels.linear(x, weight)
+    if out is not None:
+        return out if bias is None else out + bias
     if weight_t is not None and x.dim() == 2 and x.shape[0] == 1:
         out = torch.mm(x, weight_t)
         return out if bias is None else out + bias
@@ -239,7 +253,8 @@ class LMHead(nn.Module):
 def add_decode_layout(model: nn.Module) -> int:
     """Give every Linear and LMHead a transposed [in, out] copy of its weight for one-row (batch-1
     decode) products. Costs the weights' memory once more; returns the bytes added. CPU only: GPU
-    GEMV kernels read the [out, in] layout at full bandwidth."""
+    GEMV kernels read the [out, in] layout at full bandwidth. The loader applies it only where the
+    CPU kernels (dspark.kernels) are off or do not serve the dtype."""
     added = 0
     for module in model.modules():
         if isinstance(module, (Linear, LMHead)) and module.weight.device.type == "cpu":

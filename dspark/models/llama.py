@@ -85,8 +85,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv_cache: KVCache) -> torch.Tensor:  # residual stream [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        x, h = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dspark.models import build_model
+from dspark import kernels
 from dspark.models.layers import add_decode_layout
 from dspark.models.config import ModelConfig
 from dspark.models.tokenizer import TokenizerBundle, gguf_cache_dir, load_tokenizer
@@ -78,8 +79,8 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
             _write_gguf_cache(gguf_cache_dir(path), source.config, converted)
         else:
             model.load_weights(source.weights())
-    if decode_layout and torch.device(device).type == "cpu":
-        add_decode_layout(model)
+    if decode_layout and torch.device(device).type == "cpu" and not (dtype == torch.float32 and kernels.enabled()):
+        add_decode_layout(model)  # the fp32 CPU kernels read the [out, in] layout directly
     tokenizer = load_tokenizer(path, eos_token_ids=source.config.eos_token_ids)
     return model, source.config, tokenizer
 

@@ -1,0 +1,156 @@
+"""CPU fp32 kernels for few-row steps (batch-1 decode, verification and draft blocks), and their torch twins.
+
+`cpu_ops.cpp` is compiled once per machine with torch's C++ extension builder (g++ and ninja; ~30 s on two
+cores) into `~/.cache/dspark/kernels/<source hash>/`; `scripts/setup.sh` does it ahead of time with
+`python -m dspark.kernels`. Every op has a pure-torch twin here, used when the kernels are off and by
+the tests as the reference. The kernels are used only for fp32 CPU tensors without autograd; anything
+else takes the torch path.
+
+Switch: `DSPARK_CPU_KERNELS=0` turns them off (the slow twin), `=1` (the default) builds and uses them
+and, when the build fails, logs the compiler's message once and falls back to torch — the output is the
+same, only slower; `=require` makes a failed build an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+MAX_ROWS = 8  # small_mm serves products with up to this many rows
+
+
+def _mode() -> str:
+    mode = os.environ.get("DSPARK_CPU_KERNELS", "1").strip().lower()
+    if mode not in ("0", "1", "require"):
+        raise ValueError(f"DSPARK_CPU_KERNELS must be 0, 1 or require; got {mode!r}")
+    return mode
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+    return root / "kernels" / digest
+
+
+@cache
+def _load() -> ModuleType | None:
+    mode = _mode()
+    if mode == "0":
+        return None
+    from torch.utils.cpp_extension import load
+    path = build_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(name="dspark_cpu_ops", sources=[str(SOURCE)], build_directory=str(path),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
+    except Exception as e:  # no compiler / ninja, or a compile error: the torch path still works
+        if mode == "require":
+            raise RuntimeError(f"DSPARK_CPU_KERNELS=require but the CPU kernels failed to build: {e}") from e
+        logger.warning("dspark CPU kernels unavailable, using torch ops (slower decode): %s", e)
+        return None
+
+
+def ops() -> ModuleType | None:
+    """The compiled kernels, or None when they are off or failed to build."""
+    return _load()
+
+
+def enabled() -> bool:
+    return ops() is not None
+
+
+def _eligible(*tensors: torch.Tensor) -> bool:
+    """fp32 CPU tensors outside autograd (no_grad / inference_mode, or nothing requires grad)."""
+    grad = torch.is_grad_enabled()
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and not (grad and t.requires_grad)
+               for t in tensors)
+
+
+# ------------------------------------------------------------------------------------------ ops
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [..., in] @ weight[out, in]^T through the kernel when it applies (≤ MAX_ROWS rows in all, fp32
+    CPU, no autograd); None otherwise, so the caller uses torch."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows > MAX_ROWS or rows == 0 or not _eligible(x, weight):
+        return None
+    k = ops()
+    if k is None or not weight.is_contiguous():
+        return None
+    return k.small_mm(x.reshape(rows, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(torch.nn.Linear):
+    """`nn.Linear` (trainable, autograd as usual) whose few-row fp32 inference products take the kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x, self.weight)
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        return out if self.bias is None else out + self.bias
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] / rms(x) * weight (fp32)."""
+    k = ops()
+    if k is not None and _eligible(x, weight) and x.is_contiguous() and weight.is_contiguous():
+        return k.rms_norm(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x in place; returns rms_norm(residual) (fp32)."""
+    k = ops()
+    if (k is not None and _eligible(x, residual, weight) and x.is_contiguous() and residual.is_contiguous()
+            and weight.is_contiguous() and x.shape == residual.shape):
+        return k.add_rms_norm_(x, residual, weight, eps)
+    residual.add_(x)
+    return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+
+
+def short_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_flat: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_flat: torch.Tensor,
+    token_index: torch.Tensor,  # [num_seqs, max_q] long: flat row of each query
+    key_limit: torch.Tensor,  # [num_seqs, max_q] long: query j reads keys [0, limit); 0 = padding
+    kv_slots: torch.Tensor,  # [num_seqs, max_kv] long: pool slot of each key
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written at the valid queries' rows
+    scale: float,
+) -> bool:
+    """Fill `out` through the kernel; False (nothing written) when it does not apply."""
+    k = ops()
+    if k is None or not _eligible(q, k_flat, v_flat) or not (q.is_contiguous() and k_flat.is_contiguous()
+                                                             and v_flat.is_contiguous() and out.is_contiguous()):
+        return False
+    k.short_attention(q, k_flat, v_flat, token_index, key_limit, kv_slots, out, scale)
+    return True
+
+
+def short_attention_reference(q, k_flat, v_flat, token_index, key_limit, kv_slots, out, scale) -> None:
+    """The torch twin of `short_attention`: one query at a time, plain softmax."""
+    num_heads, num_kv_heads = q.shape[1], k_flat.shape[1]
+    group = num_heads // num_kv_heads
+    for s in range(token_index.shape[0]):
+        for j in range(token_index.shape[1]):
+            limit = int(key_limit[s, j])
+            if limit <= 0:
+                continue
+            slots = kv_slots[s, :limit]
+            keys = k_flat[slots].repeat_interleave(group, dim=1)  # [limit, H, hd]
+            values = v_flat[slots].repeat_interleave(group, dim=1)
+            row = int(token_index[s, j])
+            scores = torch.einsum("hd,khd->hk", q[row], keys) * scale  # [H, limit]
+            out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values)

@@ -1,0 +1,238 @@
+// CPU fp32 kernels for the few-row steps (batch-1 decode, short verification and draft blocks), where
+// torch's general kernels pay more in dispatch and poor GEMV bandwidth than the arithmetic costs:
+//
+//   small_mm(x, w)                 x[M, K] @ w[N, K]^T for M <= 8: each weight row is streamed once and
+//                                  kept for all M rows (R rows x M accumulators in vector registers);
+//                                  parallel over output rows.
+//   rms_norm(x, w, eps)            y = x / rms(x) * w, one pass per row.
+//   add_rms_norm_(x, r, w, eps)    r += x in place, returns rms_norm(r) (the residual add fused in).
+//   short_attention(...)           paged attention for short queries: each query reads its request's keys
+//                                  straight from the pool through the slot table, up to a per-query key
+//                                  limit (causal or block-bidirectional); online softmax; GQA.
+//
+// Threads come from ATen's pool (at::parallel_for), i.e. the same OpenMP runtime as every torch op, so
+// no second pool spins against it. The Python side (dspark/kernels/__init__.py) builds this file once
+// per machine and keeps a torch twin of every op for the tests.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int kLanes = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using vec = __m256;
+constexpr int kLanes = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+struct vec { float v[4]; };
+constexpr int kLanes = 4;
+inline vec vzero() { return vec{{0.f, 0.f, 0.f, 0.f}}; }
+inline vec vload(const float* p) { return vec{{p[0], p[1], p[2], p[3]}}; }
+inline vec vfma(vec a, vec b, vec c) {
+  for (int i = 0; i < 4; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline float vsum(vec v) { return v.v[0] + v.v[1] + v.v[2] + v.v[3]; }
+#endif
+
+constexpr int64_t kPrefetch = 1024;  // floats ahead of the current load, per weight row
+constexpr int kRegs = kLanes == 16 ? 32 : 16;  // vector registers (AVX-512: 32, AVX2: 16)
+
+// Rows per block: the most of 8, 4, 2, 1 whose R x M accumulators + R weight vectors + 1 input vector
+// fit in the registers (more rows in flight = more memory streams per thread).
+template <int M>
+constexpr int rows_per_block() {
+  for (int r = 8; r > 1; r /= 2)
+    if (r * M + r + 1 <= kRegs) return r;
+  return 1;
+}
+
+// Output rows [n, n + R) for all M input rows.
+template <int M, int R>
+inline void block(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t n) {
+  vec acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = vzero();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    vec wv[R];
+    for (int r = 0; r < R; ++r) {
+      __builtin_prefetch(w + (n + r) * K + k + kPrefetch, 0, 1);  // to L2: measured best of 0-3
+      wv[r] = vload(w + (n + r) * K + k);
+    }
+    for (int m = 0; m < M; ++m) {
+      const vec xv = vload(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = vfma(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int m = 0; m < M; ++m) {
+      float s = vsum(acc[r][m]);
+      for (int64_t kk = k; kk < K; ++kk) s += w[(n + r) * K + kk] * x[m * K + kk];
+      out[m * N + n + r] = s;
+    }
+  }
+}
+
+template <int M>
+void rows(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int R = rows_per_block<M>();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) block<M, R>(x, w, out, K, N, n);
+  for (; n < n1; ++n) block<M, 1>(x, w, out, K, N, n);
+}
+
+using RowsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+constexpr RowsFn kRows[8] = {rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
+
+}  // namespace
+
+// x [M, K] fp32 contiguous (M in 1..8), w [N, K] fp32 contiguous -> [M, N]
+torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_mm: shapes ", x.sizes(), " and ",
+              w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_mm: fp32 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_mm: CPU tensors only");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= 8, "small_mm: 1..8 rows, got ", M);
+  const torch::Tensor xc = x.contiguous(), wc = w.contiguous();
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const RowsFn fn = kRows[M - 1];
+  const int64_t grain = std::max<int64_t>(64, (1 << 16) / std::max<int64_t>(K, 1));  // >= ~256 KB per task
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(xp, wp, op, K, N, n0, n1); });
+  return out;
+}
+
+namespace {
+inline float dot(const float* a, const float* b, int64_t n) {
+  vec acc = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.device().is_cpu(), op,
+              ": fp32 CPU tensors only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0), op,
+              ": contiguous x[..., d] and w[d], got ", x.sizes(), " and ", w.sizes());
+}
+
+void norm_rows(const float* x, const float* w, float* y, int64_t d, float eps) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) y[i] = x[i] * inv * w[i];
+}
+}  // namespace
+
+// x [..., d] -> x / rms(x) * w
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, w, "rms_norm");
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  torch::Tensor y = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) norm_rows(xp + r * d, wp, yp + r * d, d, static_cast<float>(eps));
+  return y;
+}
+
+// residual += x (in place); returns rms_norm(residual)
+torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w,
+                            double eps) {
+  check_rows(residual, w, "add_rms_norm_");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "add_rms_norm_: x ", x.sizes(), " vs residual ", residual.sizes());
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  torch::Tensor y = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *rp = residual.data_ptr<float>(), *yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* rr = rp + r * d;
+    for (int64_t i = 0; i < d; ++i) rr[i] += xp[r * d + i];
+    norm_rows(rr, wp, yp + r * d, d, static_cast<float>(eps));
+  }
+  return y;
+}
+
+// out[token_index[s, j], h] = softmax(q . k[slots[s, :limit]] * scale) @ v[...] for every valid query
+// (key_limit[s, j] > 0). q/out [T, H, hd]; k_flat/v_flat [num_slots, Hkv, hd]; kv_slots [S, max_kv].
+void short_attention(const torch::Tensor& q, const torch::Tensor& k_flat, const torch::Tensor& v_flat,
+                     const torch::Tensor& token_index, const torch::Tensor& key_limit,
+                     const torch::Tensor& kv_slots, torch::Tensor& out, double scale) {
+  for (const torch::Tensor* t : {&q, &k_flat, &v_flat, static_cast<const torch::Tensor*>(&out)})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous() && t->dim() == 3,
+                "short_attention: contiguous fp32 CPU [rows, heads, head_dim] tensors only");
+  for (const torch::Tensor* t : {&token_index, &key_limit, &kv_slots})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 2,
+                "short_attention: int64 [num_seqs, n] index tensors");
+  const int64_t H = q.size(1), hd = q.size(2), Hkv = k_flat.size(1);
+  TORCH_CHECK(H % Hkv == 0 && k_flat.size(2) == hd && v_flat.sizes() == k_flat.sizes() && out.sizes() == q.sizes(),
+              "short_attention: q ", q.sizes(), " k ", k_flat.sizes(), " v ", v_flat.sizes());
+  const int64_t S = token_index.size(0), Q = token_index.size(1), max_kv = kv_slots.size(1);
+  const int64_t group = H / Hkv;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_flat.data_ptr<float>();
+  const float* vp = v_flat.data_ptr<float>();
+  const int64_t* tip = token_index.data_ptr<int64_t>();
+  const int64_t* klp = key_limit.data_ptr<int64_t>();
+  const int64_t* slp = kv_slots.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, S * Q * H, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(hd);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t h = b % H, sj = b / H, s = sj / Q;
+      const int64_t limit = std::min(klp[sj], max_kv);
+      if (limit <= 0) continue;
+      const int64_t row = tip[sj], kvh = h / group;
+      const float* qv = qp + (row * H + h) * hd;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+      for (int64_t j = 0; j < limit; ++j) {
+        const int64_t slot = slp[s * max_kv + j];
+        const float score = dot(qv, kp + (slot * Hkv + kvh) * hd, hd) * sc;
+        const float m_new = std::max(m, score);
+        const float corr = std::exp(m - m_new), p = std::exp(score - m_new);
+        l = l * corr + p;
+        const float* vv = vp + (slot * Hkv + kvh) * hd;
+        for (int64_t i = 0; i < hd; ++i) acc[i] = acc[i] * corr + p * vv[i];
+        m = m_new;
+      }
+      float* o = op + (row * H + h) * hd;
+      for (int64_t i = 0; i < hd; ++i) o[i] = acc[i] / l;
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 8 (fp32, CPU)");
+  m.def("rms_norm", &rms_norm, "x / rms(x) * w (fp32, CPU)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) (fp32, CPU)");
+  m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)");
+}

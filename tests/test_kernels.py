@@ -1,0 +1,75 @@
+"""The CPU kernels (dspark/kernels/cpu_ops.cpp) against their torch twins: few-row products, RMSNorm with
+and without the fused residual add, and short-query paged attention (causal, block-bidirectional, GQA,
+padding). The model-level twin (kernels off vs HF) is in test_models.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark import kernels
+
+ops = kernels.ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable (DSPARK_CPU_KERNELS=0 or no compiler)")
+
+
+@pytest.mark.parametrize("rows", range(1, kernels.MAX_ROWS + 1))
+@pytest.mark.parametrize("k,n", [(576, 131), (37, 9), (64, 1)])
+def test_small_mm_matches_matmul(rows, k, n):
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    out = ops.small_mm(x, w)
+    ref = (x.double() @ w.double().t()).float()
+    assert out.shape == (rows, n)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_small_mm_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="1..8 rows"):
+        ops.small_mm(torch.randn(9, 4), torch.randn(3, 4))
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.small_mm(torch.randn(1, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+
+
+def test_linear_routes_only_eligible_products():
+    w = torch.randn(5, 8)
+    assert kernels.linear(torch.randn(3, 8), w) is not None
+    assert kernels.linear(torch.randn(9, 8), w) is None  # too many rows: torch
+    assert kernels.linear(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16()) is None
+    assert kernels.linear(torch.randn(2, 8, requires_grad=True), w) is None  # autograd: torch
+
+
+def test_rms_norm_and_fused_add():
+    g = torch.Generator().manual_seed(0)
+    x, r, w = (torch.randn(5, 576, generator=g), torch.randn(5, 576, generator=g),
+               torch.randn(576, generator=g))
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    expect_r = r + x
+    residual = r.clone()
+    normed = ops.add_rms_norm_(x, residual, w, 1e-5)
+    torch.testing.assert_close(residual, expect_r)
+    torch.testing.assert_close(normed, F.rms_norm(expect_r, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_short_attention_matches_reference():
+    """Three requests of 1, 4 (causal) and 3 (bidirectional block) queries over scattered pool slots,
+    H=6 query heads on 2 KV heads, padding rows left untouched."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, hd, num_slots = 6, 2, 16, 64
+    q = torch.randn(8, heads, hd, generator=g)
+    k_flat, v_flat = torch.randn(num_slots, kv_heads, hd, generator=g), torch.randn(num_slots, kv_heads, hd, generator=g)
+    token_index = torch.tensor([[0, 0, 0, 0], [1, 2, 3, 4], [5, 6, 7, 0]])
+    key_limit = torch.tensor([[9, 0, 0, 0], [3, 4, 5, 6], [12, 12, 12, 0]])
+    kv_slots = torch.randperm(num_slots, generator=g)[:36].view(3, 12)
+    out = torch.full_like(q, 7.0)
+    ref = out.clone()
+    ops.short_attention(q, k_flat, v_flat, token_index, key_limit, kv_slots, out, 0.25)
+    kernels.short_attention_reference(q, k_flat, v_flat, token_index, key_limit, kv_slots, ref, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the reference itself against SDPA for the causal request
+    keys = k_flat[kv_slots[1, :6]].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)  # [H, 6, hd]
+    vals = v_flat[kv_slots[1, :6]].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+    mask = torch.arange(6)[None, :] < key_limit[1][:, None]  # [4, 6]
+    sdpa = F.scaled_dot_product_attention(q[1:5].transpose(0, 1), keys, vals, attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(ref[1:5], sdpa.transpose(0, 1), rtol=1e-5, atol=1e-5)
