@@ -59,6 +59,7 @@ class SpecConfig:
     confidence_threshold: float = 0.5
     cost_table: str | None = None  # JSON from `dspark profile`
     online_upkeep: bool = False  # refresh the cost table and confidence temperatures from live steps
+    draft_gate: bool = True  # prefix / async: skip drafting in steps where it cannot pay (DraftGate)
     prompt_lookup_min: int = 2  # n-gram
     prompt_lookup_max: int = 5
     draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target

@@ -284,3 +284,26 @@ def test_registry_and_build():
         build_length_policy("prefix", cost_available=False)
     assert build_length_policy("fixed", confidence_available=False, cost_available=False,
                                verify_len=2) == FixedLength(2)
+
+
+# -- the draft gate -----------------------------------------------------------------------------
+def test_draft_gate_decides_from_cost_and_past_survival():
+    from dspark.verify.length_policy import DraftGate
+    cheap = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 100.0], draft_num_reqs=[1, 16], draft_seconds=[0.001, 0.001])
+    costly = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 50.0], draft_num_reqs=[1, 16], draft_seconds=[0.02, 0.02])
+    gate = DraftGate(probe_every=4)
+    assert gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=costly), "no history yet: draft"
+    gate.observe(torch.full((2, 4), 0.5))  # survival 0.5, 0.25, ...: at most ~1 extra token per request
+    # cheap drafts on a flat curve: drafting pays
+    assert gate.expected_gain(num_reqs=2, num_nondraft_tokens=2, cost=cheap) > 1.0
+    assert gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=cheap)
+    # a draft costing 2 steps cannot pay for < 1 expected extra token per request
+    assert gate.expected_gain(num_reqs=2, num_nondraft_tokens=2, cost=costly) < 1.0
+    decisions = [gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=costly) for _ in range(8)]
+    assert decisions == [False, False, False, True] * 2, "skip, but probe every probe_every steps"
+    # near-certain drafts pay even at that price
+    gate.decay = 0.0
+    gate.observe(torch.full((2, 4), 0.999))
+    assert gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=costly)
+    with pytest.raises(ValueError):
+        DraftGate(probe_every=0)

@@ -230,7 +230,9 @@ def test_speculation_stays_on_while_a_long_prompt_is_chunked(target, drafter_dir
 def test_flat_curve_admits_every_draft_steep_curve_fewer(target, drafter_dir, plain_outputs):
     results = {}
     for label, cost in (("flat", FLAT), ("steep", STEEP)):
-        engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=cost, coalesce_steps=0)
+        # the policy alone (the draft gate would skip whole steps under the steep curve: tested below)
+        engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=cost, coalesce_steps=0,
+                              draft_gate=False)
         staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
         assert _mismatches(staged.outputs, plain_outputs) == 0, label
         results[label] = list(engine.metrics.verify_lens)
@@ -239,6 +241,30 @@ def test_flat_curve_admits_every_draft_steep_curve_fewer(target, drafter_dir, pl
     assert sum(steep) < sum(flat)
     # time ∝ B: a draft pays for itself only while a prompt chunk already fills the step
     assert steep.count(0) > len(steep) // 2
+
+
+# -- the draft gate ----------------------------------------------------------------------------------
+# drafting costs as much as 5 one-token steps: only a long run of near-certain drafts could pay
+COSTLY_DRAFTS = CostTable(num_tokens=[1, 8, 16, 32, 64], steps_per_second=[100.0, 95.0, 80.0, 60.0, 35.0],
+                          draft_num_reqs=[1, 16], draft_seconds=[0.05, 0.05])
+
+
+@pytest.mark.parametrize("policy", ["prefix", "async"])
+def test_draft_gate_skips_unprofitable_steps_and_stays_lossless(target, drafter_dir, plain_outputs, policy):
+    make_policy = POLICIES[policy][0]
+    engine = _spec_engine(target, drafter_dir, make_policy(), cost=COSTLY_DRAFTS, coalesce_steps=2)
+    staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert _mismatches(staged.outputs, plain_outputs) == 0
+    m = engine.metrics
+    assert m.num_draft_skips > 0, "drafting at 5 steps' cost must be skipped"
+    assert m.num_drafts > 0, "the gate must still probe (draft every probe_every steps)"
+    bm = engine.block_manager
+    assert bm.num_free_blocks == len(bm.blocks)
+    # with the gate off the same policy drafts every step
+    ungated = _spec_engine(target, drafter_dir, make_policy(), cost=COSTLY_DRAFTS, coalesce_steps=2,
+                           draft_gate=False)
+    run_staged(ungated, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert ungated.metrics.num_draft_skips == 0 and ungated.draft_gate is None
 
 
 # -- fail closed --------------------------------------------------------------------------------

@@ -77,6 +77,11 @@ class Engine:
         # Called after each verification as f(request_id, draft_confidence, num_verified, num_accepted)
         # for every request that emitted (eval / calibration tools: dspark.verify.acceptance).
         self.verify_observers: list = []
+        self.draft_gate = None  # cost-aware policies: skip drafting where it cannot pay (spec "draft_gate")
+        if (drafter is not None and config.spec is not None and config.spec.draft_gate
+                and getattr(length_policy, "needs_cost", False)):
+            from dspark.verify.length_policy import DraftGate
+            self.draft_gate = DraftGate()
         self.upkeep = None  # online cost-table / calibration upkeep (spec "online_upkeep")
         if drafter is not None and config.spec is not None and config.spec.online_upkeep:
             from dspark.verify.upkeep import OnlineUpkeep
@@ -192,6 +197,15 @@ class Engine:
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:
             return
+        # tokens of the next step that are not drafts: one per decoding request + prompt chunks
+        num_nondraft = min(sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.scheduler.running),
+                           self.config.scheduler.max_num_batched_tokens)
+        if self.draft_gate is not None and not self.draft_gate.should_draft(
+                num_reqs=len(reqs), num_nondraft_tokens=num_nondraft, cost=self.cost_table):
+            for r in reqs:  # plain decoding this step (draft state is untouched: the context stays extended)
+                r.draft_ids, r.draft_probs, r.draft_confidence, r.verify_len = [], None, None, 0
+            self.metrics.num_draft_skips += len(reqs)
+            return
         batch = ProposeBatch(
             requests=[ProposeRequest(
                 request_id=r.request_id, all_ids=r.all_ids, anchor_pos=r.num_computed_tokens,
@@ -205,15 +219,15 @@ class Engine:
         if self.length_policy is None:
             verify_lens = list(num_valid)
         else:
-            # tokens of the next step that are not drafts: one per decoding request + prompt chunks
-            num_nondraft = sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.scheduler.running)
             verify_lens = list(self.length_policy.choose(
                 confidence=proposal.confidence, num_draft_tokens=proposal.draft_ids.shape[1],
-                num_nondraft_tokens=min(num_nondraft, self.config.scheduler.max_num_batched_tokens),
-                cost=self.cost_table, num_reqs=len(reqs), num_proposed=num_valid))
+                num_nondraft_tokens=num_nondraft, cost=self.cost_table, num_reqs=len(reqs),
+                num_proposed=num_valid))
             if hasattr(self.length_policy, "observe") and proposal.confidence is not None:
                 # after choose: the async policy's capacity reads confidences two steps old
                 self.length_policy.observe(proposal.confidence, num_proposed=num_valid)
+            if self.draft_gate is not None and proposal.confidence is not None:
+                self.draft_gate.observe(proposal.confidence, num_proposed=num_valid)
         for i, r in enumerate(reqs):
             verify_lens[i] = min(int(verify_lens[i]), num_valid[i])
             r.draft_ids = proposal.draft_ids[i, :num_valid[i]].tolist()

@@ -56,6 +56,9 @@ class _EngineCollector:
                       m.num_accepted_tokens)
         yield counter("spec_decode_num_wasted_verify_tokens",
                       "Verified draft tokens that were rejected.", m.num_wasted_verify_tokens)
+        yield counter("spec_decode_num_draft_skips",
+                      "Request-steps decoded without drafts because the draft gate found drafting "
+                      "could not pay under the load.", m.num_draft_skips)
         per_pos = CounterMetricFamily("dspark:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted draft tokens by draft position.",
                                       labels=["position"])

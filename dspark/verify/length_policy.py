@@ -23,6 +23,13 @@ drafts 1..k-1 were accepted), the step's composition and the step-cost table, an
   survival fill the K slots; no break is needed. The capacity reads only confidences handed to
   `observe()` (a two-entry queue), never the current step's, which `choose()` uses only to rank.
 
+`DraftGate` sits in front of the cost-aware policies (prefix, async): before a step's drafts are
+proposed it asks whether drafting can pay at all under the current load, from the cost table (draft
+seconds included) and a running mean of the survival curve of earlier proposals; when even the best
+verify length cannot beat plain decoding it skips the drafter for that step (a probe still drafts every
+`probe_every` steps so the estimate follows the traffic). The decision reads only past steps, so it
+keeps the output distribution (and greedy output) unchanged.
+
 Policies that need confidences or a cost table fail closed: `build_length_policy(...,
 confidence_available=False)` or `choose(confidence=None)` raises a ValueError naming what is
 missing.
@@ -43,7 +50,7 @@ import torch
 from dspark.verify.cost_table import CostTable
 
 __all__ = ["LengthPolicy", "FixedLength", "ConfidenceThreshold", "PrefixScheduler",
-           "AsyncPrefixScheduler", "LENGTH_POLICIES", "build_length_policy"]
+           "AsyncPrefixScheduler", "DraftGate", "LENGTH_POLICIES", "build_length_policy"]
 
 
 class LengthPolicy(Protocol):
@@ -175,6 +182,52 @@ class AsyncPrefixScheduler:
                 num_nondraft_tokens=num_nondraft_tokens, cost=cost, num_proposed=num_proposed)
         _, ranked_reqs = _rank_candidates(survival)
         return _lengths_from_ranking(ranked_reqs[:capacity], num_reqs)
+
+
+class DraftGate:
+    """Skip drafting when the cost table says no verify length can beat plain decoding.
+
+    Expected throughput with drafting: the best Θ over admitting the top candidates of `num_reqs` copies
+    of the mean survival curve ā (an exponential moving average over earlier proposals), with the draft
+    seconds in the denominator; without: num_reqs · SPS(num_nondraft_tokens). Draft iff the former is
+    higher, or no curve is known yet, or `probe_every` steps have passed without a draft.
+    """
+
+    def __init__(self, *, probe_every: int = 8, decay: float = 0.7) -> None:
+        if probe_every < 1 or not 0.0 <= decay < 1.0:
+            raise ValueError(f"need probe_every >= 1 and 0 <= decay < 1, got {probe_every}, {decay}")
+        self.probe_every, self.decay = probe_every, decay
+        self.mean_survival: np.ndarray | None = None  # [γ] ā_j
+        self.steps_without_draft = 0
+        self.num_skipped = 0  # steps whose drafts were skipped (metrics)
+
+    def observe(self, confidence: torch.Tensor, *, num_proposed: Sequence[int] | None = None) -> None:
+        """Fold a proposal's confidences [num_reqs, γ] into the mean survival curve."""
+        survival = _masked_survival(confidence, confidence.shape[1], num_proposed, policy="gate")
+        curve = survival.mean(dim=0).numpy()  # [γ]
+        if self.mean_survival is None or self.mean_survival.shape != curve.shape:
+            self.mean_survival = curve
+        else:
+            self.mean_survival = self.decay * self.mean_survival + (1.0 - self.decay) * curve
+
+    def expected_gain(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable) -> float:
+        """max Θ with drafting ÷ Θ without (> 1: drafting pays)."""
+        assert self.mean_survival is not None
+        candidates = np.sort(np.tile(self.mean_survival, num_reqs))[::-1].copy()
+        with_drafts = _throughput_curve(torch.from_numpy(candidates), cost=cost, num_reqs=num_reqs,
+                                        num_nondraft_tokens=num_nondraft_tokens)
+        without = num_reqs * cost.sps(num_nondraft_tokens)
+        return float(with_drafts.max() / without)
+
+    def should_draft(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None) -> bool:
+        if (cost is None or self.mean_survival is None or self.steps_without_draft + 1 >= self.probe_every
+                or self.expected_gain(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens,
+                                      cost=cost) > 1.0):
+            self.steps_without_draft = 0
+            return True
+        self.steps_without_draft += 1
+        self.num_skipped += 1
+        return False
 
 
 LENGTH_POLICIES: dict[str, type] = {
