@@ -35,6 +35,39 @@ def _timed(obj, name, sink):
     setattr(obj, name, wrapper)
 
 
+class DraftClock:
+    """Drafter seconds per engine step: extend_context + propose (when the step drafted at all)."""
+
+    def __init__(self, engine, drafter) -> None:
+        self.steps: list[list[float]] = []  # per step: [drafter seconds, proposed?]
+        step = engine.step
+
+        def timed_step():
+            self.steps.append([0.0, 0.0])
+            return step()
+        engine.step = timed_step
+        for name in ("extend_context", "propose"):
+            self._wrap(drafter, name)
+
+    def _wrap(self, drafter, name) -> None:
+        fn = getattr(drafter, name)
+
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            if self.steps:
+                self.steps[-1][0] += time.perf_counter() - t
+                self.steps[-1][1] += name == "propose"
+            return out
+        setattr(drafter, name, wrapper)
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def drafting_steps(self) -> list[float]:
+        return [sec for sec, proposed in self.steps if proposed]
+
+
 def run_method(model, cfg, tok, prompts, *, spec, max_tokens):
     from dspark.config import CacheConfig, EngineConfig, SchedulerConfig
     from dspark.drafters import build_drafter
@@ -46,15 +79,15 @@ def run_method(model, cfg, tok, prompts, *, spec, max_tokens):
     engine = Engine(EngineConfig(cache=CacheConfig(num_kv_blocks=512), scheduler=SchedulerConfig(max_num_seqs=1),
                                  spec=spec), model=model, model_config=cfg, drafter=drafter,
                     eos_token_ids=tok.eos_token_ids)
-    fwd, draft = [], []
+    fwd = []
     _timed(engine.runner, "forward", fwd)
-    if drafter is not None:
-        _timed(drafter, "propose", draft)
-        _timed(drafter, "extend_context", draft)
+    clock = DraftClock(engine, drafter) if drafter is not None else None
     llm = LLM(engine=engine, tokenizer=None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    fwd.clear(), draft.clear()
+    fwd.clear()
+    if clock is not None:
+        clock.clear()
     steps_before = engine.metrics.num_steps
     drafts_before = (engine.metrics.num_drafts, engine.metrics.num_accepted_tokens)
     t0 = time.perf_counter()
@@ -67,10 +100,12 @@ def run_method(model, cfg, tok, prompts, *, spec, max_tokens):
     decode_fwd = sorted(fwd)[:max(1, len(fwd) - len(prompts))]  # drop the slowest (prefill) forwards
     num_drafts = engine.metrics.num_drafts - drafts_before[0]
     num_accepted = engine.metrics.num_accepted_tokens - drafts_before[1]
+    drafting = clock.drafting_steps() if clock is not None else []
     return {
         "forward_ms_median": 1e3 * statistics.median(decode_fwd),
-        "draft_ms_median_per_step": 1e3 * statistics.median(
-            [a + b for a, b in zip(draft[0::2], draft[1::2])]) if draft else 0.0,
+        # a step that drafts: extend_context + propose
+        "draft_ms_median_per_step": 1e3 * statistics.median(drafting) if drafting else 0.0,
+        "drafting_step_fraction": len(drafting) / max(1, len(clock.steps)) if clock is not None else 0.0,
         "tokens_per_step": (tokens - len(prompts)) / max(1, num_decode_steps),
         "acceptance_length": 1 + num_accepted / num_drafts if num_drafts else 1.0,
         "output_tok_s": tokens / wall,
@@ -117,10 +152,12 @@ def main() -> None:
         from dspark.drafters.dspark import save_dspark
         from dspark.drafters.dspark_config import dspark_config_for_target
         from dspark.drafters.dspark_model import DSparkModel
-        dcfg = dspark_config_for_target(cfg, num_hidden_layers=2, block_size=7, markov_rank=64)
-        save_dspark(DSparkModel(dcfg), dcfg, Path(tmp) / "untrained", dtype="float32")
-        methods["dspark_untrained"] = SpecConfig(method="dspark", model=str(Path(tmp) / "untrained"),
-                                                 num_speculative_tokens=7)
+        # random weights, full vocabulary head; and the shipped drafter's shapes (8192-token draft vocab)
+        for name, draft_vocab in (("dspark_untrained", None), ("dspark_untrained_vocab8192", 8192)):
+            dcfg = dspark_config_for_target(cfg, num_hidden_layers=2, block_size=7, markov_rank=64,
+                                            draft_vocab_size=draft_vocab)
+            save_dspark(DSparkModel(dcfg), dcfg, Path(tmp) / name, dtype="float32")
+            methods[name] = SpecConfig(method="dspark", model=str(Path(tmp) / name), num_speculative_tokens=7)
         try:
             from dspark.drafters.shipped import default_spec_config
             shipped = default_spec_config("default")

@@ -307,3 +307,19 @@ def test_draft_gate_decides_from_cost_and_past_survival():
     assert gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=costly)
     with pytest.raises(ValueError):
         DraftGate(probe_every=0)
+
+
+def test_draft_gate_corrects_overconfident_heads_from_verified_windows():
+    from dspark.verify.length_policy import DraftGate
+    cost = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 80.0], draft_num_reqs=[1, 16],
+                     draft_seconds=[0.005, 0.005])
+    gate = DraftGate()
+    gate.observe(torch.full((1, 4), 0.9))  # the head promises ~3 accepted drafts per window
+    assert gate.correction == 1.0 and gate.expected_gain(num_reqs=1, num_nondraft_tokens=1, cost=cost) > 1.0
+    for _ in range(30):  # ... but the target accepts none of them
+        gate.observe_verify("r", [0.9] * 4, 4, 0)
+    assert gate.correction == pytest.approx(0.1)  # clipped at the floor
+    assert gate.expected_gain(num_reqs=1, num_nondraft_tokens=1, cost=cost) < 1.0
+    for _ in range(200):  # the head turns out right after all
+        gate.observe_verify("r", [0.9] * 4, 4, 3)
+    assert gate.correction == pytest.approx(3 / (0.9 + 0.81 + 0.729 + 0.6561), rel=0.05)

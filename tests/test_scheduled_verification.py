@@ -415,7 +415,8 @@ def test_upkeep_switched_off_changes_nothing():
 
 def test_engine_online_upkeep_wiring(target, drafter_dir, plain_outputs):
     off = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD)
-    assert off.upkeep is None and not off.verify_observers, "online_upkeep defaults to off"
+    assert off.upkeep is None, "online_upkeep defaults to off"
+    assert off.verify_observers == [off.draft_gate.observe_verify], "only the draft gate observes"
 
     engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, online_upkeep=True)
     assert engine.upkeep is not None and engine.upkeep.observe_verify in engine.verify_observers

@@ -82,6 +82,7 @@ class Engine:
                 and getattr(length_policy, "needs_cost", False)):
             from dspark.verify.length_policy import DraftGate
             self.draft_gate = DraftGate()
+            self.verify_observers.append(self.draft_gate.observe_verify)
         self.upkeep = None  # online cost-table / calibration upkeep (spec "online_upkeep")
         if drafter is not None and config.spec is not None and config.spec.online_upkeep:
             from dspark.verify.upkeep import OnlineUpkeep

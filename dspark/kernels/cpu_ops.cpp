@@ -60,11 +60,11 @@ inline float vsum(vec v) { return v.v[0] + v.v[1] + v.v[2] + v.v[3]; }
 constexpr int64_t kPrefetch = 1024;  // floats ahead of the current load, per weight row
 constexpr int kRegs = kLanes == 16 ? 32 : 16;  // vector registers (AVX-512: 32, AVX2: 16)
 
-// Rows per block: the most of 8, 4, 2, 1 whose R x M accumulators + R weight vectors + 1 input vector
+// Rows per block: the most of 8, 4, 3, 2, 1 whose R x M accumulators + R weight vectors + 1 input vector
 // fit in the registers (more rows in flight = more memory streams per thread).
 template <int M>
 constexpr int rows_per_block() {
-  for (int r = 8; r > 1; r /= 2)
+  for (int r : {8, 4, 3, 2})
     if (r * M + r + 1 <= kRegs) return r;
   return 1;
 }
@@ -242,8 +242,11 @@ void short_attention(const torch::Tensor& q, const torch::Tensor& k_flat, const 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 48 (fp32, CPU)");
-  m.def("rms_norm", &rms_norm, "x / rms(x) * w (fp32, CPU)");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) (fp32, CPU)");
-  m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)");
+  // the GIL is released while a kernel runs, as torch's own ops do: the server's API thread keeps
+  // streaming and detokenizing while the engine thread computes
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 48 (fp32, CPU)", release());
+  m.def("rms_norm", &rms_norm, "x / rms(x) * w (fp32, CPU)", release());
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) (fp32, CPU)", release());
+  m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());
 }

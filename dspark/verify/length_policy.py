@@ -188,8 +188,9 @@ class DraftGate:
     """Skip drafting when the cost table says no verify length can beat plain decoding.
 
     Expected throughput with drafting: the best Θ over admitting the top candidates of `num_reqs` copies
-    of the mean survival curve ā (an exponential moving average over earlier proposals), with the draft
-    seconds in the denominator; without: num_reqs · SPS(num_nondraft_tokens). Draft iff the former is
+    of the mean survival curve ā (an exponential moving average over earlier proposals, scaled by the
+    realized ÷ predicted accepted drafts of earlier verify windows), with the draft seconds in the
+    denominator; without: num_reqs · SPS(num_nondraft_tokens). Draft iff the former is
     higher, or no curve is known yet, or `probe_every` steps have passed without a draft.
     """
 
@@ -200,6 +201,9 @@ class DraftGate:
         self.mean_survival: np.ndarray | None = None  # [γ] ā_j
         self.steps_without_draft = 0
         self.num_skipped = 0  # steps whose drafts were skipped (metrics)
+        # realized ÷ predicted accepted drafts over verified windows (EMA sums): corrects a confidence
+        # head that is over- or under-confident on the live traffic
+        self._realized, self._predicted = 0.0, 0.0
 
     def observe(self, confidence: torch.Tensor, *, num_proposed: Sequence[int] | None = None) -> None:
         """Fold a proposal's confidences [num_reqs, γ] into the mean survival curve."""
@@ -213,11 +217,30 @@ class DraftGate:
     def expected_gain(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable) -> float:
         """max Θ with drafting ÷ Θ without (> 1: drafting pays)."""
         assert self.mean_survival is not None
-        candidates = np.sort(np.tile(self.mean_survival, num_reqs))[::-1].copy()
+        curve = np.clip(self.mean_survival * self.correction, 0.0, 1.0)
+        candidates = np.sort(np.tile(curve, num_reqs))[::-1].copy()
         with_drafts = _throughput_curve(torch.from_numpy(candidates), cost=cost, num_reqs=num_reqs,
                                         num_nondraft_tokens=num_nondraft_tokens)
         without = num_reqs * cost.sps(num_nondraft_tokens)
         return float(with_drafts.max() / without)
+
+    @property
+    def correction(self) -> float:
+        """Realized ÷ predicted accepted drafts (1 until 16 predicted drafts were verified)."""
+        if self._predicted < 16.0:
+            return 1.0
+        return float(np.clip(self._realized / self._predicted, 0.1, 2.0))
+
+    def observe_verify(self, request_id: str, confidence: list[float] | None, num_drafts: int,
+                       num_accepted: int) -> None:
+        """A verify observer (engine.verify_observers): compare the drafts the confidences predicted to
+        survive in the verified window with the drafts actually accepted."""
+        if not confidence or num_drafts <= 0:
+            return
+        predicted = float(np.cumprod(np.clip(confidence[:num_drafts], 0.0, 1.0)).sum())
+        keep = self.decay ** (1.0 / 8)  # slower than the curve: roughly the last ~25 windows weigh in
+        self._realized = keep * self._realized + num_accepted
+        self._predicted = keep * self._predicted + predicted
 
     def should_draft(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None) -> bool:
         if (cost is None or self.mean_survival is None or self.steps_without_draft + 1 >= self.probe_every
