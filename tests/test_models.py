@@ -78,14 +78,17 @@ def test_chunked_prefill_and_decode_match_one_shot(tiny_config, cpu_kernels, mon
     rows_a, rows_b = [], []
     # step 1: A chunk 0..19, B chunk 0..4
     h, _ = kv.step(ours, [(a[:20], 0), (b[:5], 0)])
-    rows_a.append(h[:20]); rows_b.append(h[20:])
+    rows_a.append(h[:20])
+    rows_b.append(h[20:])
     # step 2: A chunk 20..26 (7 tokens), B chunk 5..22 (18 tokens: a >16 group of its own)
     h, _ = kv.step(ours, [(a[20:27], 20), (b[5:23], 5)])
-    rows_a.append(h[:7]); rows_b.append(h[7:])
+    rows_a.append(h[:7])
+    rows_b.append(h[7:])
     # steps 3..: one token at a time for both (decode)
     for t in range(3):
         h, _ = kv.step(ours, [(a[27 + t:28 + t], 27 + t), (b[23 + t:24 + t], 23 + t)])
-        rows_a.append(h[:1]); rows_b.append(h[1:])
+        rows_a.append(h[:1])
+        rows_b.append(h[1:])
     for rows, ref, name in ((rows_a, ref_a, "A"), (rows_b, ref_b, "B")):
         logits = ours.compute_logits(torch.cat(rows))
         err = (logits - ref[:logits.shape[0]]).abs().max().item()

@@ -239,9 +239,9 @@ class ShardedFeatureCache:
         taps = torch.zeros(len(keys), seq_len, t0.shape[-1], dtype=t0.dtype)
         hidden = torch.zeros(len(keys), seq_len, h0.shape[-1], dtype=h0.dtype)
         lse = torch.zeros(len(keys), seq_len)
-        for i, (t, h, l) in enumerate(parts):
+        for i, (t, h, row_lse) in enumerate(parts):
             n = t.shape[0]
-            taps[i, :n], hidden[i, :n], lse[i, :n] = t, h, l
+            taps[i, :n], hidden[i, :n], lse[i, :n] = t, h, row_lse
         return TargetFeatures(taps=taps, hidden=hidden, lse=lse)
 
     @torch.no_grad()
