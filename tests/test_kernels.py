@@ -73,3 +73,20 @@ def test_short_attention_matches_reference():
     mask = torch.arange(6)[None, :] < key_limit[1][:, None]  # [4, 6]
     sdpa = F.scaled_dot_product_attention(q[1:5].transpose(0, 1), keys, vals, attn_mask=mask, scale=0.25)
     torch.testing.assert_close(ref[1:5], sdpa.transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_add_rms_norm_is_in_place_only_outside_autograd():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
+    residual = torch.randn(3, 64, generator=g, requires_grad=True)
+    before = residual.detach().clone()
+    total, normed = kernels.add_rms_norm(x, residual, w, 1e-5)  # autograd: the torch twin
+    assert total is not residual and torch.equal(residual.detach(), before)
+    normed.sum().backward()
+    assert residual.grad is not None
+    with torch.no_grad():
+        plain = before.clone()
+        total, normed = kernels.add_rms_norm(x, plain, w, 1e-5)  # the kernel, in place
+    assert total is plain
+    torch.testing.assert_close(plain, before + x)
+    torch.testing.assert_close(normed, F.rms_norm(before + x, (64,), w, 1e-5), rtol=1e-5, atol=1e-5)

@@ -110,14 +110,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x in place; returns rms_norm(residual) (fp32)."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, its rms_norm) (fp32). The kernel adds in place into `residual` (outside autograd
+    only); the torch twin allocates the sum, so a residual saved for backward is never mutated."""
     k = ops()
     if (k is not None and _eligible(x, residual, weight) and x.is_contiguous() and residual.is_contiguous()
             and weight.is_contiguous() and x.shape == residual.shape):
-        return k.add_rms_norm_(x, residual, weight, eps)
-    residual.add_(x)
-    return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+        return residual, k.add_rms_norm_(x, residual, weight, eps)
+    residual = residual + x
+    return residual, F.rms_norm(residual, (residual.shape[-1],), weight, eps)
 
 
 def short_attention(

@@ -56,8 +56,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, its norm); fp32 CPU adds in place into `residual` in the same pass as the norm."""
         if x.dtype == torch.float32:
-            normed = kernels.add_rms_norm_(x, residual, self.weight, self.eps)
-            return residual, normed
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual + x
         return residual, self.forward(residual)
 

@@ -206,7 +206,6 @@ class DraftGate:
         self.probe_every, self.decay, self.min_gain = probe_every, decay, min_gain
         self.mean_survival: np.ndarray | None = None  # [γ] ā_j
         self.steps_without_draft = 0
-        self.num_skipped = 0  # steps whose drafts were skipped (metrics)
         # realized ÷ predicted accepted drafts over verified windows (EMA sums): corrects a confidence
         # head that is over- or under-confident on the live traffic
         self._realized, self._predicted = 0.0, 0.0
@@ -221,7 +220,7 @@ class DraftGate:
             self.mean_survival = self.decay * self.mean_survival + (1.0 - self.decay) * curve
 
     def expected_gain(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable) -> float:
-        """max Θ with drafting ÷ Θ without (> 1: drafting pays)."""
+        """max Θ with drafting ÷ Θ without (drafting pays above `min_gain`)."""
         assert self.mean_survival is not None
         curve = np.clip(self.mean_survival * self.correction, 0.0, 1.0)
         candidates = np.sort(np.tile(curve, num_reqs))[::-1].copy()
@@ -255,7 +254,6 @@ class DraftGate:
             self.steps_without_draft = 0
             return True
         self.steps_without_draft += 1
-        self.num_skipped += 1
         return False
 
 
