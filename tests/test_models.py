@@ -142,3 +142,44 @@ def test_smollm2_gguf_matches_transformers_gguf(smollm2, hf_smollm2):
         tol = SMOL_ATOL * max(1.0, ref.abs().max().item() / 10)  # residual stream grows with depth
         err = (hf_comparable_tap(model, taps[:, j * H:(j + 1) * H], layer_id) - ref).abs().max().item()
         assert err < tol, f"SmolLM2 tap {layer_id} differs by {err:.2e} (atol {tol:.1e})"
+
+
+def test_fused_decoder_layers_equal_per_layer_modules(tiny_config):
+    """The one-call decoder stack of few-row steps (`kernels.decoder_layers`) against the per-layer modules
+    on the same weights: hidden states, taps and every K/V written are bit-identical, for decode rows,
+    verify windows and a two-request group, after a prompt that ran the module path."""
+    if kernels.ops() is None:
+        pytest.skip("CPU kernels unavailable")
+    hf = hf_twin(tiny_config, seed=3)
+    ours = ours_from_hf(tiny_config, hf)
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(3, tiny_config.vocab_size, (40,), generator=g).tolist()
+    b = torch.randint(3, tiny_config.vocab_size, (40,), generator=g).tolist()
+    steps = [[(a[:20], 0), (b[:25], 0)],  # prompts: two groups, the module path in both runs
+             [(a[20:21], 20), (b[25:33], 25)],  # a decode row and an 8-token verify window
+             [(a[21:30], 21), (b[33:34], 33)],
+             [(a[30:31], 30), ([], 34)]]  # batch 1
+    taps_ids = (-1, 0, tiny_config.num_hidden_layers - 1)
+    runs, calls = [], []
+    for fused in (True, False):
+        kv = PagedKV.create(ours, num_requests=2, max_len=48, kv_block_size=4, seed=5)
+        original = kernels.decoder_layers
+
+        def spy(*args, **kw):
+            ran = fused and original(*args, **kw)
+            calls.append(ran)
+            return ran
+        kernels.decoder_layers = spy
+        try:
+            runs.append(([kv.step(ours, chunks, tap_layer_ids=taps_ids) for chunks in steps], kv.caches))
+        finally:
+            kernels.decoder_layers = original
+    # fused run: the three short steps ran the kernel; the prompt step never asked; module run: declined
+    assert calls == [True, True, True, False, False, False], calls
+    (fused_out, fused_kv), (module_out, module_kv) = runs
+    for i, ((h1, t1), (h2, t2)) in enumerate(zip(fused_out, module_out)):
+        assert torch.equal(h1, h2), f"step {i}: hidden differs by {(h1 - h2).abs().max().item():.2e}"
+        assert torch.equal(t1, t2), f"step {i}: taps differ by {(t1 - t2).abs().max().item():.2e}"
+    for layer, (c1, c2) in enumerate(zip(fused_kv, module_kv)):
+        for name, x, y in (("K", c1[0], c2[0]), ("V", c1[1], c2[1])):
+            assert torch.equal(x.nan_to_num(), y.nan_to_num()), f"layer {layer} {name} cache differs"

@@ -52,7 +52,7 @@ def _load() -> ModuleType | None:
     path.mkdir(parents=True, exist_ok=True)
     try:
         return load(name="dspark_cpu_ops", sources=[str(SOURCE)], build_directory=str(path),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as e:  # no compiler / ninja, or a compile error: the torch path still works
         if mode == "require":
@@ -138,6 +138,37 @@ def short_attention(
                                                              and v_flat.is_contiguous() and out.is_contiguous()):
         return False
     k.short_attention(q, k_flat, v_flat, token_index, key_limit, kv_slots, out, scale)
+    return True
+
+
+def decoder_layers(
+    x: torch.Tensor,  # [T, hidden] residual stream, updated in place
+    weights: list[torch.Tensor],  # 8 per layer, see cpu_ops.cpp (q/k norm: an empty tensor when absent)
+    k_caches: list[torch.Tensor],  # per layer [num_kv_blocks, kv_block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor],
+    cos: torch.Tensor,  # [T, head_dim]
+    sin: torch.Tensor,  # [T, head_dim], rotate-half sign folded in
+    slot_mapping: torch.Tensor,  # [T] long, every row stored
+    token_index: torch.Tensor,  # [num_seqs, max_q] long: the step's one short attention group
+    key_limit: torch.Tensor,
+    kv_slots: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    scale: float,
+    taps: torch.Tensor | None = None,  # [T, n * hidden]
+    tap_layers: tuple[int, ...] = (),  # taps[:, tap_cols[i]:+hidden] = output of layer tap_layers[i]
+    tap_cols: tuple[int, ...] = (),
+) -> bool:
+    """Run every decoder layer of a few-row step in one kernel call; False (nothing done) when the kernels
+    do not apply, so the caller runs its per-op path, which computes the same numbers."""
+    k = ops()
+    if k is None or x.shape[0] > MAX_ROWS or not _eligible(x, *k_caches[:1]) or not x.is_contiguous():
+        return False
+    k.decoder_layers_(x, weights, k_caches, v_caches, cos, sin, slot_mapping, token_index, key_limit, kv_slots,
+                      num_heads, num_kv_heads, eps, scale, list(tap_layers), list(tap_cols),
+                      taps if taps is not None else torch.empty(0))
     return True
 
 

@@ -155,6 +155,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each query over its request's keys in the pool (the new tokens' K/V must be stored
     first, see `store_kv`)."""
+    q = q.contiguous()  # a slice of the rotated q|k: the kernel reads rows of H * hd floats
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     out = torch.empty_like(q)

@@ -18,7 +18,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from dspark.models.attention import AttnMetadata, paged_attention, store_kv
+from dspark import kernels
+from dspark.models.attention import SHORT_QUERY_MAX, AttnMetadata, paged_attention, store_kv
 from dspark.models.config import ModelConfig
 from dspark.models.layers import (LMHead, Linear, MergedLinear, RMSNorm, RotaryEmbedding, VocabEmbedding,
                                   apply_rope, silu_and_mul)
@@ -163,11 +164,48 @@ class LlamaForCausalLM(nn.Module):
                     taps[:, j * hidden_size:(j + 1) * hidden_size] = value
 
             capture(-1, x)
+        if self._fused_layers(x, cos, sin, attn_meta, kv_caches, taps, tap_slots):
+            return m.norm(x), taps
         for i, (layer, kv_cache) in enumerate(zip(m.layers, kv_caches)):
             x = layer(x, cos, sin, attn_meta, kv_cache)
             if i in tap_slots:
                 capture(i, x)
         return m.norm(x), taps
+
+    def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                      kv_caches: list[KVCache], taps: torch.Tensor | None, tap_slots: dict[int, list[int]]) -> bool:
+        """A few-row step whose queries form one short attention group (decode, verification) runs all
+        decoder layers in one CPU kernel call (`kernels.decoder_layers`, the same arithmetic as the
+        per-layer modules). False when it does not apply: the modules run instead."""
+        if (len(meta.groups) != 1 or not meta.all_stored or meta.groups[0].token_index.shape[1] > SHORT_QUERY_MAX
+                or self.config.attention_bias or x.dtype != torch.float32 or x.device.type != "cpu"):
+            return False
+        attn = self.model.layers[0].self_attn
+        hidden = x.shape[-1]
+        tap_items = [(i, j * hidden) for i, js in tap_slots.items() if i >= 0 for j in js]
+        g = meta.groups[0]
+        return kernels.decoder_layers(
+            x, self._layer_weights(), [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+            cos.view(x.shape[0], -1), sin.view(x.shape[0], -1), meta.slot_mapping, g.token_index, g.key_limit,
+            g.kv_slots, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, eps=self.config.rms_norm_eps,
+            scale=attn.scale, taps=taps, tap_layers=tuple(i for i, _ in tap_items),
+            tap_cols=tuple(c for _, c in tap_items))
+
+    def _layer_weights(self) -> list[torch.Tensor]:
+        """The 8 tensors per layer that `kernels.decoder_layers` reads (Parameters: later in-place loads and
+        `.to()` stay visible); built once."""
+        if getattr(self, "_layer_weight_list", None) is None:
+            none = torch.empty(0)
+            weights = []
+            for layer in self.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+                weights += [layer.input_layernorm.weight, a.qkv_proj.weight,
+                            q_norm.weight if q_norm is not None else none,
+                            k_norm.weight if k_norm is not None else none, a.o_proj.weight,
+                            layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+            self._layer_weight_list = weights
+        return self._layer_weight_list
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
         return self.lm_head(hidden)

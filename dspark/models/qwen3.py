@@ -23,8 +23,10 @@ class Qwen3Attention(LlamaAttention):
     def rope_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         q_size = self.num_heads * self.head_dim
-        q = self.q_norm(qkv[:, :q_size].view(-1, self.num_heads, self.head_dim))  # [T, H, hd]
-        k = self.k_norm(qkv[:, q_size:self.qk_size].view(-1, self.num_kv_heads, self.head_dim))  # [T, Hkv, hd]
+        # contiguous: the fp32 CPU norm kernel then serves every batch shape alike
+        q = self.q_norm(qkv[:, :q_size].contiguous().view(-1, self.num_heads, self.head_dim))  # [T, H, hd]
+        k = self.k_norm(qkv[:, q_size:self.qk_size].contiguous().view(-1, self.num_kv_heads,
+                                                                      self.head_dim))  # [T, Hkv, hd]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
