@@ -300,7 +300,8 @@ def test_draft_gate_decides_from_cost_and_past_survival():
     # a draft costing 2 steps cannot pay for < 1 expected extra token per request
     assert gate.expected_gain(num_reqs=2, num_nondraft_tokens=2, cost=costly) < 1.0
     decisions = [gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=costly) for _ in range(8)]
-    assert decisions == [False, False, False, True] * 2, "skip, but probe every probe_every steps"
+    assert decisions == [False, False, False, True, True, False, False, False], \
+        "skip, but probe two steps every probe_every steps"
     # near-certain drafts pay even at that price
     gate.decay = 0.0
     gate.observe(torch.full((2, 4), 0.999))
@@ -323,3 +324,74 @@ def test_draft_gate_corrects_overconfident_heads_from_verified_windows():
     for _ in range(200):  # the head turns out right after all
         gate.observe_verify("r", [0.9] * 4, 4, 3)
     assert gate.correction == pytest.approx(3 / (0.9 + 0.81 + 0.729 + 0.6561), rel=0.05)
+
+
+def test_draft_gate_corrects_the_table_with_live_step_times():
+    from dspark.verify.length_policy import DraftGate
+    cost = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 80.0], draft_num_reqs=[1, 16],
+                     draft_seconds=[0.004, 0.004])
+    gate = DraftGate(plain_probe_every=1000)
+    gate.observe(torch.full((1, 4), 0.4))
+    gain = gate.expected_gain(num_reqs=1, num_nondraft_tokens=1, cost=cost)
+    assert 1.15 < gain < 1.4, gain  # the table alone says: draft
+    assert gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=cost)
+    # transitions (drafts verified but none proposed, or the reverse) are not timed
+    gate.observe_step(num_tokens=5, seconds=1.0, drafts_verified=True, num_proposed_reqs=0, cost=cost)
+    gate.observe_step(num_tokens=1, seconds=1.0, drafts_verified=False, num_proposed_reqs=1, cost=cost)
+    assert gate.time_ratio == {"draft": None, "plain": None} and gate.live_factor is None
+    # live: plain steps take the table's time, drafting steps 1.5x theirs -> drafting does not pay
+    for _ in range(40):
+        gate.observe_step(num_tokens=1, seconds=cost.step_seconds(1), drafts_verified=False,
+                          num_proposed_reqs=0, cost=cost)
+        gate.observe_step(num_tokens=5, seconds=1.5 * (cost.step_seconds(5) + 0.004), drafts_verified=True,
+                          num_proposed_reqs=1, cost=cost)
+    assert gate.live_factor == pytest.approx(1 / 1.5, rel=1e-3)
+    assert not gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=cost)
+    # the other way round: plain steps run 1.3x slow live, drafting ones as profiled -> a table gain
+    # below the no-live margin still drafts
+    gate.observe(torch.full((1, 4), 0.3))
+    gate.decay = 0.0
+    gate.observe(torch.full((1, 4), 0.3))
+    gain = gate.expected_gain(num_reqs=1, num_nondraft_tokens=1, cost=cost)
+    assert 1.0 < gain < DraftGate.MIN_GAIN, gain
+    for _ in range(60):
+        gate.observe_step(num_tokens=1, seconds=1.3 * cost.step_seconds(1), drafts_verified=False,
+                          num_proposed_reqs=0, cost=cost)
+        gate.observe_step(num_tokens=5, seconds=cost.step_seconds(5) + 0.004, drafts_verified=True,
+                          num_proposed_reqs=1, cost=cost)
+    assert gate.live_factor == pytest.approx(1.3, rel=1e-2)
+    gate.steps_without_draft = 0
+    assert gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=cost)
+
+
+def test_draft_gate_probes_plain_decoding_two_steps_at_a_time():
+    from dspark.verify.length_policy import DraftGate
+    cost = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 100.0], draft_num_reqs=[1, 16],
+                     draft_seconds=[0.0001, 0.0001])
+    gate = DraftGate(plain_probe_every=4)
+    gate.observe(torch.full((1, 4), 0.95))
+    assert [gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=cost) for _ in range(4)] == [True] * 4, \
+        "no plain probe before a drafting step was timed"
+    gate.observe_step(num_tokens=5, seconds=0.02, drafts_verified=True, num_proposed_reqs=1, cost=cost)
+    decisions = [gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=cost) for _ in range(10)]
+    assert decisions == [False, False, True, True, True, False, False, True, True, True], decisions
+
+
+def test_draft_gate_probes_a_few_requests_in_turn_and_backs_off():
+    from dspark.verify.length_policy import DraftGate
+    costly = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 50.0], draft_num_reqs=[1, 16],
+                       draft_seconds=[0.02, 0.02])
+    gate = DraftGate(probe_every=2, probe_reqs=2)
+    gate.observe(torch.full((6, 4), 0.3))
+    picks = [gate.drafted_requests(num_reqs=6, num_nondraft_tokens=6, cost=costly) for _ in range(40)]
+    drafting = [i for i, p in enumerate(picks) if p]
+    assert all(len(picks[i]) == 2 for i in drafting), "probes draft for probe_reqs requests only"
+    # probe runs of two steps; the wait between them doubles after each unconvincing probe, capped at 4x
+    starts = [i for i in drafting if i - 1 not in drafting]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    # (a gap = the probe run + the post-probe decision + the interval of skipped steps)
+    assert gaps[0] == 2 + 4 - 1 and set(gaps[1:]) == {2 + 8 - 1}, gaps
+    # in turn: every request gets probed
+    assert {r for i in drafting for r in picks[i]} == set(range(6))
+    # with few requests a probe covers them all
+    assert len(DraftGate(probe_reqs=2).drafted_requests(num_reqs=1, num_nondraft_tokens=1, cost=costly)) == 1

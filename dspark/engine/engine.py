@@ -123,9 +123,11 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        step_start = time.perf_counter()
         sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted_ids)
         emitted: dict[str, list[int]] = {}
+        num_proposed = 0
         if sched.scheduled:
             start = time.perf_counter()
             batch = self.runner.prepare(sched)
@@ -137,9 +139,15 @@ class Engine:
             emitted = self.scheduler.commit(sched, result.output_ids_by_id, result.num_accepted_by_id)
             if self.drafter is not None:
                 self._extend_drafter_context(sched, batch, taps, result)
-                self._propose_and_choose(sched)
+                num_proposed = self._propose_and_choose(sched)
             self._record(sched, result)
-        return self._outputs(sched, emitted)
+        outputs = self._outputs(sched, emitted)
+        if self.draft_gate is not None and sched.scheduled:  # the whole step, as the gate's live cost
+            self.draft_gate.observe_step(
+                num_tokens=sched.num_batched_tokens, seconds=time.perf_counter() - step_start,
+                drafts_verified=any(s.num_drafts for s in sched.scheduled), num_proposed_reqs=num_proposed,
+                cost=self.cost_table)
+        return outputs
 
     # -- phases ----------------------------------------------------------------------------------
     def _verify(self, sched: SchedulerOutput, logits: torch.Tensor) -> "StepVerify":
@@ -193,20 +201,25 @@ class Engine:
             req.num_draft_computed = done.get(seg.request_id, seg.start_pos + len(seg.token_ids))
             self.block_manager.commit(req)
 
-    def _propose_and_choose(self, sched: SchedulerOutput) -> None:
+    def _propose_and_choose(self, sched: SchedulerOutput) -> int:
+        """Drafts and verify lengths for the next step; returns the number of requests proposed for."""
         reqs = [s.request for s in sched.scheduled
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:
-            return
+            return 0
         # tokens of the next step that are not drafts: one per decoding request + prompt chunks
         num_nondraft = min(sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.scheduler.running),
                            self.config.scheduler.max_num_batched_tokens)
-        if self.draft_gate is not None and not self.draft_gate.should_draft(
-                num_reqs=len(reqs), num_nondraft_tokens=num_nondraft, cost=self.cost_table):
-            for r in reqs:  # plain decoding this step (draft state is untouched: the context stays extended)
+        if self.draft_gate is not None:
+            drafted = set(self.draft_gate.drafted_requests(num_reqs=len(reqs), num_nondraft_tokens=num_nondraft,
+                                                           cost=self.cost_table))
+            for r in (r for i, r in enumerate(reqs) if i not in drafted):
+                # plain decoding this step (draft state is untouched: the context stays extended)
                 r.draft_ids, r.draft_probs, r.draft_confidence, r.verify_len = [], None, None, 0
-            self.metrics.num_draft_skips += len(reqs)
-            return
+                self.metrics.num_draft_skips += 1
+            reqs = [r for i, r in enumerate(reqs) if i in drafted]
+            if not reqs:
+                return 0
         batch = ProposeBatch(
             requests=[ProposeRequest(
                 request_id=r.request_id, all_ids=r.all_ids, anchor_pos=r.num_computed_tokens,
@@ -237,6 +250,7 @@ class Engine:
             r.verify_len = int(verify_lens[i])
         with self.metrics.lock:
             self.metrics.verify_lens.extend(int(v) for v in verify_lens)
+        return len(reqs)
 
     def _record(self, sched: SchedulerOutput, result: "StepVerify") -> None:
         m = self.metrics

@@ -20,6 +20,9 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <omp.h>
+#include <utility>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -114,6 +117,13 @@ constexpr int kMaxRows = 48;
 constexpr RowsFn kRows[kPassRows] = {rows<1>, rows<2>, rows<3>, rows<4>,  rows<5>,  rows<6>,
                                      rows<7>, rows<8>, rows<9>, rows<10>, rows<11>, rows<12>};
 
+// Output columns [n0, n1) of out[M, N] = x[M, K] @ w[N, K]^T, M in 1..48, in balanced passes of <= 12 rows.
+void mm_cols(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, float* op, int64_t n0, int64_t n1) {
+  const int64_t passes = (M + kPassRows - 1) / kPassRows, per_pass = (M + passes - 1) / passes;
+  for (int64_t m0 = 0; m0 < M; m0 += per_pass)
+    kRows[std::min(per_pass, M - m0) - 1](xp + m0 * K, wp, op + m0 * N, K, N, n0, n1);
+}
+
 // out[M, N] = x[M, K] @ w[N, K]^T for M in 1..48, raw row-major fp32 pointers; parallel over N.
 void mm_into(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, float* op) {
   const int64_t grain = std::max<int64_t>(64, (1 << 16) / std::max<int64_t>(K, 1));  // >= ~256 KB per task
@@ -124,6 +134,34 @@ void mm_into(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, 
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(xp + m0 * K, wp, op + m0 * N, K, N, n0, n1); });
   }
 }
+
+// [begin, end) of thread `tid`'s share of n items, boundaries on multiples of `align`.
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt, int64_t align) {
+  const int64_t units = (n + align - 1) / align;
+  return {std::min(n, units * tid / nt * align), std::min(n, units * (tid + 1) / nt * align)};
+}
+
+// A spinning barrier for the threads of one parallel region (libgomp's own barrier may sleep between
+// the ~240 phases of a decode step; waking a thread costs more than the phase).
+class SpinBarrier {
+ public:
+  void wait(int num_threads) {
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == num_threads - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    while (gen_.load(std::memory_order_acquire) == gen) {
+#if defined(__x86_64__) || defined(_M_X64)
+      _mm_pause();
+#endif
+    }
+  }
+
+ private:
+  std::atomic<int> count_{0}, gen_{0};
+};
 
 }  // namespace
 
@@ -194,13 +232,26 @@ torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, con
 }
 
 namespace {
+void attention_items(const float* qp, const float* kp, const float* vp, float* op, int64_t H, int64_t Hkv,
+                     int64_t hd, const int64_t* tip, const int64_t* klp, const int64_t* slp, int64_t Q,
+                     int64_t max_kv, float sc, int64_t b0, int64_t b1);
+
 // Paged attention of short queries on raw pointers. q/out [T, H, hd]; kp/vp [num_slots, Hkv, hd];
 // tip/klp [S, Q] (flat row, key limit; limit 0 = padding); slp [S, max_kv] pool slot of each key.
 void attention_into(const float* qp, const float* kp, const float* vp, float* op, int64_t H, int64_t Hkv,
                     int64_t hd, const int64_t* tip, const int64_t* klp, const int64_t* slp, int64_t S, int64_t Q,
                     int64_t max_kv, float sc) {
-  const int64_t group = H / Hkv;
   at::parallel_for(0, S * Q * H, 1, [&](int64_t b0, int64_t b1) {
+    attention_items(qp, kp, vp, op, H, Hkv, hd, tip, klp, slp, Q, max_kv, sc, b0, b1);
+  });
+}
+
+// Items [b0, b1) of attention_into: item b = (query sj = b / H, head h = b % H).
+void attention_items(const float* qp, const float* kp, const float* vp, float* op, int64_t H, int64_t Hkv,
+                     int64_t hd, const int64_t* tip, const int64_t* klp, const int64_t* slp, int64_t Q,
+                     int64_t max_kv, float sc, int64_t b0, int64_t b1) {
+  const int64_t group = H / Hkv;
+  {
     std::vector<float> acc(hd);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t h = b % H, sj = b / H, s = sj / Q;
@@ -223,7 +274,7 @@ void attention_into(const float* qp, const float* kp, const float* vp, float* op
       float* o = op + (row * H + h) * hd;
       for (int64_t i = 0; i < hd; ++i) o[i] = acc[i] / l;
     }
-  });
+  }
 }
 
 void check_index(const torch::Tensor& t, const char* op) {
@@ -303,49 +354,97 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const torch::Tensor gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
-
-  for (int64_t l = 0; l < L; ++l) {
+  std::vector<float*> kcp(L), vcp(L);
+  for (int64_t l = 0; l < L; ++l) {  // every check before the parallel region (nothing may throw inside)
     const torch::Tensor* w = weights.data() + kPerLayer * l;
     const torch::Tensor &kc = k_caches[l], &vc = v_caches[l];
     TORCH_CHECK(kc.scalar_type() == at::kFloat && kc.is_contiguous() && vc.is_contiguous() &&
                     kc.size(-2) == Hkv && kc.size(-1) == hd && vc.sizes() == kc.sizes(),
                 "decoder_layers_: fp32 contiguous caches [blocks, block_size, ", Hkv, ", ", hd, "]");
-    TORCH_CHECK(w[1].size(0) == qkv_dim && w[1].size(1) == D && w[4].size(0) == D && w[6].size(0) == 2 * inter,
+    TORCH_CHECK(w[0].numel() == D && w[5].numel() == D && w[1].size(0) == qkv_dim && w[1].size(1) == D &&
+                    w[4].size(0) == D && w[4].size(1) == H * hd && w[6].size(0) == 2 * inter &&
+                    w[6].size(1) == D && w[7].size(0) == D && w[7].size(1) == inter &&
+                    (w[2].numel() == 0 || (w[2].numel() == hd && w[3].numel() == hd)),
                 "decoder_layers_: weight shapes of layer ", l);
-    float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
-    const bool qk_norm = w[2].defined() && w[2].numel() == hd;
-    // attention block
-    for (int64_t t = 0; t < T; ++t) norm_rows(xp + t * D, w[0].data_ptr<float>(), hp + t * D, D, feps);
-    mm_into(hp, T, D, w[1].data_ptr<float>(), qkv_dim, qkvp);
-    for (int64_t t = 0; t < T; ++t) {
-      const float *c = cp + t * hd, *s = sp + t * hd;
-      for (int64_t j = 0; j < qk_heads; ++j) {
-        float* src = qkvp + t * qkv_dim + j * hd;  // q heads, then k heads
-        if (qk_norm) norm_rows(src, w[j < H ? 2 : 3].data_ptr<float>(), src, hd, feps);
-        // rotated = x * cos + rotate_half(x) * sin, written to q (query heads) or the K cache (key heads)
-        float* dst = j < H ? qp + (t * H + j) * hd : kcp + (slots[t] * Hkv + (j - H)) * hd;
-        for (int64_t i = 0; i < hd; ++i)  // one fused multiply-add, as torch's addcmul rounds it
-          dst[i] = std::fma(src[i < half ? i + half : i - half], s[i], src[i] * c[i]);
+    kcp[l] = kc.data_ptr<float>();
+    vcp[l] = vc.data_ptr<float>();
+  }
+  TORCH_CHECK(taps.numel() == 0 || (taps.is_contiguous() && taps.size(0) == T && taps.scalar_type() == at::kFloat),
+              "decoder_layers_: taps must be a contiguous fp32 [T, n * D] tensor");
+  for (size_t i = 0; i < tap_layers.size(); ++i)
+    TORCH_CHECK(tap_cols[i] >= 0 && tap_cols[i] + D <= taps.size(-1), "decoder_layers_: tap column out of range");
+  const int64_t* tip = token_index.data_ptr<int64_t>();
+  const int64_t* klp = key_limit.data_ptr<int64_t>();
+  const int64_t* slp = kv_slots.data_ptr<int64_t>();
+  const int64_t S = token_index.size(0), Q = token_index.size(1), max_kv = kv_slots.size(1);
+  float* tapp = taps.numel() ? taps.data_ptr<float>() : nullptr;
+  const int64_t tap_stride = taps.numel() ? taps.size(-1) : 0;
+
+  // One parallel region for the whole stack: the matrix products and attention are split across the
+  // threads, the row-wise glue (norms, RoPE, K/V stores, residual adds) runs on thread 0, and the
+  // phases are separated by a spinning barrier.
+  SpinBarrier barrier;
+#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    auto sync = [&] { barrier.wait(nt); };
+    auto mm = [&](const float* in, int64_t K, const torch::Tensor& wt, int64_t N, float* out) {
+      const auto [n0, n1] = share(N, tid, nt, 16);
+      if (n0 < n1) mm_cols(in, T, K, wt.data_ptr<float>(), N, out, n0, n1);
+      sync();
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const torch::Tensor* w = weights.data() + kPerLayer * l;
+      const bool qk_norm = w[2].numel() == hd;
+      // attention block
+      if (tid == 0)
+        for (int64_t t = 0; t < T; ++t) norm_rows(xp + t * D, w[0].data_ptr<float>(), hp + t * D, D, feps);
+      sync();
+      mm(hp, D, w[1], qkv_dim, qkvp);
+      if (tid == 0) {
+        for (int64_t t = 0; t < T; ++t) {
+          const float *c = cp + t * hd, *s = sp + t * hd;
+          for (int64_t j = 0; j < qk_heads; ++j) {
+            float* src = qkvp + t * qkv_dim + j * hd;  // q heads, then k heads
+            if (qk_norm) norm_rows(src, w[j < H ? 2 : 3].data_ptr<float>(), src, hd, feps);
+            // x * cos + rotate_half(x) * sin, into q (query heads) or the K cache (key heads)
+            float* dst = j < H ? qp + (t * H + j) * hd : kcp[l] + (slots[t] * Hkv + (j - H)) * hd;
+            for (int64_t i = 0; i < hd; ++i)  // one fused multiply-add, as torch's addcmul rounds it
+              dst[i] = std::fma(src[i < half ? i + half : i - half], s[i], src[i] * c[i]);
+          }
+          std::copy(qkvp + t * qkv_dim + qk_heads * hd, qkvp + (t + 1) * qkv_dim, vcp[l] + slots[t] * Hkv * hd);
+        }
       }
-      std::copy(qkvp + t * qkv_dim + qk_heads * hd, qkvp + (t + 1) * qkv_dim, vcp + slots[t] * Hkv * hd);
+      sync();
+      {
+        const auto [b0, b1] = share(S * Q * H, tid, nt, 1);
+        attention_items(qp, kcp[l], vcp[l], ap, H, Hkv, hd, tip, klp, slp, Q, max_kv, sc, b0, b1);
+      }
+      sync();
+      mm(ap, H * hd, w[4], D, opp);
+      // MLP block
+      if (tid == 0) {
+        for (int64_t t = 0; t < T; ++t) {
+          float* xr = xp + t * D;
+          for (int64_t i = 0; i < D; ++i) xr[i] += opp[t * D + i];
+          norm_rows(xr, w[5].data_ptr<float>(), hp + t * D, D, feps);
+        }
+      }
+      sync();
+      mm(hp, D, w[6], 2 * inter, gup);
+      if (tid == 0) {  // torch's own SiLU (serial inside this region): the per-op path's numerics
+        at::silu_out(act, gate);
+        act.mul_(up);
+      }
+      sync();
+      mm(actp, inter, w[7], D, opp);
+      if (tid == 0) {  // the next layer's first phase is thread 0's too: no barrier needed here
+        for (int64_t i = 0; i < T * D; ++i) xp[i] += opp[i];
+        for (size_t i = 0; i < tap_layers.size(); ++i)
+          if (tap_layers[i] == l)
+            for (int64_t t = 0; t < T; ++t) std::copy(xp + t * D, xp + (t + 1) * D, tapp + t * tap_stride + tap_cols[i]);
+      }
     }
-    attention_into(qp, kcp, vcp, ap, H, Hkv, hd, token_index.data_ptr<int64_t>(), key_limit.data_ptr<int64_t>(),
-                   kv_slots.data_ptr<int64_t>(), token_index.size(0), token_index.size(1), kv_slots.size(1), sc);
-    mm_into(ap, T, H * hd, w[4].data_ptr<float>(), D, opp);
-    // MLP block
-    for (int64_t t = 0; t < T; ++t) {
-      float* xr = xp + t * D;
-      for (int64_t i = 0; i < D; ++i) xr[i] += opp[t * D + i];
-      norm_rows(xr, w[5].data_ptr<float>(), hp + t * D, D, feps);
-    }
-    mm_into(hp, T, D, w[6].data_ptr<float>(), 2 * inter, gup);
-    at::silu_out(act, gate);  // torch's own SiLU: the per-op path's numerics
-    act.mul_(up);
-    mm_into(actp, T, inter, w[7].data_ptr<float>(), D, opp);
-    for (int64_t i = 0; i < T * D; ++i) xp[i] += opp[i];
-    for (size_t i = 0; i < tap_layers.size(); ++i)
-      if (tap_layers[i] == l)
-        taps.narrow(1, tap_cols[i], D).copy_(x);
   }
 }
 

@@ -1,4 +1,9 @@
-"""AsyncEngine: the synchronous `Engine` driven by one background thread, for an asyncio server.
+"""AsyncEngine: the synchronous `Engine` driven by one thread, for an asyncio server.
+
+The engine thread is a background thread started with the app (tests, embedding), or — `dspark serve` —
+the process's main thread, with uvicorn's event loop in a background thread (`run_forever`): libgomp
+gives a non-main thread's parallel regions less spinning (it throttles once the process has more
+OpenMP threads than cores), which made every kernel-per-op step of a served engine ~30% slower.
 
 Threading contract:
 - Only the engine thread touches the `Engine` (add_request, abort, step) and the detokenizer state.
@@ -110,8 +115,9 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine, tokenizer, *,
-                 on_request_end: Callable[[RequestRecord], None] | None = None):
+                 on_request_end: Callable[[RequestRecord], None] | None = None, own_thread: bool = True):
         self.engine = engine
+        self.own_thread = own_thread  # False: the caller runs the loop with `run_forever()`
         self.tokenizer = tokenizer  # bundle with .tokenizer (HF) for decoding
         self.detokenizer = Detokenizer(tokenizer.tokenizer)
         self.on_request_end = on_request_end  # called on the engine thread; must be thread-safe
@@ -119,15 +125,25 @@ class AsyncEngine:
         self._commands: list[_Add | _Abort] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._looping = False  # the engine loop runs (on its own thread or the caller's)
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._reap = False  # an abort left a finished request for the next step() to report
         self.error: str | None = None  # set if the engine thread died
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
+        if self.own_thread and self._thread is None:
+            self._looping = True
             self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
             self._thread.start()
+
+    def run_forever(self) -> None:
+        """Run the engine loop in the calling thread until `shutdown()` (own_thread=False), or until
+        the engine dies (then `error` is set)."""
+        if self.own_thread:
+            raise RuntimeError("run_forever() needs AsyncEngine(own_thread=False)")
+        self._looping = True
+        self._run()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         with self._cond:
@@ -139,7 +155,7 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.error is None and self._looping
 
     # -- read-only views for /metrics and validation (plain reads, benign from any thread) -------
     @property
@@ -200,6 +216,12 @@ class AsyncEngine:
 
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._looping = False
+
+    def _loop(self) -> None:
         engine = self.engine
         busy = False
         while True:

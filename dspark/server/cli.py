@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,26 @@ def run(args: argparse.Namespace) -> int:
     spec = config.spec.method if config.spec else "none"
     log.info("serving %s as %r on http://%s:%d (speculation: %s)", config.model, model_name,
              args.host, args.port, spec)
-    app = build_app(AsyncEngine(engine, tokenizer), model_name=model_name, api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    async_engine = AsyncEngine(engine, tokenizer, own_thread=False)
+    app = build_app(async_engine, model_name=model_name, api_key=args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    # the engine loop runs on the main thread (see dspark.server.async_engine); uvicorn's event loop
+    # runs beside it and installs no signal handlers there, so SIGINT/SIGTERM end the loop here
+    http = threading.Thread(target=server.run, name="dspark-http", daemon=True)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    http.start()
+    try:
+        async_engine.run_forever()  # returns when the app shuts down or the engine died
+        while http.is_alive():  # a dead engine: keep answering (health fails, requests get 503)
+            http.join(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        async_engine.shutdown()
+        http.join(10.0)
     return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -191,24 +191,65 @@ class DraftGate:
     of the mean survival curve ā (an exponential moving average over earlier proposals, scaled by the
     realized ÷ predicted accepted drafts of earlier verify windows), with the draft seconds in the
     denominator; without: num_reqs · SPS(num_nondraft_tokens). Draft iff the former is
-    higher by `min_gain`, or no curve is known yet, or `probe_every` steps have passed without a draft.
+    higher by the margin, or no curve is known yet, or `probe_every` steps have passed without a draft.
+
+    Live step times (`observe_step`) correct the table: the engine's whole step (scheduling, sampling,
+    drafter context, proposal) against the table's prediction for it, as an EMA ratio per mode —
+    drafting steps (drafts verified and proposed) and plain steps (neither). Once both ratios are known
+    the predicted gain is scaled by plain ÷ drafting ratio and the margin drops from `min_gain` to
+    `live_min_gain`. Probes run two steps (the first of a mode change is a transition, not timed): two
+    drafting steps for `probe_reqs` of the requests every `probe_every` skipped steps (the interval
+    doubles, up to 4x, while probes keep saying "skip"), two plain steps every `plain_probe_every`
+    drafting steps (the plain time stays current).
     """
 
-    # Drafting must promise this much over plain decoding: the profiled verify forward runs 10-20%
-    # faster than the engine's live one (logits rows, sampling, scheduling around it), so a predicted
-    # gain below ~1.15 is not a gain (measured: humaneval at batch 1, τ 1.38, gain 1.10 -> 0.86x).
+    # Without live step times drafting must promise this much over plain decoding: the profiled verify
+    # forward runs 10-20% faster than the engine's live step (logits rows, sampling, scheduling around
+    # it), so a predicted gain below ~1.15 is not a gain (measured: humaneval at batch 1, τ 1.38,
+    # gain 1.10 -> 0.86x). With them, the live ratios carry that difference and a small margin remains.
     MIN_GAIN = 1.15
+    LIVE_MIN_GAIN = 1.03
 
-    def __init__(self, *, probe_every: int = 8, decay: float = 0.7, min_gain: float = MIN_GAIN) -> None:
-        if probe_every < 1 or not 0.0 <= decay < 1.0 or min_gain <= 0:
-            raise ValueError(f"need probe_every >= 1, 0 <= decay < 1 and min_gain > 0, got {probe_every}, "
-                             f"{decay}, {min_gain}")
+    def __init__(self, *, probe_every: int = 8, decay: float = 0.7, min_gain: float = MIN_GAIN,
+                 live_min_gain: float = LIVE_MIN_GAIN, plain_probe_every: int = 32,
+                 time_decay: float = 0.9, probe_reqs: int = 2) -> None:
+        if (probe_every < 1 or plain_probe_every < 2 or probe_reqs < 1 or not 0.0 <= decay < 1.0 or not 0.0 <= time_decay < 1.0
+                or min_gain <= 0 or live_min_gain <= 0):
+            raise ValueError(f"need probe_every >= 1, plain_probe_every >= 2, 0 <= decay, time_decay < 1 and "
+                             f"margins > 0, got {probe_every}, {plain_probe_every}, {decay}, {time_decay}, "
+                             f"{min_gain}, {live_min_gain}")
         self.probe_every, self.decay, self.min_gain = probe_every, decay, min_gain
+        self.live_min_gain, self.plain_probe_every, self.time_decay = live_min_gain, plain_probe_every, time_decay
+        self.probe_reqs = probe_reqs
         self.mean_survival: np.ndarray | None = None  # [γ] ā_j
         self.steps_without_draft = 0
+        self.steps_since_plain = 0
+        self._probe_run: list[bool] = []  # the decisions left of a running probe
+        self._probe_interval = probe_every  # grows while probes keep saying "skip"
+        self._probed = False  # the last decision ended a drafting probe
+        self._probe_cursor = 0  # drafting probes take `probe_reqs` requests in turn
         # realized ÷ predicted accepted drafts over verified windows (EMA sums): corrects a confidence
         # head that is over- or under-confident on the live traffic
         self._realized, self._predicted = 0.0, 0.0
+        # live ÷ table step seconds per mode (EMA), None until observed
+        self.time_ratio: dict[str, float | None] = {"draft": None, "plain": None}
+
+    def observe_step(self, *, num_tokens: int, seconds: float, drafts_verified: bool, num_proposed_reqs: int,
+                     cost: CostTable | None) -> None:
+        """One engine step's wall time. Steps that verified drafts and proposed new ones are drafting
+        steps (table: forward of `num_tokens` + draft seconds); steps with neither are plain; the
+        transitions between modes are not folded in."""
+        if cost is None or num_tokens <= 0 or seconds <= 0:
+            return
+        if drafts_verified and num_proposed_reqs:
+            mode, predicted = "draft", cost.step_seconds(num_tokens) + cost.draft_seconds_for(num_proposed_reqs)
+        elif not drafts_verified and not num_proposed_reqs:
+            mode, predicted = "plain", cost.step_seconds(num_tokens)
+        else:
+            return
+        ratio = float(np.clip(seconds / predicted, 0.2, 5.0))
+        old = self.time_ratio[mode]
+        self.time_ratio[mode] = ratio if old is None else self.time_decay * old + (1 - self.time_decay) * ratio
 
     def observe(self, confidence: torch.Tensor, *, num_proposed: Sequence[int] | None = None) -> None:
         """Fold a proposal's confidences [num_reqs, γ] into the mean survival curve."""
@@ -247,14 +288,52 @@ class DraftGate:
         self._realized = keep * self._realized + num_accepted
         self._predicted = keep * self._predicted + predicted
 
+    @property
+    def live_factor(self) -> float | None:
+        """Plain ÷ drafting live-to-table step-time ratio (None until both modes were timed)."""
+        draft, plain = self.time_ratio["draft"], self.time_ratio["plain"]
+        return None if draft is None or plain is None else plain / draft
+
     def should_draft(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None) -> bool:
-        if (cost is None or self.mean_survival is None or self.steps_without_draft + 1 >= self.probe_every
-                or self.expected_gain(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens,
-                                      cost=cost) > self.min_gain):
+        return bool(self.drafted_requests(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens, cost=cost))
+
+    def drafted_requests(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None) -> list[int]:
+        """Indices of the requests to draft for in this step: all, none, or — a drafting probe while
+        skipping — `probe_reqs` of them in turn (a probe only needs confidences and a step time, and
+        a full-batch probe at high load costs the very step the gate saved)."""
+        if cost is None or self.mean_survival is None:
+            return list(range(num_reqs))
+        probe = False
+        if self._probe_run:  # a probe lasts two steps: the second one is a whole step of its mode
+            decision = self._probe_run.pop()
+            probe = self._probed = decision
+        elif self.steps_since_plain + 1 >= self.plain_probe_every and self.time_ratio["draft"] is not None:
+            decision, self._probe_run = False, [False]  # keeps the plain step time current
+        elif self.steps_without_draft + 1 >= self._probe_interval:
+            decision, self._probe_run, probe = True, [True], True
+        else:
+            live = self.live_factor
+            margin = self.min_gain if live is None else self.live_min_gain
+            gain = self.expected_gain(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens, cost=cost)
+            decision = gain * (live or 1.0) > margin
+            if decision:
+                self._probe_interval = self.probe_every
+            elif self._probed:  # a probe that did not convince: wait longer before the next one
+                self._probe_interval = min(2 * self._probe_interval, 4 * self.probe_every)
+            self._probed = False
+        if decision:
             self.steps_without_draft = 0
-            return True
-        self.steps_without_draft += 1
-        return False
+            self.steps_since_plain += 1
+        else:
+            self.steps_without_draft += 1
+            self.steps_since_plain = 0
+        if not decision:
+            return []
+        if not probe or num_reqs <= self.probe_reqs:
+            return list(range(num_reqs))
+        start = self._probe_cursor % num_reqs
+        self._probe_cursor += self.probe_reqs
+        return sorted((start + i) % num_reqs for i in range(self.probe_reqs))
 
 
 LENGTH_POLICIES: dict[str, type] = {
