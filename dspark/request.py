@@ -42,6 +42,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose target K/V are in the pool (committed)
     num_cached_tokens: int = 0  # of the prompt, served by a prefix-cache hit at admission
     num_draft_computed: int = 0  # positions whose drafter context K/V are in the pool
+    # committed positions whose drafter context is deferred while the draft gate skips: (start_pos,
+    # token ids, next token id, taps [n, num_taps * hidden] or None), contiguous from num_draft_computed
+    pending_context: list = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)  # proposed for the next verification
     draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] or None (point mass)
@@ -83,6 +86,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_draft_computed = 0
+        self.pending_context = []
         self.block_table = []
         self.clear_drafts()
         self.status = RequestStatus.WAITING

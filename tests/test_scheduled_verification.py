@@ -267,6 +267,53 @@ def test_draft_gate_skips_unprofitable_steps_and_stays_lossless(target, drafter_
     assert ungated.metrics.num_draft_skips == 0 and ungated.draft_gate is None
 
 
+def test_skipped_requests_defer_drafter_context_and_draft_the_same(target, drafter_dir, plain_outputs):
+    """While the gate skips a request its drafter context waits (no drafter work in that step) and is
+    extended, with the proposing step's positions, in one call. Same scripted gate decisions with and
+    without deferral: every proposal (draft ids; confidences up to rounding) and every output are the
+    same, and the drafter's context is extended in fewer calls."""
+    runs = []
+    for defer in (True, False):
+        engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, coalesce_steps=2)
+        if not defer:
+            engine.MAX_DEFERRED_CONTEXT = 0
+        step = {"n": 0}
+        # drafting in 2 of every 7 steps, per request in turn; the rest plain
+        engine.draft_gate.drafted_requests = lambda *, num_reqs, **_: (
+            [i for i in range(num_reqs) if (step["n"] + i) % 7 in (0, 3)])
+        calls = {"extend": 0, "propose": []}
+        extend, propose = engine.drafter.extend_context, engine.drafter.propose
+
+        def counted_extend(update, _f=extend):
+            calls["extend"] += 1
+            return _f(update)
+
+        def recorded_propose(batch, _f=propose):
+            out = _f(batch)
+            calls["propose"].append(([r.request_id for r in batch.requests], out.draft_ids.tolist(),
+                                     out.confidence.tolist()))
+            return out
+        engine.drafter.extend_context, engine.drafter.propose = counted_extend, recorded_propose
+        original_step = engine.step
+
+        def counting_step(_f=original_step):
+            step["n"] += 1
+            return _f()
+        engine.step = counting_step
+        staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+        assert _mismatches(staged.outputs, plain_outputs) == 0
+        bm = engine.block_manager
+        assert bm.num_free_blocks == len(bm.blocks)
+        runs.append((calls, engine.metrics.num_steps))
+    (deferred, steps), (eager, _) = runs
+    assert len(deferred["propose"]) == len(eager["propose"]) > 3
+    for (ids_d, drafts_d, conf_d), (ids_e, drafts_e, conf_e) in zip(deferred["propose"], eager["propose"]):
+        assert ids_d == ids_e and drafts_d == drafts_e, "deferral changed a proposal"
+        # the context K/V were computed over differently shaped batches: equal up to rounding
+        assert torch.allclose(torch.tensor(conf_d), torch.tensor(conf_e), atol=1e-5)
+    assert deferred["extend"] < eager["extend"] <= steps, (deferred["extend"], eager["extend"])
+
+
 # -- fail closed --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def target_dir(target, tmp_path_factory):

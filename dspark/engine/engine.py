@@ -138,8 +138,10 @@ class Engine:
                     num_tokens=sched.num_batched_tokens, seconds=time.perf_counter() - start)
             emitted = self.scheduler.commit(sched, result.output_ids_by_id, result.num_accepted_by_id)
             if self.drafter is not None:
-                self._extend_drafter_context(sched, batch, taps, result)
-                num_proposed = self._propose_and_choose(sched)
+                proposing, num_nondraft = self._proposing_requests(sched)
+                self._extend_drafter_context(sched, batch, taps, result,
+                                             flush={r.request_id for r in proposing})
+                num_proposed = self._propose_and_choose(proposing, num_nondraft)
             self._record(sched, result)
         outputs = self._outputs(sched, emitted)
         if self.draft_gate is not None and sched.scheduled:  # the whole step, as the gate's live cost
@@ -178,8 +180,17 @@ class Engine:
                 observe(rid, s.request.draft_confidence, s.num_drafts, n)
         return StepVerify(dict(zip(ids, result.output_ids)), dict(zip(ids, result.num_accepted)))
 
-    def _extend_drafter_context(self, sched: SchedulerOutput, batch: StepBatch, taps, result) -> None:
-        segments = []
+    # Committed positions whose drafter context may wait (draft gate only): a request the gate skips
+    # keeps its new positions' taps and extends them, with the next proposal's, in one call — a step
+    # without drafting then costs no drafter work. Longer backlogs are flushed.
+    MAX_DEFERRED_CONTEXT = 64
+
+    def _extend_drafter_context(self, sched: SchedulerOutput, batch: StepBatch, taps, result, *,
+                                flush: set[str]) -> None:
+        """Extend the drafter context over this step's committed positions: now for the requests in
+        `flush` (they propose next) or without a draft gate, deferred otherwise (up to
+        MAX_DEFERRED_CONTEXT positions)."""
+        parts: list[tuple] = []  # (request, start_pos, token ids, next token id, taps rows or None)
         for item, offset in zip(sched.scheduled, batch.token_offsets):
             req = item.request
             if req.is_finished or not req.uses_speculation:
@@ -188,25 +199,48 @@ class Engine:
             count = item.num_new_tokens - rejected if item.emits else item.num_new_tokens
             all_ids = req.all_ids
             end = item.start_pos + count
-            segments.append(ContextSegment(
-                request_id=req.request_id, block_table=req.block_table, start_pos=item.start_pos,
-                token_ids=batch.input_id_list[offset:offset + count],
-                next_token_id=all_ids[end] if end < len(all_ids) else None,
-                tap_rows=slice(offset, offset + count)))
-        if not segments:
+            rows = None if taps is None else taps[offset:offset + count]
+            part = (item.start_pos, batch.input_id_list[offset:offset + count],
+                    all_ids[end] if end < len(all_ids) else None, rows)
+            deferred = sum(len(p[1]) for p in req.pending_context)
+            if (self.draft_gate is not None and req.request_id not in flush
+                    and deferred + count <= self.MAX_DEFERRED_CONTEXT):
+                req.pending_context.append(part[:3] + (None if rows is None else rows.clone(),))
+                continue
+            parts.append((req, *self._merge_pending(req, part)))
+        if not parts:
             return
-        done = self.drafter.extend_context(ContextUpdate(segments=segments, taps=taps))
+        segments, tap_rows, row = [], [], 0
+        for req, start, ids, next_id, rows in parts:
+            segments.append(ContextSegment(
+                request_id=req.request_id, block_table=req.block_table, start_pos=start, token_ids=ids,
+                next_token_id=next_id, tap_rows=slice(row, row + len(ids))))
+            tap_rows.append(rows)
+            row += len(ids)
+        all_taps = None if taps is None else torch.cat(tap_rows)  # [num_rows, num_taps * hidden]
+        done = self.drafter.extend_context(ContextUpdate(segments=segments, taps=all_taps))
         for seg in segments:
             req = self.requests[seg.request_id]
             req.num_draft_computed = done.get(seg.request_id, seg.start_pos + len(seg.token_ids))
             self.block_manager.commit(req)
 
-    def _propose_and_choose(self, sched: SchedulerOutput) -> int:
-        """Drafts and verify lengths for the next step; returns the number of requests proposed for."""
+    @staticmethod
+    def _merge_pending(req: Request, part: tuple) -> tuple:
+        """The deferred positions of `req` and this step's, as one contiguous segment."""
+        pending, req.pending_context = req.pending_context + [part], []
+        start = pending[0][0]
+        ids = [t for p in pending for t in p[1]]
+        assert start + len(ids) == part[0] + len(part[1]), "deferred drafter context is not contiguous"
+        rows = None if part[3] is None else torch.cat([p[3] for p in pending])
+        return start, ids, part[2], rows
+
+    def _proposing_requests(self, sched: SchedulerOutput) -> tuple[list[Request], int]:
+        """The requests that draft for the next step (the draft gate's pick among those that emitted)
+        and the next step's non-draft token count."""
         reqs = [s.request for s in sched.scheduled
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:
-            return 0
+            return [], 0
         # tokens of the next step that are not drafts: one per decoding request + prompt chunks
         num_nondraft = min(sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.scheduler.running),
                            self.config.scheduler.max_num_batched_tokens)
@@ -214,12 +248,15 @@ class Engine:
             drafted = set(self.draft_gate.drafted_requests(num_reqs=len(reqs), num_nondraft_tokens=num_nondraft,
                                                            cost=self.cost_table))
             for r in (r for i, r in enumerate(reqs) if i not in drafted):
-                # plain decoding this step (draft state is untouched: the context stays extended)
-                r.draft_ids, r.draft_probs, r.draft_confidence, r.verify_len = [], None, None, 0
+                r.clear_drafts()  # plain decoding in the next step for this request
                 self.metrics.num_draft_skips += 1
             reqs = [r for i, r in enumerate(reqs) if i in drafted]
-            if not reqs:
-                return 0
+        return reqs, num_nondraft
+
+    def _propose_and_choose(self, reqs: list[Request], num_nondraft: int) -> int:
+        """Drafts and verify lengths for the next step; returns the number of requests proposed for."""
+        if not reqs:
+            return 0
         batch = ProposeBatch(
             requests=[ProposeRequest(
                 request_id=r.request_id, all_ids=r.all_ids, anchor_pos=r.num_computed_tokens,
