@@ -9,10 +9,13 @@
 //   short_attention(...)           paged attention for short queries: each query reads its request's keys
 //                                  straight from the pool through the slot table, up to a per-query key
 //                                  limit (causal or block-bidirectional); online softmax; GQA.
+//   decoder_layers_(...)           every Llama/Qwen3 decoder layer of a decode/verify step in one call and
+//                                  one OpenMP region (the ops above + RoPE, K/V store, SiLU), bit-identical
+//                                  to the per-layer modules.
 //
-// Threads come from ATen's pool (at::parallel_for), i.e. the same OpenMP runtime as every torch op, so
-// no second pool spins against it. The Python side (dspark/kernels/__init__.py) builds this file once
-// per machine and keeps a torch twin of every op for the tests.
+// Threads come from torch's OpenMP runtime (at::parallel_for, or one `omp parallel` region for the
+// decoder stack), so no second pool spins against it. The Python side (dspark/kernels/__init__.py)
+// builds this file once per machine and keeps a torch twin of every op for the tests.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #if defined(__x86_64__) || defined(_M_X64)
