@@ -55,6 +55,10 @@ def test_prefix_cache_hit_gives_same_tokens():
     second = llm.generate([prompt], greedy(12))[0]  # reuses the committed full blocks
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 36
     assert second.token_ids == first.token_ids
+    # a request that finishes in the step that completes its prompt (one token) registers it too
+    other = repetitive_prompts(1, cfg.vocab_size, seed=5, length=38)[0]
+    llm.generate([other], greedy(1))
+    assert llm.generate([other], greedy(3))[0].num_cached_tokens == 36
 
 
 def _ngram_engine(model, cfg, **kw):

@@ -180,12 +180,11 @@ class Scheduler:
             new_ids = self._append_until_stop(req, output_ids[req.request_id])
             emitted[req.request_id] = new_ids
             req.clear_drafts()
+            self.block_manager.commit(req)  # a request finishing in its prompt's step still caches it
             if req.is_finished:
                 self.running.remove(req)
                 self.block_manager.free_request(req)
                 self.finished.append(req)
-            else:
-                self.block_manager.commit(req)
         return emitted
 
     def _append_until_stop(self, req: Request, new_ids: list[int]) -> list[int]:
