@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,15 @@ class SpecStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
+class PendingContext(NamedTuple):
+    """Committed positions of one step whose drafter context waits (`Engine._extend_drafter_context`)."""
+
+    start_pos: int
+    token_ids: list[int]
+    next_token_id: int | None  # token at start_pos + len(token_ids), when known
+    taps: torch.Tensor | None  # [len(token_ids), num_taps * hidden] target taps, None without taps
+
+
 @dataclass
 class Request:
     request_id: str
@@ -42,9 +52,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose target K/V are in the pool (committed)
     num_cached_tokens: int = 0  # of the prompt, served by a prefix-cache hit at admission
     num_draft_computed: int = 0  # positions whose drafter context K/V are in the pool
-    # committed positions whose drafter context is deferred while the draft gate skips: (start_pos,
-    # token ids, next token id, taps [n, num_taps * hidden] or None), contiguous from num_draft_computed
-    pending_context: list = field(default_factory=list)
+    # committed positions whose drafter context is deferred while the draft gate skips, contiguous from
+    # num_draft_computed
+    pending_context: list["PendingContext"] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)  # proposed for the next verification
     draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] or None (point mass)

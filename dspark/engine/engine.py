@@ -21,7 +21,7 @@ from dspark.engine.metrics import EngineMetrics
 from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate_kv_pool,
                                         kv_bytes_per_block)
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
-from dspark.request import Request, SpecStats
+from dspark.request import PendingContext, Request, SpecStats
 from dspark.sampling import SamplingParams, logits_to_probs
 from dspark.verify.rejection import VerifyResult, verify
 
@@ -190,7 +190,7 @@ class Engine:
         """Extend the drafter context over this step's committed positions: now for the requests in
         `flush` (they propose next) or without a draft gate, deferred otherwise (up to
         MAX_DEFERRED_CONTEXT positions)."""
-        parts: list[tuple] = []  # (request, start_pos, token ids, next token id, taps rows or None)
+        parts: list[tuple[Request, PendingContext]] = []  # what is extended now, pending included
         for item, offset in zip(sched.scheduled, batch.token_offsets):
             req = item.request
             if req.is_finished or not req.uses_speculation:
@@ -199,25 +199,25 @@ class Engine:
             count = item.num_new_tokens - rejected if item.emits else item.num_new_tokens
             all_ids = req.all_ids
             end = item.start_pos + count
-            rows = None if taps is None else taps[offset:offset + count]
-            part = (item.start_pos, batch.input_id_list[offset:offset + count],
-                    all_ids[end] if end < len(all_ids) else None, rows)
-            deferred = sum(len(p[1]) for p in req.pending_context)
+            part = PendingContext(start_pos=item.start_pos, token_ids=batch.input_id_list[offset:offset + count],
+                                  next_token_id=all_ids[end] if end < len(all_ids) else None,
+                                  taps=None if taps is None else taps[offset:offset + count])
+            deferred = sum(len(p.token_ids) for p in req.pending_context)
             if (self.draft_gate is not None and req.request_id not in flush
                     and deferred + count <= self.MAX_DEFERRED_CONTEXT):
-                req.pending_context.append(part[:3] + (None if rows is None else rows.clone(),))
+                req.pending_context.append(part._replace(taps=None if part.taps is None else part.taps.clone()))
                 continue
-            parts.append((req, *self._merge_pending(req, part)))
+            parts.append((req, self._merge_pending(req, part)))
         if not parts:
             return
-        segments, tap_rows, row = [], [], 0
-        for req, start, ids, next_id, rows in parts:
+        segments, row = [], 0
+        for req, part in parts:
             segments.append(ContextSegment(
-                request_id=req.request_id, block_table=req.block_table, start_pos=start, token_ids=ids,
-                next_token_id=next_id, tap_rows=slice(row, row + len(ids))))
-            tap_rows.append(rows)
-            row += len(ids)
-        all_taps = None if taps is None else torch.cat(tap_rows)  # [num_rows, num_taps * hidden]
+                request_id=req.request_id, block_table=req.block_table, start_pos=part.start_pos,
+                token_ids=part.token_ids, next_token_id=part.next_token_id,
+                tap_rows=slice(row, row + len(part.token_ids))))
+            row += len(part.token_ids)
+        all_taps = None if taps is None else torch.cat([p.taps for _, p in parts])  # [rows, num_taps * hidden]
         done = self.drafter.extend_context(ContextUpdate(segments=segments, taps=all_taps))
         for seg in segments:
             req = self.requests[seg.request_id]
@@ -225,14 +225,14 @@ class Engine:
             self.block_manager.commit(req)
 
     @staticmethod
-    def _merge_pending(req: Request, part: tuple) -> tuple:
-        """The deferred positions of `req` and this step's, as one contiguous segment."""
+    def _merge_pending(req: Request, part: PendingContext) -> PendingContext:
+        """The deferred positions of `req` and this step's, as one contiguous part."""
         pending, req.pending_context = req.pending_context + [part], []
-        start = pending[0][0]
-        ids = [t for p in pending for t in p[1]]
-        assert start + len(ids) == part[0] + len(part[1]), "deferred drafter context is not contiguous"
-        rows = None if part[3] is None else torch.cat([p[3] for p in pending])
-        return start, ids, part[2], rows
+        ids = [t for p in pending for t in p.token_ids]
+        assert pending[0].start_pos + len(ids) == part.start_pos + len(part.token_ids), \
+            "deferred drafter context is not contiguous"
+        return PendingContext(start_pos=pending[0].start_pos, token_ids=ids, next_token_id=part.next_token_id,
+                              taps=None if part.taps is None else torch.cat([p.taps for p in pending]))
 
     def _proposing_requests(self, sched: SchedulerOutput) -> tuple[list[Request], int]:
         """The requests that draft for the next step (the draft gate's pick among those that emitted)

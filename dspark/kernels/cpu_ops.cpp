@@ -130,12 +130,7 @@ void mm_cols(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, 
 // out[M, N] = x[M, K] @ w[N, K]^T for M in 1..48, raw row-major fp32 pointers; parallel over N.
 void mm_into(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, float* op) {
   const int64_t grain = std::max<int64_t>(64, (1 << 16) / std::max<int64_t>(K, 1));  // >= ~256 KB per task
-  const int64_t passes = (M + kPassRows - 1) / kPassRows, per_pass = (M + passes - 1) / passes;
-  for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
-    const int64_t rows_here = std::min(per_pass, M - m0);
-    const RowsFn fn = kRows[rows_here - 1];
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(xp + m0 * K, wp, op + m0 * N, K, N, n0, n1); });
-  }
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { mm_cols(xp, M, K, wp, N, op, n0, n1); });
 }
 
 // [begin, end) of thread `tid`'s share of n items, boundaries on multiples of `align`.

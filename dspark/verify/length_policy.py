@@ -323,14 +323,12 @@ class DraftGate:
             elif self._probed:  # a probe that did not convince: wait longer before the next one
                 self._probe_interval = min(2 * self._probe_interval, 4 * self.probe_every)
             self._probed = False
-        if decision:
-            self.steps_without_draft = 0
-            self.steps_since_plain += 1
-        else:
+        if not decision:
             self.steps_without_draft += 1
             self.steps_since_plain = 0
-        if not decision:
             return []
+        self.steps_without_draft = 0
+        self.steps_since_plain += 1
         if not probe or num_reqs <= self.probe_reqs:
             return list(range(num_reqs))
         start = self._probe_cursor % num_reqs
