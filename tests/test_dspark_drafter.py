@@ -243,6 +243,15 @@ def test_probabilistic_drafts_and_confidence_temperatures():
     z = model.confidence_logits(hidden, prev_ids=prev)
     expected = torch.sigmoid(z / torch.tensor([2.0, 0.5, 1.0]))
     assert torch.allclose(proposal.confidence, expected, atol=1e-6)
+    # a separate greedy fit divides the greedy row's logits; the sampling row keeps its own
+    drafter.greedy_confidence_temperatures = torch.tensor([0.25, 4.0, 1.0])
+    reqs = [propose_request("a", ids, 8, table, SamplingParams(temperature=0.8, top_k=5),
+                            torch.Generator().manual_seed(0)), propose_request("b", ids, 8, table)]
+    again = drafter.propose(ProposeBatch(requests=reqs, kv_block_size=4, draft_sample_method="probabilistic"))
+    assert torch.equal(again.draft_ids, proposal.draft_ids)
+    torch.testing.assert_close(again.confidence[0], expected[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(again.confidence[1], torch.sigmoid(z[1] / torch.tensor([0.25, 4.0, 1.0])),
+                               atol=1e-6, rtol=1e-5)
 
 
 # -- checkpoints
@@ -358,7 +367,7 @@ def test_save_load_round_trip(tmp_path, draft_vocab_size):
     save_dspark(model, cfg, tmp_path / "ours", dtype="float32")
     (tmp_path / "ours" / "calibration.json").write_text(json.dumps({"temperatures": [1.5] * 4}))
     loaded, temps = load_dspark(tmp_path / "ours", target_model=target)
-    assert temps == [1.5] * 4 and loaded.cfg == cfg
+    assert temps == {"temperatures": [1.5] * 4} and loaded.cfg == cfg
     assert torch.equal(loaded.d2t, model.d2t)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(3, 120, (1, 10), generator=g)

@@ -8,6 +8,8 @@ random Llama target:
   probabilistic (draft_probs);
 * configuration checks fail before any weight loads, naming the field and both values;
 * EAGLE-3 save → registry build round trip drafts the same;
+* EAGLE-3 with a reduced draft vocabulary (d2t): its logits are the full-vocabulary drafter's on the d2t
+  rows and −inf elsewhere, training scores only those rows, d2t survives save/load, bad maps are refused;
 * end to end: greedy Engine output with either drafter == greedy output without a drafter.
 
     pytest tests/test_eagle3_draft_model.py -q
@@ -238,6 +240,24 @@ def test_eagle3_training_forward_shapes_and_step1_is_causal():
     assert model.fc.weight.grad is not None and target.lm_head.weight.grad is None
 
 
+@pytest.mark.parametrize("target_cfg", [TINY_LLAMA, TINY_QWEN3], ids=["llama", "qwen3"])
+def test_eagle3_chain_unroll_equals_dense_unroll_at_its_rows(target_cfg):
+    """The trainer's sparse TTT (only the chains starting at sampled anchors) is the dense unroll."""
+    model = random_eagle3(random_target(cfg=target_cfg))
+    ids = torch.randint(3, 256, (2, 12))
+    taps = torch.randn(2, 12, 3 * 64)
+    anchors = torch.tensor([[0, 4, 9, 11], [2, 3, 7, -1]])
+    with torch.no_grad():
+        dense = model.training_forward(taps=taps, input_ids=ids, ttt_steps=4, return_hidden=True)
+        chains = model.training_forward_chains(taps=taps, input_ids=ids, anchors=anchors, ttt_steps=4)
+    keep = anchors >= 0
+    rows = torch.arange(2).unsqueeze(1).expand_as(anchors)
+    for j in range(4):
+        assert chains[j].shape == (2, 4, 64)
+        torch.testing.assert_close(chains[j][keep], dense[j][rows[keep], anchors[keep]], atol=1e-5, rtol=1e-4)
+        assert (chains[j][~keep] == 0).all()
+
+
 def test_eagle3_save_build_round_trip(tmp_path):
     target = random_target()
     model = random_eagle3(target)
@@ -253,6 +273,50 @@ def test_eagle3_save_build_round_trip(tmp_path):
         h.extend([(0, 0, ids[:-1], ids[-1], taps)])
         outs.append(h.propose([(0, ids, GREEDY)]).draft_ids)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_eagle3_reduced_draft_vocab(tmp_path):
+    target = random_target()
+    full = random_eagle3(target)
+    d2t = torch.tensor(sorted(random.Random(3).sample(range(256), 40)))
+    cfg = Eagle3Config.from_dict({**full.config.to_dict(), "draft_vocab_size": 40})
+    reduced = Eagle3Model(cfg)
+    reduced.load_state_dict({k: v for k, v in full.state_dict().items() if k != "d2t"}, strict=False)
+    reduced.d2t = d2t
+    reduced = bind_to_target(reduced, target).eval()
+    hidden = torch.randn(5, 64)
+    with torch.no_grad():
+        ref, got = full.compute_logits(hidden), reduced.compute_logits(hidden)  # [5, 256] each
+        assert reduced.draft_logits(hidden).shape == (5, 40)
+    torch.testing.assert_close(got[:, d2t], ref[:, d2t])
+    outside = torch.ones(256, dtype=torch.bool)
+    outside[d2t] = False
+    assert torch.isneginf(got[:, outside]).all()
+    ids, taps = torch.randint(3, 256, (1, 7)), torch.randn(1, 7, 3 * 64)
+    with torch.no_grad():
+        steps = reduced.training_forward(taps=taps, input_ids=ids, ttt_steps=2)
+        ref_steps = full.training_forward(taps=taps, input_ids=ids, ttt_steps=2)
+    assert steps[0].shape == (1, 7, 40)
+    torch.testing.assert_close(steps[1], ref_steps[1][..., d2t])
+    # d2t is written with the weights and read back; the drafts are target ids inside the draft vocab
+    save_eagle3(reduced, cfg, str(tmp_path))
+    spec = SpecConfig(method="eagle3", model=str(tmp_path), num_speculative_tokens=3)
+    loaded = build_drafter(spec, target_config=CFG, target_model=target, dtype=torch.float32, device="cpu")
+    assert torch.equal(loaded.model.d2t, d2t)
+    seq, seq_taps = [4, 8, 15, 16, 23, 42], torch.randn(5, 3 * 64)
+    outs = []
+    for drafter in (Eagle3Drafter(reduced, num_draft_tokens=3), loaded):
+        h = Harness(drafter, 1)
+        h.extend([(0, 0, seq[:-1], seq[-1], seq_taps)])
+        outs.append(h.propose([(0, seq, GREEDY)]).draft_ids)
+    assert torch.equal(outs[0], outs[1]) and set(outs[0].flatten().tolist()) <= set(d2t.tolist())
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    save_file({**tensors, "d2t": torch.zeros(40, dtype=torch.long)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="d2t must hold distinct target ids"):
+        build_drafter(spec, target_config=CFG, target_model=target, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="draft_vocab_size=300"):
+        Eagle3Config.from_dict({**cfg.to_dict(), "draft_vocab_size": 300})
 
 
 # -- configuration checks ----------------------------------------------------------------------------
@@ -308,7 +372,7 @@ def run_engine(target, spec: SpecConfig | None, drafter, prompts: list[list[int]
     return [out[i] for i in ids], engine.metrics
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "eagle3-reduced"])
 def test_engine_greedy_output_unchanged_by_drafter(method):
     target = random_target()
     rng = random.Random(9)
@@ -321,7 +385,12 @@ def test_engine_greedy_output_unchanged_by_drafter(method):
                                 device="cpu")
     else:
         spec = SpecConfig(method="eagle3", model="unused", num_speculative_tokens=3)
-        drafter = Eagle3Drafter(random_eagle3(target), num_draft_tokens=3)
+        model = random_eagle3(target)
+        if method == "eagle3-reduced":  # half the vocabulary: some target tokens can never be drafted
+            model = Eagle3Model(Eagle3Config.from_dict({**model.config.to_dict(), "draft_vocab_size": 128}))
+            model.init_weights(std=0.15, seed=1).d2t = torch.arange(0, 256, 2)
+            model = bind_to_target(model, target).eval()
+        drafter = Eagle3Drafter(model, num_draft_tokens=3)
     spec_out, metrics = run_engine(target, spec, drafter, prompts)
     assert spec_out == plain
     if method == "draft_model":  # the drafter is the target: every draft is accepted

@@ -314,6 +314,20 @@ def test_calibrate_cli_on_random_dspark_drafter(tmp_path, monkeypatch, capsys):
     reloaded = build(spec, target_config=target_config, target_model=target, dtype=torch.float32,
                      device="cpu")
     assert reloaded.confidence_temperatures.tolist() == pytest.approx(last["temperatures"])
+    assert reloaded.greedy_confidence_temperatures is reloaded.confidence_temperatures
+    # a greedy fit goes to "greedy_temperatures" and keeps the sampling fit beside it
+    args = _parse(calibrate_cli.register, [
+        "calibrate", "--drafter", str(tmp_path / "drafter"), "--num-speculative-tokens", str(GAMMA),
+        "--prompts", str(tmp_path / "train.jsonl"), "--max-tokens", "24", "--temperature", "0"])
+    assert args.func(args) == 0
+    greedy = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert greedy["regime"] == "greedy" and greedy["num_rounds"] > 0
+    saved = json.loads((tmp_path / "drafter" / CALIBRATION_NAME).read_text())
+    assert saved["temperatures"] == pytest.approx(last["temperatures"])
+    assert saved["greedy_temperatures"] == pytest.approx(greedy["temperatures"])
+    both = build(spec, target_config=target_config, target_model=target, dtype=torch.float32, device="cpu")
+    assert both.confidence_temperatures.tolist() == pytest.approx(last["temperatures"])
+    assert both.greedy_confidence_temperatures.tolist() == pytest.approx(greedy["temperatures"])
 
 
 def test_calibration_prompts_refuse_eval_and_read_jsonl(tmp_path, monkeypatch):

@@ -450,6 +450,36 @@ def test_upkeep_moves_temperatures_toward_truth():
         assert calibration.min_temperature <= t <= calibration.max_temperature
 
 
+def test_upkeep_keeps_greedy_and_sampling_fits_apart():
+    """A drafter with a separate greedy fit: greedy requests' outcomes move only the greedy
+    temperatures, sampling requests' only the sampling ones, each toward its own truth."""
+    drafter = _FakeDrafter(GAMMA)
+    drafter.greedy_confidence_temperatures = torch.ones(GAMMA)
+    calibration = OnlineCalibrationConfig(refit_every=4, prior_weight=8.0)
+    greedy_ids = {"r0", "r2", "r4", "r6"}
+    upkeep = OnlineUpkeep(drafter=drafter, config=UpkeepConfig(calibration=calibration),
+                          is_greedy=lambda rid: rid in greedy_ids)
+    assert upkeep.calibrators[True][0] is not upkeep.calibrators[False][0]
+    g = torch.Generator().manual_seed(3)
+    truth = {True: 0.5, False: 2.0}
+    for _ in range(300):
+        for r in range(8):
+            greedy = f"r{r}" in greedy_ids
+            temps = drafter.greedy_confidence_temperatures if greedy else drafter.confidence_temperatures
+            z = torch.rand(GAMMA, generator=g, dtype=torch.float64) * 12 - 6
+            accept = torch.rand(GAMMA, generator=g, dtype=torch.float64) < torch.sigmoid(z / truth[greedy])
+            upkeep.observe_verify(f"r{r}", torch.sigmoid(z / temps.double()).tolist(), GAMMA,
+                                  int(accept.long().cumprod(0).sum()))
+        upkeep.observe_step(num_tokens=8, seconds=1e-3)
+    for greedy, tensor in ((True, drafter.greedy_confidence_temperatures), (False, drafter.confidence_temperatures)):
+        for k, t in enumerate(tensor.tolist()):
+            assert abs(math.log(t / truth[greedy])) < math.log(1.3), (greedy, k, t)
+    # without a separate greedy fit, both regimes feed one calibrator and one tensor
+    shared = _FakeDrafter(GAMMA)
+    one = OnlineUpkeep(drafter=shared, config=UpkeepConfig(calibration=calibration), is_greedy=lambda rid: True)
+    assert one.calibrators[True] is one.calibrators[False]
+
+
 def test_upkeep_switched_off_changes_nothing():
     drafter = _FakeDrafter(GAMMA)
     upkeep = OnlineUpkeep(drafter=drafter, cost_table=PROFILED,

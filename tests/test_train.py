@@ -23,7 +23,7 @@ from dspark.train.config import TrainConfig, load_train_config
 from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, collate, done_keys,
                                write_shard)
 from dspark.train.features import target_features
-from dspark.train.losses import LossWeights, dspark_loss, eagle3_loss, summarise
+from dspark.train.losses import LossWeights, dspark_loss, eagle3_loss, eagle3_step_masks, summarise
 from dspark.train.trainer import Trainer
 
 W1 = math.exp(-1 / 4)  # position weight of slot 1
@@ -92,6 +92,15 @@ def test_eagle3_loss_is_decayed_soft_ce_on_shifted_rows():
     # step 0 scores rows 0,1,2 (tokens 2,3,4), step 1 rows 0,1 (tokens 3,4): each mean is ln 2
     assert out.loss.item() == pytest.approx(math.log(2) * (1 + 0.8), rel=1e-5)
     assert out.stats["slots"].tolist() == [3.0, 2.0]
+    # the trainer passes only the scored rows of each step: same loss and stats as the dense logits
+    dense = [torch.randn(1, 5, 2, generator=torch.Generator().manual_seed(j)) for j in range(2)]
+    masks = eagle3_step_masks(loss_mask, num_steps=2)
+    rows = [lg[:, :m.shape[1]][m] for lg, m in zip(dense, masks)]
+    assert [r.shape[0] for r in rows] == [3, 2]
+    kw = dict(labels=torch.ones(1, 5, dtype=torch.long), loss_mask=loss_mask, target_logits=target,
+              target_lse=torch.zeros(1, 5), step_decay=0.8)
+    a, b = eagle3_loss(step_logits=dense, **kw), eagle3_loss(step_logits=rows, **kw)
+    assert torch.equal(a.loss, b.loss) and all(torch.equal(a.stats[k], b.stats[k]) for k in a.stats)
 
 
 # -- anchors and data -------------------------------------------------------------------------------------
@@ -226,11 +235,12 @@ def _fixed_loss(trainer: Trainer) -> float:
     return out.loss.item()
 
 
-@pytest.mark.parametrize("method", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("method", ["dspark", "dflash", "eagle3", "eagle3-reduced"])
 def test_a_few_steps_reduce_the_loss(tmp_path, method):
     extra = {"dflash": dict(markov_rank=0, loss_ce=1.0, loss_l1=0.0, loss_confidence=0.0),
-             "eagle3": dict(draft_vocab_size=None, ttt_steps=2, tap_layer_ids=(0, 1, 2))}.get(method, {})
-    cfg = tiny_config(method=method, max_steps=40, lr=3e-2, log_every=10, **extra)
+             "eagle3": dict(draft_vocab_size=None, ttt_steps=2, tap_layer_ids=(0, 1, 2)),
+             "eagle3-reduced": dict(draft_vocab_size=64, ttt_steps=2, tap_layer_ids=(0, 1, 2))}.get(method, {})
+    cfg = tiny_config(method=method.split("-")[0], max_steps=40, lr=3e-2, log_every=10, **extra)
     trainer = Trainer(cfg, data_dir=toy_data(tmp_path / "data"), out_dir=tmp_path / "run", target=tiny_target(),
                       show_progress=False)
     before = _fixed_loss(trainer)
@@ -241,6 +251,43 @@ def test_a_few_steps_reduce_the_loss(tmp_path, method):
     assert after < 0.9 * before, (before, after)
     assert (tmp_path / "export" / "model.safetensors").exists()
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") >= 2
+    if method == "eagle3-reduced":  # the exported drafter carries its map and drafts inside it
+        from dspark.drafters.eagle3_model import load_eagle3
+        exported = load_eagle3(str(tmp_path / "export"))
+        assert exported.config.draft_vocab_size == 64 and torch.equal(exported.d2t, trainer.d2t)
+
+
+def test_eagle3_trainer_loss_equals_dense_unroll_on_its_chains(tmp_path):
+    """The trainer scores EAGLE-3 on sampled TTT chains through the sparse unroll; the same loss from the
+    dense unroll's logits restricted to those rows (so chain order and masks line up)."""
+    from dspark.train.anchors import sample_anchors
+    from dspark.train.features import target_rows
+    from dspark.train.data import t2d_labels
+    cfg = tiny_config(method="eagle3", draft_vocab_size=64, ttt_steps=3, tap_layer_ids=(0, 1, 2), num_anchors=5)
+    trainer = Trainer(cfg, data_dir=toy_data(tmp_path / "data"), out_dir=tmp_path / "run", target=tiny_target(),
+                      show_progress=False)
+    batch = collate([trainer.train_ds[i] for i in range(4)])
+    feats = target_features(trainer.target, input_ids=batch.input_ids, lengths=batch.lengths,
+                            tap_layer_ids=trainer.tap_layer_ids)
+    seeds = [1, 2, 3, 4]
+    with torch.no_grad():
+        got = methods.batch_loss(cfg, trainer.model, trainer.target, batch, feats, d2t=trainer.d2t, seeds=seeds,
+                                 all_reduce=lambda t: t)
+        dense = trainer.model.training_forward(taps=feats.taps, input_ids=batch.input_ids, ttt_steps=3)
+    valid = torch.arange(batch.input_ids.shape[1]).unsqueeze(0) < batch.lengths.unsqueeze(1)
+    anchors = sample_anchors(loss_mask=batch.loss_mask, lengths=batch.lengths, num_anchors=5, seeds=seeds)
+    scored = torch.zeros_like(valid)
+    keep = anchors >= 0
+    scored[torch.arange(4).unsqueeze(1).expand_as(anchors)[keep], anchors[keep]] = True
+    rows = target_rows(trainer.target, feats.hidden, row_mask=valid, d2t=trainer.d2t)
+    logits, lse = rows.gather(torch.arange(valid.shape[1]).expand_as(valid).contiguous())
+    ref = eagle3_loss(step_logits=dense, labels=t2d_labels(batch.input_ids, trainer.d2t, vocab_size=256),
+                      loss_mask=batch.loss_mask * valid, row_mask=scored, target_logits=logits, target_lse=lse,
+                      step_decay=cfg.step_loss_decay)
+    trainer.close()
+    assert got.stats["slots"].tolist() == ref.stats["slots"].tolist() and got.stats["slots"].sum() > 0
+    torch.testing.assert_close(got.loss, ref.loss, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.stats["match"], ref.stats["match"])
 
 
 def test_resume_matches_uninterrupted_training(tmp_path):

@@ -13,7 +13,8 @@ Per step (reference §1.6, §7.2-7.3):
 
 Checkpoints are DeepSpec folders (config.json + safetensors, reference §3) or ours (the same plus
 `draft_vocab_size` / `d2t`, `slot_layout`, and an optional `calibration.json` {"temperatures": [T_k]}
-that divides the confidence logit of position k). `check` reads config.json only and fails before any
+that divides the confidence logit of position k for requests that sample, and optionally
+"greedy_temperatures" [T_k], fitted on greedy decoding, for greedy requests, whose acceptance is higher). `check` reads config.json only and fails before any
 weight is read. method "dflash" on a checkpoint with heads uses it with the heads off (DeepSpec's DFlash is
 exactly that network); method "dspark" on a checkpoint without a Markov head is an error.
 """
@@ -41,7 +42,8 @@ CONFIDENCE_POLICIES = ("threshold", "prefix", "async")
 
 class DSparkDrafter(Drafter):
     def __init__(self, model: DSparkModel, *, num_draft_tokens: int,
-                 confidence_temperatures: list[float] | None = None):
+                 confidence_temperatures: list[float] | None = None,
+                 greedy_confidence_temperatures: list[float] | None = None):
         cfg = model.cfg
         if not 1 <= num_draft_tokens <= cfg.max_draft_tokens:
             raise ValueError(f"num_speculative_tokens {num_draft_tokens} must be in [1, "
@@ -52,10 +54,12 @@ class DSparkDrafter(Drafter):
         self.num_draft_tokens = num_draft_tokens
         self.tap_layer_ids = cfg.tap_layer_ids
         self.has_confidence = model.confidence_head is not None
-        temps = list(confidence_temperatures or [])
-        self.confidence_temperatures = torch.ones(num_draft_tokens)  # [num_draft_tokens]
-        self.confidence_temperatures[:min(len(temps), num_draft_tokens)] = torch.tensor(
-            temps[:num_draft_tokens], dtype=torch.float32)
+        # STS temperatures per regime: requests that sample (temperature > 0) and greedy requests; one
+        # shared tensor when the calibration has no separate greedy fit
+        self.confidence_temperatures = _temperatures(confidence_temperatures, num_draft_tokens)  # [γ]
+        self.greedy_confidence_temperatures = (
+            self.confidence_temperatures if greedy_confidence_temperatures is None
+            else _temperatures(greedy_confidence_temperatures, num_draft_tokens))  # [γ]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
@@ -172,7 +176,7 @@ class DSparkDrafter(Drafter):
         return DraftProposal(
             draft_ids=torch.stack(draft_ids, dim=1).cpu(),  # [num_reqs, num_draft]
             draft_probs=self._target_probs(draft_probs) if probabilistic and not all(greedy_rows) else None,
-            confidence=self._confidence(conf_logits))
+            confidence=self._confidence(conf_logits, greedy_rows))
 
     def _target_probs(self, draft_probs: list[torch.Tensor]) -> torch.Tensor:
         """[num_draft] × [num_reqs, draft_vocab] → [num_reqs, num_draft, vocab_size] fp32 (target ids)."""
@@ -183,12 +187,26 @@ class DSparkDrafter(Drafter):
         full[..., self.model.d2t] = probs
         return full.cpu()
 
-    def _confidence(self, conf_logits: list[torch.Tensor]) -> torch.Tensor | None:
-        """σ(z_k / T_k) [num_reqs, num_draft] (T_k from calibration.json, else 1), or None."""
+    def temperatures_for(self, greedy: bool) -> torch.Tensor:
+        """[num_draft] the STS temperatures a greedy / sampling request's confidences are divided by."""
+        return self.greedy_confidence_temperatures if greedy else self.confidence_temperatures
+
+    def _confidence(self, conf_logits: list[torch.Tensor], greedy_rows: list[bool]) -> torch.Tensor | None:
+        """σ(z_k / T_k) [num_reqs, num_draft] (T_k from calibration.json for the request's regime,
+        else 1), or None."""
         if not conf_logits:
             return None
         z = torch.stack(conf_logits, dim=1).cpu()  # [num_reqs, num_draft] fp32
-        return torch.sigmoid(z / self.confidence_temperatures)
+        temps = torch.stack([self.temperatures_for(g) for g in greedy_rows])  # [num_reqs, num_draft]
+        return torch.sigmoid(z / temps)
+
+
+def _temperatures(temps: list[float] | None, num_draft_tokens: int) -> torch.Tensor:
+    """[num_draft_tokens] float32: the given per-position temperatures, 1 past their end."""
+    temps = list(temps or [])[:num_draft_tokens]
+    out = torch.ones(num_draft_tokens)
+    out[:len(temps)] = torch.tensor(temps, dtype=torch.float32)
+    return out
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -285,8 +303,15 @@ def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tens
     model.embed_tokens.weight.requires_grad_(False)
     model.lm_head.weight.requires_grad_(False)
     calibration = Path(path) / CALIBRATION_NAME
-    temps = json.loads(calibration.read_text())["temperatures"] if calibration.is_file() else None
+    temps = read_calibration(calibration) if calibration.is_file() else None
     return model.to(device=device), temps
+
+
+def read_calibration(path: str | Path) -> dict[str, list[float]]:
+    """calibration.json → {"temperatures": [T_k] (sampling requests), "greedy_temperatures": [T_k]
+    (greedy requests; absent when one fit serves both)}."""
+    data = json.loads(Path(path).read_text())
+    return {k: [float(t) for t in data[k]] for k in ("temperatures", "greedy_temperatures") if k in data}
 
 
 def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtype: str = "bfloat16",
@@ -314,5 +339,7 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
     check(spec, target_config)
     model, temps = load_dspark(spec.model, target_model=target_model, dtype=dtype, device=device,
                                drop_heads=spec.method == "dflash")
+    temps = temps if spec.method == "dspark" and temps else {}
     return DSparkDrafter(model, num_draft_tokens=spec.num_speculative_tokens,
-                         confidence_temperatures=temps if spec.method == "dspark" else None)
+                         confidence_temperatures=temps.get("temperatures"),
+                         greedy_confidence_temperatures=temps.get("greedy_temperatures"))

@@ -21,7 +21,8 @@ pending features (a few vectors). Caveat, drafts only: after a prefix-cache hit 
 hit's last position were computed with the *original* request's next token.
 
 Sampling: greedy or probabilistic per request (`draft_sampling.py`); `draft_probs` over the full target
-vocabulary only when some request samples.
+vocabulary only when some request samples. A reduced draft vocabulary (`d2t`) scores only its rows and
+puts −inf logits (probability 0) on every other target id.
 """
 
 from __future__ import annotations
@@ -142,11 +143,17 @@ class Eagle3Drafter(Drafter):
 
 
 def bind_to_target(model: Eagle3Model, target_model) -> Eagle3Model:
-    """Share the target's input embedding and LM head (frozen, not copied)."""
+    """Share the target's input embedding and LM head (frozen, not copied); a reduced draft vocabulary
+    gets a frozen copy of the head's rows `d2t` ([draft_vocab, d], what the drafter scores)."""
     inner = getattr(target_model, "model", None)
     if inner is None or not hasattr(inner, "embed_tokens"):
         raise TypeError(f"{type(target_model).__name__} exposes no model.embed_tokens to share")
-    return model.bind_target(embed=inner.embed_tokens, lm_head=target_model.compute_logits)
+    head = target_model.compute_logits
+    if model.config.reduced_vocab:
+        weight = target_model.lm_head.weight
+        rows = weight.detach()[model.d2t.to(weight.device)].contiguous()  # [draft_vocab, d]
+        head = lambda h: torch.nn.functional.linear(h, rows)  # noqa: E731  [n, d] → [n, draft_vocab]
+    return model.bind_target(embed=inner.embed_tokens, lm_head=head)
 
 
 # -- registry hooks ----------------------------------------------------------------------------------

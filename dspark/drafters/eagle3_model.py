@@ -15,7 +15,11 @@ weight names and shapes line up with theirs, and the token embedding and the fea
 normalisations instead of being mixed by an untrained projection before attention.
 
 The embedding and the LM head are the target's, shared and frozen; they are bound with `bind_target`
-and are not parameters of this module (not trained, not saved). The q/k/v and MLP modules are the
+and are not parameters of this module (not trained, not saved). With a reduced draft vocabulary
+(`draft_vocab_size`, as EAGLE-3's and DFlash's public checkpoints do) the head is the target's LM-head
+rows `d2t` (draft id → target id, a buffer saved with the weights): training scores [rows, draft_vocab]
+logits (`draft_logits`), and `compute_logits` scatters them into the target vocabulary with −inf
+outside it, so the sampling and verification code sees target ids only. The q/k/v and MLP modules are the
 target family's (`models/llama.py`, `models/qwen3.py` when the target has q/k norm), so the paged
 forward is the same code as the target's attention.
 
@@ -25,7 +29,8 @@ keys the same row produced at steps 2..j — exactly what the paged drafter sees
 `eagle3.py`). Step j at row p sits at position p + j − 1, the position the draft occupies at inference.
 
 Checkpoint (our format): `config.json` = `Eagle3Config.to_dict()`; `model.safetensors` with HF-style
-unfused names (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ..., `norm.weight`), no embed/lm_head.
+unfused names (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ..., `norm.weight`), no embed/lm_head;
+plus `d2t` [draft_vocab] int64 when the draft vocabulary is reduced.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ class Eagle3Config:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    vocab_size: int  # the target's (full vocab, no draft-vocab mapping)
+    vocab_size: int  # the target's
     tap_layer_ids: tuple[int, ...]  # target layers whose outputs are fused (-1 = embeddings)
     target_num_hidden_layers: int
     num_draft_tokens: int = 7  # TTT unroll length it was trained with
@@ -75,6 +80,7 @@ class Eagle3Config:
     max_position_embeddings: int = 8192
     qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3-style targets)
     attention_bias: bool = False
+    draft_vocab_size: int | None = None  # None: score the whole target vocabulary
     format: str = FORMAT
 
     def __post_init__(self) -> None:
@@ -88,12 +94,18 @@ class Eagle3Config:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
         if self.format != FORMAT:
             raise ValueError(f"config format {self.format!r} is not {FORMAT!r}")
 
     @property
     def num_taps(self) -> int:
         return len(self.tap_layer_ids)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size
 
     @classmethod
     def from_target(cls, target: ModelConfig, *, tap_layer_ids: tuple[int, ...] | None = None,
@@ -175,12 +187,16 @@ class Eagle3Model(nn.Module):
             head_dim=cfg.head_dim, max_positions=cfg.max_position_embeddings + max(cfg.num_draft_tokens, 16),
             theta=cfg.rope_theta, scaling=cfg.rope_scaling, dtype=dtype, device=device)
         self._shared: tuple[Callable, Callable] | None = None  # (embed, lm_head): the target's, frozen
+        # draft id → target id; persistent (saved, loaded) only for a reduced draft vocabulary
+        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size or cfg.vocab_size, device=device),
+                             persistent=cfg.reduced_vocab)
 
     # -- shared target modules ------------------------------------------------------------------------
     def bind_target(self, *, embed: Callable[[torch.Tensor], torch.Tensor],
                     lm_head: Callable[[torch.Tensor], torch.Tensor]) -> "Eagle3Model":
-        """embed: token ids [...] → [..., d]; lm_head: [rows, d] → logits [rows, vocab]. Kept outside the
-        module's parameters (a plain tuple), so they are neither trained nor saved."""
+        """embed: token ids [...] → [..., d]; lm_head: [rows, d] → logits [rows, draft_vocab] (the
+        target's head, or its rows `d2t` for a reduced vocabulary). Kept outside the module's parameters
+        (a plain tuple), so they are neither trained nor saved."""
         self._shared = (embed, lm_head)
         return self
 
@@ -192,9 +208,18 @@ class Eagle3Model(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._target()[0](ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [rows, d] (layer output, pre-norm) → logits [rows, vocab] float32."""
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, d] (layer output, pre-norm) → logits [rows, draft_vocab] float32."""
         return self._target()[1](self.norm(hidden)).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, d] → logits [rows, vocab] float32 over target ids (−inf outside the draft vocab)."""
+        logits = self.draft_logits(hidden)  # [rows, draft_vocab]
+        if not self.config.reduced_vocab:
+            return logits
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        full[:, self.d2t] = logits
+        return full
 
     def init_weights(self, *, std: float = 0.02, seed: int = 0) -> "Eagle3Model":
         """Random N(0, std) projections, unit norms (a fresh drafter before training)."""
@@ -225,14 +250,16 @@ class Eagle3Model(nn.Module):
 
     # -- training ------------------------------------------------------------------------------------
     def training_forward(self, *, taps: torch.Tensor, input_ids: torch.Tensor,
-                         loss_mask: torch.Tensor | None = None, ttt_steps: int) -> list[torch.Tensor]:
+                         loss_mask: torch.Tensor | None = None, ttt_steps: int,
+                         return_hidden: bool = False) -> list[torch.Tensor]:
         """Dense TTT unroll over right-padded sequences.
 
         taps [batch, seq_len, num_taps * d]: target taps at every position; input_ids [batch, seq_len].
-        Returns `ttt_steps` logits [batch, seq_len, vocab] float32; entry j (0-based) at row p predicts
+        Returns `ttt_steps` logits [batch, seq_len, draft_vocab] float32; entry j (0-based) at row p predicts
         input_ids[p + j + 2] (`ttt_targets` gives the matching targets and mask). `loss_mask` is not
         needed by the forward (causality keeps padding out of earlier rows); it is accepted so every
-        drafter's `training_forward` takes the same batch."""
+        drafter's `training_forward` takes the same batch. `return_hidden`: the per-step layer outputs
+        [batch, seq_len, d] instead, so a loss can score only its supervised rows (`draft_logits`)."""
         del loss_mask
         batch, seq_len = input_ids.shape
         layer = self.layers[0]
@@ -257,8 +284,75 @@ class Eagle3Model(nn.Module):
             out = self._ttt_attention(q, keys, values, scale=attn.scale)  # [batch, heads, seq_len, hd]
             out = attn.o_proj(out.transpose(1, 2).reshape(batch * seq_len, -1)).view(batch, seq_len, -1)
             hidden = layer.finish(hidden, out)  # [batch, seq_len, d]
-            logits.append(self.compute_logits(hidden.reshape(batch * seq_len, -1)).view(batch, seq_len, -1))
+            logits.append(hidden if return_hidden else
+                          self.draft_logits(hidden.reshape(batch * seq_len, -1)).view(batch, seq_len, -1))
         return logits
+
+    def training_forward_chains(self, *, taps: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                                ttt_steps: int) -> list[torch.Tensor]:
+        """The TTT unroll of `training_forward`, computed only for the chains that start at `anchors`.
+
+        anchors [batch, num_chains] long: row positions p (ascending per sequence, -1 = no chain).
+        Returns per step j [batch, num_chains, d]: the layer output of row p at step j — equal to
+        `training_forward(..., return_hidden=True)[j][b, p]` — which predicts input_ids[p + j + 2].
+        Only the step-1 keys/values are needed at every position (later steps attend to them causally
+        and to their own chain's keys), so the full-width work is one q/k/v projection; attention,
+        o_proj and the MLP run on batch·num_chains rows per step instead of batch·seq_len."""
+        batch, seq_len = input_ids.shape
+        layer = self.layers[0]
+        attn = layer.self_attn
+        heads, kv_heads, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        dev = input_ids.device
+        live = anchors >= 0  # [batch, C]
+        rows = anchors.clamp(min=0)  # [batch, C]
+        bidx = torch.arange(batch, device=dev).unsqueeze(1).expand_as(rows)  # [batch, C]
+        fused = self.fuse(taps)  # [batch, seq_len, d]
+        # step 1 keys/values at every position: row p holds token p+1 at position p
+        tokens = torch.zeros_like(input_ids)
+        tokens[:, :seq_len - 1] = input_ids[:, 1:]
+        positions = torch.arange(seq_len, device=dev).clamp(max=self.rotary_emb.max_positions - 1).repeat(batch)
+        cos, sin = self.rotary_emb.lookup(positions)
+        x = layer.attn_input(self.embed(tokens), fused).reshape(batch * seq_len, -1)
+        qkv = attn.qkv_proj(x)
+        q_all, k_all = attn.rope_qk(qkv, cos, sin)  # [B·S, H, hd], [B·S, Hkv, hd]
+        v_all = qkv[:, attn.qk_size:].reshape(batch * seq_len, kv_heads, hd)
+        k0 = k_all.reshape(batch, seq_len, kv_heads, hd).transpose(1, 2)  # [B, Hkv, S, hd]
+        v0 = v_all.reshape(batch, seq_len, kv_heads, hd).transpose(1, 2)
+        rep = heads // kv_heads
+        expand = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
+        key_pos = torch.arange(seq_len, device=dev)
+        causal = key_pos.view(1, 1, 1, seq_len) <= rows.view(batch, 1, -1, 1)  # [B, 1, C, S]
+        hidden = fused[bidx, rows]  # [B, C, d]
+        keys: list[torch.Tensor] = []  # steps ≥ 2: per step [B, Hkv, C, hd], the chain's own keys
+        values: list[torch.Tensor] = []
+        out_steps: list[torch.Tensor] = []
+        for j in range(ttt_steps):
+            if j == 0:
+                q = q_all.reshape(batch, seq_len, heads, hd)[bidx, rows]  # [B, C, H, hd]
+            else:
+                tok_pos = (rows + j + 1).clamp(max=seq_len - 1)
+                tok = torch.where(rows + j + 1 < seq_len, input_ids[bidx, tok_pos], torch.zeros_like(rows))
+                pos = (rows + j).clamp(max=self.rotary_emb.max_positions - 1).reshape(-1)
+                cos, sin = self.rotary_emb.lookup(pos)
+                xq = layer.attn_input(self.embed(tok), hidden).reshape(batch * rows.shape[1], -1)
+                qkv_j = attn.qkv_proj(xq)
+                q, k = attn.rope_qk(qkv_j, cos, sin)  # [B·C, H, hd], [B·C, Hkv, hd]
+                v = qkv_j[:, attn.qk_size:].reshape(-1, kv_heads, hd)
+                q = q.reshape(batch, -1, heads, hd)
+                keys.append(k.reshape(batch, -1, kv_heads, hd).transpose(1, 2))
+                values.append(v.reshape(batch, -1, kv_heads, hd).transpose(1, 2))
+            qh = q.transpose(1, 2)  # [B, H, C, hd]
+            scores = (qh @ expand(k0).transpose(-1, -2)) * attn.scale  # [B, H, C, S]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            diag = [(qh * expand(k)).sum(-1, keepdim=True) * attn.scale for k in keys]  # each [B, H, C, 1]
+            probs = torch.cat([scores, *diag], dim=-1).float().softmax(dim=-1).to(qh.dtype)
+            o = probs[..., :seq_len] @ expand(v0)  # [B, H, C, hd]
+            for i, vv in enumerate(values):
+                o = o + probs[..., seq_len + i:seq_len + i + 1] * expand(vv)
+            o = attn.o_proj(o.transpose(1, 2).reshape(-1, heads * hd)).view(batch, -1, hidden.shape[-1])
+            hidden = layer.finish(hidden, o)  # [B, C, d]
+            out_steps.append(torch.where(live.unsqueeze(-1), hidden, torch.zeros_like(hidden)))
+        return out_steps
 
     @staticmethod
     def _ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *,
@@ -309,6 +403,8 @@ def state_dict_hf(model: Eagle3Model) -> dict[str, torch.Tensor]:
                 out[f"{prefix}.{_UNFUSED[(fused, shard)]}.{leaf}"] = p.detach().narrow(0, start, rows)
         else:
             out[name] = p.detach()
+    if model.config.reduced_vocab:
+        out["d2t"] = model.d2t
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
@@ -334,6 +430,13 @@ def load_eagle3(path: str, *, dtype: torch.dtype = torch.float32, device: torch.
                   where=f"EAGLE-3 checkpoint {path!r}")
     params = dict(model.named_parameters())
     with torch.no_grad():
+        if "d2t" in tensors:
+            d2t = tensors.pop("d2t").to(device=device, dtype=torch.long)
+            vocab = model.config.vocab_size
+            if int(d2t.min()) < 0 or int(d2t.max()) >= vocab or d2t.unique().numel() != d2t.numel():
+                raise ValueError(f"EAGLE-3 checkpoint {path!r}: d2t must hold distinct target ids in "
+                                 f"[0, {vocab})")
+            model.d2t = d2t
         for hf_name, tensor in tensors.items():
             parts = hf_name.split(".")
             if len(parts) >= 2 and parts[-2] in LlamaForCausalLM.packed_modules_mapping:

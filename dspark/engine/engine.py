@@ -86,10 +86,15 @@ class Engine:
         self.upkeep = None  # online cost-table / calibration upkeep (spec "online_upkeep")
         if drafter is not None and config.spec is not None and config.spec.online_upkeep:
             from dspark.verify.upkeep import OnlineUpkeep
-            self.upkeep = OnlineUpkeep(drafter=drafter, cost_table=cost_table)
+            self.upkeep = OnlineUpkeep(drafter=drafter, cost_table=cost_table,
+                                       is_greedy=self._is_greedy)
             self.verify_observers.append(self.upkeep.observe_verify)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def _is_greedy(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and req.params.is_greedy
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,

@@ -12,6 +12,9 @@ z_k = logit(c_k) · T_k, with T_k the temperatures the drafter already applied (
 `confidence_temperatures`, read from an existing calibration.json; 1 when none), so re-running
 calibrate on a calibrated drafter refits from the raw head.
 `fit_sts` then picks T_k sequentially to minimise the 20-bin ECE of the cumulative survival.
+Acceptance differs between greedy and sampled decoding, so there are two fits: `--temperature 0`
+writes "greedy_temperatures" (used for greedy requests), any other target temperature writes
+"temperatures" (used for requests that sample); the other regime's fit in the file is kept.
 Prints per-position ECE and AUROC before/after, saves the reliability diagram, and as the last line
 one JSON object with the count-weighted summary.
 
@@ -186,7 +189,8 @@ def register(sub) -> None:
     p.add_argument("--prompts", default=None, help="a prompt JSONL (not under eval/)")
     p.add_argument("--num-prompts", type=int, default=200, help="0: all")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=1.0, help="target sampling temperature")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="target sampling temperature: 0 fits the greedy regime, > 0 the sampling one")
     p.add_argument("--out", default=None, help="calibration JSON (default: next to the drafter)")
     p.add_argument("--plot", default=None, help="reliability diagram PNG")
     p.set_defaults(func=run_cli)
@@ -215,7 +219,10 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}")
     out = Path(args.out) if args.out else Path(spec.model) / CALIBRATION_NAME
     llm = LLM(config=config)
-    applied = getattr(llm.engine.drafter, "confidence_temperatures", None)  # [γ] tensor or None
+    greedy = args.temperature == 0  # fits the greedy regime ("greedy_temperatures") or the sampling one
+    drafter = llm.engine.drafter
+    applied = (drafter.temperatures_for(greedy) if hasattr(drafter, "temperatures_for")
+               else getattr(drafter, "confidence_temperatures", None))  # [γ] tensor or None
     applied = None if applied is None else [float(t) for t in applied]
     rounds = collect_rounds(llm, prompts, temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=args.seed)
@@ -223,13 +230,29 @@ def run_cli(args: argparse.Namespace) -> int:
         sts, report = calibrate_rounds(rounds, applied_temperatures=applied, plot_path=args.plot)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sts.save(out)
+    write_calibration(out, sts.temperatures, greedy=greedy)
     _print_report(report)
-    print(f"wrote {out}" + (f" and {args.plot}" if args.plot else ""))
-    print(json.dumps({"out": str(out), "num_prompts": len(prompts), "num_rounds": report["num_rounds"],
+    print(f"wrote {out} ({'greedy_temperatures' if greedy else 'temperatures'})"
+          + (f" and {args.plot}" if args.plot else ""))
+    print(json.dumps({"out": str(out), "regime": "greedy" if greedy else "sampling",
+                      "target_temperature": args.temperature,
+                      "num_prompts": len(prompts), "num_rounds": report["num_rounds"],
                       "temperatures": report["temperatures"], **report["summary"]}))
     return 0
+
+
+def write_calibration(path: Path, temperatures, *, greedy: bool) -> dict:
+    """Write one regime's STS temperatures into calibration.json, keeping the other regime's fit:
+    "temperatures" serve requests that sample, "greedy_temperatures" greedy ones."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data = {k: data[k] for k in ("temperatures", "greedy_temperatures") if k in data}
+    data["greedy_temperatures" if greedy else "temperatures"] = [float(t) for t in temperatures]
+    if "temperatures" not in data:  # sampling requests keep the raw head until a sampled fit exists
+        data["temperatures"] = [1.0] * len(data["greedy_temperatures"])
+    data = {"method": "sts", **data}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return data
 
 
 def _print_report(report: dict) -> None:

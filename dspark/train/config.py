@@ -36,7 +36,7 @@ class TrainConfig:
     draft_vocab_size: int | None = 16384  # None: the full target vocabulary
     ttt_steps: int = 7  # eagle3 test-time-training unroll
     # data
-    num_anchors: int = 64  # blocks per sequence
+    num_anchors: int = 64  # blocks per sequence (eagle3: TTT chains scored per sequence)
     max_seq_len: int = 1408  # prepare-data: max_prompt_tokens 1024 + max_tokens 384
     batch_size: int = 4  # sequences per rank per micro-batch
     grad_accum: int = 1

@@ -121,31 +121,43 @@ def dspark_loss(
     return LossOutput(loss=loss, stats=stats)
 
 
+def eagle3_step_masks(loss_mask: torch.Tensor, *, num_steps: int, shift: int = 1,
+                      row_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per TTT step j, [batch, seq_len - shift - j - 1] bool: row p is scored (token p+shift+j+1 is
+    supervised, and row p is in `row_mask` [batch, seq_len] when given)."""
+    seq_len = loss_mask.shape[1]
+    out = []
+    for j in range(num_steps):
+        off = shift + j + 1
+        m = loss_mask[:, off:].bool() if off < seq_len else loss_mask[:, :0].bool()
+        out.append(m if row_mask is None else m & row_mask[:, :m.shape[1]].bool())
+    return out
+
+
 def eagle3_loss(
     *,
     step_logits: list[torch.Tensor],  # per TTT step j: [batch, seq_len, draft_vocab]; row p predicts p+1+shift+j
+    # (or already the scored rows only: [num_rows_j, draft_vocab] in the order of `eagle3_step_masks`)
     labels: torch.Tensor,  # [batch, seq_len] draft-vocab id of the token at each position, -100 = out of vocab
     loss_mask: torch.Tensor,  # [batch, seq_len] 0/1 assistant tokens (already 0 on padding)
     target_logits: torch.Tensor,  # [batch, seq_len, draft_vocab]: target logits at row r predict token r+1
     target_lse: torch.Tensor,  # [batch, seq_len]
     step_decay: float = 0.8,
     shift: int = 1,  # EAGLE-3 pairs tap p with token p+1, so step 0 at row p predicts token p+2
+    row_mask: torch.Tensor | None = None,  # [batch, seq_len]: score only these rows (None: every row)
     all_reduce: Reduce = _identity,
 ) -> LossOutput:
     """Only the supervised rows of each step are scored (gathered before the softmax), so memory
     grows with the assistant tokens, not with prompt length times vocabulary."""
-    seq_len = loss_mask.shape[1]
-    masks = []  # per step [batch, seq_len - off - 1] bool: row p is scored (token p+off+1 supervised)
-    for j in range(len(step_logits)):
-        off = shift + j
-        masks.append(loss_mask[:, off + 1:].bool() if off + 1 < seq_len else loss_mask[:, :0].bool())
+    masks = eagle3_step_masks(loss_mask, num_steps=len(step_logits), shift=shift, row_mask=row_mask)
     den = all_reduce(torch.stack([m.sum() for m in masks]).float()).clamp(min=1e-6)
     loss = torch.zeros(())
     match, slots, soft = [], [], []
     for j, logits in enumerate(step_logits):
         off, m = shift + j, masks[j]
         n = m.shape[1]
-        logp = torch.log_softmax(logits[:, :n][m].float(), dim=-1)  # [num_rows, draft_vocab]
+        rows = logits if logits.dim() == 2 else logits[:, :n][m]  # [num_rows, draft_vocab]
+        logp = torch.log_softmax(rows.float(), dim=-1)  # [num_rows, draft_vocab]
         p_t = torch.exp(target_logits[:, off:off + n][m].float() - target_lse[:, off:off + n][m].unsqueeze(-1))
         sce = -(p_t * logp).sum(-1)  # [num_rows]
         loss = loss + (step_decay ** j) * sce.sum() / den[j]

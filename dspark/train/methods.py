@@ -104,13 +104,15 @@ def export_block_drafter(model, dcfg, path: str | Path) -> None:
 # -- EAGLE-3 ---------------------------------------------------------------------------------------------
 
 def build_eagle3(cfg, target, target_cfg, d2t: torch.Tensor | None):
-    """EAGLE-3 scores the full target vocabulary (its checkpoint format has no d2t map)."""
+    """EAGLE-3 over the target vocabulary, or over a reduced draft vocabulary `d2t` (the head is then the
+    target's rows d2t, frozen, as for the block drafters)."""
     from dspark.drafters.eagle3 import bind_to_target
     from dspark.drafters.eagle3_model import Eagle3Config, Eagle3Model
-    if d2t is not None:
-        raise ValueError("eagle3 drafts over the full target vocabulary: set draft_vocab_size to null")
-    ecfg = Eagle3Config.from_target(target_cfg, tap_layer_ids=cfg.tap_layer_ids, num_draft_tokens=cfg.ttt_steps)
+    ecfg = Eagle3Config.from_target(target_cfg, tap_layer_ids=cfg.tap_layer_ids, num_draft_tokens=cfg.ttt_steps,
+                                    draft_vocab_size=None if d2t is None else d2t.numel())
     model = Eagle3Model(ecfg).requires_grad_(True)  # target-family modules are built frozen
+    if d2t is not None:
+        model.d2t = d2t.clone()
     model.init_weights(std=cfg.init_std, seed=cfg.seed)
     copy_final_norm(model, target)
     bind_to_target(model, target)
@@ -120,9 +122,24 @@ def build_eagle3(cfg, target, target_cfg, d2t: torch.Tensor | None):
 def eagle3_batch_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None,
                       seeds: list[int], all_reduce: Callable, head_rows: torch.Tensor | None = None
                       ) -> LossOutput:
-    step_logits = model.training_forward(taps=feats.taps, input_ids=batch.input_ids,
-                                         loss_mask=batch.loss_mask, ttt_steps=cfg.ttt_steps)
     valid = torch.arange(batch.input_ids.shape[1]).unsqueeze(0) < batch.lengths.unsqueeze(1)
+    # up to `num_anchors` random rows per sequence start a TTT chain (as many chains as DSpark has
+    # blocks, so the methods spend the same head and backward budget per step)
+    anchors = sample_anchors(loss_mask=batch.loss_mask, lengths=batch.lengths, num_anchors=cfg.num_anchors,
+                             seeds=seeds)  # [batch, C] ascending, -1 = none
+    keep = anchors >= 0
+    bidx = torch.arange(anchors.shape[0]).unsqueeze(1).expand_as(anchors)
+    scored = torch.zeros_like(valid)
+    scored[bidx[keep], anchors[keep]] = True
+    step_hidden = model.training_forward_chains(taps=feats.taps, input_ids=batch.input_ids, anchors=anchors,
+                                                ttt_steps=cfg.ttt_steps)  # per step [batch, C, d]
+    supervised = batch.loss_mask.bool() & valid  # [batch, seq_len]
+    step_logits = []  # the draft head only on scored rows, row-major (the order eagle3_loss gathers in)
+    for j, h in enumerate(step_hidden):
+        predicts = anchors + j + 2  # [batch, C] the token step j of each chain predicts
+        inside = keep & (predicts < supervised.shape[1])
+        use = inside & supervised.gather(1, predicts.clamp(0, supervised.shape[1] - 1))
+        step_logits.append(model.draft_logits(h[use]))  # [num_scored_j, draft_vocab]
     rows_needed = torch.zeros_like(valid)
     rows_needed[:, :-1] = batch.loss_mask[:, 1:].bool()  # target row r predicts token r+1
     rows = target_rows(target, feats.hidden, row_mask=rows_needed & valid, d2t=d2t, lse=feats.lse,
@@ -130,7 +147,7 @@ def eagle3_batch_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *
     logits, lse = rows.gather(torch.arange(valid.shape[1]).expand_as(valid).contiguous())
     vocab = target.config.vocab_size
     labels = batch.input_ids if d2t is None else t2d_labels(batch.input_ids, d2t, vocab_size=vocab)
-    return eagle3_loss(step_logits=step_logits, labels=labels, loss_mask=batch.loss_mask * valid,
+    return eagle3_loss(step_logits=step_logits, labels=labels, loss_mask=batch.loss_mask * valid, row_mask=scored,
                        target_logits=logits, target_lse=lse, step_decay=cfg.step_loss_decay,
                        shift=1, all_reduce=all_reduce)  # step j at row p predicts token p+j+2
 

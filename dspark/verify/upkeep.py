@@ -16,7 +16,8 @@ Two things drift away from their offline values while serving, and both feed the
   drafter emitted as z_k = T_k · logit(c_k), with the temperatures in force when it was proposed.
   Outcomes are buffered per step and fed once per step, so a refit (and the new temperatures pushed
   into the drafter's `confidence_temperatures`) happens only between steps, never while drafts
-  proposed under the old temperatures are being counted.
+  proposed under the old temperatures are being counted. A drafter with a separate greedy fit
+  (`greedy_confidence_temperatures`) gets a second calibrator fed by greedy requests only.
 
 With `UpkeepConfig(enabled=False)` every call is a no-op: the table and the temperatures stay as
 loaded.
@@ -30,6 +31,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -68,7 +70,7 @@ class OnlineUpkeep:
     is called once per step with its size and wall time and returns the cost table to use next."""
 
     def __init__(self, *, drafter=None, cost_table: CostTable | None = None,
-                 config: UpkeepConfig | None = None) -> None:
+                 config: UpkeepConfig | None = None, is_greedy: Callable[[str], bool] | None = None) -> None:
         self.config = config or UpkeepConfig()
         self.drafter = drafter
         self.cost_table = cost_table
@@ -77,14 +79,21 @@ class OnlineUpkeep:
         self._ratio = torch.ones(num_points, dtype=torch.float64)  # [num_points] EMA measured/table
         self._samples = torch.zeros(num_points, dtype=torch.long)  # [num_points] since last refresh
         self._num_steps = 0
+        # one calibrator per temperature tensor the drafter applies: requests that sample, and greedy
+        # requests when the drafter keeps a separate greedy fit (`greedy_confidence_temperatures`)
+        self.is_greedy = is_greedy
+        self.calibrators: dict[bool, tuple[OnlineCalibrator, torch.Tensor]] = {}  # greedy? → (fit, tensor)
         temps = getattr(drafter, "confidence_temperatures", None)
-        self.calibrator = None
         if drafter is not None and getattr(drafter, "has_confidence", False) and temps is not None:
-            self.calibrator = OnlineCalibrator(
-                num_positions=len(temps), config=self.config.calibration,
-                initial=STSCalibration(temperatures=tuple(float(t) for t in temps)))
-        # this step's rounds: (raw logits, num_verified, num_accepted)
-        self._rounds: list[tuple[list[float], int, int]] = []
+            greedy = getattr(drafter, "greedy_confidence_temperatures", temps)
+            for regime, tensor in ((False, temps), (True, greedy)):
+                shared = self.calibrators.get(False) if tensor is temps and regime else None
+                self.calibrators[regime] = shared or (OnlineCalibrator(
+                    num_positions=len(tensor), config=self.config.calibration,
+                    initial=STSCalibration(temperatures=tuple(float(t) for t in tensor))), tensor)
+        self.calibrator = self.calibrators[False][0] if self.calibrators else None
+        # this step's rounds: (greedy?, raw logits, num_verified, num_accepted)
+        self._rounds: list[tuple[bool, list[float], int, int]] = []
         if self.config.enabled:
             every = f"refreshed every {self.config.refresh_every} steps"
             log.info("online upkeep on: cost table %s; confidence temperatures %s",
@@ -97,11 +106,12 @@ class OnlineUpkeep:
         if not (self.config.enabled and self.calibrator is not None and draft_confidence
                 and num_verified):
             return
-        temps = self.calibrator.temperatures
+        greedy = bool(self.is_greedy and self.is_greedy(request_id))
+        temps = self.calibrators[greedy][0].temperatures
         conf = torch.tensor(draft_confidence[:len(temps)], dtype=torch.float64)
         conf = conf.clamp(1e-13, 1 - 1e-13)  # [num_proposed]
         logits = (torch.logit(conf) * torch.tensor(temps[:conf.numel()], dtype=torch.float64))
-        self._rounds.append((logits.clamp(-_MAX_ABS_LOGIT, _MAX_ABS_LOGIT).tolist(),
+        self._rounds.append((greedy, logits.clamp(-_MAX_ABS_LOGIT, _MAX_ABS_LOGIT).tolist(),
                              int(num_verified), int(num_accepted)))
 
     # -- step timings ----------------------------------------------------------------------------
@@ -153,21 +163,24 @@ class OnlineUpkeep:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _flush_rounds(self) -> None:
-        if not self._rounds:
-            return
-        width = self.calibrator.num_positions
-        logits = torch.zeros(len(self._rounds), width, dtype=torch.float64)  # [num_rounds, γ]
-        for i, (row, _, _) in enumerate(self._rounds):
-            logits[i, :len(row)] = torch.tensor(row, dtype=torch.float64)
-        num_verified = torch.tensor([v for _, v, _ in self._rounds])
-        num_accepted = torch.tensor([a for _, _, a in self._rounds])
-        self._rounds.clear()
-        before = self.calibrator.temperatures
-        self.calibrator.update(logits=logits, num_verified=num_verified, num_accepted=num_accepted)
-        if self.calibrator.temperatures != before:
-            temps = self.drafter.confidence_temperatures
-            new = self.calibrator.temperatures[:temps.numel()]
-            temps.copy_(torch.tensor(new, dtype=temps.dtype))
+        rounds, self._rounds = self._rounds, []
+        done: set[int] = set()
+        for calibrator, temps in self.calibrators.values():
+            if id(calibrator) in done:  # one fit shared by both regimes
+                continue
+            done.add(id(calibrator))
+            mine = [r[1:] for r in rounds if self.calibrators[r[0]][0] is calibrator]
+            if not mine:
+                continue
+            logits = torch.zeros(len(mine), calibrator.num_positions, dtype=torch.float64)  # [rounds, γ]
+            for i, (row, _, _) in enumerate(mine):
+                logits[i, :len(row)] = torch.tensor(row, dtype=torch.float64)
+            num_verified = torch.tensor([v for _, v, _ in mine])
+            num_accepted = torch.tensor([a for _, _, a in mine])
+            before = calibrator.temperatures
+            calibrator.update(logits=logits, num_verified=num_verified, num_accepted=num_accepted)
+            if calibrator.temperatures != before:
+                temps.copy_(torch.tensor(calibrator.temperatures[:temps.numel()], dtype=temps.dtype))
 
     def _nearest_point(self, num_tokens: int) -> int:
         points = torch.tensor(self.cost_table.num_tokens, dtype=torch.float64).log()
