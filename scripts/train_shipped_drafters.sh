@@ -1,31 +1,38 @@
 #!/usr/bin/env bash
-# Reproduces the drafters shipped in dspark/assets/drafters/ for SmolLM2-135M-Instruct (2 CPU cores,
-# about 75 minutes: data ~40 min, features ~6 min, DSpark and DFlash trained side by side ~38 min,
-# calibration ~3 min). Every step is resumable: rerun the script after an interruption.
+# Reproduces the drafters shipped in dspark/assets/drafters/ for SmolLM2-135M-Instruct on 2 CPU cores,
+# about 2.5 hours: data ~40 + ~25 min, features ~12 min, DSpark / DFlash / EAGLE-3 trained side by side
+# (one thread each) ~75 min, calibration ~10 min. Every step is resumable: rerun after an interruption.
 #   bash scripts/train_shipped_drafters.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-DATA=data/smollm2_train
-STEPS=${STEPS:-1300}
+DATA=data/smollm2_train_v2
 
-# 1. the target regenerates answers to ../shared/datasets/train prompts (never eval/), bf16, greedy
+# 1. the target regenerates answers to ../shared/datasets/train prompts (never eval/), greedy: the first
+#    1,500 shuffled prompts in bf16 (session 1), then the remaining ones in fp32 with the fused kernels
+#    (session 4, 2x faster); prepare-data skips prompts already written
 python -m dspark prepare-data --out "$DATA" --max-prompts 1500 --max-tokens 192 --max-prompt-tokens 384 \
     --batch-size 128 --dtype bfloat16 --num-threads 2
-# 2. target features once (taps + final hidden + full-vocab logsumexp), shared by DSpark and DFlash
-python -m dspark train --config configs/train_dspark_smollm2.json --data "$DATA" --out runs/dspark1 \
-    --precompute-features --set num_threads=2
-# 3. DSpark and DFlash with the same data and budget, one core each
-python -m dspark train --config configs/train_dspark_smollm2.json --data "$DATA" --out runs/dspark1 \
-    --set max_steps="$STEPS" --set num_threads=1 --no-progress --resume &
-python -m dspark train --config configs/train_dflash_smollm2.json --data "$DATA" --out runs/dflash1 \
-    --set max_steps="$STEPS" --set num_threads=1 --no-progress --resume &
+python -m dspark prepare-data --out "$DATA" --max-prompts 3130 --max-tokens 192 --max-prompt-tokens 384 \
+    --batch-size 48 --dtype float32 --num-threads 2
+# 2. target features once (taps + final hidden + full-vocab logsumexp), shared by the three methods
+python -m dspark train --config configs/train_dspark_smollm2.json --data "$DATA" --out runs/features_v2_pass \
+    --precompute-features --set num_threads=2 --no-progress
+# 3. DSpark, DFlash and EAGLE-3 with the same data, features, batch and steps, side by side
+for m in dspark dflash eagle3; do
+  python -m dspark train --config configs/train_${m}_smollm2.json --data "$DATA" --out runs/${m}2 \
+      --no-progress --resume &
+done
 wait
-# 4. Sequential Temperature Scaling on the held-out split of the training data (not eval/)
-python -m dspark calibrate --drafter runs/dspark1/export --data "$DATA" --num-prompts 0 --max-tokens 256 \
-    --plot docs/img/reliability_dspark_smollm2.png
+# 4. Sequential Temperature Scaling on the held-out split of the training data (not eval/): a greedy
+#    fit and a sampling fit (calibration.json "greedy_temperatures" / "temperatures")
+python -m dspark calibrate --drafter runs/dspark2/export --data "$DATA" --num-prompts 0 --max-tokens 192 \
+    --temperature 0 --plot docs/img/reliability_dspark_smollm2_greedy.png --num-threads 2
+python -m dspark calibrate --drafter runs/dspark2/export --data "$DATA" --num-prompts 0 --max-tokens 192 \
+    --temperature 1 --plot docs/img/reliability_dspark_smollm2.png --num-threads 2
 # 5. ship
 mkdir -p dspark/assets/drafters
-rm -rf dspark/assets/drafters/dspark-smollm2-135m dspark/assets/drafters/dflash-smollm2-135m
-cp -r runs/dspark1/export dspark/assets/drafters/dspark-smollm2-135m
-cp -r runs/dflash1/export dspark/assets/drafters/dflash-smollm2-135m
+for m in dspark dflash eagle3; do
+  rm -rf dspark/assets/drafters/${m}-smollm2-135m
+  cp -r runs/${m}2/export dspark/assets/drafters/${m}-smollm2-135m
+done

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dspark.verify.calibration import (
+    STS_BIAS_GRID,
     STS_GRID,
     OnlineCalibrationConfig,
     OnlineCalibrator,
@@ -108,6 +109,30 @@ def test_sts_lowers_ece_and_keeps_auroc():
         assert after["auroc"] > before["auroc"] - 0.005, (before, after)
 
 
+def test_shifted_sts_removes_a_bias_that_temperatures_cannot():
+    """A head too confident by a constant (acceptance σ(z − 2)): temperatures alone leave a large ECE at
+    position 1; the searched shift finds b ≈ −2, brings every position under 2 % and keeps AUROC."""
+    generator = torch.Generator().manual_seed(4)
+
+    def rounds(n):
+        logits = 1.5 + 2.5 * torch.randn(n, 4, generator=generator, dtype=torch.float64)
+        accepted = torch.rand(n, 4, generator=generator, dtype=torch.float64) < torch.sigmoid(logits - 2.0)
+        return logits, accepted.long().cumprod(dim=1).sum(dim=1)
+
+    (train, train_acc), (test, test_acc) = rounds(20_000), rounds(20_000)
+    plain = fit_sts(logits=train, num_accepted=train_acc)
+    shifted = fit_sts(logits=train, num_accepted=train_acc, bias_grid=STS_BIAS_GRID[::4])  # 0.4 apart
+    assert plain.biases is None and abs(shifted.biases[0] + 2.0) < 0.3, shifted
+    raw = calibration_report(logits=test, num_accepted=test_acc)
+    only_t = calibration_report(logits=test, num_accepted=test_acc, calibration=plain)
+    both = calibration_report(logits=test, num_accepted=test_acc, calibration=shifted)
+    assert only_t[0]["ece"] > 0.03, only_t[0]  # a scale cannot remove a shift
+    for before, after in zip(raw, both):
+        assert after["ece"] < 0.02 and after["ece"] < before["ece"] / 2, (before, after)
+        assert after["auroc"] > before["auroc"] - 0.005, (before, after)
+    assert both[0]["auroc"] == pytest.approx(raw[0]["auroc"], abs=1e-12)
+
+
 def test_sts_respects_num_verified_and_unverified_positions():
     generator = torch.Generator().manual_seed(2)
     logits, num_accepted = _synthetic_rounds(generator, 10_000)
@@ -130,6 +155,12 @@ def test_sts_apply_save_load(tmp_path):
         calibration.apply(torch.zeros(1, 3))
     with pytest.raises(ValueError, match="positive"):
         STSCalibration(temperatures=(1.0, 0.0))
+    shifted = STSCalibration(temperatures=(2.0, 0.5), biases=(-1.0, 0.5))
+    assert torch.allclose(shifted.apply(logits), torch.sigmoid(torch.tensor([[0.0, -1.5]])))
+    shifted.save(path)
+    assert STSCalibration.load(path) == shifted
+    with pytest.raises(ValueError, match="biases"):
+        STSCalibration(temperatures=(1.0, 1.0), biases=(0.0,))
     path.write_text('{"temperatures": [1.0]}')
     with pytest.raises(ValueError, match="not an STS calibration file"):
         STSCalibration.load(path)

@@ -328,6 +328,19 @@ def test_calibrate_cli_on_random_dspark_drafter(tmp_path, monkeypatch, capsys):
     both = build(spec, target_config=target_config, target_model=target, dtype=torch.float32, device="cpu")
     assert both.confidence_temperatures.tolist() == pytest.approx(last["temperatures"])
     assert both.greedy_confidence_temperatures.tolist() == pytest.approx(greedy["temperatures"])
+    # --fit-bias adds the regime's shifts; refitting undoes the applied ones first
+    args = _parse(calibrate_cli.register, [
+        "calibrate", "--drafter", str(tmp_path / "drafter"), "--num-speculative-tokens", str(GAMMA),
+        "--prompts", str(tmp_path / "train.jsonl"), "--max-tokens", "24", "--temperature", "0", "--fit-bias"])
+    assert args.func(args) == 0
+    shifted = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(shifted["biases"]) == GAMMA
+    saved = json.loads((tmp_path / "drafter" / CALIBRATION_NAME).read_text())
+    assert saved["greedy_biases"] == pytest.approx(shifted["biases"]) and "biases" not in saved
+    assert saved["temperatures"] == pytest.approx(last["temperatures"])
+    third = build(spec, target_config=target_config, target_model=target, dtype=torch.float32, device="cpu")
+    assert third.greedy_confidence_biases.tolist() == pytest.approx(shifted["biases"])
+    assert third.confidence_biases.tolist() == [0.0] * GAMMA
 
 
 def test_calibration_prompts_refuse_eval_and_read_jsonl(tmp_path, monkeypatch):
@@ -375,3 +388,15 @@ def test_profile_cli_writes_json(tmp_path, monkeypatch, capsys):
     assert args.func(args) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["out"] == str(out) and CostTable.load(out).num_tokens == (1, 8)
+
+
+def test_calibrate_recovers_raw_logits_under_applied_temperatures_and_shifts():
+    from dspark.train.calibrate_cli import rounds_to_tensors
+    from dspark.verify.acceptance import RoundRecord
+    z = torch.tensor([[2.0, -1.0, 0.5], [0.3, 1.2, -2.0]], dtype=torch.float64)
+    temps, shifts = [2.0, 0.5, 1.0], [-1.0, 0.5, 0.0]
+    conf = torch.sigmoid(z / torch.tensor(temps, dtype=torch.float64) + torch.tensor(shifts, dtype=torch.float64))
+    rounds = [RoundRecord(f"r{i}", 3, 1, tuple(conf[i].tolist())) for i in range(2)]
+    logits, accepted, verified = rounds_to_tensors(rounds, applied_temperatures=temps, applied_biases=shifts)
+    torch.testing.assert_close(logits, z)
+    assert accepted.tolist() == [1, 1] and verified.tolist() == [3, 3]

@@ -13,8 +13,9 @@ Per step (reference §1.6, §7.2-7.3):
 
 Checkpoints are DeepSpec folders (config.json + safetensors, reference §3) or ours (the same plus
 `draft_vocab_size` / `d2t`, `slot_layout`, and an optional `calibration.json` {"temperatures": [T_k]}
-that divides the confidence logit of position k for requests that sample, and optionally
-"greedy_temperatures" [T_k], fitted on greedy decoding, for greedy requests, whose acceptance is higher). `check` reads config.json only and fails before any
+that divides the confidence logit of position k for requests that sample, optionally "greedy_temperatures"
+[T_k] fitted on greedy decoding for greedy requests, and optional shifts "biases" / "greedy_biases" [b_k]:
+c_k = σ(z_k / T_k + b_k)). `check` reads config.json only and fails before any
 weight is read. method "dflash" on a checkpoint with heads uses it with the heads off (DeepSpec's DFlash is
 exactly that network); method "dspark" on a checkpoint without a Markov head is an error.
 """
@@ -43,7 +44,9 @@ CONFIDENCE_POLICIES = ("threshold", "prefix", "async")
 class DSparkDrafter(Drafter):
     def __init__(self, model: DSparkModel, *, num_draft_tokens: int,
                  confidence_temperatures: list[float] | None = None,
-                 greedy_confidence_temperatures: list[float] | None = None):
+                 greedy_confidence_temperatures: list[float] | None = None,
+                 confidence_biases: list[float] | None = None,
+                 greedy_confidence_biases: list[float] | None = None):
         cfg = model.cfg
         if not 1 <= num_draft_tokens <= cfg.max_draft_tokens:
             raise ValueError(f"num_speculative_tokens {num_draft_tokens} must be in [1, "
@@ -60,6 +63,11 @@ class DSparkDrafter(Drafter):
         self.greedy_confidence_temperatures = (
             self.confidence_temperatures if greedy_confidence_temperatures is None
             else _temperatures(greedy_confidence_temperatures, num_draft_tokens))  # [γ]
+        # optional STS shifts b_k (c_k = σ(z_k / T_k + b_k)), zero unless the calibration fitted them
+        self.confidence_biases = _per_position(confidence_biases, num_draft_tokens, fill=0.0)  # [γ]
+        self.greedy_confidence_biases = (
+            self.confidence_biases if greedy_confidence_temperatures is None
+            else _per_position(greedy_confidence_biases, num_draft_tokens, fill=0.0))  # [γ]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
@@ -191,22 +199,31 @@ class DSparkDrafter(Drafter):
         """[num_draft] the STS temperatures a greedy / sampling request's confidences are divided by."""
         return self.greedy_confidence_temperatures if greedy else self.confidence_temperatures
 
+    def biases_for(self, greedy: bool) -> torch.Tensor:
+        """[num_draft] the STS shifts added after the temperature (zeros for plain STS)."""
+        return self.greedy_confidence_biases if greedy else self.confidence_biases
+
     def _confidence(self, conf_logits: list[torch.Tensor], greedy_rows: list[bool]) -> torch.Tensor | None:
-        """σ(z_k / T_k) [num_reqs, num_draft] (T_k from calibration.json for the request's regime,
-        else 1), or None."""
+        """σ(z_k / T_k + b_k) [num_reqs, num_draft] (T_k, b_k from calibration.json for the request's
+        regime, else 1 and 0), or None."""
         if not conf_logits:
             return None
         z = torch.stack(conf_logits, dim=1).cpu()  # [num_reqs, num_draft] fp32
         temps = torch.stack([self.temperatures_for(g) for g in greedy_rows])  # [num_reqs, num_draft]
-        return torch.sigmoid(z / temps)
+        shifts = torch.stack([self.biases_for(g) for g in greedy_rows])  # [num_reqs, num_draft]
+        return torch.sigmoid(z / temps + shifts)
+
+
+def _per_position(values: list[float] | None, num_draft_tokens: int, *, fill: float) -> torch.Tensor:
+    """[num_draft_tokens] float32: the given per-position values, `fill` past their end."""
+    values = list(values or [])[:num_draft_tokens]
+    out = torch.full((num_draft_tokens,), fill)
+    out[:len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def _temperatures(temps: list[float] | None, num_draft_tokens: int) -> torch.Tensor:
-    """[num_draft_tokens] float32: the given per-position temperatures, 1 past their end."""
-    temps = list(temps or [])[:num_draft_tokens]
-    out = torch.ones(num_draft_tokens)
-    out[:len(temps)] = torch.tensor(temps, dtype=torch.float32)
-    return out
+    return _per_position(temps, num_draft_tokens, fill=1.0)
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -307,11 +324,15 @@ def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tens
     return model.to(device=device), temps
 
 
+CALIBRATION_KEYS = ("temperatures", "biases", "greedy_temperatures", "greedy_biases")
+
+
 def read_calibration(path: str | Path) -> dict[str, list[float]]:
     """calibration.json → {"temperatures": [T_k] (sampling requests), "greedy_temperatures": [T_k]
-    (greedy requests; absent when one fit serves both)}."""
+    (greedy requests; absent when one fit serves both), and the optional shifts "biases" /
+    "greedy_biases" [b_k]}."""
     data = json.loads(Path(path).read_text())
-    return {k: [float(t) for t in data[k]] for k in ("temperatures", "greedy_temperatures") if k in data}
+    return {k: [float(t) for t in data[k]] for k in CALIBRATION_KEYS if k in data}
 
 
 def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtype: str = "bfloat16",
@@ -342,4 +363,6 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
     temps = temps if spec.method == "dspark" and temps else {}
     return DSparkDrafter(model, num_draft_tokens=spec.num_speculative_tokens,
                          confidence_temperatures=temps.get("temperatures"),
-                         greedy_confidence_temperatures=temps.get("greedy_temperatures"))
+                         greedy_confidence_temperatures=temps.get("greedy_temperatures"),
+                         confidence_biases=temps.get("biases"),
+                         greedy_confidence_biases=temps.get("greedy_biases"))

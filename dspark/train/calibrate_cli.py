@@ -9,9 +9,12 @@ How: speculative decoding at a fixed verification length γ (length policy "fixe
 position is verified whenever the drafter proposes it) over the prompts; `Engine.verify_observers`
 records each round's conditional confidences c_k and accepted count. The raw logits are
 z_k = logit(c_k) · T_k, with T_k the temperatures the drafter already applied (its
-`confidence_temperatures`, read from an existing calibration.json; 1 when none), so re-running
+`confidence_temperatures`, read from an existing calibration.json; 1 when none; a fitted shift b_k is
+undone first), so re-running
 calibrate on a calibrated drafter refits from the raw head.
 `fit_sts` then picks T_k sequentially to minimise the 20-bin ECE of the cumulative survival.
+`--fit-bias` also searches a shift b_k per position (c_k = σ(z_k/T_k + b_k)), for heads that are too
+confident (or too shy) everywhere, which no temperature can fix.
 Acceptance differs between greedy and sampled decoding, so there are two fits: `--temperature 0`
 writes "greedy_temperatures" (used for greedy requests), any other target temperature writes
 "temperatures" (used for requests that sample); the other regime's fit in the file is kept.
@@ -61,7 +64,7 @@ def collect_rounds(llm, prompts: list, *, temperature: float, max_tokens: int,
     return [r for r in recorder.rounds if r.confidence is not None]
 
 
-def rounds_to_tensors(rounds: list[RoundRecord], *, applied_temperatures=None):
+def rounds_to_tensors(rounds: list[RoundRecord], *, applied_temperatures=None, applied_biases=None):
     """(logits [num_rounds, γ] float64, num_accepted [num_rounds], num_verified [num_rounds]);
     unverified positions are padded with 0 and masked out by `num_verified` downstream."""
     num_positions = max(r.num_verified for r in rounds)
@@ -70,6 +73,11 @@ def rounds_to_tensors(rounds: list[RoundRecord], *, applied_temperatures=None):
         c = torch.tensor(r.confidence[:r.num_verified], dtype=torch.float64)
         c = c.clamp(_MIN_CONFIDENCE, 1 - _MIN_CONFIDENCE)
         logits[i, :len(c)] = torch.log(c) - torch.log1p(-c)
+    if applied_biases is not None:  # c = σ(z / T + b): undo the shift first
+        shift = torch.zeros(num_positions, dtype=torch.float64)
+        n = min(num_positions, len(applied_biases))
+        shift[:n] = torch.tensor(list(applied_biases)[:n], dtype=torch.float64)
+        logits = logits - shift
     if applied_temperatures is not None:
         temps = torch.ones(num_positions, dtype=torch.float64)
         n = min(num_positions, len(applied_temperatures))
@@ -80,29 +88,31 @@ def rounds_to_tensors(rounds: list[RoundRecord], *, applied_temperatures=None):
     return logits, num_accepted, num_verified
 
 
-def calibrate_rounds(rounds: list[RoundRecord], *, applied_temperatures=None, plot_path=None,
-                     num_bins: int = 20):
+def calibrate_rounds(rounds: list[RoundRecord], *, applied_temperatures=None, applied_biases=None,
+                     plot_path=None, num_bins: int = 20, fit_bias: bool = False):
     """Fit STS on recorded rounds. Returns (STSCalibration, report dict with per-position
     before/after ECE and AUROC and the count-weighted summary)."""
-    from dspark.verify.calibration import (calibration_report, fit_sts, plot_reliability, survival,
-                                           survival_labels, verified_mask)
+    from dspark.verify.calibration import (STS_BIAS_GRID, calibration_report, fit_sts, plot_reliability,
+                                           survival, survival_labels, verified_mask)
 
     if not rounds:
         raise ValueError("no verification rounds with confidences were recorded (is the drafter "
                          "'dspark' with a confidence head, and did any prompt reach decoding?)")
     logits, num_accepted, num_verified = rounds_to_tensors(
-        rounds, applied_temperatures=applied_temperatures)
+        rounds, applied_temperatures=applied_temperatures, applied_biases=applied_biases)
     sts = fit_sts(logits=logits, num_accepted=num_accepted, num_verified=num_verified,
-                  num_bins=num_bins)
+                  num_bins=num_bins, bias_grid=STS_BIAS_GRID if fit_bias else None)
     before = calibration_report(logits=logits, num_accepted=num_accepted, num_verified=num_verified,
                                 num_bins=num_bins)
     after = calibration_report(logits=logits, num_accepted=num_accepted, num_verified=num_verified,
                                calibration=sts, num_bins=num_bins)
     positions = [{"position": b["position"], "num_rounds": b["num_rounds"],
                   "ece_before": b["ece"], "ece_after": a["ece"],
-                  "auroc_before": b["auroc"], "auroc_after": a["auroc"], "temperature": t}
-                 for b, a, t in zip(before, after, sts.temperatures)]
+                  "auroc_before": b["auroc"], "auroc_after": a["auroc"], "temperature": t,
+                  "bias": sts.bias(i)}
+                 for i, (b, a, t) in enumerate(zip(before, after, sts.temperatures))]
     report = {"num_rounds": len(rounds), "temperatures": list(sts.temperatures),
+              "biases": None if sts.biases is None else list(sts.biases),
               "positions": positions,
               "summary": {key: _weighted_mean(positions, key)
                           for key in ("ece_before", "ece_after", "auroc_before", "auroc_after")}}
@@ -191,6 +201,8 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0,
                    help="target sampling temperature: 0 fits the greedy regime, > 0 the sampling one")
+    p.add_argument("--fit-bias", action="store_true",
+                   help="also search a shift per position, c_k = σ(z_k/T_k + b_k) (plain STS: T_k only)")
     p.add_argument("--out", default=None, help="calibration JSON (default: next to the drafter)")
     p.add_argument("--plot", default=None, help="reliability diagram PNG")
     p.set_defaults(func=run_cli)
@@ -224,30 +236,40 @@ def run_cli(args: argparse.Namespace) -> int:
     applied = (drafter.temperatures_for(greedy) if hasattr(drafter, "temperatures_for")
                else getattr(drafter, "confidence_temperatures", None))  # [γ] tensor or None
     applied = None if applied is None else [float(t) for t in applied]
+    shifts = drafter.biases_for(greedy) if hasattr(drafter, "biases_for") else None
+    shifts = None if shifts is None else [float(b) for b in shifts]
     rounds = collect_rounds(llm, prompts, temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=args.seed)
     try:
-        sts, report = calibrate_rounds(rounds, applied_temperatures=applied, plot_path=args.plot)
+        sts, report = calibrate_rounds(rounds, applied_temperatures=applied, applied_biases=shifts,
+                                       plot_path=args.plot, fit_bias=args.fit_bias)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    write_calibration(out, sts.temperatures, greedy=greedy)
+    write_calibration(out, sts.temperatures, greedy=greedy, biases=sts.biases)
     _print_report(report)
     print(f"wrote {out} ({'greedy_temperatures' if greedy else 'temperatures'})"
           + (f" and {args.plot}" if args.plot else ""))
     print(json.dumps({"out": str(out), "regime": "greedy" if greedy else "sampling",
                       "target_temperature": args.temperature,
                       "num_prompts": len(prompts), "num_rounds": report["num_rounds"],
-                      "temperatures": report["temperatures"], **report["summary"]}))
+                      "temperatures": report["temperatures"], "biases": report["biases"],
+                      **report["summary"]}))
     return 0
 
 
-def write_calibration(path: Path, temperatures, *, greedy: bool) -> dict:
-    """Write one regime's STS temperatures into calibration.json, keeping the other regime's fit:
-    "temperatures" serve requests that sample, "greedy_temperatures" greedy ones."""
+def write_calibration(path: Path, temperatures, *, greedy: bool, biases=None) -> dict:
+    """Write one regime's STS fit into calibration.json, keeping the other regime's: "temperatures"
+    (+ "biases") serve requests that sample, "greedy_temperatures" (+ "greedy_biases") greedy ones."""
+    from dspark.drafters.dspark import CALIBRATION_KEYS
+
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.is_file() else {}
-    data = {k: data[k] for k in ("temperatures", "greedy_temperatures") if k in data}
-    data["greedy_temperatures" if greedy else "temperatures"] = [float(t) for t in temperatures]
+    data = {k: data[k] for k in CALIBRATION_KEYS if k in data}
+    prefix = "greedy_" if greedy else ""
+    data[prefix + "temperatures"] = [float(t) for t in temperatures]
+    data.pop(prefix + "biases", None)
+    if biases is not None:
+        data[prefix + "biases"] = [float(b) for b in biases]
     if "temperatures" not in data:  # sampling requests keep the raw head until a sampled fit exists
         data["temperatures"] = [1.0] * len(data["greedy_temperatures"])
     data = {"method": "sts", **data}
@@ -256,14 +278,14 @@ def write_calibration(path: Path, temperatures, *, greedy: bool) -> dict:
 
 
 def _print_report(report: dict) -> None:
-    print(f"{'pos':>3} {'rounds':>7} {'T':>6} {'ECE raw':>8} {'ECE STS':>8} {'AUC raw':>8} "
+    print(f"{'pos':>3} {'rounds':>7} {'T':>6} {'b':>5} {'ECE raw':>8} {'ECE STS':>8} {'AUC raw':>8} "
           f"{'AUC STS':>8}")
     for p in report["positions"]:
-        print(f"{p['position']:>3} {p['num_rounds']:>7} {p['temperature']:>6.3f} "
+        print(f"{p['position']:>3} {p['num_rounds']:>7} {p['temperature']:>6.3f} {p['bias']:>5.1f} "
               f"{100 * p['ece_before']:>7.2f}% {100 * p['ece_after']:>7.2f}% "
               f"{p['auroc_before']:>8.3f} {p['auroc_after']:>8.3f}")
     s = report["summary"]
-    print("all" + " " * 19 + "".join(
+    print("all" + " " * 25 + "".join(
         f" {100 * s[k]:>7.2f}%" if s[k] is not None else "       –"
         for k in ("ece_before", "ece_after")) + "".join(
         f" {s[k]:>8.3f}" if s[k] is not None else "        –" for k in ("auroc_before", "auroc_after")))

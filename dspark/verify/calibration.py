@@ -10,7 +10,8 @@ k ≤ num_verified.
 * `fit_sts` — the paper's offline STS (reference §5.6): for k = 1..γ in order, grid-search T_k to
   minimise the 20-bin ECE of the *cumulative* product Π_{i<k} σ(z_i/T_i) · σ(z_k/t) against Y_k,
   over rounds where position k was verified, holding T_1..T_{k-1} fixed. Saved as JSON next to the
-  drafter (`STS_FILENAME`).
+  drafter (`STS_FILENAME`). Optionally (`bias_grid`) a shift b_k per position is searched with
+  T_k, c_k = σ(z_k/T_k + b_k): our extension, for heads whose error is a bias rather than a scale.
 * `OnlineCalibrator` — vLLM-style online upkeep (reference §7.5): per position, exponentially
   decayed counts of trials/hits of the *conditional* outcome in logit bins; T_k on a log grid
   minimising the trial-weighted |σ(mid/T) − empirical rate|, shrunk toward a fit pooled over
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["STS_FILENAME", "survival", "survival_labels", "verified_mask",
+__all__ = ["STS_FILENAME", "STS_BIAS_GRID", "survival", "survival_labels", "verified_mask",
            "expected_calibration_error", "auroc",
            "STSCalibration", "fit_sts", "calibration_report", "plot_reliability",
            "OnlineCalibrationConfig", "OnlineCalibrator"]
@@ -42,6 +43,8 @@ STS_FILENAME = "sts_calibration.json"  # written next to the drafter checkpoint
 # Offline STS grid: 121 log-spaced temperatures in [0.05, 20], symmetric about (and containing) 1.
 STS_GRID = tuple(float(t) for t in torch.logspace(math.log10(0.05), math.log10(20.0), 121,
                                                   dtype=torch.float64))
+# Optional shifts searched with `fit_sts(..., bias_grid=STS_BIAS_GRID)`: 0.1 apart in [-4, 4].
+STS_BIAS_GRID = tuple(round(0.1 * i, 10) for i in range(-40, 41))
 
 
 def survival(confidence: torch.Tensor) -> torch.Tensor:
@@ -99,19 +102,28 @@ def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class STSCalibration:
-    """Per-position temperatures; c_k = σ(z_k / T_k)."""
+    """Per-position temperatures and optional shifts; c_k = σ(z_k / T_k + b_k) (b_k = 0: plain STS).
+    Both are monotone in z_k, so a position's AUROC is unchanged."""
 
     temperatures: tuple[float, ...]  # [num_positions]
+    biases: tuple[float, ...] | None = None  # [num_positions]; None = all zero
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
         if not self.temperatures or any(not t > 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be a non-empty list of positive numbers, "
                              f"got {self.temperatures}")
+        if self.biases is not None:
+            object.__setattr__(self, "biases", tuple(float(b) for b in self.biases))
+            if len(self.biases) != len(self.temperatures) or not all(map(math.isfinite, self.biases)):
+                raise ValueError(f"biases must be {len(self.temperatures)} finite numbers, got {self.biases}")
 
     @classmethod
     def identity(cls, num_positions: int) -> STSCalibration:
         return cls(temperatures=(1.0,) * num_positions)
+
+    def bias(self, k: int) -> float:
+        return 0.0 if self.biases is None else self.biases[k]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Conditional confidences: logits [..., num_positions] -> same shape, in (0, 1)."""
@@ -121,18 +133,26 @@ class STSCalibration:
                              f"{num_positions}")
         temps = torch.tensor(self.temperatures[:num_positions], dtype=logits.dtype,
                              device=logits.device)
-        return torch.sigmoid(logits / temps)
+        shift = torch.tensor([self.bias(k) for k in range(num_positions)], dtype=logits.dtype,
+                             device=logits.device)
+        return torch.sigmoid(logits / temps + shift)
+
+    def to_dict(self) -> dict:
+        out = {"method": "sts", "temperatures": list(self.temperatures)}
+        if self.biases is not None:
+            out["biases"] = list(self.biases)
+        return out
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"method": "sts", "temperatures": list(self.temperatures)},
-                                         indent=2) + "\n")
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> STSCalibration:
         data = json.loads(Path(path).read_text())
-        if data.get("method") != "sts" or set(data) != {"method", "temperatures"}:
+        if data.get("method") != "sts" or not {"method", "temperatures"} <= set(data) <= {
+                "method", "temperatures", "biases"}:
             raise ValueError(f"{path}: not an STS calibration file (keys {sorted(data)})")
-        return cls(temperatures=tuple(data["temperatures"]))
+        return cls(temperatures=tuple(data["temperatures"]), biases=data.get("biases"))
 
 
 def fit_sts(
@@ -142,29 +162,41 @@ def fit_sts(
     num_verified: torch.Tensor | None = None,  # [num_rounds]; None: every position verified
     grid: Sequence[float] = STS_GRID,
     num_bins: int = 20,
+    bias_grid: Sequence[float] | None = None,
 ) -> STSCalibration:
     """Sequential Temperature Scaling (reference §5.6). Among grid temperatures with equal ECE the
-    one closest to 1 wins; a position with no verified rounds keeps T = 1."""
+    one closest to 1 wins; a position with no verified rounds keeps T = 1.
+
+    `bias_grid` (e.g. `STS_BIAS_GRID`) also searches a shift b_k per position, c_k = σ(z_k/T_k + b_k),
+    jointly with T_k and in the same sequential order: a temperature can sharpen or soften a head but
+    cannot move a head that is too confident everywhere (its shift is 0 when that is as good)."""
     logits = logits.double()
     num_rounds, num_positions = logits.shape
     labels = survival_labels(num_accepted, num_positions).double()  # [num_rounds, num_positions]
     verified = verified_mask(num_verified, num_rounds, num_positions)
     grid_t = torch.tensor(list(grid), dtype=torch.float64)  # [grid_size]
-    prefix = torch.ones(num_rounds, dtype=torch.float64)  # Π_{i<k} σ(z_i / T_i), [num_rounds]
-    temperatures = []
+    shifts = torch.tensor(list(bias_grid) if bias_grid is not None else [0.0], dtype=torch.float64)
+    prefix = torch.ones(num_rounds, dtype=torch.float64)  # Π_{i<k} c_i, [num_rounds]
+    temperatures, biases = [], []
     for k in range(num_positions):
         rows = verified[:, k]
-        best = 1.0
+        best_t, best_b, best_score = 1.0, 0.0, (math.inf, math.inf)
         if bool(rows.any()):
-            candidates = prefix[rows].view(1, -1) * torch.sigmoid(
-                logits[rows, k].view(1, -1) / grid_t.view(-1, 1))  # [grid_size, num_rows]
-            ece = _ece_rows(candidates, labels[rows, k], num_bins=num_bins)  # [grid_size]
-            near_best = ece <= ece.min() + 1e-12
-            distance = grid_t.log().abs().masked_fill(~near_best, math.inf)
-            best = float(grid_t[int(distance.argmin())])
-        temperatures.append(best)
-        prefix = prefix * torch.sigmoid(logits[:, k] / best)
-    return STSCalibration(temperatures=tuple(temperatures))
+            for b in shifts.tolist():  # one [grid_size, num_rows] block per shift keeps memory small
+                candidates = prefix[rows].view(1, -1) * torch.sigmoid(
+                    logits[rows, k].view(1, -1) / grid_t.view(-1, 1) + b)  # [grid_size, num_rows]
+                ece = _ece_rows(candidates, labels[rows, k], num_bins=num_bins)  # [grid_size]
+                # lowest ECE; ties go to the smallest change (|log T| + |b|)
+                score = ece + 1e-12 * (grid_t.log().abs() + abs(b))
+                i = int(score.argmin())
+                key = (round(float(ece[i]), 12), float(grid_t[i].log().abs()) + abs(b))
+                if key < best_score:
+                    best_t, best_b, best_score = float(grid_t[i]), b, key
+        temperatures.append(best_t)
+        biases.append(best_b)
+        prefix = prefix * torch.sigmoid(logits[:, k] / best_t + best_b)
+    return STSCalibration(temperatures=tuple(temperatures),
+                          biases=tuple(biases) if bias_grid is not None else None)
 
 
 def calibration_report(
@@ -330,14 +362,16 @@ class OnlineCalibrator:
         cold start); logs the change."""
         if float(self._trials.sum()) < self.config.min_trials:
             return self.temperatures
-        pooled_loss = self._loss(self._trials.sum(0), self._hits.sum(0))  # [grid_size]
-        pooled_loss = pooled_loss / float(self._trials.sum())  # per trial
         temperatures = []
-        for k in range(self.num_positions):
-            own_loss = self._loss(self._trials[k], self._hits[k])  # [grid_size]
+        for k in range(self.num_positions):  # the offline shift b_k stays; only T_k is refitted
+            bias = self.initial.bias(k)
+            pooled_loss = self._loss(self._trials.sum(0), self._hits.sum(0), bias)  # [grid_size]
+            pooled_loss = pooled_loss / float(self._trials.sum())  # per trial
+            own_loss = self._loss(self._trials[k], self._hits[k], bias)  # [grid_size]
             loss = own_loss + self.config.prior_weight * pooled_loss
             temperatures.append(float(self._grid[int(loss.argmin())]))
-        old, self.calibration = self.temperatures, STSCalibration(temperatures=tuple(temperatures))
+        old, self.calibration = self.temperatures, STSCalibration(temperatures=tuple(temperatures),
+                                                                  biases=self.initial.biases)
         if any(abs(math.log(a / b)) > 1e-9 for a, b in zip(old, self.temperatures)):
             logger.info("online calibration: temperatures %s -> %s (%.0f decayed trials)",
                         _fmt(old), _fmt(self.temperatures), float(self._trials.sum()))
@@ -353,9 +387,10 @@ class OnlineCalibrator:
         self,
         trials: torch.Tensor,  # [num_bins]
         hits: torch.Tensor,  # [num_bins]
-    ) -> torch.Tensor:  # [grid_size] Σ_b trials_b · |σ(mid_b / T) − hits_b / trials_b|
+        bias: float = 0.0,
+    ) -> torch.Tensor:  # [grid_size] Σ_b trials_b · |σ(mid_b / T + bias) − hits_b / trials_b|
         rate = hits / trials.clamp_min(1e-12)
-        predicted = torch.sigmoid(self._bin_mids.view(1, -1) / self._grid.view(-1, 1))
+        predicted = torch.sigmoid(self._bin_mids.view(1, -1) / self._grid.view(-1, 1) + bias)
         return (trials.view(1, -1) * (predicted - rate.view(1, -1)).abs()).sum(dim=1)
 
 

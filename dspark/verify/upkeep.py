@@ -13,7 +13,8 @@ Two things drift away from their offline values while serving, and both feed the
   table stays the shape the scheduler was tuned on; the change is logged.
 * **The per-position confidence temperatures** (reference §7.5). Each verified round's conditional
   outcomes are fed to `OnlineCalibrator`; the raw logit is recovered from the confidence the
-  drafter emitted as z_k = T_k · logit(c_k), with the temperatures in force when it was proposed.
+  drafter emitted as z_k = T_k · (logit(c_k) − b_k), with the temperatures in force when it was
+  proposed (b_k: the offline STS shifts, 0 unless fitted; kept fixed online).
   Outcomes are buffered per step and fed once per step, so a refit (and the new temperatures pushed
   into the drafter's `confidence_temperatures`) happens only between steps, never while drafts
   proposed under the old temperatures are being counted. A drafter with a separate greedy fit
@@ -88,9 +89,12 @@ class OnlineUpkeep:
             greedy = getattr(drafter, "greedy_confidence_temperatures", temps)
             for regime, tensor in ((False, temps), (True, greedy)):
                 shared = self.calibrators.get(False) if tensor is temps and regime else None
+                shifts = getattr(drafter, "biases_for", None)  # fixed offline shifts, if any
+                biases = None if shifts is None else tuple(float(b) for b in shifts(regime))
                 self.calibrators[regime] = shared or (OnlineCalibrator(
                     num_positions=len(tensor), config=self.config.calibration,
-                    initial=STSCalibration(temperatures=tuple(float(t) for t in tensor))), tensor)
+                    initial=STSCalibration(temperatures=tuple(float(t) for t in tensor),
+                                           biases=biases)), tensor)
         self.calibrator = self.calibrators[False][0] if self.calibrators else None
         # this step's rounds: (greedy?, raw logits, num_verified, num_accepted)
         self._rounds: list[tuple[bool, list[float], int, int]] = []
@@ -107,10 +111,12 @@ class OnlineUpkeep:
                 and num_verified):
             return
         greedy = bool(self.is_greedy and self.is_greedy(request_id))
-        temps = self.calibrators[greedy][0].temperatures
+        calibration = self.calibrators[greedy][0].calibration
+        temps = calibration.temperatures
         conf = torch.tensor(draft_confidence[:len(temps)], dtype=torch.float64)
         conf = conf.clamp(1e-13, 1 - 1e-13)  # [num_proposed]
-        logits = (torch.logit(conf) * torch.tensor(temps[:conf.numel()], dtype=torch.float64))
+        shift = torch.tensor([calibration.bias(k) for k in range(conf.numel())], dtype=torch.float64)
+        logits = (torch.logit(conf) - shift) * torch.tensor(temps[:conf.numel()], dtype=torch.float64)
         self._rounds.append((greedy, logits.clamp(-_MAX_ABS_LOGIT, _MAX_ABS_LOGIT).tolist(),
                              int(num_verified), int(num_accepted)))
 
