@@ -400,3 +400,20 @@ def test_calibrate_recovers_raw_logits_under_applied_temperatures_and_shifts():
     logits, accepted, verified = rounds_to_tensors(rounds, applied_temperatures=temps, applied_biases=shifts)
     torch.testing.assert_close(logits, z)
     assert accepted.tolist() == [1, 1] and verified.tolist() == [3, 3]
+
+
+def test_calibrate_reports_out_of_sample_on_held_out_requests():
+    from dspark.train.calibrate_cli import calibrate_rounds
+    from dspark.verify.acceptance import RoundRecord
+    g = torch.Generator().manual_seed(0)
+    rounds = []
+    for i in range(400):  # over-confident head: acceptance σ(z − 1)
+        z = 1.0 + 2.0 * torch.randn(3, generator=g, dtype=torch.float64)
+        accepted = int((torch.rand(3, generator=g, dtype=torch.float64) < torch.sigmoid(z - 1.0)).long().cumprod(0).sum())
+        rounds.append(RoundRecord(f"req-{i // 4}", 3, accepted, tuple(torch.sigmoid(z).tolist())))
+    sts, report = calibrate_rounds(rounds, holdout=0.5)
+    assert report["out_of_sample"] and 100 < report["num_scored_rounds"] < 300
+    assert report["num_rounds"] == 400 and len(sts.temperatures) == 3
+    full, in_sample = calibrate_rounds(rounds, holdout=0.0)
+    assert not in_sample["out_of_sample"] and in_sample["num_scored_rounds"] == 400
+    assert full == sts  # the saved fit uses every round either way

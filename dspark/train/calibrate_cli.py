@@ -89,9 +89,15 @@ def rounds_to_tensors(rounds: list[RoundRecord], *, applied_temperatures=None, a
 
 
 def calibrate_rounds(rounds: list[RoundRecord], *, applied_temperatures=None, applied_biases=None,
-                     plot_path=None, num_bins: int = 20, fit_bias: bool = False):
+                     plot_path=None, num_bins: int = 20, fit_bias: bool = False, holdout: float = 0.0):
     """Fit STS on recorded rounds. Returns (STSCalibration, report dict with per-position
-    before/after ECE and AUROC and the count-weighted summary)."""
+    before/after ECE and AUROC and the count-weighted summary).
+
+    holdout > 0: the report (and the plot) score a fit made WITHOUT the requests of a `holdout`
+    fraction (chosen by a hash of the request id) on exactly those requests, an out-of-sample ECE;
+    the returned calibration is then refitted on every round."""
+    import zlib
+
     from dspark.verify.calibration import (STS_BIAS_GRID, calibration_report, fit_sts, plot_reliability,
                                            survival, survival_labels, verified_mask)
 
@@ -100,30 +106,48 @@ def calibrate_rounds(rounds: list[RoundRecord], *, applied_temperatures=None, ap
                          "'dspark' with a confidence head, and did any prompt reach decoding?)")
     logits, num_accepted, num_verified = rounds_to_tensors(
         rounds, applied_temperatures=applied_temperatures, applied_biases=applied_biases)
-    sts = fit_sts(logits=logits, num_accepted=num_accepted, num_verified=num_verified,
-                  num_bins=num_bins, bias_grid=STS_BIAS_GRID if fit_bias else None)
-    before = calibration_report(logits=logits, num_accepted=num_accepted, num_verified=num_verified,
-                                num_bins=num_bins)
-    after = calibration_report(logits=logits, num_accepted=num_accepted, num_verified=num_verified,
-                               calibration=sts, num_bins=num_bins)
+
+    def fit(rows, shifts=fit_bias):
+        return fit_sts(logits=logits[rows], num_accepted=num_accepted[rows], num_verified=num_verified[rows],
+                       num_bins=num_bins, bias_grid=STS_BIAS_GRID if shifts else None)
+
+    everything = torch.ones(len(rounds), dtype=torch.bool)
+    held = torch.tensor([zlib.crc32(r.request_id.encode()) % 1000 < 1000 * holdout for r in rounds])
+    out_of_sample = holdout > 0 and bool(held.any()) and bool((~held).any())
+    scored, fitted_on = (held, ~held) if out_of_sample else (everything, everything)
+    sts = fit(everything)
+    sts_scored = fit(fitted_on) if out_of_sample else sts
+    # with shifts, also score plain STS (temperatures only) on the same rounds, for comparison
+    plain_scored = fit(fitted_on, shifts=False) if fit_bias else None
+    logits, num_accepted, num_verified = logits[scored], num_accepted[scored], num_verified[scored]
+
+    def report_of(calibration):
+        return calibration_report(logits=logits, num_accepted=num_accepted, num_verified=num_verified,
+                                  calibration=calibration, num_bins=num_bins)
+
+    before, after = report_of(None), report_of(sts_scored)
+    plain = report_of(plain_scored) if plain_scored is not None else after
     positions = [{"position": b["position"], "num_rounds": b["num_rounds"],
-                  "ece_before": b["ece"], "ece_after": a["ece"],
+                  "ece_before": b["ece"], "ece_after": a["ece"], "ece_temperature_only": p["ece"],
                   "auroc_before": b["auroc"], "auroc_after": a["auroc"], "temperature": t,
                   "bias": sts.bias(i)}
-                 for i, (b, a, t) in enumerate(zip(before, after, sts.temperatures))]
-    report = {"num_rounds": len(rounds), "temperatures": list(sts.temperatures),
+                 for i, (b, a, p, t) in enumerate(zip(before, after, plain, sts.temperatures))]
+    report = {"num_rounds": len(rounds), "num_scored_rounds": int(scored.sum()),
+              "out_of_sample": out_of_sample, "temperatures": list(sts.temperatures),
               "biases": None if sts.biases is None else list(sts.biases),
               "positions": positions,
               "summary": {key: _weighted_mean(positions, key)
-                          for key in ("ece_before", "ece_after", "auroc_before", "auroc_after")}}
+                          for key in ("ece_before", "ece_after", "ece_temperature_only", "auroc_before",
+                                      "auroc_after")}}
     if plot_path:
         labels = survival_labels(num_accepted, logits.shape[1]).double()
         mask = verified_mask(num_verified, *logits.shape)
         curves = {name: (survival(torch.sigmoid(logits) if cal is None else cal.apply(logits))[mask],
-                         labels[mask]) for name, cal in (("raw", None), ("STS", sts))}
+                         labels[mask]) for name, cal in (("raw", None), ("STS", sts_scored))}
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        held_note = ", held-out requests" if report["out_of_sample"] else ""
         plot_reliability(curves=curves, path=plot_path, num_bins=num_bins,
-                         title=f"cumulative survival, {len(rounds)} rounds")
+                         title=f"cumulative survival, {int(scored.sum())} rounds{held_note}")
     return sts, report
 
 
@@ -201,6 +225,9 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0,
                    help="target sampling temperature: 0 fits the greedy regime, > 0 the sampling one")
+    p.add_argument("--holdout", type=float, default=0.5,
+                   help="fraction of requests the reported ECE/AUROC are measured on, with a fit made "
+                        "without them (the saved fit uses every request); 0: report in-sample")
     p.add_argument("--fit-bias", action="store_true",
                    help="also search a shift per position, c_k = σ(z_k/T_k + b_k) (plain STS: T_k only)")
     p.add_argument("--out", default=None, help="calibration JSON (default: next to the drafter)")
@@ -242,11 +269,14 @@ def run_cli(args: argparse.Namespace) -> int:
                             seed=args.seed)
     try:
         sts, report = calibrate_rounds(rounds, applied_temperatures=applied, applied_biases=shifts,
-                                       plot_path=args.plot, fit_bias=args.fit_bias)
+                                       plot_path=args.plot, fit_bias=args.fit_bias, holdout=args.holdout)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     write_calibration(out, sts.temperatures, greedy=greedy, biases=sts.biases)
     _print_report(report)
+    if report["out_of_sample"]:
+        print(f"(ECE/AUROC on {report['num_scored_rounds']} rounds of held-out requests, fitted without them; "
+              f"the saved fit uses all {report['num_rounds']} rounds)")
     print(f"wrote {out} ({'greedy_temperatures' if greedy else 'temperatures'})"
           + (f" and {args.plot}" if args.plot else ""))
     print(json.dumps({"out": str(out), "regime": "greedy" if greedy else "sampling",
@@ -278,14 +308,15 @@ def write_calibration(path: Path, temperatures, *, greedy: bool, biases=None) ->
 
 
 def _print_report(report: dict) -> None:
-    print(f"{'pos':>3} {'rounds':>7} {'T':>6} {'b':>5} {'ECE raw':>8} {'ECE STS':>8} {'AUC raw':>8} "
-          f"{'AUC STS':>8}")
+    """Per position: fitted T (and shift b), ECE raw / after (/ with temperatures only), AUROC."""
+    eces = ("ece_before", "ece_after") + (("ece_temperature_only",) if report["biases"] else ())
+    names = ("ECE raw", "ECE fit") + (("ECE T", ) if report["biases"] else ())
+    print(f"{'pos':>3} {'rounds':>7} {'T':>6} {'b':>5} " + " ".join(f"{n:>8}" for n in names)
+          + f" {'AUC raw':>8} {'AUC fit':>8}")
     for p in report["positions"]:
         print(f"{p['position']:>3} {p['num_rounds']:>7} {p['temperature']:>6.3f} {p['bias']:>5.1f} "
-              f"{100 * p['ece_before']:>7.2f}% {100 * p['ece_after']:>7.2f}% "
-              f"{p['auroc_before']:>8.3f} {p['auroc_after']:>8.3f}")
+              + " ".join(f"{100 * p[k]:>7.2f}%" for k in eces)
+              + f" {p['auroc_before']:>8.3f} {p['auroc_after']:>8.3f}")
     s = report["summary"]
-    print("all" + " " * 25 + "".join(
-        f" {100 * s[k]:>7.2f}%" if s[k] is not None else "       –"
-        for k in ("ece_before", "ece_after")) + "".join(
-        f" {s[k]:>8.3f}" if s[k] is not None else "        –" for k in ("auroc_before", "auroc_after")))
+    print("all" + " " * 25 + "".join(f" {100 * s[k]:>7.2f}%" if s[k] is not None else "       –" for k in eces)
+          + "".join(f" {s[k]:>8.3f}" if s[k] is not None else "        –" for k in ("auroc_before", "auroc_after")))
