@@ -36,3 +36,6 @@ for m in dspark dflash eagle3; do
   rm -rf dspark/assets/drafters/${m}-smollm2-135m
   cp -r runs/${m}2/export dspark/assets/drafters/${m}-smollm2-135m
 done
+# 6. the step-cost table the adaptive policies of `dspark serve` read (machine-specific: re-profile on yours)
+python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \
+    --out dspark/assets/drafters/dspark-smollm2-135m/cost_table.json

@@ -153,8 +153,9 @@ def eagle3_batch_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *
 
 
 def export_eagle3(model, ecfg, path: str | Path) -> None:
+    """bf16 weights, like the block drafters' exports (loading casts to the serving dtype)."""
     from dspark.drafters.eagle3_model import save_eagle3
-    save_eagle3(model, ecfg, path)
+    save_eagle3(model, ecfg, str(path), dtype=torch.bfloat16)
 
 
 def build(cfg, target, target_cfg, d2t):
