@@ -266,13 +266,17 @@ def test_eagle3_save_build_round_trip(tmp_path):
     spec = SpecConfig(method="eagle3", model=str(tmp_path), num_speculative_tokens=3)
     check_drafter(spec, CFG)
     loaded = build_drafter(spec, target_config=CFG, target_model=target, dtype=torch.float32, device="cpu")
-    ids, taps = [4, 8, 15, 16, 23, 42], torch.randn(5, 3 * 64)
-    outs = []
-    for drafter in (Eagle3Drafter(model, num_draft_tokens=3), loaded):
-        h = Harness(drafter, 1)
-        h.extend([(0, 0, ids[:-1], ids[-1], taps)])
-        outs.append(h.propose([(0, ids, GREEDY)]).draft_ids)
-    assert torch.equal(outs[0], outs[1])
+    taps = torch.randn(5, 3 * 64)
+    assert torch.equal(_greedy_drafts(Eagle3Drafter(model, num_draft_tokens=3), taps),
+                       _greedy_drafts(loaded, taps))
+
+
+def _greedy_drafts(drafter, taps: torch.Tensor, ids=(4, 8, 15, 16, 23, 42)) -> torch.Tensor:
+    """One request: context ids[:-1] with `taps`, anchor ids[-1] → its greedy draft ids [1, γ]."""
+    ids = list(ids)
+    h = Harness(drafter, 1)
+    h.extend([(0, 0, ids[:-1], ids[-1], taps)])
+    return h.propose([(0, ids, GREEDY)]).draft_ids
 
 
 def test_eagle3_reduced_draft_vocab(tmp_path):
@@ -303,13 +307,10 @@ def test_eagle3_reduced_draft_vocab(tmp_path):
     spec = SpecConfig(method="eagle3", model=str(tmp_path), num_speculative_tokens=3)
     loaded = build_drafter(spec, target_config=CFG, target_model=target, dtype=torch.float32, device="cpu")
     assert torch.equal(loaded.model.d2t, d2t)
-    seq, seq_taps = [4, 8, 15, 16, 23, 42], torch.randn(5, 3 * 64)
-    outs = []
-    for drafter in (Eagle3Drafter(reduced, num_draft_tokens=3), loaded):
-        h = Harness(drafter, 1)
-        h.extend([(0, 0, seq[:-1], seq[-1], seq_taps)])
-        outs.append(h.propose([(0, seq, GREEDY)]).draft_ids)
-    assert torch.equal(outs[0], outs[1]) and set(outs[0].flatten().tolist()) <= set(d2t.tolist())
+    seq_taps = torch.randn(5, 3 * 64)
+    drafts = _greedy_drafts(Eagle3Drafter(reduced, num_draft_tokens=3), seq_taps)
+    assert torch.equal(drafts, _greedy_drafts(loaded, seq_taps))
+    assert set(drafts.flatten().tolist()) <= set(d2t.tolist())
     from safetensors.torch import load_file, save_file
     tensors = load_file(str(tmp_path / "model.safetensors"))
     save_file({**tensors, "d2t": torch.zeros(40, dtype=torch.long)}, str(tmp_path / "model.safetensors"))

@@ -64,10 +64,10 @@ class DSparkDrafter(Drafter):
             self.confidence_temperatures if greedy_confidence_temperatures is None
             else _temperatures(greedy_confidence_temperatures, num_draft_tokens))  # [γ]
         # optional STS shifts b_k (c_k = σ(z_k / T_k + b_k)), zero unless the calibration fitted them
-        self.confidence_biases = _per_position(confidence_biases, num_draft_tokens, fill=0.0)  # [γ]
+        self.confidence_biases = per_position(confidence_biases, num_draft_tokens, fill=0.0)  # [γ]
         self.greedy_confidence_biases = (
             self.confidence_biases if greedy_confidence_temperatures is None
-            else _per_position(greedy_confidence_biases, num_draft_tokens, fill=0.0))  # [γ]
+            else per_position(greedy_confidence_biases, num_draft_tokens, fill=0.0))  # [γ]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
@@ -214,16 +214,16 @@ class DSparkDrafter(Drafter):
         return torch.sigmoid(z / temps + shifts)
 
 
-def _per_position(values: list[float] | None, num_draft_tokens: int, *, fill: float) -> torch.Tensor:
-    """[num_draft_tokens] float32: the given per-position values, `fill` past their end."""
-    values = list(values or [])[:num_draft_tokens]
-    out = torch.full((num_draft_tokens,), fill)
-    out[:len(values)] = torch.tensor(values, dtype=torch.float32)
+def per_position(values, num_positions: int, *, fill: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[num_positions]: the given per-position values (temperatures, shifts), `fill` past their end."""
+    values = [float(v) for v in list(values if values is not None else [])[:num_positions]]
+    out = torch.full((num_positions,), fill, dtype=dtype)
+    out[:len(values)] = torch.tensor(values, dtype=dtype)
     return out
 
 
 def _temperatures(temps: list[float] | None, num_draft_tokens: int) -> torch.Tensor:
-    return _per_position(temps, num_draft_tokens, fill=1.0)
+    return per_position(temps, num_draft_tokens, fill=1.0)
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

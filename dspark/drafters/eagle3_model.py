@@ -281,7 +281,9 @@ class Eagle3Model(nn.Module):
             q, k, v = (t.reshape(batch, seq_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
             keys.append(k)
             values.append(v)
-            out = self._ttt_attention(q, keys, values, scale=attn.scale)  # [batch, heads, seq_len, hd]
+            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()  # [S, S]
+            out = self._ttt_attention(q, keys, values, scale=attn.scale,
+                                      visible=causal)  # [batch, heads, seq_len, hd]
             out = attn.o_proj(out.transpose(1, 2).reshape(batch * seq_len, -1)).view(batch, seq_len, -1)
             hidden = layer.finish(hidden, out)  # [batch, seq_len, d]
             logits.append(hidden if return_hidden else
@@ -318,13 +320,10 @@ class Eagle3Model(nn.Module):
         v_all = qkv[:, attn.qk_size:].reshape(batch * seq_len, kv_heads, hd)
         k0 = k_all.reshape(batch, seq_len, kv_heads, hd).transpose(1, 2)  # [B, Hkv, S, hd]
         v0 = v_all.reshape(batch, seq_len, kv_heads, hd).transpose(1, 2)
-        rep = heads // kv_heads
-        expand = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
-        key_pos = torch.arange(seq_len, device=dev)
-        causal = key_pos.view(1, 1, 1, seq_len) <= rows.view(batch, 1, -1, 1)  # [B, 1, C, S]
+        causal = torch.arange(seq_len, device=dev).view(1, 1, 1, seq_len) <= rows.view(batch, 1, -1, 1)  # [B,1,C,S]
         hidden = fused[bidx, rows]  # [B, C, d]
-        keys: list[torch.Tensor] = []  # steps ≥ 2: per step [B, Hkv, C, hd], the chain's own keys
-        values: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = [k0]  # step 1 at every position, then per step [B, Hkv, C, hd] (own chain)
+        values: list[torch.Tensor] = [v0]
         out_steps: list[torch.Tensor] = []
         for j in range(ttt_steps):
             if j == 0:
@@ -341,14 +340,8 @@ class Eagle3Model(nn.Module):
                 q = q.reshape(batch, -1, heads, hd)
                 keys.append(k.reshape(batch, -1, kv_heads, hd).transpose(1, 2))
                 values.append(v.reshape(batch, -1, kv_heads, hd).transpose(1, 2))
-            qh = q.transpose(1, 2)  # [B, H, C, hd]
-            scores = (qh @ expand(k0).transpose(-1, -2)) * attn.scale  # [B, H, C, S]
-            scores = scores.masked_fill(~causal, float("-inf"))
-            diag = [(qh * expand(k)).sum(-1, keepdim=True) * attn.scale for k in keys]  # each [B, H, C, 1]
-            probs = torch.cat([scores, *diag], dim=-1).float().softmax(dim=-1).to(qh.dtype)
-            o = probs[..., :seq_len] @ expand(v0)  # [B, H, C, hd]
-            for i, vv in enumerate(values):
-                o = o + probs[..., seq_len + i:seq_len + i + 1] * expand(vv)
+            o = self._ttt_attention(q.transpose(1, 2), keys, values, scale=attn.scale,
+                                    visible=causal)  # [B, H, C, hd]
             o = attn.o_proj(o.transpose(1, 2).reshape(-1, heads * hd)).view(batch, -1, hidden.shape[-1])
             hidden = layer.finish(hidden, o)  # [B, C, d]
             out_steps.append(torch.where(live.unsqueeze(-1), hidden, torch.zeros_like(hidden)))
@@ -356,16 +349,16 @@ class Eagle3Model(nn.Module):
 
     @staticmethod
     def _ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *,
-                       scale: float) -> torch.Tensor:
-        """q [B, H, S, hd]; keys/values per step [B, Hkv, S, hd]. Causal over step-1 keys, diagonal
-        (same row) over the keys of steps 2..j. → [B, H, S, hd]."""
+                       scale: float, visible: torch.Tensor) -> torch.Tensor:
+        """q [B, H, Q, hd]; keys/values[0] [B, Hkv, S, hd] are the step-1 keys at every position, seen
+        where `visible` ([Q, S] or [B, 1, Q, S] bool) allows; keys/values of steps 2..j [B, Hkv, Q, hd]
+        are the query row's own (diagonal). → [B, H, Q, hd]."""
         rep = q.shape[1] // keys[0].shape[1]
         expand = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
-        seq_len = q.shape[2]
-        scores = (q @ expand(keys[0]).transpose(-1, -2)) * scale  # [B, H, S, S]
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-        diag = [(q * expand(k)).sum(-1, keepdim=True) * scale for k in keys[1:]]  # each [B, H, S, 1]
+        seq_len = keys[0].shape[2]
+        scores = (q @ expand(keys[0]).transpose(-1, -2)) * scale  # [B, H, Q, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        diag = [(q * expand(k)).sum(-1, keepdim=True) * scale for k in keys[1:]]  # each [B, H, Q, 1]
         probs = torch.cat([scores, *diag], dim=-1).float().softmax(dim=-1).to(q.dtype)
         out = probs[..., :seq_len] @ expand(values[0])
         for i, v in enumerate(values[1:]):

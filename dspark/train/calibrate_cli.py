@@ -67,22 +67,18 @@ def collect_rounds(llm, prompts: list, *, temperature: float, max_tokens: int,
 def rounds_to_tensors(rounds: list[RoundRecord], *, applied_temperatures=None, applied_biases=None):
     """(logits [num_rounds, γ] float64, num_accepted [num_rounds], num_verified [num_rounds]);
     unverified positions are padded with 0 and masked out by `num_verified` downstream."""
+    from dspark.drafters.dspark import per_position
+
     num_positions = max(r.num_verified for r in rounds)
     logits = torch.zeros(len(rounds), num_positions, dtype=torch.float64)
     for i, r in enumerate(rounds):
         c = torch.tensor(r.confidence[:r.num_verified], dtype=torch.float64)
         c = c.clamp(_MIN_CONFIDENCE, 1 - _MIN_CONFIDENCE)
         logits[i, :len(c)] = torch.log(c) - torch.log1p(-c)
-    if applied_biases is not None:  # c = σ(z / T + b): undo the shift first
-        shift = torch.zeros(num_positions, dtype=torch.float64)
-        n = min(num_positions, len(applied_biases))
-        shift[:n] = torch.tensor(list(applied_biases)[:n], dtype=torch.float64)
-        logits = logits - shift
-    if applied_temperatures is not None:
-        temps = torch.ones(num_positions, dtype=torch.float64)
-        n = min(num_positions, len(applied_temperatures))
-        temps[:n] = torch.tensor(list(applied_temperatures)[:n], dtype=torch.float64)
-        logits = logits * temps
+    # c = σ(z / T + b): undo the shift, then the temperature (absent: b = 0, T = 1)
+    shift = per_position(applied_biases, num_positions, fill=0.0, dtype=torch.float64)
+    temps = per_position(applied_temperatures, num_positions, fill=1.0, dtype=torch.float64)
+    logits = (logits - shift) * temps
     num_accepted = torch.tensor([r.num_accepted for r in rounds])
     num_verified = torch.tensor([r.num_verified for r in rounds])
     return logits, num_accepted, num_verified

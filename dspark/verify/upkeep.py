@@ -86,15 +86,18 @@ class OnlineUpkeep:
         self.calibrators: dict[bool, tuple[OnlineCalibrator, torch.Tensor]] = {}  # greedy? → (fit, tensor)
         temps = getattr(drafter, "confidence_temperatures", None)
         if drafter is not None and getattr(drafter, "has_confidence", False) and temps is not None:
-            greedy = getattr(drafter, "greedy_confidence_temperatures", temps)
-            for regime, tensor in ((False, temps), (True, greedy)):
-                shared = self.calibrators.get(False) if tensor is temps and regime else None
-                shifts = getattr(drafter, "biases_for", None)  # fixed offline shifts, if any
-                biases = None if shifts is None else tuple(float(b) for b in shifts(regime))
-                self.calibrators[regime] = shared or (OnlineCalibrator(
-                    num_positions=len(tensor), config=self.config.calibration,
-                    initial=STSCalibration(temperatures=tuple(float(t) for t in tensor),
-                                           biases=biases)), tensor)
+            shifts = getattr(drafter, "biases_for", None)  # the offline shifts, held fixed online
+
+            def calibrated(greedy: bool, tensor: torch.Tensor) -> tuple[OnlineCalibrator, torch.Tensor]:
+                biases = None if shifts is None else tuple(float(b) for b in shifts(greedy))
+                initial = STSCalibration(temperatures=tuple(float(t) for t in tensor), biases=biases)
+                return OnlineCalibrator(num_positions=len(tensor), config=self.config.calibration,
+                                        initial=initial), tensor
+
+            greedy_temps = getattr(drafter, "greedy_confidence_temperatures", temps)
+            self.calibrators[False] = calibrated(False, temps)
+            self.calibrators[True] = (self.calibrators[False] if greedy_temps is temps
+                                      else calibrated(True, greedy_temps))
         self.calibrator = self.calibrators[False][0] if self.calibrators else None
         # this step's rounds: (greedy?, raw logits, num_verified, num_accepted)
         self._rounds: list[tuple[bool, list[float], int, int]] = []
