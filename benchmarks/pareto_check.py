@@ -1,6 +1,7 @@
 """Issue-5 verdicts from a serving sweep (`dspark bench sweep ... --repeats N`): per dataset and
 concurrency, the median over repeats of total output tok/s and mean TPOT for every method, and for each
-scheduled policy (prefix, async, threshold by default):
+scheduled policy (prefix, async, threshold by default; `--policies dspark-prefix-lookup,...` for the
+prompt-lookup-first family, which is compared with its own fixed K, `dspark-kN-lookup`):
 
 - `pareto`: on or outside the front of the fixed-K methods — no dspark-kN is better on both axes
   (higher tok/s and lower TPOT) by more than `--tol` (relative);
@@ -22,7 +23,12 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-FIXED = re.compile(r"^dspark-k(\d+)$")
+FIXED = re.compile(r"^dspark-k(\d+)(-lookup)?$")
+LOOKUP = "-lookup"  # a family: its scheduled policies are compared with its own fixed K (dspark-kN-lookup)
+
+
+def family(method: str) -> str:
+    return LOOKUP if method.endswith(LOOKUP) else ""
 
 
 def medians(points: list[dict]) -> dict[tuple[str, str, int], dict]:
@@ -44,15 +50,15 @@ def verdicts(med: dict, *, policies: list[str], tol: float) -> list[dict]:
     rows = []
     for dataset, concurrency in sorted({(d, c) for d, _, c in med}):
         here = {m: v for (d, m, c), v in med.items() if d == dataset and c == concurrency}
-        fixed = {m: v for m, v in here.items() if FIXED.match(m)}
         none = here.get("none")
         for policy in policies:
             me = here.get(policy)
             if me is None:
                 continue
+            fixed = {m: v for m, v in here.items() if FIXED.match(m) and family(m) == family(policy)}
             dominated_by = [m for m, v in fixed.items()
                             if v["tok_s"] > me["tok_s"] * (1 + tol) and v["tpot_ms"] < me["tpot_ms"] * (1 - tol)]
-            k7 = fixed.get("dspark-k7")
+            k7 = fixed.get("dspark-k7" + family(policy))
             rows.append({
                 "dataset": dataset, "concurrency": concurrency, "policy": policy,
                 "tok_s": me["tok_s"], "tpot_ms": me["tpot_ms"],

@@ -60,8 +60,9 @@ class SpecConfig:
     cost_table: str | None = None  # JSON from `dspark profile`
     online_upkeep: bool = False  # refresh the cost table and confidence temperatures from live steps
     draft_gate: bool = True  # prefix / async: skip drafting in steps where it cannot pay (DraftGate)
-    prompt_lookup_min: int = 2  # n-gram
+    prompt_lookup_min: int = 2  # n-gram (and ngram_first)
     prompt_lookup_max: int = 5
+    ngram_first: bool = False  # model drafters: prompt lookup first, the model where it cannot do better
     draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target
 
     def __post_init__(self) -> None:
@@ -80,6 +81,8 @@ class SpecConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.ngram_first and self.method == "ngram":
+            raise ValueError("ngram_first wraps a model drafter; method 'ngram' is prompt lookup already")
         if self.method in ("dspark", "dflash", "eagle3") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs 'model' (the drafter checkpoint)")
 

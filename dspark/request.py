@@ -59,6 +59,7 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)  # proposed for the next verification
     draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] or None (point mass)
     draft_confidence: list[float] | None = None  # conditional c_k per draft position
+    draft_from_model: bool = True  # False: the drafts came from prompt lookup (lookup_first.py)
     verify_len: int = 0  # drafts to verify in the next step (ℓ)
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -106,4 +107,5 @@ class Request:
         self.draft_ids = []
         self.draft_probs = None
         self.draft_confidence = None
+        self.draft_from_model = True
         self.verify_len = 0

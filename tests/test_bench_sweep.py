@@ -84,9 +84,11 @@ def test_method_table():
                       "cost_table": "c.json"}
     assert parse_method("dspark-async").needs_cost_table
     assert not parse_method("dspark-k7").needs_cost_table
+    assert method_spec(parse_method("dspark-prefix-lookup"), drafter_dir="d", cost_table_path="c.json") == {
+        **prefix, "ngram_first": True}
     with pytest.raises(MethodUnavailable):
         method_spec(parse_method("eagle3"))
-    for bad in ("bogus", "dspark-x", "none-k3", "ngram-prefix"):
+    for bad in ("bogus", "dspark-x", "none-k3", "ngram-prefix", "ngram-lookup", "none-lookup"):
         with pytest.raises(ValueError):
             parse_method(bad)
 

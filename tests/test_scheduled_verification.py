@@ -493,16 +493,17 @@ def test_upkeep_switched_off_changes_nothing():
 def test_engine_online_upkeep_wiring(target, drafter_dir, plain_outputs):
     off = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD)
     assert off.upkeep is None, "online_upkeep defaults to off"
-    assert off.verify_observers == [off.draft_gate.observe_verify], "only the draft gate observes"
+    assert off.verify_observers == [] and off.model_verify_observers == [off.draft_gate.observe_verify], \
+        "only the draft gate observes"
 
     engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, online_upkeep=True)
-    assert engine.upkeep is not None and engine.upkeep.observe_verify in engine.verify_observers
+    assert engine.upkeep is not None and engine.upkeep.observe_verify in engine.model_verify_observers
     # the same wiring with a faster schedule, so a short run refreshes and refits
-    engine.verify_observers.remove(engine.upkeep.observe_verify)
+    engine.model_verify_observers.remove(engine.upkeep.observe_verify)
     fast = UpkeepConfig(refresh_every=8, min_samples=1,
                         calibration=OnlineCalibrationConfig(refit_every=2, min_trials=8.0))
     engine.upkeep = OnlineUpkeep(drafter=engine.drafter, cost_table=engine.cost_table, config=fast)
-    engine.verify_observers.append(engine.upkeep.observe_verify)
+    engine.model_verify_observers.append(engine.upkeep.observe_verify)
     temps_before = engine.drafter.confidence_temperatures.clone()
     staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
     assert _mismatches(staged.outputs, plain_outputs) == 0

@@ -121,3 +121,26 @@ def test_speculative_greedy_equals_plain(method, smollm2, chat_prompts, plain_ou
     assert engine.block_manager.num_free_blocks == 48
     if method == "draft_model":
         assert engine.metrics.num_accepted_tokens > 0
+
+
+def test_shipped_default_greedy_equals_plain(smollm2, chat_prompts, plain_outputs):
+    """What `dspark serve` runs with no --speculative-config: the trained DSpark drafter, prompt lookup
+    first, the prefix scheduler on the shipped cost table (draft gate on) — same pressure as above."""
+    from dspark.drafters.shipped import default_spec_config
+    from dspark.engine.build import build_policy
+    model, cfg, tok = smollm2
+    spec = default_spec_config("SmolLM2-135M-Instruct")
+    assert spec is not None and spec.ngram_first and spec.length_policy == "prefix"
+    drafter = build_drafter(spec, target_config=cfg, target_model=model, dtype=torch.float32, device="cpu")
+    config = EngineConfig(cache=CacheConfig(kv_block_size=16, num_kv_blocks=40),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), spec=spec)
+    policy, cost = build_policy(config, drafter)
+    engine = Engine(config, model=model, model_config=cfg, drafter=drafter, length_policy=policy,
+                    cost_table=cost, eos_token_ids=tok.eos_token_ids)
+    outs = _generate(engine, chat_prompts[:8])
+    mismatches = [i for i, (a, b) in enumerate(zip(outs, plain_outputs)) if a != b]
+    assert not mismatches, f"shipped default: prompts {mismatches} differ from plain greedy"
+    assert engine.metrics.num_preemptions > 0
+    assert drafter.num_lookup_proposals > 0 and drafter.num_model_proposals > 0, "both sources must draft"
+    assert engine.metrics.num_accepted_tokens > 0
+    assert engine.block_manager.num_free_blocks == 40

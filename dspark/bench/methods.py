@@ -9,7 +9,9 @@ A name is `BASE[-kN][-POLICY]`, parts separated by "-":
   (`dspark-k3`, `dspark-k7`, `ngram-k4`);
 - POLICY: `fixed`, `threshold`, `prefix` or `async` (`dspark-prefix`, `dspark-async`; all but
   `fixed` need a confidence head, so dspark only); `prefix` and `async` read the cost table
-  that `dspark profile` writes once per sweep (`needs_cost_table`).
+  that `dspark profile` writes once per sweep (`needs_cost_table`);
+- `lookup`: prompt lookup first, the drafter where lookup cannot do better (`"ngram_first": true`;
+  drafter methods only: `dspark-prefix-lookup`, `dspark-k3-lookup`).
 Plain `ngram` drafts NGRAM_DEFAULT_TOKENS tokens; plain drafter methods use `SpecConfig`'s
 default γ.
 
@@ -29,6 +31,7 @@ DRAFTER_METHODS = ("dspark", "dflash", "eagle3", "draft_model")
 COST_TABLE_POLICIES = ("prefix", "async")
 CONFIDENCE_METHODS = ("dspark",)  # adaptive policies need a confidence head (engine/build.py)
 NGRAM_DEFAULT_TOKENS = 4
+LOOKUP_PART = "lookup"
 
 
 class MethodUnavailable(Exception):
@@ -43,6 +46,7 @@ class Method:
     base: str  # none | ngram | dspark | dflash | eagle3 | draft_model
     num_speculative_tokens: int | None = None  # None: the method's default
     length_policy: str | None = None  # None: SpecConfig's default (fixed)
+    ngram_first: bool = False  # the `lookup` part
 
     @property
     def needs_drafter(self) -> bool:
@@ -59,23 +63,27 @@ def parse_method(name: str) -> Method:
     if base != NO_SPEC and base not in SPEC_METHODS:
         raise ValueError(f"method {name!r}: unknown base {base!r}; "
                          f"choose from {', '.join((NO_SPEC, *SPEC_METHODS))}")
-    num_tokens, policy = None, None
+    num_tokens, policy, lookup = None, None, False
     for part in parts:
         if part.startswith("k") and part[1:].isdigit() and int(part[1:]) >= 1:
             num_tokens = int(part[1:])
         elif part in LENGTH_POLICY_NAMES:
             policy = part
+        elif part == LOOKUP_PART:
+            lookup = True
         else:
-            raise ValueError(f"method {name!r}: part {part!r} is neither kN nor a length policy "
-                             f"({', '.join(LENGTH_POLICY_NAMES)})")
+            raise ValueError(f"method {name!r}: part {part!r} is neither kN, {LOOKUP_PART!r} nor a length "
+                             f"policy ({', '.join(LENGTH_POLICY_NAMES)})")
     if base == NO_SPEC and parts:
         raise ValueError(f"method {name!r}: 'none' takes no options")
+    if lookup and base not in DRAFTER_METHODS:
+        raise ValueError(f"method {name!r}: {LOOKUP_PART!r} wraps a drafter ({', '.join(DRAFTER_METHODS)})")
     if policy not in (None, "fixed") and base not in CONFIDENCE_METHODS:
         raise ValueError(f"method {name!r}: length policy {policy!r} needs a confidence head "
                          f"({', '.join(CONFIDENCE_METHODS)})")
     if num_tokens is not None and policy is None:
         policy = "fixed"
-    return Method(name, base, num_tokens, policy)
+    return Method(name, base, num_tokens, policy, lookup)
 
 
 def method_spec(method: Method, *, drafter_dir: str | None = None,
@@ -96,6 +104,8 @@ def method_spec(method: Method, *, drafter_dir: str | None = None,
         spec["num_speculative_tokens"] = num_tokens
     if method.length_policy is not None:
         spec["length_policy"] = method.length_policy
+    if method.ngram_first:
+        spec["ngram_first"] = True
     if method.needs_cost_table:
         if not cost_table_path:
             raise MethodUnavailable(f"{method.name}: length policy {method.length_policy!r} "

@@ -62,7 +62,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="target model given to `dspark serve`")
     p.add_argument("--methods", type=_csv, default=["none", "ngram"],
-                   help="comma list: none, ngram[-kN], dspark[-kN][-POLICY], dflash, eagle3, ...")
+                   help="comma list: none, ngram[-kN], dspark[-kN][-POLICY][-lookup], dflash, eagle3, ...")
     p.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 8, 16, 32])
     p.add_argument("--dataset", type=_csv, default=["gsm8k"], help="comma list of datasets")
     p.add_argument("--num-prompts", type=int, default=32)

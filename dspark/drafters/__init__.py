@@ -2,7 +2,8 @@
 configuration against the target before any weight is loaded; may be absent) and
 `build(spec, *, target_config, target_model, dtype, device) -> Drafter`.
 
-"dflash" is the DSpark drafter with the Markov and confidence heads switched off.
+"dflash" is the DSpark drafter with the Markov and confidence heads switched off. `"ngram_first": true`
+wraps any of them in `LookupFirstDrafter` (prompt lookup first, the model where lookup cannot do better).
 """
 
 from __future__ import annotations
@@ -35,8 +36,13 @@ def check_drafter(spec: SpecConfig, target_config) -> None:
 
 
 def build_drafter(spec: SpecConfig, *, target_config, target_model, dtype, device) -> Drafter:
-    return _module(spec.method).build(spec, target_config=target_config, target_model=target_model,
-                                      dtype=dtype, device=device)
+    drafter = _module(spec.method).build(spec, target_config=target_config, target_model=target_model,
+                                         dtype=dtype, device=device)
+    if spec.ngram_first:
+        from dspark.drafters.lookup_first import LookupFirstDrafter
+        drafter = LookupFirstDrafter(drafter, prompt_lookup_min=spec.prompt_lookup_min,
+                                     prompt_lookup_max=spec.prompt_lookup_max)
+    return drafter
 
 
 __all__ = ["DRAFTER_REGISTRY", "DraftProposal", "Drafter", "build_drafter", "check_drafter"]

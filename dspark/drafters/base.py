@@ -21,9 +21,14 @@ from dspark.sampling import SamplingParams
 @dataclass
 class DraftProposal:
     draft_ids: torch.Tensor  # [num_reqs, num_draft_tokens] long
-    draft_probs: torch.Tensor | None  # [num_reqs, num_draft_tokens, vocab_size] float32, or None
+    # [num_reqs, num_draft_tokens, vocab_size] float32, or None (point masses); a list holds one
+    # [num_draft_tokens, vocab_size] tensor or None per request (mixed sources: lookup_first.py)
+    draft_probs: torch.Tensor | list[torch.Tensor | None] | None
     confidence: torch.Tensor | None  # [num_reqs, num_draft_tokens] conditional c_k in (0, 1), or None
     num_valid: list[int] | None = None  # [num_reqs] drafts actually proposed (n-gram may find fewer)
+    # [num_reqs] rows the model drafter proposed, whose confidences come from its calibrated head (None:
+    # every row); the draft gate and the online calibration learn from those rows only
+    from_model: list[bool] | None = None
 
 
 @dataclass
@@ -53,6 +58,7 @@ class ProposeRequest:
     num_draft_computed: int  # positions whose drafter context K/V exist (≤ anchor_pos)
     params: SamplingParams
     generator: torch.Generator | None
+    allow_model: bool = True  # False: the draft gate skipped this request; only free drafts (lookup)
 
 
 @dataclass
@@ -68,6 +74,8 @@ class Drafter(ABC):
     num_draft_tokens: int
     tap_layer_ids: tuple[int, ...] = ()
     has_confidence: bool = False
+    # proposes for requests with allow_model=False too (drafts that cost nothing: lookup_first.py)
+    has_free_drafts: bool = False
 
     def kv_layer_specs(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of each extra KV layer this drafter keeps in the paged pool."""

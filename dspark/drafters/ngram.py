@@ -21,6 +21,10 @@ class NgramDrafter(Drafter):
 
     def lookup(self, ids: list[int]) -> list[int]:
         """Draft continuation of `ids` (possibly shorter than num_draft_tokens, possibly empty)."""
+        return self.lookup_with_length(ids)[0]
+
+    def lookup_with_length(self, ids: list[int]) -> tuple[list[int], int]:
+        """(draft continuation, length n of the matched suffix); ([], 0) when nothing matches."""
         arr = np.asarray(ids, dtype=np.int64)
         total = len(arr)
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
@@ -30,8 +34,8 @@ class NgramDrafter(Drafter):
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # most recent occurrence
-                return arr[start:start + self.num_draft_tokens].tolist()
-        return []
+                return arr[start:start + self.num_draft_tokens].tolist(), n
+        return [], 0
 
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         drafts = [self.lookup(r.all_ids) for r in batch.requests]

@@ -75,20 +75,25 @@ class Engine:
                                   tap_layer_ids=drafter.tap_layer_ids if drafter else ())
         self.metrics = EngineMetrics()
         # Called after each verification as f(request_id, draft_confidence, num_verified, num_accepted)
-        # for every request that emitted (eval / calibration tools: dspark.verify.acceptance).
+        # for every request that emitted (eval / calibration tools: dspark.verify.acceptance), whatever
+        # proposed its drafts; `model_verify_observers` only for rounds the model drafter proposed (their
+        # confidences come from its calibrated head: the draft gate and online calibration learn from them)
         self.verify_observers: list = []
+        if drafter is not None and drafter.has_free_drafts:  # lookup-first: counts its drafts' outcomes
+            self.verify_observers.append(drafter.observe_verify)
+        self.model_verify_observers: list = []
         self.draft_gate = None  # cost-aware policies: skip drafting where it cannot pay (spec "draft_gate")
         if (drafter is not None and config.spec is not None and config.spec.draft_gate
                 and getattr(length_policy, "needs_cost", False)):
             from dspark.verify.length_policy import DraftGate
             self.draft_gate = DraftGate()
-            self.verify_observers.append(self.draft_gate.observe_verify)
+            self.model_verify_observers.append(self.draft_gate.observe_verify)
         self.upkeep = None  # online cost-table / calibration upkeep (spec "online_upkeep")
         if drafter is not None and config.spec is not None and config.spec.online_upkeep:
             from dspark.verify.upkeep import OnlineUpkeep
             self.upkeep = OnlineUpkeep(drafter=drafter, cost_table=cost_table,
                                        is_greedy=self._is_greedy)
-            self.verify_observers.append(self.upkeep.observe_verify)
+            self.model_verify_observers.append(self.upkeep.observe_verify)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -143,10 +148,10 @@ class Engine:
                     num_tokens=sched.num_batched_tokens, seconds=time.perf_counter() - start)
             emitted = self.scheduler.commit(sched, result.output_ids_by_id, result.num_accepted_by_id)
             if self.drafter is not None:
-                proposing, num_nondraft = self._proposing_requests(sched)
+                proposing, model_allowed, num_nondraft = self._proposing_requests(sched)
                 self._extend_drafter_context(sched, batch, taps, result,
-                                             flush={r.request_id for r in proposing})
-                num_proposed = self._propose_and_choose(proposing, num_nondraft)
+                                             flush={r.request_id for r, ok in zip(proposing, model_allowed) if ok})
+                num_proposed = self._propose_and_choose(proposing, model_allowed, num_nondraft)
             self._record(sched, result)
         outputs = self._outputs(sched, emitted)
         if self.draft_gate is not None and sched.scheduled:  # the whole step, as the gate's live cost
@@ -180,9 +185,12 @@ class Engine:
             is_greedy=[s.request.params.is_greedy for s in items],
             generators=[s.request.generator for s in items])
         ids = [s.request.request_id for s in items]
-        for observe in self.verify_observers:
-            for rid, s, n in zip(ids, items, result.num_accepted):
+        for rid, s, n in zip(ids, items, result.num_accepted):
+            for observe in self.verify_observers:
                 observe(rid, s.request.draft_confidence, s.num_drafts, n)
+            if s.request.draft_from_model:
+                for observe in self.model_verify_observers:
+                    observe(rid, s.request.draft_confidence, s.num_drafts, n)
         return StepVerify(dict(zip(ids, result.output_ids)), dict(zip(ids, result.num_accepted)))
 
     # Committed positions whose drafter context may wait (draft gate only): a request the gate skips
@@ -239,39 +247,46 @@ class Engine:
         return PendingContext(start_pos=pending[0].start_pos, token_ids=ids, next_token_id=part.next_token_id,
                               taps=None if part.taps is None else torch.cat([p.taps for p in pending]))
 
-    def _proposing_requests(self, sched: SchedulerOutput) -> tuple[list[Request], int]:
-        """The requests that draft for the next step (the draft gate's pick among those that emitted)
-        and the next step's non-draft token count."""
+    def _proposing_requests(self, sched: SchedulerOutput) -> tuple[list[Request], list[bool], int]:
+        """The requests that draft for the next step, whether the model drafter may draft for each (the
+        draft gate's pick among those that emitted; a drafter with free drafts still proposes for the
+        others), and the next step's non-draft token count."""
         reqs = [s.request for s in sched.scheduled
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:
-            return [], 0
+            return [], [], 0
         # tokens of the next step that are not drafts: one per decoding request + prompt chunks
         num_nondraft = min(sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.scheduler.running),
                            self.config.scheduler.max_num_batched_tokens)
+        allowed = [True] * len(reqs)
         if self.draft_gate is not None:
             drafted = set(self.draft_gate.drafted_requests(num_reqs=len(reqs), num_nondraft_tokens=num_nondraft,
                                                            cost=self.cost_table))
-            for r in (r for i, r in enumerate(reqs) if i not in drafted):
-                r.clear_drafts()  # plain decoding in the next step for this request
+            allowed = [i in drafted for i in range(len(reqs))]
+            for r in (r for r, ok in zip(reqs, allowed) if not ok):
+                r.clear_drafts()  # plain decoding in the next step for this request (or free drafts)
                 self.metrics.num_draft_skips += 1
-            reqs = [r for i, r in enumerate(reqs) if i in drafted]
-        return reqs, num_nondraft
+            if not self.drafter.has_free_drafts:
+                reqs = [r for r, ok in zip(reqs, allowed) if ok]
+                allowed = [True] * len(reqs)
+        return reqs, allowed, num_nondraft
 
-    def _propose_and_choose(self, reqs: list[Request], num_nondraft: int) -> int:
-        """Drafts and verify lengths for the next step; returns the number of requests proposed for."""
+    def _propose_and_choose(self, reqs: list[Request], model_allowed: list[bool], num_nondraft: int) -> int:
+        """Drafts and verify lengths for the next step; returns the number of requests the model drafter
+        proposed for."""
         if not reqs:
             return 0
         batch = ProposeBatch(
             requests=[ProposeRequest(
                 request_id=r.request_id, all_ids=r.all_ids, anchor_pos=r.num_computed_tokens,
                 block_table=r.block_table, num_draft_computed=r.num_draft_computed, params=r.params,
-                generator=r.generator) for r in reqs],
+                generator=r.generator, allow_model=ok) for r, ok in zip(reqs, model_allowed)],
             kv_block_size=self.block_manager.kv_block_size,
             draft_sample_method=self.config.spec.draft_sample_method if self.config.spec else "greedy")
         proposal = self.drafter.propose(batch)
         num_valid = ([proposal.draft_ids.shape[1]] * len(reqs) if proposal.num_valid is None
                      else list(proposal.num_valid))
+        from_model = [True] * len(reqs) if proposal.from_model is None else list(proposal.from_model)
         if self.length_policy is None:
             verify_lens = list(num_valid)
         else:
@@ -282,17 +297,20 @@ class Engine:
             if hasattr(self.length_policy, "observe") and proposal.confidence is not None:
                 # after choose: the async policy's capacity reads confidences two steps old
                 self.length_policy.observe(proposal.confidence, num_proposed=num_valid)
-            if self.draft_gate is not None and proposal.confidence is not None:
-                self.draft_gate.observe(proposal.confidence, num_proposed=num_valid)
+            rows = [i for i, m in enumerate(from_model) if m]  # the gate learns the model's curve only
+            if self.draft_gate is not None and proposal.confidence is not None and rows:
+                self.draft_gate.observe(proposal.confidence[rows], num_proposed=[num_valid[i] for i in rows])
         for i, r in enumerate(reqs):
             verify_lens[i] = min(int(verify_lens[i]), num_valid[i])
             r.draft_ids = proposal.draft_ids[i, :num_valid[i]].tolist()
             r.draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[i]
             r.draft_confidence = None if proposal.confidence is None else proposal.confidence[i].tolist()
+            r.draft_from_model = from_model[i]
             r.verify_len = int(verify_lens[i])
         with self.metrics.lock:
             self.metrics.verify_lens.extend(int(v) for v in verify_lens)
-        return len(reqs)
+            self.metrics.num_lookup_drafts += sum(1 for i in range(len(reqs)) if not from_model[i] and num_valid[i])
+        return sum(from_model)
 
     def _record(self, sched: SchedulerOutput, result: "StepVerify") -> None:
         m = self.metrics

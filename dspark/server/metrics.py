@@ -57,8 +57,11 @@ class _EngineCollector:
         yield counter("spec_decode_num_wasted_verify_tokens",
                       "Verified draft tokens that were rejected.", m.num_wasted_verify_tokens)
         yield counter("spec_decode_num_draft_skips",
-                      "Request-steps decoded without drafts because the draft gate found drafting "
-                      "could not pay under the load.", m.num_draft_skips)
+                      "Request-steps without model drafts because the draft gate found drafting "
+                      "could not pay under the load (prompt lookup may still draft them).", m.num_draft_skips)
+        yield counter("spec_decode_num_lookup_drafts",
+                      "Request-steps drafted by prompt lookup instead of the model drafter "
+                      "(ngram_first).", m.num_lookup_drafts)
         per_pos = CounterMetricFamily("dspark:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted draft tokens by draft position.",
                                       labels=["position"])
