@@ -74,6 +74,20 @@ def test_sweep_end_to_end(tiny_dir, tmp_path):
     assert (out / "logs" / "server_ngram.log").is_file()
 
 
+def test_sweep_interleaved_takes_turns(tiny_dir, tmp_path):
+    """--interleave: both servers up at once, the methods take turns at every grid point."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "dspark", "bench", "sweep", "--model", str(tiny_dir),
+           "--methods", "none,ngram", "--concurrency", "1", "--dataset", "random", "--repeats", "2",
+           "--random-input-len", "16", "--num-prompts", "2", "--max-tokens", "8", "--interleave",
+           "--out-dir", str(out), "--engine-args", "--num-threads 1", "--start-timeout-s", "240"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)  # a hang guard
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = json.loads((out / "results.json").read_text())["points"]
+    assert [(p["method"], p["repeat"]) for p in points] == [("none", 0), ("ngram", 0), ("none", 1), ("ngram", 1)]
+    assert all(not p.get("error") and p["num_completed"] == 2 for p in points)
+
+
 def test_method_table():
     assert method_spec(parse_method("none")) is None
     assert method_spec(parse_method("ngram")) == {"method": "ngram", "num_speculative_tokens": 4}

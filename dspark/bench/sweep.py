@@ -11,7 +11,10 @@ concurrencies and datasets, then write results.json, report.md and plots.
 Per method (names: see `dspark.bench.methods`): start `python -m dspark serve MODEL --port P
 --speculative-config JSON [--engine-args ...]` on 127.0.0.1 and a free port, wait for /health, run
 `run_bench` for every dataset × concurrency × repeat (same prompts each repeat), stop the server
-(SIGTERM, then SIGKILL after a timeout). Methods that need a drafter checkpoint take it from
+(SIGTERM, then SIGKILL after a timeout). With `--interleave` every method's server is up at once
+and the points run repeat by repeat, dataset by dataset, concurrency by concurrency, the methods in
+turn: the compared methods are then measured seconds apart instead of minutes, which matters on a
+machine whose speed drifts (an idle server sleeps: it takes no CPU while another is measured). Methods that need a drafter checkpoint take it from
 `--drafter-dir METHOD=PATH` or `dspark.drafters.shipped`, else they are skipped with a message.
 Length policies prefix/async get a cost table that `dspark profile` writes once per drafter method
 into the out dir (`cost_table_<method>.json`, reused when present, or `--cost-table PATH`).
@@ -29,6 +32,7 @@ import json
 import shlex
 import subprocess
 import sys
+from contextlib import ExitStack
 from dataclasses import fields
 from pathlib import Path
 
@@ -88,6 +92,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--random-input-len", type=int, default=d["random_input_len"])
     p.add_argument("--request-timeout-s", type=float, default=d["request_timeout_s"])
     p.add_argument("--start-timeout-s", type=float, default=600.0)
+    p.add_argument("--interleave", action="store_true",
+                   help="all servers up at once; the methods take turns at every grid point")
     p.set_defaults(func=run_cli)
     return p
 
@@ -149,35 +155,43 @@ def to_point(result: dict, *, method: str, dataset: str, concurrency: int, repea
     return point
 
 
-def bench_method(args: argparse.Namespace, name: str, base_url: str, out_dir: Path) -> list[dict]:
-    """Every dataset × concurrency × repeat against one running server."""
+def bench_point(args: argparse.Namespace, name: str, base_url: str, out_dir: Path, *, dataset: str,
+                concurrency: int, repeat: int) -> dict:
+    """One dataset × concurrency × repeat point against a running server."""
     from dspark.bench.cli import run_bench
 
-    points = []
-    for dataset in args.dataset:
-        for concurrency in args.concurrency:
-            num_prompts = max(args.num_prompts, args.num_prompts_per_concurrency * concurrency)
-            for repeat in range(args.repeats):
-                raw = (out_dir / "raw" / f"{safe_name(name)}_{safe_name(dataset)}"
-                       f"_c{concurrency}_r{repeat}.json")
-                cfg = BenchConfig(
-                    base_url=base_url, endpoint=args.endpoint, dataset=dataset,
-                    num_prompts=num_prompts, max_tokens=args.max_tokens,
-                    ignore_eos=args.ignore_eos, max_concurrency=concurrency,
-                    num_warmup=args.num_warmup, seed=args.seed, result_file=str(raw),
-                    temperature=args.temperature, random_input_len=args.random_input_len,
-                    request_timeout_s=args.request_timeout_s, progress=False, label=name)
-                try:
-                    point = to_point(run_bench(cfg), method=name, dataset=dataset,
-                                     concurrency=concurrency, repeat=repeat)
-                    point["raw_file"] = str(raw.relative_to(out_dir))
-                except Exception as e:  # noqa: BLE001 - one failed point must not end the sweep
-                    point = {"method": name, "dataset": dataset, "max_concurrency": concurrency,
-                             "repeat": repeat, "error": f"{type(e).__name__}: {e}"}
-                print(f"[sweep] {name} {dataset} c={concurrency} r={repeat}: "
-                      f"{_point_line(point)}", file=sys.stderr, flush=True)
-                points.append(point)
-    return points
+    num_prompts = max(args.num_prompts, args.num_prompts_per_concurrency * concurrency)
+    raw = out_dir / "raw" / f"{safe_name(name)}_{safe_name(dataset)}_c{concurrency}_r{repeat}.json"
+    cfg = BenchConfig(
+        base_url=base_url, endpoint=args.endpoint, dataset=dataset,
+        num_prompts=num_prompts, max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos, max_concurrency=concurrency,
+        num_warmup=args.num_warmup, seed=args.seed, result_file=str(raw),
+        temperature=args.temperature, random_input_len=args.random_input_len,
+        request_timeout_s=args.request_timeout_s, progress=False, label=name)
+    try:
+        point = to_point(run_bench(cfg), method=name, dataset=dataset,
+                         concurrency=concurrency, repeat=repeat)
+        point["raw_file"] = str(raw.relative_to(out_dir))
+    except Exception as e:  # noqa: BLE001 - one failed point must not end the sweep
+        point = {"method": name, "dataset": dataset, "max_concurrency": concurrency,
+                 "repeat": repeat, "error": f"{type(e).__name__}: {e}"}
+    print(f"[sweep] {name} {dataset} c={concurrency} r={repeat}: "
+          f"{_point_line(point)}", file=sys.stderr, flush=True)
+    return point
+
+
+def bench_method(args: argparse.Namespace, name: str, base_url: str, out_dir: Path) -> list[dict]:
+    """Every dataset × concurrency × repeat against one running server."""
+    return [bench_point(args, name, base_url, out_dir, dataset=d, concurrency=c, repeat=r)
+            for d in args.dataset for c in args.concurrency for r in range(args.repeats)]
+
+
+def bench_interleaved(args: argparse.Namespace, base_urls: dict[str, str], out_dir: Path) -> list[dict]:
+    """Repeat by repeat, dataset by dataset, concurrency by concurrency: every method in turn."""
+    return [bench_point(args, name, url, out_dir, dataset=d, concurrency=c, repeat=r)
+            for r in range(args.repeats) for d in args.dataset for c in args.concurrency
+            for name, url in base_urls.items()]
 
 
 def _point_line(point: dict) -> str:
@@ -203,6 +217,24 @@ def summary(results: dict) -> dict:
             "peak_output_tok_s": peak}
 
 
+def _server_for(args: argparse.Namespace, name: str, drafter_dirs: dict[str, str], out_dir: Path,
+                results: dict) -> tuple[ServerProcess | None, dict | None]:
+    """The (not yet started) server of one method and its speculative config; (None, None) when the
+    method is skipped (recorded in results["skipped"])."""
+    try:
+        spec = resolve_spec(args, parse_method(name), drafter_dirs, out_dir)
+    except ValueError as e:
+        if not args.server_cmd:
+            raise SystemExit(f"error: {e}")
+        spec = None  # an external server: the name is only a label
+    except MethodUnavailable as e:
+        print(f"[sweep] skipping {name}: {e}", file=sys.stderr)
+        results["skipped"][name] = str(e)
+        return None, None
+    return ServerProcess(server_argv(args, spec), log_path=out_dir / "logs" / f"server_{safe_name(name)}.log",
+                         start_timeout_s=args.start_timeout_s), spec
+
+
 def run_cli(args: argparse.Namespace) -> int:
     import logging
 
@@ -215,31 +247,29 @@ def run_cli(args: argparse.Namespace) -> int:
                      "config": {k: v for k, v in vars(args).items()
                                 if k not in ("func", "command", "bench_command")},
                      "skipped": {}, "servers": {}, "points": []}
-    for name in args.methods:
-        try:
-            method = parse_method(name)
-            spec = resolve_spec(args, method, drafter_dirs, out_dir)
-        except ValueError as e:
-            if not args.server_cmd:
-                raise SystemExit(f"error: {e}")
-            spec = None  # an external server: the name is only a label
-        except MethodUnavailable as e:
-            print(f"[sweep] skipping {name}: {e}", file=sys.stderr)
-            results["skipped"][name] = str(e)
-            continue
-        server = ServerProcess(server_argv(args, spec),
-                               log_path=out_dir / "logs" / f"server_{safe_name(name)}.log",
-                               start_timeout_s=args.start_timeout_s)
-        print(f"[sweep] starting {name}: {shlex.join(server.argv)}", file=sys.stderr, flush=True)
-        try:
-            with server:
-                results["servers"][name] = {"argv": server.argv, "speculative_config": spec,
-                                            "startup_s": server.startup_s,
-                                            "log": str(server.log_path.relative_to(out_dir))}
-                results["points"] += bench_method(args, name, server.base_url, out_dir)
-        except ServerError as e:
-            print(f"[sweep] {name}: {e}", file=sys.stderr)
-            results["skipped"][name] = f"server failed: {str(e).splitlines()[0]}"
+    with ExitStack() as live:  # --interleave: every server stays up until all points ran
+        base_urls: dict[str, str] = {}
+        for name in args.methods:
+            server, spec = _server_for(args, name, drafter_dirs, out_dir, results)
+            if server is None:
+                continue
+            print(f"[sweep] starting {name}: {shlex.join(server.argv)}", file=sys.stderr, flush=True)
+            try:
+                with ExitStack() as this:
+                    this.enter_context(server)
+                    results["servers"][name] = {"argv": server.argv, "speculative_config": spec,
+                                                "startup_s": server.startup_s,
+                                                "log": str(server.log_path.relative_to(out_dir))}
+                    if args.interleave:
+                        base_urls[name] = server.base_url
+                        live.enter_context(this.pop_all())
+                    else:
+                        results["points"] += bench_method(args, name, server.base_url, out_dir)
+            except ServerError as e:
+                print(f"[sweep] {name}: {e}", file=sys.stderr)
+                results["skipped"][name] = f"server failed: {str(e).splitlines()[0]}"
+        if base_urls:
+            results["points"] += bench_interleaved(args, base_urls, out_dir)
     written = write_report(results["points"], out_dir, header=report_header(results),
                            skipped=results["skipped"])
     results["table"] = written["rows"]
