@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dspark.drafters import build_drafter
 from dspark.drafters.dspark import build as build_dspark
 from dspark.drafters.dspark import save_dspark
 from dspark.drafters.dspark_config import dspark_config_for_target
@@ -114,8 +115,8 @@ def _spec(drafter_dir, **kw) -> SpecConfig:
 def _spec_engine(target, drafter_dir, policy, *, cost=None, coalesce_steps=2, **spec_kw) -> Engine:
     model, _ = target
     spec = _spec(drafter_dir, **spec_kw)
-    drafter = build_dspark(spec, target_config=TINY_LLAMA, target_model=model, dtype=torch.float32,
-                           device="cpu")
+    drafter = build_drafter(spec, target_config=TINY_LLAMA, target_model=model, dtype=torch.float32,
+                            device="cpu")
     config = EngineConfig(
         cache=CacheConfig(kv_block_size=4, num_kv_blocks=512),
         scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=16,

@@ -141,6 +141,7 @@ def test_shipped_default_greedy_equals_plain(smollm2, chat_prompts, plain_output
     mismatches = [i for i, (a, b) in enumerate(zip(outs, plain_outputs)) if a != b]
     assert not mismatches, f"shipped default: prompts {mismatches} differ from plain greedy"
     assert engine.metrics.num_preemptions > 0
-    assert drafter.num_lookup_proposals > 0 and drafter.num_model_proposals > 0, "both sources must draft"
+    assert engine.metrics.num_lookup_drafts > 0, "the lookup must draft"
+    assert drafter.model_expected[True] is not None, "the model must draft (its running record exists)"
     assert engine.metrics.num_accepted_tokens > 0
     assert engine.block_manager.num_free_blocks == 40

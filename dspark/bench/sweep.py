@@ -14,8 +14,9 @@ Per method (names: see `dspark.bench.methods`): start `python -m dspark serve MO
 (SIGTERM, then SIGKILL after a timeout). With `--interleave` every method's server is up at once
 and the points run repeat by repeat, dataset by dataset, concurrency by concurrency, the methods in
 turn: the compared methods are then measured seconds apart instead of minutes, which matters on a
-machine whose speed drifts (an idle server sleeps: it takes no CPU while another is measured). Methods that need a drafter checkpoint take it from
-`--drafter-dir METHOD=PATH` or `dspark.drafters.shipped`, else they are skipped with a message.
+machine whose speed drifts (an idle server sleeps: it takes no CPU while another is measured).
+Methods that need a drafter checkpoint take it from `--drafter-dir METHOD=PATH` or
+`dspark.drafters.shipped`, else they are skipped with a message.
 Length policies prefix/async get a cost table that `dspark profile` writes once per drafter method
 into the out dir (`cost_table_<method>.json`, reused when present, or `--cost-table PATH`).
 

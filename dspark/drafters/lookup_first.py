@@ -88,8 +88,6 @@ class LookupFirstDrafter(Drafter):
         self.explore_rounds = explore_rounds
         self.model_expected: dict[bool, float | None] = {False: None, True: None}  # EMA Σ survival, per regime
         self._pending: dict[str, tuple[bool, int]] = {}  # request_id → (greedy?, match length) of lookup drafts
-        self.num_lookup_proposals = 0
-        self.num_model_proposals = 0
 
     def __getattr__(self, name: str):  # only reached for names this object does not have
         if name == "model_drafter":
@@ -129,7 +127,6 @@ class LookupFirstDrafter(Drafter):
                 confidence[i] = torch.from_numpy(self.acceptance.confidence(greedy, match_len)).float()
                 num_valid[i] = len(drafts)
                 self._pending[r.request_id] = (greedy, match_len)
-                self.num_lookup_proposals += 1
             elif r.allow_model:
                 model_rows.append(i)
         while len(self._pending) > self.MAX_PENDING:  # requests aborted between proposal and verification
@@ -150,7 +147,6 @@ class LookupFirstDrafter(Drafter):
                     confidence[i, :n] = proposal.confidence[j, :n].float()
             if proposal.confidence is not None:
                 self._fold_model(proposal.confidence, valid, [batch.requests[i].params.is_greedy for i in model_rows])
-            self.num_model_proposals += len(model_rows)
         return DraftProposal(draft_ids=draft_ids,
                              draft_probs=draft_probs if any(p is not None for p in draft_probs) else None,
                              confidence=confidence if self.has_confidence else None,
