@@ -36,7 +36,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 512  # token budget of one step (prompt chunks + decode + drafts)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    coalesce_steps: int = 0  # hold arriving prompts up to this many steps so they share one step
+    # hold arriving prompts up to this many steps (while they fill under half of a step's budget) so
+    # several share one mixed step: a ~100-token chunk costs ~2.3 ms a token beside decoding requests,
+    # a 512-token one ~1.6 ms (SmolLM2, 2 cores); without it, speculation's uneven finishing times make
+    # replacement prompts arrive one by one (docs/benchmarks.md, "Coalescing by default"). 0: off
+    coalesce_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -64,6 +68,10 @@ class SpecConfig:
     prompt_lookup_max: int = 5
     ngram_first: bool = False  # model drafters: prompt lookup first, the model where it cannot do better
     draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target
+    # dspark / dflash: dtype of the drafter's matrix products (activations keep the engine dtype). "auto":
+    # bfloat16 for a float32 engine on a CPU with bf16 dot products (AVX512-BF16 / AMX), else the
+    # engine dtype. Drafts only propose, so this never changes the output (the target verifies).
+    draft_matmul_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -81,6 +89,9 @@ class SpecConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.draft_matmul_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"draft_matmul_dtype must be auto, float32, bfloat16 or float16, "
+                             f"got {self.draft_matmul_dtype!r}")
         if self.ngram_first and self.method == "ngram":
             raise ValueError("ngram_first wraps a model drafter; method 'ngram' is prompt lookup already")
         if self.method in ("dspark", "dflash", "eagle3") and not self.model:

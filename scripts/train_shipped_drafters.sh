@@ -38,4 +38,4 @@ for m in dspark dflash eagle3; do
 done
 # 6. the step-cost table the adaptive policies of `dspark serve` read (machine-specific: re-profile on yours)
 python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \
-    --out dspark/assets/drafters/dspark-smollm2-135m/cost_table.json
+    --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table.json

@@ -86,7 +86,8 @@ def test_validation(kwargs, message):
 def test_profile_takes_medians_after_warmup():
     now = [0.0]
     calls: list[int] = []
-    durations = iter([99.0, 99.0] + [0.01, 0.50, 0.02] + [99.0, 99.0] + [0.04, 0.04, 0.90])
+    # warm-up of 4, warm-up of 8, then three rounds (4, 8)
+    durations = iter([99.0, 99.0] + [99.0, 99.0] + [0.01, 0.04] + [0.50, 0.04] + [0.02, 0.90])
 
     def step_fn(num_tokens: int) -> None:
         calls.append(num_tokens)
@@ -94,7 +95,7 @@ def test_profile_takes_medians_after_warmup():
 
     table = profile(step_fn, token_counts=[8, 4], repeats=3, warmup=2, clock=lambda: now[0],
                     meta={"device": "fake"})
-    assert calls == [4] * 5 + [8] * 5  # sorted sizes, warmup calls included
+    assert calls == [4, 4, 8, 8] + [4, 8] * 3  # sorted sizes, warm-up calls first, then rounds
     assert table.num_tokens == (4, 8)
     assert table.steps_per_second == pytest.approx((1 / 0.02, 1 / 0.04))  # medians, warmup ignored
     assert table.meta == {"repeats": 3, "warmup": 2, "device": "fake"}

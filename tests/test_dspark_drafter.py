@@ -6,7 +6,11 @@
 * a hand-written DeepSpec-format checkpoint (reference key names, scaled down) loads and drafts; wrong keys
   / shapes and every bad config combination are rejected with the offending name;
 * save → load round trip (full and reduced draft vocab);
-* end to end: greedy output with a random DSpark drafter == greedy output without a drafter.
+* bf16 products ("draft_matmul_dtype"): the backbone's linears in bf16, heads / norms / a shared target
+  head untouched, logits and confidences within bf16 rounding of fp32; "auto" only on a CPU with bf16 dot
+  products;
+* end to end: greedy output with a random DSpark drafter (fp32 or bf16 products) == greedy output
+  without a drafter.
 
     pytest tests/test_dspark_drafter.py -q
 """
@@ -382,9 +386,65 @@ def test_save_load_round_trip(tmp_path, draft_vocab_size):
     assert DSparkConfig.from_deepspec_json(saved) == cfg
 
 
+# -- reduced-precision products (spec "draft_matmul_dtype")
+
+def _drafts_on_shared_context(drafter: DSparkDrafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base logits [1, γ, draft_vocab], confidences [1, γ]) after one context extension."""
+    make_pool(drafter, num_blocks=8, kv_block_size=4)
+    taps = torch.randn(6, len(TAPS) * TARGET.hidden_size, generator=torch.Generator().manual_seed(5))
+    drafter.extend_context(ContextUpdate([ContextSegment("a", [2, 4], 0, [5, 9, 11, 5, 9, 30], None,
+                                                         slice(0, 6))], taps))
+    batch = ProposeBatch([propose_request("a", [5, 9, 11, 5, 9, 30, 7], 6, [2, 4, 6])], 4, "greedy")
+    return drafter.forward_blocks(batch)[0], drafter.propose(batch).confidence
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 48])
+def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, draft_vocab_size):
+    cfg = tiny_cfg(enable_confidence_head=True, draft_vocab_size=draft_vocab_size)
+    target = random_target()
+    model = random_model(cfg, seed=2)
+    if draft_vocab_size:
+        model.reset_buffers(d2t=torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:48])
+    save_dspark(model, cfg, tmp_path / "d", dtype="float32")
+    kw = dict(target_config=TARGET, target_model=target, dtype=torch.float32, device="cpu")
+    f32 = build(spec(tmp_path / "d", draft_matmul_dtype="float32"), **kw)
+    b16 = build(spec(tmp_path / "d", draft_matmul_dtype="bfloat16"), **kw)
+    m = b16.model
+    backbone = [m.fc, m.layers[0].self_attn.q_proj, m.layers[1].self_attn.o_proj, m.layers[0].mlp.down_proj]
+    assert all(lin.weight.dtype == torch.bfloat16 for lin in backbone)
+    assert all(p.dtype == torch.float32 for p in f32.model.parameters())
+    heads = [*m.markov_head.parameters(), *m.confidence_head.parameters(), m.norm.weight, m.embed_tokens.weight]
+    assert all(p.dtype == torch.float32 for p in heads), "heads, norms and embeddings keep their dtype"
+    if draft_vocab_size is None:  # the target's own head: aliased, not copied to bf16
+        assert m.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    else:
+        assert m.lm_head.weight.dtype == torch.bfloat16
+    logits32, conf32 = _drafts_on_shared_context(f32)
+    logits16, conf16 = _drafts_on_shared_context(b16)
+    assert logits16.dtype == torch.float32 and conf16.dtype == torch.float32
+    # bf16 keeps 8 mantissa bits (relative rounding 2^-9 per product input, a few products deep)
+    assert (logits16 - logits32).abs().max() <= 0.03 * logits32.abs().max()
+    assert (conf16 - conf32).abs().max() <= 0.03
+
+
+def test_draft_matmul_dtype_auto_and_validation(monkeypatch):
+    from dspark.drafters import dspark as dspark_mod
+
+    resolve = dspark_mod.resolve_matmul_dtype
+    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(dspark_mod, "cpu_has_bf16_dot", lambda: has_bf16)
+        assert resolve("auto", dtype=torch.float32, device="cpu") == expected
+    assert resolve("auto", dtype=torch.float32, device="cuda:0") == torch.float32  # no change on CUDA
+    assert resolve("auto", dtype=torch.bfloat16, device="cpu") == torch.bfloat16
+    assert resolve("float32", dtype=torch.bfloat16, device="cpu") == torch.float32
+    with pytest.raises(ValueError, match="draft_matmul_dtype"):
+        SpecConfig(method="dspark", model="x", draft_matmul_dtype="int8")
+
+
 # -- end to end
 
-def test_engine_greedy_parity_with_random_dspark(tmp_path):
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_engine_greedy_parity_with_random_dspark(tmp_path, matmul_dtype):
     from dspark.engine.engine import Engine
 
     target = random_target(seed=7)
@@ -407,6 +467,7 @@ def test_engine_greedy_parity_with_random_dspark(tmp_path):
         return [out[i] for i in ids], engine
 
     plain, _ = run(None)
-    spec_out, engine = run(SpecConfig(method="dspark", model=str(tmp_path / "d"), num_speculative_tokens=4))
+    spec_out, engine = run(SpecConfig(method="dspark", model=str(tmp_path / "d"), num_speculative_tokens=4,
+                                      draft_matmul_dtype=matmul_dtype))
     assert spec_out == plain
     assert engine.metrics.verify_lens, "the drafter never proposed"

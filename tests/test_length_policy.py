@@ -75,6 +75,43 @@ def test_prefix_scheduler_uses_draft_seconds_and_nondraft_tokens():
     assert _choose(PrefixScheduler(), [[0.4]], num_nondraft_tokens=3, cost=with_draft) == [1]
 
 
+def test_prompt_chunk_time_is_charged_to_the_prompt():
+    # T(B) = 10 ms + 1 ms per token. Two decoding requests + a 100-token prompt chunk, one draft of
+    # survival 0.1 each. Charging the chunk's time to the output (old rule): Θ0 = 2 / 112 ms, and a draft
+    # adding 1 ms for 0.1 tokens raises it (0.1 / 1 > 2 / 112). Charged to the prompt: Θ0 = 2 / 12 ms and
+    # the draft lowers it (0.1 / 1 < 2 / 12): the same decision as a step without the chunk.
+    sizes = list(range(1, 200))
+    linear = CostTable(num_tokens=sizes, steps_per_second=[1.0 / (0.010 + 0.001 * b) for b in sizes])
+    confidence = [[0.1], [0.1]]
+    assert _choose(PrefixScheduler(), confidence, num_nondraft_tokens=102, cost=linear) == [1, 1]
+    charged = PrefixScheduler().choose(confidence=torch.tensor(confidence), num_draft_tokens=1,
+                                       num_nondraft_tokens=102, num_prompt_tokens=100, cost=linear)
+    assert charged == [0, 0] == _choose(PrefixScheduler(), confidence, num_nondraft_tokens=2, cost=linear)
+    # a draft that pays without the chunk still pays beside it (survival 0.9: 0.9 / 1 > 2 / 12)
+    assert PrefixScheduler().choose(confidence=torch.tensor([[0.9], [0.9]]), num_draft_tokens=1,
+                                    num_nondraft_tokens=102, num_prompt_tokens=100, cost=linear) == [1, 1]
+    # the async capacity and the draft gate price the chunk the same way
+    policy = AsyncPrefixScheduler()
+    for _ in range(2):
+        policy.observe(torch.tensor(confidence))
+    assert policy.capacity(cost=linear, num_reqs=2, num_nondraft_tokens=102) == 2
+    assert policy.capacity(cost=linear, num_reqs=2, num_nondraft_tokens=102, num_prompt_tokens=100) == 0
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        PrefixScheduler().choose(confidence=torch.tensor(confidence), num_draft_tokens=1,
+                                 num_nondraft_tokens=2, num_prompt_tokens=3, cost=linear)
+
+
+def test_draft_seconds_count_only_for_requests_the_drafter_ran_for():
+    # As in test_prefix_scheduler_uses_draft_seconds_and_nondraft_tokens: a 2 s draft dilutes the verify
+    # cost so the 0.4 draft is admitted; prompt-lookup rows (num_drafted_reqs=0) cost no draft time.
+    with_draft = CostTable(num_tokens=[3, 4], steps_per_second=[1.0, 1 / 1.5],
+                           draft_num_reqs=[1], draft_seconds=[2.0])
+    kwargs = dict(confidence=torch.tensor([[0.4]]), num_draft_tokens=1, num_nondraft_tokens=3, cost=with_draft)
+    assert PrefixScheduler().choose(**kwargs) == [1]
+    assert PrefixScheduler().choose(**kwargs, num_drafted_reqs=1) == [1]
+    assert PrefixScheduler().choose(**kwargs, num_drafted_reqs=0) == [0]
+
+
 def test_flat_cost_curve_admits_every_positive_survival():
     generator = torch.Generator().manual_seed(0)
     confidence = torch.rand(6, 5, generator=generator, dtype=torch.float64)

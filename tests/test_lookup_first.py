@@ -1,5 +1,6 @@
 """Prompt lookup first (`"ngram_first": true`, dspark/drafters/lookup_first.py):
 
+* the n-gram lookup (dspark/drafters/ngram.py) against a brute-force scan on random sequences;
 * the lookup's acceptance counts against hand-counted rounds (conditional per position, per regime
   and match length, halved at the cap);
 * the choice per request: lookup when it matches and is expected to keep at least the model's recent
@@ -28,6 +29,28 @@ from tests.engine_helpers import greedy
 from tests.test_scheduled_verification import (  # noqa: F401  (fixtures)
     ARRIVAL_STEPS, COSTLY_DRAFTS, GAMMA, MAX_TOKENS, POLICIES, _mismatches, _prompts, _spec_engine,
     drafter_dir, plain_outputs, run_staged, target)
+
+
+# -- the n-gram lookup against a brute-force twin --------------------------------------------------
+def _lookup_brute_force(ids: list[int], *, min_n: int, max_n: int, width: int) -> tuple[list[int], int]:
+    """Longest n in [min_n, max_n] whose last-n suffix occurs earlier; its most recent occurrence."""
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        for start in range(len(ids) - n - 1, -1, -1):  # windows that end before the last token
+            if ids[start:start + n] == ids[-n:]:
+                return ids[start + n:start + n + width], n
+    return [], 0
+
+
+def test_ngram_lookup_matches_brute_force():
+    from dspark.drafters.ngram import NgramDrafter
+
+    rng = np.random.default_rng(0)
+    for min_n, max_n in [(1, 1), (2, 5), (3, 4), (1, 6)]:
+        drafter = NgramDrafter(num_draft_tokens=7, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
+        for _ in range(300):
+            ids = rng.integers(0, int(rng.choice([2, 4, 16, 500])), size=int(rng.integers(1, 120))).tolist()
+            assert drafter.lookup_with_length(ids) == _lookup_brute_force(
+                ids, min_n=min_n, max_n=max_n, width=7), (min_n, max_n, ids)
 
 
 # -- the acceptance counts -------------------------------------------------------------------------

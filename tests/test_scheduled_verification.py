@@ -240,8 +240,39 @@ def test_flat_curve_admits_every_draft_steep_curve_fewer(target, drafter_dir, pl
     flat, steep = results["flat"], results["steep"]
     assert flat and all(v == GAMMA for v in flat), "flat: every draft with survival > 0 is admitted"
     assert sum(steep) < sum(flat)
-    # time ∝ B: a draft pays for itself only while a prompt chunk already fills the step
+    # time ∝ B at the table's points (SPS is interpolated between them): a draft costs about what a token
+    # earns, and a prompt chunk sharing the step is charged to the prompt, so only near-certain drafts pay
     assert steep.count(0) > len(steep) // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _RecordingPrefix(PrefixScheduler):
+    calls: list = dataclasses.field(default_factory=list)
+
+    def choose(self, **kw):
+        self.calls.append({k: kw.get(k) for k in ("num_reqs", "num_nondraft_tokens", "num_prompt_tokens",
+                                                  "num_drafted_reqs")})
+        return super().choose(**kw)
+
+
+@pytest.mark.parametrize("ngram_first", [False, True])
+def test_engine_prices_prompt_chunks_and_free_lookup_rows(target, drafter_dir, plain_outputs, ngram_first):
+    """The policy learns which of the next step's tokens are prompt chunks (the long prompt arrives at
+    step 6 and takes several 64-token chunks) and how many rows the model drafter ran for."""
+    policy = _RecordingPrefix()
+    engine = _spec_engine(target, drafter_dir, policy, cost=MILD, coalesce_steps=0, draft_gate=False,
+                          ngram_first=ngram_first)
+    staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert _mismatches(staged.outputs, plain_outputs) == 0
+    calls = policy.calls
+    assert calls and all(0 <= c["num_prompt_tokens"] <= c["num_nondraft_tokens"] - c["num_reqs"] for c in calls)
+    assert sum(c["num_prompt_tokens"] >= BUDGET // 2 for c in calls) >= 2, "the long prompt's chunks were not seen"
+    assert all(0 <= c["num_drafted_reqs"] <= c["num_reqs"] for c in calls)
+    lookup_rows = [c["num_reqs"] - c["num_drafted_reqs"] for c in calls]
+    if ngram_first:
+        assert any(lookup_rows) and any(c["num_drafted_reqs"] for c in calls), "both sources must draft"
+    else:
+        assert not any(lookup_rows)
 
 
 # -- the draft gate ----------------------------------------------------------------------------------

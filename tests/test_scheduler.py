@@ -125,3 +125,14 @@ def test_coalescing_holds_prompts_a_bounded_number_of_steps():
             break
         held += 1
     assert held == 2
+
+
+def test_coalescing_admits_at_once_prompts_that_fill_half_a_step():
+    s, _ = _sched(budget=256, coalesce_steps=4)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    s.add(a)
+    _commit_all(s, s.schedule())
+    s.add(Request("b", list(range(3, 103)), SamplingParams(max_tokens=50)))  # 100 tokens: held
+    assert [i.request.request_id for i in s.schedule().scheduled] == ["a"]
+    s.add(Request("c", list(range(3, 53)), SamplingParams(max_tokens=50)))  # 150 waiting of 255: admitted
+    assert sorted(i.request.request_id for i in s.schedule().scheduled) == ["a", "b", "c"]

@@ -33,6 +33,7 @@ from dspark.drafters.checkpoint import (DTYPE_NAMES, check_tensors, load_tensors
                                         write_json)
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
+from dspark.kernels import cpu_has_bf16_dot, set_matmul_dtype
 from dspark.sampling import GREEDY_EPS, logits_to_probs
 
 CALIBRATION_NAME = "calibration.json"
@@ -214,6 +215,14 @@ class DSparkDrafter(Drafter):
         return torch.sigmoid(z / temps + shifts)
 
 
+def resolve_matmul_dtype(name: str, *, dtype: torch.dtype, device) -> torch.dtype:
+    """The drafter's product dtype for spec "draft_matmul_dtype" (see SpecConfig)."""
+    if name != "auto":
+        return DTYPE_NAMES[name]
+    on_cpu = torch.device(device).type == "cpu"
+    return torch.bfloat16 if on_cpu and dtype == torch.float32 and cpu_has_bf16_dot() else dtype
+
+
 def per_position(values, num_positions: int, *, fill: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[num_positions]: the given per-position values (temperatures, shifts), `fill` past their end."""
     values = [float(v) for v in list(values if values is not None else [])[:num_positions]]
@@ -361,6 +370,11 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
     model, temps = load_dspark(spec.model, target_model=target_model, dtype=dtype, device=device,
                                drop_heads=spec.method == "dflash")
     temps = temps if spec.method == "dspark" and temps else {}
+    matmul_dtype = resolve_matmul_dtype(spec.draft_matmul_dtype, dtype=dtype, device=device)
+    if matmul_dtype != dtype:  # the backbone's products; the heads (and their calibration) stay as loaded,
+        # and so does a full-vocabulary LM head (it is the target's own weight, not copied)
+        shared_head = model.lm_head if model.cfg.draft_vocab_size is None else None
+        set_matmul_dtype(model, matmul_dtype, skip=(model.markov_head, model.confidence_head, shared_head))
     return DSparkDrafter(model, num_draft_tokens=spec.num_speculative_tokens,
                          confidence_temperatures=temps.get("temperatures"),
                          greedy_confidence_temperatures=temps.get("greedy_temperatures"),

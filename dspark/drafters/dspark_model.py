@@ -210,7 +210,7 @@ class DSparkModel(nn.Module):
 
     def context_features(self, taps: torch.Tensor) -> torch.Tensor:
         """H_ctx = hidden_norm(fc(taps)): [..., num_taps * hidden] → [..., hidden]."""
-        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(taps.to(self.norm.weight.dtype)))
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -229,7 +229,7 @@ class DSparkModel(nn.Module):
         layer_context_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor | None,  # [batch, 1, num_query or 1, num_ctx + num_query] bool
     ) -> torch.Tensor:  # [batch, num_query, hidden] final-normed
-        h = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        h = self.embed_tokens(block_ids).to(self.norm.weight.dtype)  # the activations' dtype
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer_context_kv(i)

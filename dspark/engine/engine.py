@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -148,10 +149,10 @@ class Engine:
                     num_tokens=sched.num_batched_tokens, seconds=time.perf_counter() - start)
             emitted = self.scheduler.commit(sched, result.output_ids_by_id, result.num_accepted_by_id)
             if self.drafter is not None:
-                proposing, model_allowed, num_nondraft = self._proposing_requests(sched)
+                proposing, model_allowed, next_step = self._proposing_requests(sched)
                 self._extend_drafter_context(sched, batch, taps, result,
                                              flush={r.request_id for r, ok in zip(proposing, model_allowed) if ok})
-                num_proposed = self._propose_and_choose(proposing, model_allowed, num_nondraft)
+                num_proposed = self._propose_and_choose(proposing, model_allowed, next_step)
             self._record(sched, result)
         outputs = self._outputs(sched, emitted)
         if self.draft_gate is not None and sched.scheduled:  # the whole step, as the gate's live cost
@@ -247,21 +248,20 @@ class Engine:
         return PendingContext(start_pos=pending[0].start_pos, token_ids=ids, next_token_id=part.next_token_id,
                               taps=None if part.taps is None else torch.cat([p.taps for p in pending]))
 
-    def _proposing_requests(self, sched: SchedulerOutput) -> tuple[list[Request], list[bool], int]:
+    def _proposing_requests(self, sched: SchedulerOutput) -> tuple[list[Request], list[bool], "NextStep"]:
         """The requests that draft for the next step, whether the model drafter may draft for each (the
         draft gate's pick among those that emitted; a drafter with free drafts still proposes for the
-        others), and the next step's non-draft token count."""
+        others), and the next step's non-draft token counts."""
         reqs = [s.request for s in sched.scheduled
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:
-            return [], [], 0
-        # tokens of the next step that are not drafts: one per decoding request + prompt chunks
-        num_nondraft = min(sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.scheduler.running),
-                           self.config.scheduler.max_num_batched_tokens)
+            return [], [], NextStep(0, 0)
+        next_step = self._next_step_tokens()
         allowed = [True] * len(reqs)
         if self.draft_gate is not None:
-            drafted = set(self.draft_gate.drafted_requests(num_reqs=len(reqs), num_nondraft_tokens=num_nondraft,
-                                                           cost=self.cost_table))
+            drafted = set(self.draft_gate.drafted_requests(
+                num_reqs=len(reqs), num_nondraft_tokens=next_step.num_nondraft,
+                num_prompt_tokens=next_step.num_prompt, cost=self.cost_table))
             allowed = [i in drafted for i in range(len(reqs))]
             for r in (r for r, ok in zip(reqs, allowed) if not ok):
                 r.clear_drafts()  # plain decoding in the next step for this request (or free drafts)
@@ -269,9 +269,22 @@ class Engine:
             if not self.drafter.has_free_drafts:
                 reqs = [r for r, ok in zip(reqs, allowed) if ok]
                 allowed = [True] * len(reqs)
-        return reqs, allowed, num_nondraft
+        return reqs, allowed, next_step
 
-    def _propose_and_choose(self, reqs: list[Request], model_allowed: list[bool], num_nondraft: int) -> int:
+    def _next_step_tokens(self) -> "NextStep":
+        """Tokens of the next step that are not drafts: one per decoding request + prompt chunks of the
+        running requests and of those waiting for admission (within the step's token and sequence
+        budgets; coalescing may hold the waiting ones a step longer)."""
+        sched = self.scheduler
+        remaining = [r.num_tokens - r.num_computed_tokens for r in sched.running]
+        room = max(0, self.config.scheduler.max_num_seqs - len(remaining))
+        remaining += [r.num_tokens - r.num_computed_tokens for r in itertools.islice(sched.waiting, room)]
+        budget = self.config.scheduler.max_num_batched_tokens
+        num_nondraft = min(sum(max(1, n) for n in remaining), budget)
+        num_decode = min(sum(1 for n in remaining if n <= 1), num_nondraft)
+        return NextStep(num_nondraft=num_nondraft, num_prompt=num_nondraft - num_decode)
+
+    def _propose_and_choose(self, reqs: list[Request], model_allowed: list[bool], next_step: "NextStep") -> int:
         """Drafts and verify lengths for the next step; returns the number of requests the model drafter
         proposed for."""
         if not reqs:
@@ -292,7 +305,8 @@ class Engine:
         else:
             verify_lens = list(self.length_policy.choose(
                 confidence=proposal.confidence, num_draft_tokens=proposal.draft_ids.shape[1],
-                num_nondraft_tokens=num_nondraft, cost=self.cost_table, num_reqs=len(reqs),
+                num_nondraft_tokens=next_step.num_nondraft, num_prompt_tokens=next_step.num_prompt,
+                num_drafted_reqs=sum(from_model), cost=self.cost_table, num_reqs=len(reqs),
                 num_proposed=num_valid))
             if hasattr(self.length_policy, "observe") and proposal.confidence is not None:
                 # after choose: the async policy's capacity reads confidences two steps old
@@ -350,6 +364,11 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+
+class NextStep(NamedTuple):
+    num_nondraft: int  # tokens of the next step that are not drafts
+    num_prompt: int  # of those, prompt-chunk tokens (the rest: one per decoding request)
 
 
 @dataclass

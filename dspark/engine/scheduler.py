@@ -108,7 +108,8 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         hold = self.config.coalesce_steps > 0 and bool(self.running) and budget > 0
-        if hold and len(self.waiting) * 32 < budget:  # not enough waiting work yet to fill a step
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) if hold else 0
+        if hold and 2 * waiting_tokens < budget:  # the waiting prompts fill under half of the step yet
             if all(r.waiting_steps < self.config.coalesce_steps for r in self.waiting):
                 for r in self.waiting:
                     r.waiting_steps += 1

@@ -94,13 +94,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class Linear(torch.nn.Linear):
-    """`nn.Linear` (trainable, autograd as usual) whose few-row fp32 inference products take the kernel."""
+    """`nn.Linear` (trainable, autograd as usual) whose few-row fp32 inference products take the kernel.
+
+    A weight stored in another dtype than its input (a drafter's products in bf16: `set_matmul_dtype`)
+    multiplies in the weight's dtype and returns the input's dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         out = linear(x, self.weight)
         if out is None:
             return F.linear(x, self.weight, self.bias)
         return out if self.bias is None else out + self.bias
+
+
+def set_matmul_dtype(module: torch.nn.Module, dtype: torch.dtype, *, skip: tuple = ()) -> int:
+    """Store the weight (and bias) of every `Linear` under `module` in `dtype`, except under the modules
+    in `skip`; their products then run in `dtype` while activations keep theirs. Returns how many."""
+    skipped = {id(m) for s in skip if s is not None for m in s.modules()}
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and id(m) not in skipped and m.weight.dtype != dtype:
+            m.weight = torch.nn.Parameter(m.weight.detach().to(dtype), requires_grad=False)
+            if m.bias is not None:
+                m.bias = torch.nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+            count += 1
+    return count
+
+
+@cache
+def cpu_has_bf16_dot() -> bool:
+    """Does this CPU multiply bf16 natively (AVX512-BF16 or AMX-BF16; Linux /proc/cpuinfo)?"""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

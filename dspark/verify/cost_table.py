@@ -129,39 +129,43 @@ def profile(
 ) -> CostTable:
     """Time `step_fn(num_tokens)` (one verification forward of that many tokens; it must block until
     the work is done, e.g. synchronise the device) at each token count: `warmup` untimed calls, then
-    the median of `repeats` timed calls. Optionally time `draft_fn(num_reqs)` the same way."""
+    the median of `repeats` timed calls, taken in rounds over all points. Optionally time
+    `draft_fn(num_reqs)` the same way, in the same rounds."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     counts = sorted(set(int(n) for n in token_counts))
     if not counts or counts[0] < 1:
         raise ValueError(f"token_counts must be non-empty positive integers, "
                          f"got {list(token_counts)}")
-    step_seconds = [_median_seconds(step_fn, n, repeats=repeats, warmup=warmup, clock=clock)
-                    for n in counts]
     draft_counts: list[int] = []
-    draft_seconds: list[float] = []
     if draft_fn is not None:
         draft_counts = sorted(set(int(n) for n in draft_num_reqs))
         if not draft_counts:
             raise ValueError("draft_fn given without draft_num_reqs")
-        draft_seconds = [_median_seconds(draft_fn, n, repeats=repeats, warmup=warmup, clock=clock)
-                         for n in draft_counts]
+    points = [(step_fn, n) for n in counts] + [(draft_fn, n) for n in draft_counts]
+    medians = _interleaved_medians(points, repeats=repeats, warmup=warmup, clock=clock)
+    step_seconds, draft_seconds = medians[:len(counts)], medians[len(counts):]
     # A measured time of 0 (coarse clock) would mean infinite SPS; floor it at 1 ns.
     return CostTable(num_tokens=counts, steps_per_second=[1.0 / max(s, 1e-9) for s in step_seconds],
                      draft_num_reqs=draft_counts, draft_seconds=draft_seconds,
                      meta={"repeats": repeats, "warmup": warmup, **(meta or {})})
 
 
-def _median_seconds(fn: Callable[[int], None], n: int, *, repeats: int, warmup: int,
-                    clock: Callable[[], float]) -> float:
-    for _ in range(warmup):
-        fn(n)
-    samples = []
+def _interleaved_medians(points: list[tuple[Callable[[int], None], int]], *, repeats: int, warmup: int,
+                         clock: Callable[[], float]) -> list[float]:
+    """Median seconds of each fn(n): `warmup` untimed calls per point, then `repeats` rounds that time
+    every point once. Rounds, not one point after another, so a machine that slows down for a while
+    (shared VMs do, by 20-40% for seconds at a time) slows every point alike instead of a few."""
+    for fn, n in points:
+        for _ in range(warmup):
+            fn(n)
+    samples: list[list[float]] = [[] for _ in points]
     for _ in range(repeats):
-        start = clock()
-        fn(n)
-        samples.append(clock() - start)
-    return statistics.median(samples)
+        for (fn, n), times in zip(points, samples):
+            start = clock()
+            fn(n)
+            times.append(clock() - start)
+    return [statistics.median(times) for times in samples]
 
 
 def _interpolate_seconds(xs: Sequence[int], ys: Sequence[float], x: float) -> float:

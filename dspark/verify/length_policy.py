@@ -10,7 +10,12 @@ drafts 1..k-1 were accepted), the step's composition and the step-cost table, an
 * `PrefixScheduler` — DSpark Algorithm 1 (reference §6.1): candidates (r, j) ranked by survival
   a_{r,j}; admitted greedily while the expected throughput
       Θ = (num_reqs + Σ admitted a) / (draft_seconds(num_reqs) + step_seconds(nondraft + admitted))
-  keeps rising (with no draft curve this is Θ = τ · SPS(B)). The loop BREAKS at the first admission
+  keeps rising (with no draft curve this is Θ = τ · SPS(B)). A prompt chunk riding the step is
+  charged its own time: step_seconds = T(decode) + [T(nondraft + admitted) − T(nondraft)], where
+  T(decode) is the step of the decoding requests alone and the bracket is what the drafts add at the
+  step's real size. Θ counts output tokens only, so charging the chunk's time to them would make a
+  draft look cheap beside a long prefill (1/SPS(300) ≫ 1/SPS(16)) although each verified draft costs
+  its full compute there; see `_throughput_curve`. The loop BREAKS at the first admission
   that does not raise Θ. The break is what keeps sampling lossless (reference §6.2): c_{k+1} is
   computed from the sampled draft x_k, so a_{r,k+1} depends on x_k. Since a_{r,k+1} ≤ a_{r,k}, and
   ties are broken by position, (r, k+1) is examined only after x_k's admission is final, so
@@ -67,6 +72,10 @@ class LengthPolicy(Protocol):
         cost: CostTable | None = None,  # required by "prefix" and "async"
         num_reqs: int | None = None,  # needed only when confidence is None
         num_proposed: Sequence[int] | None = None,  # [num_reqs] drafts actually proposed (<= γ)
+        num_prompt_tokens: int = 0,  # of num_nondraft_tokens, the prompt-chunk tokens (charged to
+        #                              the prompt, not to the step's output: `_throughput_curve`)
+        num_drafted_reqs: int | None = None,  # requests the drafter ran its forward for (its seconds
+        #                                       count in Θ); None: all num_reqs. Prompt-lookup rows are free
     ) -> list[int]:  # [num_reqs] verify_len per request
         ...
 
@@ -83,7 +92,7 @@ class FixedLength:
             raise ValueError(f"verify_len must be >= 0, got {self.verify_len}")
 
     def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
-               num_reqs=None, num_proposed=None) -> list[int]:
+               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None) -> list[int]:
         limits = _proposal_limits(confidence, num_draft_tokens, num_reqs, num_proposed)
         return [min(self.verify_len, limit) for limit in limits]
 
@@ -101,7 +110,7 @@ class ConfidenceThreshold:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
 
     def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
-               num_reqs=None, num_proposed=None) -> list[int]:
+               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None) -> list[int]:
         conditional = _checked_confidence(confidence, num_draft_tokens, policy="threshold")
         scores = conditional.cumprod(dim=1) if self.cumulative else conditional
         keep = scores >= self.threshold  # [num_reqs, num_draft_tokens]
@@ -118,13 +127,14 @@ class PrefixScheduler:
     needs_cost: ClassVar[bool] = True
 
     def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
-               num_reqs=None, num_proposed=None) -> list[int]:
+               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None) -> list[int]:
         survival = _masked_survival(confidence, num_draft_tokens, num_proposed, policy="prefix")
         cost = _require_cost(cost, policy="prefix")
         num_reqs = survival.shape[0]
         ranked_survival, ranked_reqs = _rank_candidates(survival)
         throughput = _throughput_curve(ranked_survival, cost=cost, num_reqs=num_reqs,
-                                       num_nondraft_tokens=num_nondraft_tokens)
+                                       num_nondraft_tokens=num_nondraft_tokens,
+                                       num_prompt_tokens=num_prompt_tokens, num_drafted_reqs=num_drafted_reqs)
         if self.break_on_drop:
             improves = throughput[1:] > throughput[:-1]  # [num_candidates]
             num_admitted = int(np.cumprod(improves).sum())  # stop at the first non-improvement
@@ -159,22 +169,24 @@ class AsyncPrefixScheduler:
     def reset(self) -> None:
         self._history.clear()
 
-    def capacity(self, *, cost: CostTable, num_reqs: int, num_nondraft_tokens: int) -> int | None:
+    def capacity(self, *, cost: CostTable, num_reqs: int, num_nondraft_tokens: int,
+                 num_prompt_tokens: int = 0, num_drafted_reqs: int | None = None) -> int | None:
         """K = global argmax of Θ over the stale survivals (no break); None during cold start."""
         if len(self._history) < 2:
             return None
         stale_survival = self._history[0].sort(descending=True).values
         throughput = _throughput_curve(stale_survival, cost=cost, num_reqs=num_reqs,
-                                       num_nondraft_tokens=num_nondraft_tokens)
+                                       num_nondraft_tokens=num_nondraft_tokens,
+                                       num_prompt_tokens=num_prompt_tokens, num_drafted_reqs=num_drafted_reqs)
         return int(np.argmax(throughput))
 
     def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
-               num_reqs=None, num_proposed=None) -> list[int]:
+               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None) -> list[int]:
         survival = _masked_survival(confidence, num_draft_tokens, num_proposed, policy="async")
         cost = _require_cost(cost, policy="async")
         num_reqs = survival.shape[0]
-        capacity = self.capacity(cost=cost, num_reqs=num_reqs,
-                                 num_nondraft_tokens=num_nondraft_tokens)
+        capacity = self.capacity(cost=cost, num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens,
+                                 num_prompt_tokens=num_prompt_tokens, num_drafted_reqs=num_drafted_reqs)
         if capacity is None:  # cold start: a fixed length per request
             per_request = num_draft_tokens if self.cold_start_len is None else self.cold_start_len
             return FixedLength(per_request).choose(
@@ -262,14 +274,16 @@ class DraftGate:
         else:
             self.mean_survival = self.decay * self.mean_survival + (1.0 - self.decay) * curve
 
-    def expected_gain(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable) -> float:
+    def expected_gain(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable,
+                      num_prompt_tokens: int = 0) -> float:
         """max Θ with drafting ÷ Θ without (drafting pays above `min_gain`)."""
         assert self.mean_survival is not None
         curve = np.clip(self.mean_survival * self.correction, 0.0, 1.0)
         candidates = np.sort(np.tile(curve, num_reqs))[::-1].copy()
         with_drafts = _throughput_curve(torch.from_numpy(candidates), cost=cost, num_reqs=num_reqs,
-                                        num_nondraft_tokens=num_nondraft_tokens)
-        without = num_reqs * cost.sps(num_nondraft_tokens)
+                                        num_nondraft_tokens=num_nondraft_tokens,
+                                        num_prompt_tokens=num_prompt_tokens)
+        without = num_reqs * cost.sps(_decode_tokens(num_nondraft_tokens, num_prompt_tokens))
         return float(with_drafts.max() / without)
 
     @property
@@ -296,10 +310,13 @@ class DraftGate:
         draft, plain = self.time_ratio["draft"], self.time_ratio["plain"]
         return None if draft is None or plain is None else plain / draft
 
-    def should_draft(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None) -> bool:
-        return bool(self.drafted_requests(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens, cost=cost))
+    def should_draft(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None,
+                     num_prompt_tokens: int = 0) -> bool:
+        return bool(self.drafted_requests(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens, cost=cost,
+                                          num_prompt_tokens=num_prompt_tokens))
 
-    def drafted_requests(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None) -> list[int]:
+    def drafted_requests(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None,
+                         num_prompt_tokens: int = 0) -> list[int]:
         """Indices of the requests to draft for in this step: all, none, or — a drafting probe while
         skipping — `probe_reqs` of them in turn (a probe only needs confidences and a step time, and
         a full-batch probe at high load costs the very step the gate saved)."""
@@ -316,7 +333,8 @@ class DraftGate:
         else:
             live = self.live_factor
             margin = self.min_gain if live is None else self.live_min_gain
-            gain = self.expected_gain(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens, cost=cost)
+            gain = self.expected_gain(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens, cost=cost,
+                                      num_prompt_tokens=num_prompt_tokens)
             decision = gain * (live or 1.0) > margin
             if decision:
                 self._probe_interval = self.probe_every
@@ -432,11 +450,38 @@ def _throughput_curve(
     cost: CostTable,
     num_reqs: int,
     num_nondraft_tokens: int,
+    num_prompt_tokens: int = 0,
+    num_drafted_reqs: int | None = None,  # None: the drafter ran for all num_reqs
 ) -> np.ndarray:  # [num_candidates + 1] Θ after admitting the first n candidates, n = 0..
+    """Θ(n) = (num_reqs + Σ_{i<n} a_i) / (T(decode) + T(nondraft + n) − T(nondraft) + draft seconds).
+
+    T(B) = 1 / SPS(B); decode = nondraft − prompt tokens (one token per decoding request). Without a
+    prompt chunk this is Algorithm 1's Θ. With one, the chunk's own time T(nondraft) − T(decode) is
+    the prompt's and leaves the denominator, while the drafts still pay what they add at the step's
+    real size. Θ counts output tokens only: keeping the chunk's time in would value a draft against a
+    long step (e.g. 16 decoding requests + a 256-token chunk: ~1 s for 16 tokens), so a draft with
+    survival 0.06 would seem to pay, when each verified draft costs its full compute (~3 ms here)
+    and saves at best a share of a later step. The draft seconds are the drafter's for the requests it
+    ran for (`num_drafted_reqs`): prompt-lookup rows cost nothing, and charging a model forward that did
+    not run would dilute the verify cost (at 16 lookup rows: 36 ms beside a 60 ms step, so drafts of
+    survival 0.5 would pass where 0.75 is the break-even)."""
     expected_tokens = num_reqs + np.concatenate([[0.0], np.cumsum(ranked_survival.numpy())])
     batch_tokens = num_nondraft_tokens + np.arange(ranked_survival.numel() + 1)
-    step_seconds = 1.0 / cost.sps_array(batch_tokens) + cost.draft_seconds_for(num_reqs)
-    return expected_tokens / step_seconds
+    step_seconds = 1.0 / cost.sps_array(batch_tokens)
+    if num_prompt_tokens > 0:
+        decode = _decode_tokens(num_nondraft_tokens, num_prompt_tokens)
+        step_seconds = step_seconds - step_seconds[0] + cost.step_seconds(decode)
+    drafted = num_reqs if num_drafted_reqs is None else num_drafted_reqs
+    draft_seconds = cost.draft_seconds_for(drafted) if drafted > 0 else 0.0
+    return expected_tokens / (step_seconds + draft_seconds)
+
+
+def _decode_tokens(num_nondraft_tokens: int, num_prompt_tokens: int) -> int:
+    """Non-draft tokens that are not prompt-chunk tokens (at least 1)."""
+    if not 0 <= num_prompt_tokens <= num_nondraft_tokens:
+        raise ValueError(f"num_prompt_tokens must be in [0, num_nondraft_tokens={num_nondraft_tokens}], "
+                         f"got {num_prompt_tokens}")
+    return max(1, num_nondraft_tokens - num_prompt_tokens)
 
 
 def _lengths_from_ranking(admitted_reqs: torch.Tensor, num_reqs: int) -> list[int]:

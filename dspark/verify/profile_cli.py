@@ -46,7 +46,8 @@ class StepProfiler:
         self.gamma = gamma
         self._rng = torch.Generator().manual_seed(seed)
         self._key = None
-        self._requests = []
+        self._requests = []  # the pool (KV allocated), shared by every batch
+        self._windows: list[list[int]] = []  # per pool request: its longest window's draft ids
         self._ids = 0
 
     def verify_step(self, num_tokens: int) -> None:
@@ -81,35 +82,40 @@ class StepProfiler:
     def close(self) -> None:
         for r in self._requests:
             self.engine.block_manager.free_request(r)
-        self._requests, self._key = [], None
+        self._requests, self._windows, self._key = [], [], None
 
     # -- internals -------------------------------------------------------------------------------
     def _batch(self, key, window_sizes: list[int]):
-        """Requests with `context_len` committed positions and a window of each size (cached while
-        the same key is timed repeatedly)."""
+        """Requests with `context_len` committed positions and a window of each size. One pool of
+        requests (grown on demand, KV allocated once) serves every key, so the timing rounds of
+        `cost_table.profile` can alternate between sizes without allocating inside a timed call."""
         if key == self._key:
-            return self._requests
+            return self._requests[:len(window_sizes)]
         from dspark.request import Request
         from dspark.sampling import SamplingParams
 
-        self.close()
         vocab_size = self.engine.model_config.vocab_size
-        for size in window_sizes:
-            ids = torch.randint(0, vocab_size, (self.context_len + size,), generator=self._rng).tolist()
+        max_window = max(self.tokens_per_request, 1)
+        while len(self._requests) < len(window_sizes):
+            ids = torch.randint(0, vocab_size, (self.context_len + max_window,), generator=self._rng).tolist()
             req = Request(f"profile-{self._ids}", ids[:self.context_len + 1],
                           SamplingParams(temperature=0.0, max_tokens=1))
             self._ids += 1
             req.num_computed_tokens = req.num_draft_computed = self.context_len
-            req.draft_ids = ids[self.context_len + 1:]
-            num_slots = self.context_len + size + self.gamma + 1
+            num_slots = self.context_len + max_window + self.gamma + 1
             if not self.engine.block_manager.allocate(req, num_slots):
+                count = len(window_sizes)
                 self.close()
-                raise RuntimeError(f"KV pool too small for {len(window_sizes)} requests of "
+                raise RuntimeError(f"KV pool too small for {count} requests of "
                                    f"{num_slots} slots; raise --kv-cache-memory-gb or lower "
                                    f"--context-len")
             self._requests.append(req)
+            self._windows.append(ids[self.context_len + 1:])  # [max_window - 1] draft ids
+        reqs = self._requests[:len(window_sizes)]
+        for req, window, size in zip(reqs, self._windows, window_sizes):
+            req.draft_ids = window[:size - 1]
         self._key = key
-        return self._requests
+        return reqs
 
     def _sync(self) -> None:
         if str(self.engine.config.device).startswith("cuda"):

@@ -1,0 +1,157 @@
+"""Where a step's time goes under load: the offline engine at a fixed concurrency, several speculative
+configs side by side, with the engine's phases timed.
+
+    python benchmarks/bench_load_phases.py --concurrency 16 --dataset gsm8k --num-prompts 96 \
+        --repeats 2 --variants plain,default --out benchmarks/results/load_phases_c16.json
+
+A closed loop like `dspark bench serve`'s clients, without HTTP: `--concurrency` requests in flight,
+each finished one replaced by the next prompt at once, so with many prompts per slot the run
+approaches a steady state (with one prompt per slot it is a burst and the slowest request sets the
+time). Every variant gets the same fresh prompts in a repeat (each repeat takes the next slice of the
+dataset, so no run is served from another's prefix cache) and the variants take turns within a
+repeat. Greedy, `--max-tokens` new tokens (EOS ignored), so every variant emits the same tokens.
+
+Per run: output tok/s, engine steps, draft tokens verified / accepted, the target forward's seconds
+(`ModelRunner.forward`) and every other engine phase (`Engine._verify`, drafter context extension,
+proposal and length choice, the lookup and the model drafter inside it): per-token latency = step
+time ÷ tokens per step, both terms measured. Medians over repeats, and each variant ÷ the first.
+
+Variants: plain (no speculation), default (the shipped config: DSpark + lookup first + prefix
+scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), nogate
+(default without the draft gate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+from pathlib import Path
+
+from dspark.bench.report import json_safe, run_info
+
+DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
+DEFAULT = {"method": "dspark", "model": DRAFTER, "num_speculative_tokens": 7, "length_policy": "prefix",
+           "cost_table": f"{DRAFTER}/cost_table.json", "ngram_first": True}
+VARIANTS = {
+    "plain": None,
+    "default": DEFAULT,
+    "dspark": {**DEFAULT, "ngram_first": False},
+    "fp32-draft": {**DEFAULT, "draft_matmul_dtype": "float32"},
+    "nogate": {**DEFAULT, "draft_gate": False},
+}
+# (object attribute, method) timed on each engine: "runner" / "scheduler" / "drafter" / "engine"
+PHASES = [("engine", "_verify"), ("engine", "_extend_drafter_context"), ("engine", "_propose_and_choose"),
+          ("runner", "forward"), ("runner", "prepare"), ("scheduler", "schedule"), ("scheduler", "commit"),
+          ("model_drafter", "propose"), ("lookup", "lookup_with_length")]
+
+
+def _targets(engine) -> dict:
+    drafter = engine.drafter
+    return {"engine": engine, "runner": engine.runner, "scheduler": engine.scheduler,
+            "model_drafter": getattr(drafter, "model_drafter", drafter),
+            "lookup": getattr(drafter, "lookup", None)}
+
+
+def run_once(llm, prompts: list[list[int]], params, concurrency: int) -> dict:
+    """One closed-loop run; returns its figures (phase seconds under their method names)."""
+    engine = llm.engine
+    seconds: dict[str, float] = collections.defaultdict(float)
+    patched = []
+    for owner_name, method in PHASES:
+        owner = _targets(engine).get(owner_name)
+        if owner is None or not hasattr(owner, method):
+            continue
+        original = getattr(owner, method)
+
+        def timed(*args, _f=original, _key=method, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                seconds[_key] += time.perf_counter() - start
+
+        setattr(owner, method, timed)
+        patched.append((owner, method))
+    m = engine.metrics
+    before = (m.num_steps, m.num_draft_tokens, m.num_accepted_tokens)
+    queue, in_flight, tokens = list(prompts), 0, 0
+    start = time.perf_counter()
+    try:
+        while queue or engine.has_unfinished():
+            while queue and in_flight < concurrency:
+                engine.add_request(queue.pop(0), params)
+                in_flight += 1
+            for out in engine.step():
+                tokens += len(out.new_token_ids)
+                in_flight -= out.finished
+    finally:
+        for owner, method in patched:
+            delattr(owner, method)  # back to the class's method
+    wall = time.perf_counter() - start
+    steps, drafts, accepted = (m.num_steps - before[0], m.num_draft_tokens - before[1],
+                               m.num_accepted_tokens - before[2])
+    return {"output_tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "steps": steps,
+            "tokens_per_step": tokens / max(steps, 1), "step_ms": 1000 * wall / max(steps, 1),
+            "draft_tokens": drafts, "accepted_tokens": accepted,
+            "non_forward_s": wall - seconds.get("forward", 0.0),
+            "phase_s": {k: round(v, 4) for k, v in seconds.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from dspark.bench.offline import chat_prompt_ids
+    from dspark.llm import LLM
+    from dspark.sampling import SamplingParams
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--dataset", default="gsm8k")
+    p.add_argument("--num-prompts", type=int, default=96, help="prompts per run (per repeat)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--variants", default="plain,default", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+
+    llms = {v: LLM(speculative_config=VARIANTS[v], max_num_seqs=max(64, args.concurrency)) for v in names}
+    tokenizer = llms[names[0]].tokenizer
+    n = args.num_prompts
+    prompts = chat_prompt_ids(tokenizer, args.dataset, n * (args.repeats + 1), seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for v in names:  # warm-up on a slice no timed run uses
+        run_once(llms[v], prompts[:n], params, args.concurrency)
+    runs: dict[str, list[dict]] = {v: [] for v in names}
+    for r in range(args.repeats):
+        chunk = prompts[n * (r + 1):n * (r + 2)]
+        for v in names:
+            out = run_once(llms[v], chunk, params, args.concurrency)
+            runs[v].append(out)
+            print(f"[{v}] repeat {r}: {out['output_tok_s']:.1f} tok/s, {out['steps']} steps, "
+                  f"{out['step_ms']:.1f} ms/step, forward {out['phase_s'].get('forward', 0):.2f} s, "
+                  f"other {out['non_forward_s']:.2f} s, drafts {out['draft_tokens']} "
+                  f"(accepted {out['accepted_tokens']})", flush=True)
+    medians = {v: {k: statistics.median(o[k] for o in runs[v])
+                   for k in ("output_tok_s", "steps", "step_ms", "tokens_per_step", "non_forward_s")}
+               for v in names}
+    base = medians[names[0]]["output_tok_s"]
+    for v in names:
+        medians[v]["tok_s_ratio_vs_" + names[0]] = medians[v]["output_tok_s"] / base
+    result = {"benchmark": "load_phases", "config": vars(args), "variants": {v: VARIANTS[v] for v in names}, "median": medians,
+              "runs": runs, **run_info(None if argv is None else ["benchmarks/bench_load_phases.py", *argv])}
+    for v in names:
+        print(f"{v}: median {medians[v]['output_tok_s']:.1f} tok/s "
+              f"({medians[v]['tok_s_ratio_vs_' + names[0]]:.3f}x {names[0]})")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(json_safe(result), indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
