@@ -16,6 +16,8 @@ Per run: output tok/s, engine steps, draft tokens verified / accepted, the targe
 proposal and length choice, the lookup and the model drafter inside it): per-token latency = step
 time ÷ tokens per step, both terms measured. Medians over repeats, and each variant ÷ the first.
 
+`--coalesce-steps` sets the scheduler's prompt-coalescing bound for every variant (0: off).
+
 Variants: plain (no speculation), default (the shipped config: DSpark + lookup first + prefix
 scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), nogate
 (default without the draft gate).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import statistics
 import time
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variants", default="plain,default", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--coalesce-steps", type=int, default=None,
+                   help="scheduler coalescing bound for every variant (default: the engine's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -120,6 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
 
     llms = {v: LLM(speculative_config=VARIANTS[v], max_num_seqs=max(64, args.concurrency)) for v in names}
+    if args.coalesce_steps is not None:
+        for llm in llms.values():
+            sched = llm.engine.scheduler
+            sched.config = dataclasses.replace(sched.config, coalesce_steps=args.coalesce_steps)
     tokenizer = llms[names[0]].tokenizer
     n = args.num_prompts
     prompts = chat_prompt_ids(tokenizer, args.dataset, n * (args.repeats + 1), seed=0)
@@ -142,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = medians[names[0]]["output_tok_s"]
     for v in names:
         medians[v]["tok_s_ratio_vs_" + names[0]] = medians[v]["output_tok_s"] / base
-    result = {"benchmark": "load_phases", "config": vars(args), "variants": {v: VARIANTS[v] for v in names}, "median": medians,
+    result = {"bench": "load_phases", "summary": {"median": medians}, "config": vars(args),
+              "variants": {v: VARIANTS[v] for v in names},
               "runs": runs, **run_info(None if argv is None else ["benchmarks/bench_load_phases.py", *argv])}
     for v in names:
         print(f"{v}: median {medians[v]['output_tok_s']:.1f} tok/s "

@@ -112,6 +112,19 @@ def test_draft_seconds_count_only_for_requests_the_drafter_ran_for():
     assert PrefixScheduler().choose(**kwargs, num_drafted_reqs=0) == [0]
 
 
+def test_max_drafts_caps_the_ranked_admission():
+    # FLAT: every positive survival pays; a cap of 3 keeps the 3 best candidates, a prefix per request
+    flat = CostTable(num_tokens=[1, 1000], steps_per_second=[7.0, 7.0])
+    kwargs = dict(confidence=torch.tensor(TRACE_CONFIDENCE), num_draft_tokens=3, num_nondraft_tokens=2, cost=flat)
+    assert PrefixScheduler().choose(**kwargs) == [3, 3]
+    assert PrefixScheduler().choose(**kwargs, max_drafts=3) == [2, 1]  # (r0,1) .9, (r0,2) .72, (r1,1) .6
+    assert PrefixScheduler().choose(**kwargs, max_drafts=0) == [0, 0]
+    policy = AsyncPrefixScheduler()
+    for _ in range(2):
+        policy.observe(torch.tensor(TRACE_CONFIDENCE))
+    assert policy.choose(**kwargs) == [3, 3] and policy.choose(**kwargs, max_drafts=3) == [2, 1]
+
+
 def test_flat_cost_curve_admits_every_positive_survival():
     generator = torch.Generator().manual_seed(0)
     confidence = torch.rand(6, 5, generator=generator, dtype=torch.float64)

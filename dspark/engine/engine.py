@@ -251,38 +251,40 @@ class Engine:
     def _proposing_requests(self, sched: SchedulerOutput) -> tuple[list[Request], list[bool], "NextStep"]:
         """The requests that draft for the next step, whether the model drafter may draft for each (the
         draft gate's pick among those that emitted; a drafter with free drafts still proposes for the
-        others), and the next step's non-draft token counts."""
+        others), and the next step's non-draft token counts. Under a cost-aware policy nothing is
+        model-drafted while prompt chunks need the whole next step's budget."""
         reqs = [s.request for s in sched.scheduled
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:
-            return [], [], NextStep(0, 0)
+            return [], [], NextStep(0, 0, 0)
         next_step = self._next_step_tokens()
         allowed = [True] * len(reqs)
-        if self.draft_gate is not None:
+        cost_aware = getattr(self.length_policy, "needs_cost", False)
+        if cost_aware and next_step.max_drafts == 0:
+            allowed = [False] * len(reqs)  # no draft could be verified: the prompts take the budget
+        elif self.draft_gate is not None:
             drafted = set(self.draft_gate.drafted_requests(
                 num_reqs=len(reqs), num_nondraft_tokens=next_step.num_nondraft,
                 num_prompt_tokens=next_step.num_prompt, cost=self.cost_table))
             allowed = [i in drafted for i in range(len(reqs))]
-            for r in (r for r, ok in zip(reqs, allowed) if not ok):
-                r.clear_drafts()  # plain decoding in the next step for this request (or free drafts)
-                self.metrics.num_draft_skips += 1
-            if not self.drafter.has_free_drafts:
-                reqs = [r for r, ok in zip(reqs, allowed) if ok]
-                allowed = [True] * len(reqs)
+            self.metrics.num_draft_skips += allowed.count(False)
+        for r in (r for r, ok in zip(reqs, allowed) if not ok):
+            r.clear_drafts()  # plain decoding in the next step for this request (or free drafts)
+        if not self.drafter.has_free_drafts:
+            reqs = [r for r, ok in zip(reqs, allowed) if ok]
+            allowed = [True] * len(reqs)
         return reqs, allowed, next_step
 
     def _next_step_tokens(self) -> "NextStep":
-        """Tokens of the next step that are not drafts: one per decoding request + prompt chunks of the
-        running requests and of those waiting for admission (within the step's token and sequence
-        budgets; coalescing may hold the waiting ones a step longer)."""
-        sched = self.scheduler
-        remaining = [r.num_tokens - r.num_computed_tokens for r in sched.running]
-        room = max(0, self.config.scheduler.max_num_seqs - len(remaining))
-        remaining += [r.num_tokens - r.num_computed_tokens for r in itertools.islice(sched.waiting, room)]
+        """The next step's tokens before drafts (`Scheduler.next_step_demand`: decoding requests, prompt
+        chunks of running requests and of the waiting prompts it would admit), clipped to the step's
+        budget, and the budget they leave for drafts."""
+        decode, prompt = self.scheduler.next_step_demand()
         budget = self.config.scheduler.max_num_batched_tokens
-        num_nondraft = min(sum(max(1, n) for n in remaining), budget)
-        num_decode = min(sum(1 for n in remaining if n <= 1), num_nondraft)
-        return NextStep(num_nondraft=num_nondraft, num_prompt=num_nondraft - num_decode)
+        num_nondraft = min(decode + prompt, budget)
+        num_decode = min(decode, num_nondraft)
+        return NextStep(num_nondraft=num_nondraft, num_prompt=num_nondraft - num_decode,
+                        max_drafts=max(0, budget - decode - prompt))
 
     def _propose_and_choose(self, reqs: list[Request], model_allowed: list[bool], next_step: "NextStep") -> int:
         """Drafts and verify lengths for the next step; returns the number of requests the model drafter
@@ -306,8 +308,8 @@ class Engine:
             verify_lens = list(self.length_policy.choose(
                 confidence=proposal.confidence, num_draft_tokens=proposal.draft_ids.shape[1],
                 num_nondraft_tokens=next_step.num_nondraft, num_prompt_tokens=next_step.num_prompt,
-                num_drafted_reqs=sum(from_model), cost=self.cost_table, num_reqs=len(reqs),
-                num_proposed=num_valid))
+                num_drafted_reqs=sum(from_model), max_drafts=next_step.max_drafts, cost=self.cost_table,
+                num_reqs=len(reqs), num_proposed=num_valid))
             if hasattr(self.length_policy, "observe") and proposal.confidence is not None:
                 # after choose: the async policy's capacity reads confidences two steps old
                 self.length_policy.observe(proposal.confidence, num_proposed=num_valid)
@@ -367,8 +369,10 @@ class Engine:
 
 
 class NextStep(NamedTuple):
-    num_nondraft: int  # tokens of the next step that are not drafts
+    num_nondraft: int  # tokens of the next step that are not drafts (within the budget)
     num_prompt: int  # of those, prompt-chunk tokens (the rest: one per decoding request)
+    max_drafts: int  # budget left after every non-draft token asked for: drafts beyond it would push
+    #                  prompt tokens to a later step
 
 
 @dataclass

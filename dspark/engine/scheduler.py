@@ -14,6 +14,7 @@ conditions that fall inside an accepted run cut the output exactly where plain d
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -106,14 +107,33 @@ class Scheduler:
             self._admit_waiting(out, budget)
         return out
 
+    def next_step_demand(self) -> tuple[int, int]:
+        """(decode tokens, prompt tokens) the next `schedule()` is asked for before any draft: one token
+        per decoding request, the prompt chunks still to compute of running requests, and the waiting
+        prompts it would admit (none while coalescing holds them; up to the free sequence slots)."""
+        remaining = [r.num_tokens - r.num_computed_tokens for r in self.running]
+        decode = sum(1 for n in remaining if n <= 1)
+        prompt = sum(n for n in remaining if n > 1)
+        left = self.config.max_num_batched_tokens - decode - prompt
+        if self.waiting and not self._holds_waiting(left):
+            room = max(0, self.config.max_num_seqs - len(self.running))
+            prompt += sum(r.num_tokens - r.num_computed_tokens for r in itertools.islice(self.waiting, room))
+        return decode, prompt
+
+    def _holds_waiting(self, budget: int) -> bool:
+        """Coalescing: hold the waiting prompts this step (they fill under half of the budget left and
+        none has been held `coalesce_steps` steps yet)?"""
+        if self.config.coalesce_steps <= 0 or not self.running or budget <= 0:
+            return False
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return 2 * waiting_tokens < budget and all(r.waiting_steps < self.config.coalesce_steps
+                                                   for r in self.waiting)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        hold = self.config.coalesce_steps > 0 and bool(self.running) and budget > 0
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) if hold else 0
-        if hold and 2 * waiting_tokens < budget:  # the waiting prompts fill under half of the step yet
-            if all(r.waiting_steps < self.config.coalesce_steps for r in self.waiting):
-                for r in self.waiting:
-                    r.waiting_steps += 1
-                return
+        if self._holds_waiting(budget):
+            for r in self.waiting:
+                r.waiting_steps += 1
+            return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not req.block_table and req.num_computed_tokens == 0:

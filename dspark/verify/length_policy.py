@@ -76,6 +76,8 @@ class LengthPolicy(Protocol):
         #                              the prompt, not to the step's output: `_throughput_curve`)
         num_drafted_reqs: int | None = None,  # requests the drafter ran its forward for (its seconds
         #                                       count in Θ); None: all num_reqs. Prompt-lookup rows are free
+        max_drafts: int | None = None,  # prefix / async: at most this many drafts in all (the budget the
+        #                                 step's prompt chunks leave); None: no cap
     ) -> list[int]:  # [num_reqs] verify_len per request
         ...
 
@@ -92,7 +94,8 @@ class FixedLength:
             raise ValueError(f"verify_len must be >= 0, got {self.verify_len}")
 
     def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
-               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None) -> list[int]:
+               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None,
+               max_drafts=None) -> list[int]:
         limits = _proposal_limits(confidence, num_draft_tokens, num_reqs, num_proposed)
         return [min(self.verify_len, limit) for limit in limits]
 
@@ -110,7 +113,8 @@ class ConfidenceThreshold:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
 
     def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
-               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None) -> list[int]:
+               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None,
+               max_drafts=None) -> list[int]:
         conditional = _checked_confidence(confidence, num_draft_tokens, policy="threshold")
         scores = conditional.cumprod(dim=1) if self.cumulative else conditional
         keep = scores >= self.threshold  # [num_reqs, num_draft_tokens]
@@ -127,7 +131,8 @@ class PrefixScheduler:
     needs_cost: ClassVar[bool] = True
 
     def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
-               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None) -> list[int]:
+               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None,
+               max_drafts=None) -> list[int]:
         survival = _masked_survival(confidence, num_draft_tokens, num_proposed, policy="prefix")
         cost = _require_cost(cost, policy="prefix")
         num_reqs = survival.shape[0]
@@ -140,7 +145,7 @@ class PrefixScheduler:
             num_admitted = int(np.cumprod(improves).sum())  # stop at the first non-improvement
         else:
             num_admitted = int(np.argmax(throughput))  # first global maximum
-        return _lengths_from_ranking(ranked_reqs[:num_admitted], num_reqs)
+        return _lengths_from_ranking(ranked_reqs[:_capped(num_admitted, max_drafts)], num_reqs)
 
 
 class AsyncPrefixScheduler:
@@ -181,7 +186,8 @@ class AsyncPrefixScheduler:
         return int(np.argmax(throughput))
 
     def choose(self, *, confidence, num_draft_tokens, num_nondraft_tokens, cost=None,
-               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None) -> list[int]:
+               num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None,
+               max_drafts=None) -> list[int]:
         survival = _masked_survival(confidence, num_draft_tokens, num_proposed, policy="async")
         cost = _require_cost(cost, policy="async")
         num_reqs = survival.shape[0]
@@ -193,7 +199,7 @@ class AsyncPrefixScheduler:
                 confidence=confidence, num_draft_tokens=num_draft_tokens,
                 num_nondraft_tokens=num_nondraft_tokens, cost=cost, num_proposed=num_proposed)
         _, ranked_reqs = _rank_candidates(survival)
-        return _lengths_from_ranking(ranked_reqs[:capacity], num_reqs)
+        return _lengths_from_ranking(ranked_reqs[:_capped(capacity, max_drafts)], num_reqs)
 
 
 class DraftGate:
@@ -474,6 +480,13 @@ def _throughput_curve(
     drafted = num_reqs if num_drafted_reqs is None else num_drafted_reqs
     draft_seconds = cost.draft_seconds_for(drafted) if drafted > 0 else 0.0
     return expected_tokens / (step_seconds + draft_seconds)
+
+
+def _capped(num_admitted: int, max_drafts: int | None) -> int:
+    """The admitted count under a cap on drafts. Lossless like the break: candidate (r, k) is ranked
+    above (r, k + 1) (a_{r,k+1} <= a_{r,k}, ties by position), so its rank, and whether it falls under
+    the cap, never depends on the draft x_k its successors' survivals are computed from."""
+    return num_admitted if max_drafts is None else min(num_admitted, max(0, max_drafts))
 
 
 def _decode_tokens(num_nondraft_tokens: int, num_prompt_tokens: int) -> int:
