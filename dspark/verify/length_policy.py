@@ -28,6 +28,11 @@ drafts 1..k-1 were accepted), the step's composition and the step-cost table, an
   survival fill the K slots; no break is needed. The capacity reads only confidences handed to
   `observe()` (a two-entry queue), never the current step's, which `choose()` uses only to rank.
 
+Both cost-aware policies take the step's context from the engine: `num_prompt_tokens` (the prompt
+chunks among the non-draft tokens, charged to the prompt), `num_drafted_reqs` (rows the model drafter
+ran for; prompt-lookup rows cost no draft seconds) and `max_drafts` (the budget the prompts leave: a
+cap on the admitted count, lossless for the same reason as the break — (r, k) ranks above (r, k+1)).
+
 `DraftGate` sits in front of the cost-aware policies (prefix, async): before a step's drafts are
 proposed it asks whether drafting can pay at all under the current load, from the cost table (draft
 seconds included) and a running mean of the survival curve of earlier proposals; when even the best
