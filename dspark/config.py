@@ -68,9 +68,10 @@ class SpecConfig:
     prompt_lookup_max: int = 5
     ngram_first: bool = False  # model drafters: prompt lookup first, the model where it cannot do better
     draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target
-    # dspark / dflash: dtype of the drafter's matrix products (activations keep the engine dtype). "auto":
-    # bfloat16 for a float32 engine on a CPU with bf16 dot products (AVX512-BF16 / AMX), else the
-    # engine dtype. Drafts only propose, so this never changes the output (the target verifies).
+    # dspark / dflash: dtype of the drafter's many-row matrix products (> 16 rows; activations and
+    # weights keep the engine dtype, a copy is kept in this one). "auto": bfloat16 for a float32 engine
+    # on a CPU with bf16 dot products (AVX512-BF16 / AMX), else the engine dtype. Drafts only propose,
+    # so this never changes the output (the target verifies).
     draft_matmul_dtype: str = "auto"
 
     def __post_init__(self) -> None:

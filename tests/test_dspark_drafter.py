@@ -388,13 +388,17 @@ def test_save_load_round_trip(tmp_path, draft_vocab_size):
 
 # -- reduced-precision products (spec "draft_matmul_dtype")
 
-def _drafts_on_shared_context(drafter: DSparkDrafter) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base logits [1, γ, draft_vocab], confidences [1, γ]) after one context extension."""
-    make_pool(drafter, num_blocks=8, kv_block_size=4)
-    taps = torch.randn(6, len(TAPS) * TARGET.hidden_size, generator=torch.Generator().manual_seed(5))
-    drafter.extend_context(ContextUpdate([ContextSegment("a", [2, 4], 0, [5, 9, 11, 5, 9, 30], None,
-                                                         slice(0, 6))], taps))
-    batch = ProposeBatch([propose_request("a", [5, 9, 11, 5, 9, 30, 7], 6, [2, 4, 6])], 4, "greedy")
+def _drafts_on_shared_context(drafter: DSparkDrafter, num_reqs: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base logits [num_reqs, γ, draft_vocab], confidences [num_reqs, γ]) after one context extension;
+    6 requests make 36 context rows and 24 block rows, past `Linear.LOWP_MIN_ROWS`."""
+    make_pool(drafter, num_blocks=32, kv_block_size=4)
+    g = torch.Generator().manual_seed(5)
+    taps = torch.randn(6 * num_reqs, len(TAPS) * TARGET.hidden_size, generator=g)
+    ids = [torch.randint(3, 120, (7,), generator=g).tolist() for _ in range(num_reqs)]
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(num_reqs)]
+    drafter.extend_context(ContextUpdate([ContextSegment(f"r{i}", tables[i], 0, ids[i][:6], None,
+                                                         slice(6 * i, 6 * i + 6)) for i in range(num_reqs)], taps))
+    batch = ProposeBatch([propose_request(f"r{i}", ids[i], 6, tables[i]) for i in range(num_reqs)], 4, "greedy")
     return drafter.forward_blocks(batch)[0], drafter.propose(batch).confidence
 
 
@@ -411,17 +415,24 @@ def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, 
     b16 = build(spec(tmp_path / "d", draft_matmul_dtype="bfloat16"), **kw)
     m = b16.model
     backbone = [m.fc, m.layers[0].self_attn.q_proj, m.layers[1].self_attn.o_proj, m.layers[0].mlp.down_proj]
-    assert all(lin.weight.dtype == torch.bfloat16 for lin in backbone)
-    assert all(p.dtype == torch.float32 for p in f32.model.parameters())
-    heads = [*m.markov_head.parameters(), *m.confidence_head.parameters(), m.norm.weight, m.embed_tokens.weight]
-    assert all(p.dtype == torch.float32 for p in heads), "heads, norms and embeddings keep their dtype"
+    assert all(lin.lowp_weight.dtype == torch.bfloat16 for lin in backbone)
+    assert all(p.dtype == torch.float32 for p in m.parameters()), "the weights themselves stay fp32"
+    assert not any(hasattr(lin, "lowp_weight") for lin in f32.model.modules())
+    heads = [*m.markov_head.modules(), *m.confidence_head.modules()]
+    assert not any(hasattr(lin, "lowp_weight") for lin in heads), "the heads keep their products"
+    assert "lowp_weight" not in "".join(m.state_dict()), "the copies are not part of the checkpoint"
     if draft_vocab_size is None:  # the target's own head: aliased, not copied to bf16
         assert m.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+        assert not hasattr(m.lm_head, "lowp_weight")
     else:
-        assert m.lm_head.weight.dtype == torch.bfloat16
+        assert m.lm_head.lowp_weight.dtype == torch.bfloat16
     logits32, conf32 = _drafts_on_shared_context(f32)
     logits16, conf16 = _drafts_on_shared_context(b16)
     assert logits16.dtype == torch.float32 and conf16.dtype == torch.float32
+    assert not torch.equal(logits16, logits32), "the bf16 products were not used"
+    one32, _ = _drafts_on_shared_context(f32, num_reqs=1)  # 4 block rows: the fp32 kernel in both
+    one16, _ = _drafts_on_shared_context(b16, num_reqs=1)
+    assert torch.equal(one16, one32)
     # bf16 keeps 8 mantissa bits (relative rounding 2^-9 per product input, a few products deep)
     assert (logits16 - logits32).abs().max() <= 0.03 * logits32.abs().max()
     assert (conf16 - conf32).abs().max() <= 0.03

@@ -313,7 +313,10 @@ def test_skipped_requests_defer_drafter_context_and_draft_the_same(target, draft
     same, and the drafter's context is extended in fewer calls."""
     runs = []
     for defer in (True, False):
-        engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, coalesce_steps=2)
+        # fp32 products: bf16 ones switch on by batch size (`Linear.LOWP_MIN_ROWS`), and deferral
+        # changes the batch sizes of context extension
+        engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, coalesce_steps=2,
+                              draft_matmul_dtype="float32")
         if not defer:
             engine.MAX_DEFERRED_CONTEXT = 0
         step = {"n": 0}
