@@ -63,8 +63,9 @@ def run_once(llm, prompts: list[list[int]], params, concurrency: int) -> dict:
     engine = llm.engine
     seconds: dict[str, float] = collections.defaultdict(float)
     patched = []
+    owners = _targets(engine)
     for owner_name, method in PHASES:
-        owner = _targets(engine).get(owner_name)
+        owner = owners.get(owner_name)
         if owner is None or not hasattr(owner, method):
             continue
         original = getattr(owner, method)

@@ -39,7 +39,7 @@ class SchedulerConfig:
     # hold arriving prompts up to this many steps (while they fill under half of a step's budget) so
     # several share one mixed step: a ~100-token chunk costs ~2.3 ms a token beside decoding requests,
     # a 512-token one ~1.6 ms (SmolLM2, 2 cores); without it, speculation's uneven finishing times make
-    # replacement prompts arrive one by one (docs/benchmarks.md, "Coalescing by default"). 0: off
+    # replacement prompts arrive one by one (docs/benchmarks.md, session 6). 0: off
     coalesce_steps: int = 4
 
     def __post_init__(self) -> None:

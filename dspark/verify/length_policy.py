@@ -10,13 +10,9 @@ drafts 1..k-1 were accepted), the step's composition and the step-cost table, an
 * `PrefixScheduler` — DSpark Algorithm 1 (reference §6.1): candidates (r, j) ranked by survival
   a_{r,j}; admitted greedily while the expected throughput
       Θ = (num_reqs + Σ admitted a) / (draft_seconds(num_reqs) + step_seconds(nondraft + admitted))
-  keeps rising (with no draft curve this is Θ = τ · SPS(B)). A prompt chunk riding the step is
-  charged its own time: step_seconds = T(decode) + [T(nondraft + admitted) − T(nondraft)], where
-  T(decode) is the step of the decoding requests alone and the bracket is what the drafts add at the
-  step's real size. Θ counts output tokens only, so charging the chunk's time to them would make a
-  draft look cheap beside a long prefill (1/SPS(300) ≫ 1/SPS(16)) although each verified draft costs
-  its full compute there; see `_throughput_curve`. The loop BREAKS at the first admission
-  that does not raise Θ. The break is what keeps sampling lossless (reference §6.2): c_{k+1} is
+  keeps rising (with no draft curve this is Θ = τ · SPS(B); a prompt chunk riding the step is
+  charged to the prompt, not to Θ's output tokens: `_throughput_curve`). The loop BREAKS at the
+  first admission that does not raise Θ. The break is what keeps sampling lossless (reference §6.2): c_{k+1} is
   computed from the sampled draft x_k, so a_{r,k+1} depends on x_k. Since a_{r,k+1} ≤ a_{r,k}, and
   ties are broken by position, (r, k+1) is examined only after x_k's admission is final, so
   admitting x_k never depends on x_k. Without the break (`break_on_drop=False`, tests only) a later
