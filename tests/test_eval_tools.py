@@ -194,6 +194,18 @@ def _accept_everything(*, target_probs, draft_ids, draft_probs, is_greedy, gener
                         is_bonus=[True] * len(draft_ids))
 
 
+def _accept_everything_argmax(*, target_argmax, draft_ids):
+    """The same broken verifier on the engine's all-greedy lane (argmax ids)."""
+    return VerifyResult(num_accepted=[len(d) for d in draft_ids],
+                        output_ids=[list(d) + [ids[len(d)]] for ids, d in zip(target_argmax, draft_ids)],
+                        is_bonus=[True] * len(draft_ids))
+
+
+def _break_verifier(monkeypatch) -> None:
+    monkeypatch.setattr("dspark.engine.engine.verify", _accept_everything)
+    monkeypatch.setattr("dspark.engine.engine.verify_greedy_argmax", _accept_everything_argmax)
+
+
 def test_first_divergence():
     from dspark.parity import first_divergence
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
@@ -208,7 +220,7 @@ def test_parity_ngram_exact_and_broken_verifier_detected(monkeypatch):
     report = check_parity(llm, token_prompts, max_tokens=32, chat=False)
     assert report.ok and report.num_exact == 5, report.to_dict()
     assert report.num_spec_rounds > 0
-    monkeypatch.setattr("dspark.engine.engine.verify", _accept_everything)
+    _break_verifier(monkeypatch)
     broken = check_parity(llm, token_prompts, max_tokens=32, chat=False)
     assert not broken.ok, "accepting every n-gram draft must change some greedy output"
     m = broken.mismatches[0]
@@ -222,7 +234,7 @@ def test_parity_cli_exit_code(monkeypatch, capsys, broken):
     monkeypatch.setattr("dspark.llm.LLM", lambda **kw: llm)
     monkeypatch.setattr("dspark.bench.datasets.load_prompts", lambda name, n, seed: prompts(n))
     if broken:
-        monkeypatch.setattr("dspark.engine.engine.verify", _accept_everything)
+        _break_verifier(monkeypatch)
     args = _parse(parity.register, ["parity", "--speculative-config", '{"method": "ngram"}',
                                     "--num-prompts", "4", "--max-tokens", "24"])
     rc = args.func(args)

@@ -14,7 +14,7 @@ ops = kernels.ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable (DSPARK_CPU_KERNELS=0 or no compiler)")
 
 
-@pytest.mark.parametrize("rows", [*range(1, 14), 16, 25, kernels.MAX_ROWS])
+@pytest.mark.parametrize("rows", [*range(1, 14), 16, 25, 48, 49, 97, kernels.MAX_ROWS])
 @pytest.mark.parametrize("k,n", [(576, 131), (37, 9), (64, 1)])
 def test_small_mm_matches_matmul(rows, k, n):
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
@@ -23,6 +23,17 @@ def test_small_mm_matches_matmul(rows, k, n):
     ref = (x.double() @ w.double().t()).float()
     assert out.shape == (rows, n)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_small_mm_row_results_do_not_depend_on_the_batch():
+    """Bit for bit, a row's product is the same alone or among up to MAX_ROWS rows, across the pass split
+    and the weight tiles (n = 300 output rows over K = 576: three tiles): a request's logits never depend
+    on what else is in its step."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(kernels.MAX_ROWS, 576, generator=g), torch.randn(300, 576, generator=g)
+    alone = torch.cat([ops.small_mm(x[i:i + 1], w) for i in range(x.shape[0])])
+    for rows in (2, 12, 13, 48, 61, kernels.MAX_ROWS):
+        assert torch.equal(ops.small_mm(x[:rows], w), alone[:rows]), rows
 
 
 def test_small_mm_rejects_bad_input():

@@ -445,3 +445,30 @@ def test_draft_gate_probes_a_few_requests_in_turn_and_backs_off():
     assert {r for i in drafting for r in picks[i]} == set(range(6))
     # with few requests a probe covers them all
     assert len(DraftGate(probe_reqs=2).drafted_requests(num_reqs=1, num_nondraft_tokens=1, cost=costly)) == 1
+    # with each request's missing drafter context given, probes take the requests with the least
+    gate = DraftGate(probe_every=2, probe_reqs=2)
+    gate.observe(torch.full((6, 4), 0.3))
+    backlog = [40, 0, 64, 3, 0, 17]
+    picks = [gate.drafted_requests(num_reqs=6, num_nondraft_tokens=6, cost=costly, backlog=backlog)
+             for _ in range(12)]
+    assert {tuple(p) for p in picks if p} == {(1, 4)}, picks
+
+
+def test_draft_gate_gain_follows_the_curve_and_the_cost():
+    """The gain is cached between proposals; a new curve, a verify outcome or another table moves it."""
+    from dspark.verify.length_policy import DraftGate
+    cheap = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 90.0], draft_num_reqs=[1, 16],
+                      draft_seconds=[0.001, 0.001])
+    costly = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 20.0], draft_num_reqs=[1, 16],
+                       draft_seconds=[0.02, 0.02])
+    gate = DraftGate()
+    gate.observe(torch.full((4, 4), 0.9))
+    high = gate.expected_gain(num_reqs=4, num_nondraft_tokens=4, cost=cheap)
+    assert gate.expected_gain(num_reqs=4, num_nondraft_tokens=4, cost=cheap) == high
+    assert gate.expected_gain(num_reqs=4, num_nondraft_tokens=4, cost=costly) < high
+    gate.observe(torch.full((4, 4), 0.2))
+    assert gate.expected_gain(num_reqs=4, num_nondraft_tokens=4, cost=cheap) < high
+    lowered = gate.expected_gain(num_reqs=4, num_nondraft_tokens=4, cost=cheap)
+    for _ in range(10):  # realized acceptance above the predicted: the correction lifts the curve
+        gate.observe_verify("r", [0.9] * 4, 4, 4)
+    assert gate.expected_gain(num_reqs=4, num_nondraft_tokens=4, cost=cheap) > lowered

@@ -147,22 +147,23 @@ def test_smollm2_gguf_matches_transformers_gguf(smollm2, hf_smollm2):
 def test_fused_decoder_layers_equal_per_layer_modules(tiny_config):
     """The one-call decoder stack of few-row steps (`kernels.decoder_layers`) against the per-layer modules
     on the same weights: hidden states, taps and every K/V written are bit-identical, for decode rows,
-    verify windows and a two-request group, after a prompt that ran the module path."""
+    verify windows, a two-request group and a 60-row step of five 12-token windows (more rows than one
+    pass of the kernel's products serves), after prompts that ran the module path."""
     if kernels.ops() is None:
         pytest.skip("CPU kernels unavailable")
     hf = hf_twin(tiny_config, seed=3)
     ours = ours_from_hf(tiny_config, hf)
     g = torch.Generator().manual_seed(2)
-    a = torch.randint(3, tiny_config.vocab_size, (40,), generator=g).tolist()
-    b = torch.randint(3, tiny_config.vocab_size, (40,), generator=g).tolist()
-    steps = [[(a[:20], 0), (b[:25], 0)],  # prompts: two groups, the module path in both runs
+    a, b, c, d, e = (torch.randint(3, tiny_config.vocab_size, (40,), generator=g).tolist() for _ in range(5))
+    steps = [[(a[:20], 0), (b[:25], 0), (c[:20], 0), (d[:20], 0), (e[:20], 0)],  # prompts: the module path
              [(a[20:21], 20), (b[25:33], 25)],  # a decode row and an 8-token verify window
              [(a[21:30], 21), (b[33:34], 33)],
-             [(a[30:31], 30), ([], 34)]]  # batch 1
+             [(a[30:31], 30), ([], 34)],  # batch 1
+             [(a[31:43], 31), (b[34:46], 34), (c[20:32], 20), (d[20:32], 20), (e[20:32], 20)]]  # 60 rows
     taps_ids = (-1, 0, tiny_config.num_hidden_layers - 1)
     runs, calls = [], []
     for fused in (True, False):
-        kv = PagedKV.create(ours, num_requests=2, max_len=48, kv_block_size=4, seed=5)
+        kv = PagedKV.create(ours, num_requests=5, max_len=48, kv_block_size=4, seed=5)
         original = kernels.decoder_layers
 
         def spy(*args, **kw):
@@ -174,8 +175,8 @@ def test_fused_decoder_layers_equal_per_layer_modules(tiny_config):
             runs.append(([kv.step(ours, chunks, tap_layer_ids=taps_ids) for chunks in steps], kv.caches))
         finally:
             kernels.decoder_layers = original
-    # fused run: the three short steps ran the kernel; the prompt step never asked; module run: declined
-    assert calls == [True, True, True, False, False, False], calls
+    # fused run: the four short steps ran the kernel; the prompt step never asked; module run: declined
+    assert calls == [True] * 4 + [False] * 4, calls
     (fused_out, fused_kv), (module_out, module_kv) = runs
     for i, ((h1, t1), (h2, t2)) in enumerate(zip(fused_out, module_out)):
         assert torch.equal(h1, h2), f"step {i}: hidden differs by {(h1 - h2).abs().max().item():.2e}"

@@ -15,6 +15,7 @@ from dspark.verify.rejection import (
     rejection_sample_batched,
     verify,
     verify_greedy,
+    verify_greedy_argmax,
     verify_rejection,
 )
 from stat_checks import (
@@ -67,6 +68,24 @@ def test_greedy_uses_argmax_of_soft_rows():
     target_probs = torch.tensor([[0.1, 0.6, 0.3, 0.0, 0.0], [0.5, 0.2, 0.1, 0.1, 0.1]])
     result = verify_greedy(target_probs=[target_probs], draft_ids=[[1]])
     assert result.output_ids == [[1, 0]]
+
+
+def test_argmax_lane_matches_one_hot_verification():
+    """The engine's all-greedy lane (argmax ids) against `verify` over the one-hot distributions the
+    sampling path builds from the same logits, on random windows that accept 0..γ drafts."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        num_reqs = int(torch.randint(1, 5, (1,), generator=gen))
+        logits = [torch.randn(int(torch.randint(1, 6, (1,), generator=gen)), VOCAB_SIZE, generator=gen)
+                  for _ in range(num_reqs)]
+        argmax = [row.argmax(-1).tolist() for row in logits]
+        # drafts that follow the argmax for a random prefix, then (maybe) diverge
+        drafts = [[t if torch.rand(1, generator=gen) < 0.7 else (t + 1) % VOCAB_SIZE for t in ids[:-1]] for ids in argmax]
+        fast = verify_greedy_argmax(target_argmax=argmax, draft_ids=drafts)
+        slow = verify_greedy(target_probs=[_one_hot_rows(ids) for ids in argmax], draft_ids=drafts)
+        assert fast == slow
+    with pytest.raises(ValueError, match="verify_len"):
+        verify_greedy_argmax(target_argmax=[[1, 2]], draft_ids=[[1, 2]])
 
 
 def test_mixed_batch_routes_per_request():

@@ -24,7 +24,7 @@ from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.request import PendingContext, Request, SpecStats
 from dspark.sampling import SamplingParams, logits_to_probs
-from dspark.verify.rejection import VerifyResult, verify
+from dspark.verify.rejection import VerifyResult, verify, verify_greedy_argmax
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,13 @@ class Engine:
         items = [s for s in sched.scheduled if s.emits]
         if not items:
             return StepVerify({}, {})
+        if all(s.request.params.is_greedy for s in items):  # compare-only: one argmax, no distributions
+            argmax = logits.argmax(dim=-1).tolist()  # [num_logits]
+            bounds = list(itertools.accumulate((s.num_logits for s in items), initial=0))
+            result = verify_greedy_argmax(
+                target_argmax=[argmax[a:b] for a, b in zip(bounds, bounds[1:])],
+                draft_ids=[s.request.draft_ids[:s.num_drafts] for s in items])
+            return self._observed(items, result)
         temps, top_ks, top_ps = [], [], []
         for s in items:
             p = s.request.params
@@ -185,6 +192,10 @@ class Engine:
                          else s.request.draft_probs[:s.num_drafts] for s in items],
             is_greedy=[s.request.params.is_greedy for s in items],
             generators=[s.request.generator for s in items])
+        return self._observed(items, result)
+
+    def _observed(self, items: list, result: VerifyResult) -> "StepVerify":
+        """Hand each request's verification outcome to the observers; the step's results by request."""
         ids = [s.request.request_id for s in items]
         for rid, s, n in zip(ids, items, result.num_accepted):
             for observe in self.verify_observers:
@@ -305,7 +316,7 @@ class Engine:
         if self.length_policy is None:
             verify_lens = list(num_valid)
         else:
-            verify_lens = list(self.length_policy.choose(
+            verify_lens = [0] * len(reqs) if not any(num_valid) else list(self.length_policy.choose(
                 confidence=proposal.confidence, num_draft_tokens=proposal.draft_ids.shape[1],
                 num_nondraft_tokens=next_step.num_nondraft, num_prompt_tokens=next_step.num_prompt,
                 num_drafted_reqs=sum(from_model), max_drafts=next_step.max_drafts, cost=self.cost_table,
@@ -316,11 +327,13 @@ class Engine:
             rows = [i for i, m in enumerate(from_model) if m]  # the gate learns the model's curve only
             if self.draft_gate is not None and proposal.confidence is not None and rows:
                 self.draft_gate.observe(proposal.confidence[rows], num_proposed=[num_valid[i] for i in rows])
+        draft_ids = proposal.draft_ids.tolist()  # [num_reqs][γ]
+        confidence = None if proposal.confidence is None else proposal.confidence.tolist()
         for i, r in enumerate(reqs):
             verify_lens[i] = min(int(verify_lens[i]), num_valid[i])
-            r.draft_ids = proposal.draft_ids[i, :num_valid[i]].tolist()
+            r.draft_ids = draft_ids[i][:num_valid[i]]
             r.draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[i]
-            r.draft_confidence = None if proposal.confidence is None else proposal.confidence[i].tolist()
+            r.draft_confidence = None if confidence is None else confidence[i]
             r.draft_from_model = from_model[i]
             r.verify_len = int(verify_lens[i])
         with self.metrics.lock:

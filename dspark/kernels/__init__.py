@@ -27,7 +27,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-MAX_ROWS = 48  # small_mm serves products with up to this many rows (more: BLAS is faster)
+MAX_ROWS = 128  # small_mm and the one-call decoder stack serve up to this many rows (more: BLAS; cpu_ops.cpp)
 
 
 def _mode() -> str:

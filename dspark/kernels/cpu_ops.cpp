@@ -1,8 +1,8 @@
 // CPU fp32 kernels for the few-row steps (batch-1 decode, short verification and draft blocks), where
 // torch's general kernels pay more in dispatch and poor GEMV bandwidth than the arithmetic costs:
 //
-//   small_mm(x, w)                 x[M, K] @ w[N, K]^T for M <= 48: each weight row is streamed once per
-//                                  pass of up to 12 rows (R rows x M accumulators in vector registers);
+//   small_mm(x, w)                 x[M, K] @ w[N, K]^T for M <= 128: passes of up to 12 rows (R rows x M
+//                                  accumulators in vector registers) over L2-sized tiles of weight rows;
 //                                  parallel over output rows.
 //   rms_norm(x, w, eps)            y = x / rms(x) * w, one pass per row.
 //   add_rms_norm_(x, r, w, eps)    r += x in place, returns rms_norm(r) (the residual add fused in).
@@ -112,22 +112,31 @@ void rows(const float* x, const float* w, float* out, int64_t K, int64_t N, int6
 
 using RowsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 // One pass serves up to kPassRows input rows (beyond that the accumulators no longer fit and the pass
-// gets slower than two); up to kMaxRows rows run as balanced passes, each streaming the weights again,
-// which still beats BLAS at these sizes (measured on all of SmolLM2's weights: 16 rows 38 vs 62 ms,
-// 32 rows 64 vs 86 ms, 48 rows 104 vs 122 ms; at 64 rows they tie).
+// gets slower than two); up to kMaxRows rows run as balanced passes. Against BLAS on all of SmolLM2's
+// weights (ms, one process): 8 rows 22 vs 42, 16 31 vs 52, 32 57 vs 74, 48 92 vs 98, 64 124 vs 127,
+// 96 182 vs 169, 128 232 vs 216. The limit is 128 rather than where BLAS overtakes (~70) so that the
+// one-call decoder stack (decoder_layers_, same products) serves verification steps up to 128 rows: above
+// its limit a step falls to the per-layer path, which cost a 56-row step 212 ms against 162 fused.
 constexpr int kPassRows = 12;
-constexpr int kMaxRows = 48;
+constexpr int kMaxRows = 128;
 constexpr RowsFn kRows[kPassRows] = {rows<1>, rows<2>, rows<3>, rows<4>,  rows<5>,  rows<6>,
                                      rows<7>, rows<8>, rows<9>, rows<10>, rows<11>, rows<12>};
 
-// Output columns [n0, n1) of out[M, N] = x[M, K] @ w[N, K]^T, M in 1..48, in balanced passes of <= 12 rows.
+// Output columns [n0, n1) of out[M, N] = x[M, K] @ w[N, K]^T, M in 1..kMaxRows, in balanced passes of
+// <= 12 rows over tiles of weight rows that stay in L2 (~256 KB): the first pass streams a tile from
+// memory, the others re-read it from cache. Every output element is the same K-ordered sum whatever M,
+// the pass split or the tile, so a row's result never depends on the other rows of the batch.
 void mm_cols(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, float* op, int64_t n0, int64_t n1) {
   const int64_t passes = (M + kPassRows - 1) / kPassRows, per_pass = (M + passes - 1) / passes;
-  for (int64_t m0 = 0; m0 < M; m0 += per_pass)
-    kRows[std::min(per_pass, M - m0) - 1](xp + m0 * K, wp, op + m0 * N, K, N, n0, n1);
+  const int64_t tile = passes == 1 ? n1 - n0 : std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(K, 1));
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    for (int64_t m0 = 0; m0 < M; m0 += per_pass)
+      kRows[std::min(per_pass, M - m0) - 1](xp + m0 * K, wp, op + m0 * N, K, N, t0, t1);
+  }
 }
 
-// out[M, N] = x[M, K] @ w[N, K]^T for M in 1..48, raw row-major fp32 pointers; parallel over N.
+// out[M, N] = x[M, K] @ w[N, K]^T for M in 1..kMaxRows, raw row-major fp32 pointers; parallel over N.
 void mm_into(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, float* op) {
   const int64_t grain = std::max<int64_t>(64, (1 << 16) / std::max<int64_t>(K, 1));  // >= ~256 KB per task
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { mm_cols(xp, M, K, wp, N, op, n0, n1); });
@@ -163,7 +172,7 @@ class SpinBarrier {
 
 }  // namespace
 
-// x [M, K] fp32 contiguous (M in 1..48), w [N, K] fp32 contiguous -> [M, N]
+// x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 contiguous -> [M, N]
 torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_mm: shapes ", x.sizes(), " and ",
               w.sizes());
@@ -450,7 +459,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs, as torch's own ops do: the server's API thread keeps
   // streaming and detokenizing while the engine thread computes
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 48 (fp32, CPU)", release());
+  m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 128 (fp32, CPU)", release());
   m.def("rms_norm", &rms_norm, "x / rms(x) * w (fp32, CPU)", release());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) (fp32, CPU)", release());
   m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());

@@ -254,6 +254,10 @@ class DraftGate:
         self._realized, self._predicted = 0.0, 0.0
         # live ÷ table step seconds per mode (EMA), None until observed
         self.time_ratio: dict[str, float | None] = {"draft": None, "plain": None}
+        # expected_gain of the last (inputs, curve state): between model proposals the curve does not
+        # change, and a closed gate asks the same question every step
+        self._curve_version = 0
+        self._gain_cache: tuple[tuple, CostTable, float] | None = None
 
     def observe_step(self, *, num_tokens: int, seconds: float, drafts_verified: bool, num_proposed_reqs: int,
                      cost: CostTable | None) -> None:
@@ -276,6 +280,7 @@ class DraftGate:
         """Fold a proposal's confidences [num_reqs, γ] into the mean survival curve."""
         survival = _masked_survival(confidence, confidence.shape[1], num_proposed, policy="gate")
         curve = survival.mean(dim=0).numpy()  # [γ]
+        self._curve_version += 1
         if self.mean_survival is None or self.mean_survival.shape != curve.shape:
             self.mean_survival = curve
         else:
@@ -285,13 +290,18 @@ class DraftGate:
                       num_prompt_tokens: int = 0) -> float:
         """max Θ with drafting ÷ Θ without (drafting pays above `min_gain`)."""
         assert self.mean_survival is not None
+        key = (num_reqs, num_nondraft_tokens, num_prompt_tokens, self._curve_version)
+        if self._gain_cache is not None and self._gain_cache[0] == key and self._gain_cache[1] is cost:
+            return self._gain_cache[2]
         curve = np.clip(self.mean_survival * self.correction, 0.0, 1.0)
         candidates = np.sort(np.tile(curve, num_reqs))[::-1].copy()
         with_drafts = _throughput_curve(torch.from_numpy(candidates), cost=cost, num_reqs=num_reqs,
                                         num_nondraft_tokens=num_nondraft_tokens,
                                         num_prompt_tokens=num_prompt_tokens)
         without = num_reqs * cost.sps(_decode_tokens(num_nondraft_tokens, num_prompt_tokens))
-        return float(with_drafts.max() / without)
+        gain = float(with_drafts.max() / without)
+        self._gain_cache = (key, cost, gain)
+        return gain
 
     @property
     def correction(self) -> float:
@@ -310,6 +320,7 @@ class DraftGate:
         keep = self.decay ** (1.0 / 8)  # slower than the curve: roughly the last ~25 windows weigh in
         self._realized = keep * self._realized + num_accepted
         self._predicted = keep * self._predicted + predicted
+        self._curve_version += 1  # the correction moved
 
     @property
     def live_factor(self) -> float | None:
@@ -323,10 +334,12 @@ class DraftGate:
                                           num_prompt_tokens=num_prompt_tokens))
 
     def drafted_requests(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None,
-                         num_prompt_tokens: int = 0) -> list[int]:
+                         num_prompt_tokens: int = 0, backlog: Sequence[int] | None = None) -> list[int]:
         """Indices of the requests to draft for in this step: all, none, or — a drafting probe while
         skipping — `probe_reqs` of them in turn (a probe only needs confidences and a step time, and
-        a full-batch probe at high load costs the very step the gate saved)."""
+        a full-batch probe at high load costs the very step the gate saved). `backlog`: per request,
+        the positions its drafter context still lacks; probes take the requests with the least first
+        (a probe then costs no catch-up of a long deferred context), in turn among equals."""
         if cost is None or self.mean_survival is None:
             return list(range(num_reqs))
         probe = False
@@ -358,7 +371,10 @@ class DraftGate:
             return list(range(num_reqs))
         start = self._probe_cursor % num_reqs
         self._probe_cursor += self.probe_reqs
-        return sorted((start + i) % num_reqs for i in range(self.probe_reqs))
+        turn = [(start + i) % num_reqs for i in range(num_reqs)]
+        if backlog is not None:
+            turn.sort(key=lambda i: backlog[i])  # stable: in turn among equal backlogs
+        return sorted(turn[:self.probe_reqs])
 
 
 LENGTH_POLICIES: dict[str, type] = {

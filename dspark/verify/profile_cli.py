@@ -29,7 +29,7 @@ import platform
 
 import torch
 
-DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 DEFAULT_DRAFT_NUM_REQS = (1, 2, 4, 8, 16, 32, 64)
 
 

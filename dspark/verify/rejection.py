@@ -184,9 +184,33 @@ def _verify_one_greedy(
     target_probs: torch.Tensor,  # [verify_len + 1, vocab_size]
     draft_ids: list[int],  # [verify_len]
 ) -> tuple[int, list[int], bool]:
+    _check_target_rows(target_probs, len(draft_ids))
+    return _accept_greedy(target_probs.argmax(dim=-1).tolist(), draft_ids)
+
+
+def verify_greedy_argmax(
+    *,
+    target_argmax: list[list[int]],  # per request [verify_len + 1] argmax of the target logits
+    draft_ids: list[list[int]],  # per request [verify_len]
+) -> VerifyResult:
+    """The compare-only lane from the target's argmax ids: for an all-greedy batch the engine takes one
+    argmax over the logits instead of building one-hot distributions (`verify` with one-hot rows gives
+    the same result)."""
+    _check_lengths(len(target_argmax), draft_ids=draft_ids)
+    results = []
+    for ids, drafts in zip(target_argmax, draft_ids):
+        if len(ids) != len(drafts) + 1:
+            raise ValueError(f"target_argmax needs verify_len + 1 = {len(drafts) + 1} ids, got {len(ids)}")
+        results.append(_accept_greedy(ids, drafts))
+    return VerifyResult(num_accepted=[r[0] for r in results], output_ids=[r[1] for r in results],
+                        is_bonus=[r[2] for r in results])
+
+
+def _accept_greedy(
+    target_argmax: list[int],  # [verify_len + 1]
+    draft_ids: list[int],  # [verify_len]
+) -> tuple[int, list[int], bool]:
     verify_len = len(draft_ids)
-    _check_target_rows(target_probs, verify_len)
-    target_argmax = target_probs.argmax(dim=-1).tolist()  # [verify_len + 1]
     num_accepted = 0
     while num_accepted < verify_len and draft_ids[num_accepted] == target_argmax[num_accepted]:
         num_accepted += 1
