@@ -20,7 +20,9 @@ time ÷ tokens per step, both terms measured. Medians over repeats, and each var
 
 Variants: plain (no speculation), default (the shipped config: DSpark + lookup first + prefix
 scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), nogate
-(default without the draft gate).
+(default without the draft gate), nocache (default without the lookup's cross-request cache). The
+warm-up slice is served first, so the cross-request cache starts with its answers, as a server's
+would with earlier traffic; the timed prompts are never in it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ VARIANTS = {
     "dspark": {**DEFAULT, "ngram_first": False},
     "fp32-draft": {**DEFAULT, "draft_matmul_dtype": "float32"},
     "nogate": {**DEFAULT, "draft_gate": False},
+    "nocache": {**DEFAULT, "lookup_cache_entries": 0},
 }
 # (object attribute, method) timed on each engine: "runner" / "scheduler" / "drafter" / "engine"
 PHASES = [("engine", "_verify"), ("engine", "_extend_drafter_context"), ("engine", "_propose_and_choose"),
@@ -79,6 +82,25 @@ def run_once(llm, prompts: list[list[int]], params, concurrency: int) -> dict:
 
         setattr(owner, method, timed)
         patched.append((owner, method))
+    # the target forward split by steps with a prompt chunk and decode/verify-only steps
+    schedule, forward = engine.scheduler.schedule, engine.runner.forward
+    last = {"prompt": False}
+
+    def schedule_noting_prompts(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        last["prompt"] = any(s.start_pos < len(s.request.prompt_ids) for s in out.scheduled)
+        return out
+
+    def forward_by_kind(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            kind = "prompt" if last["prompt"] else "decode"
+            seconds[f"forward_{kind}_steps"] += time.perf_counter() - start
+            seconds[f"num_{kind}_steps"] += 1
+    engine.scheduler.schedule, engine.runner.forward = schedule_noting_prompts, forward_by_kind  # (both in
+    # PHASES: the cleanup's delattr drops these wrappers with the timers)
     m = engine.metrics
     before = (m.num_steps, m.num_draft_tokens, m.num_accepted_tokens)
     queue, in_flight, tokens = list(prompts), 0, 0

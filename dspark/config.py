@@ -67,6 +67,8 @@ class SpecConfig:
     prompt_lookup_min: int = 2  # n-gram (and ngram_first)
     prompt_lookup_max: int = 5
     ngram_first: bool = False  # model drafters: prompt lookup first, the model where it cannot do better
+    # ngram / ngram_first: n-grams kept from finished requests for cross-request lookup (0: own context only)
+    lookup_cache_entries: int = 65536
     draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target
     # dspark / dflash: dtype of the drafter's many-row matrix products (> 16 rows; activations and
     # weights keep the engine dtype, a copy is kept in this one). "auto": bfloat16 for a float32 engine
@@ -93,6 +95,8 @@ class SpecConfig:
         if self.draft_matmul_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"draft_matmul_dtype must be auto, float32, bfloat16 or float16, "
                              f"got {self.draft_matmul_dtype!r}")
+        if self.lookup_cache_entries < 0:
+            raise ValueError(f"lookup_cache_entries must be >= 0, got {self.lookup_cache_entries}")
         if self.ngram_first and self.method == "ngram":
             raise ValueError("ngram_first wraps a model drafter; method 'ngram' is prompt lookup already")
         if self.method in ("dspark", "dflash", "eagle3") and not self.model:

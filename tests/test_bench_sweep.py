@@ -86,6 +86,27 @@ def test_sweep_interleaved_takes_turns(tiny_dir, tmp_path):
     points = json.loads((out / "results.json").read_text())["points"]
     assert [(p["method"], p["repeat"]) for p in points] == [("none", 0), ("ngram", 0), ("none", 1), ("ngram", 1)]
     assert all(not p.get("error") and p["num_completed"] == 2 for p in points)
+    # fresh prompts: repeat 1 starts after repeat 0's two prompts and its warm-up, for both methods
+    offsets = [json.loads((out / p["raw_file"]).read_text())["prompt_offset"] for p in points]
+    assert offsets == [0, 0, 3, 3], offsets
+
+
+def test_fresh_prompt_offsets_are_disjoint_and_bounded():
+    import argparse
+
+    from dspark.bench.sweep import prompt_offsets
+
+    args = argparse.Namespace(dataset=["gsm8k", "humaneval"], concurrency=[1, 4], repeats=2, num_prompts=0,
+                              num_prompts_per_concurrency=1, num_warmup=1, seed=0)
+    offsets = prompt_offsets(args)
+    for d in args.dataset:  # slices [offset, offset + c + warm-up) tile the order without overlap
+        spans = sorted((offsets[d, c, r], offsets[d, c, r] + c + 1) for c in (1, 4) for r in range(2))
+        assert spans == [(0, 2), (2, 7), (7, 9), (9, 14)], spans
+    args.num_prompts, args.repeats = 40, 2  # 2 x 2 x 41 = 164 prompts: gsm8k (319 rows) fits, humaneval (164)
+    assert prompt_offsets(args)["humaneval", 4, 1] == 123
+    args.num_warmup = 2  # 168: humaneval does not
+    with pytest.raises(SystemExit, match="humaneval"):
+        prompt_offsets(args)
 
 
 def test_method_table():

@@ -1,6 +1,8 @@
 """Prompt lookup first (`"ngram_first": true`, dspark/drafters/lookup_first.py):
 
-* the n-gram lookup (dspark/drafters/ngram.py) against a brute-force scan on random sequences;
+* the n-gram lookup (dspark/drafters/ngram.py) against a brute-force scan on random sequences; the
+  cross-request cache (longest n, latest occurrence, bounded, asked only where the own context has
+  no match);
 * the lookup's acceptance counts against hand-counted rounds (conditional per position, per regime
   and match length, halved at the cap);
 * the choice per request: lookup when it matches and is expected to keep at least the model's recent
@@ -9,7 +11,8 @@
 * in the engine, on a tiny random Llama with a random-weight DSpark drafter: greedy parity under the
   fixed, prefix and async policies with arrivals and coalescing, both draft sources used in one run;
   the draft gate and online calibration learn from model rounds only; gate-skipped requests still
-  verify lookup drafts; a sampled run mixes point-mass and model rows in one batch.
+  verify lookup drafts; a sampled run mixes point-mass and model rows in one batch; prompts served a
+  second time draft from the cross-request cache (its own acceptance class) with parity kept.
 
     pytest tests/test_lookup_first.py -q
 """
@@ -24,6 +27,7 @@ import torch
 from dspark.config import SpecConfig
 from dspark.drafters.base import DraftProposal, Drafter, ProposeBatch, ProposeRequest
 from dspark.drafters.lookup_first import LookupAcceptance, LookupFirstDrafter
+from dspark.drafters.ngram import NgramCache, NgramDrafter
 from dspark.sampling import SamplingParams
 from tests.engine_helpers import greedy
 from tests.test_scheduled_verification import (  # noqa: F401  (fixtures)
@@ -54,6 +58,32 @@ def test_ngram_lookup_matches_brute_force():
 
 
 # -- the acceptance counts -------------------------------------------------------------------------
+def test_ngram_cache_longest_latest_and_bounded():
+    cache = NgramCache(num_draft_tokens=3, min_n=3, max_n=4, max_entries=1000)
+    cache.add([1, 2, 3, 4, 5, 6, 7])
+    assert cache.lookup([9, 2, 3, 4]) == ([5, 6, 7], 3)  # 3-gram (2, 3, 4)
+    assert cache.lookup([1, 2, 3, 4]) == ([5, 6, 7], 4)  # the 4-gram wins
+    assert cache.lookup([9, 9, 2, 3]) == ([], 0)  # too short a match
+    cache.add([8, 2, 3, 4, 0])  # a later occurrence replaces the continuation of (2, 3, 4)
+    assert cache.lookup([9, 2, 3, 4]) == ([0], 3)
+    assert cache.lookup([1, 2, 3, 4]) == ([5, 6, 7], 4)
+    cache.add([7, 7, 7, 6, 5, 4, 3, 2], start=6)  # continuations from position 6 on: the prompt's own are not kept
+    assert cache.lookup([7, 7, 7]) == ([], 0) and cache.lookup([6, 5, 4]) == ([3, 2], 3)
+    small = NgramCache(num_draft_tokens=2, min_n=3, max_n=3, max_entries=4)
+    small.add(list(range(10)))  # 7 trigrams with a continuation; the 4 latest are kept
+    assert len(small) == 4 and small.lookup([2, 3, 4]) == ([], 0) and small.lookup([6, 7, 8]) == ([9], 3)
+    with pytest.raises(ValueError):
+        NgramCache(num_draft_tokens=2, min_n=4, max_n=3)
+
+
+def test_cache_is_asked_only_where_the_own_context_has_no_match():
+    drafter = NgramDrafter(num_draft_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3, cache_entries=100)
+    drafter.observe_finished([5, 6, 7, 8, 9, 10], 3)
+    assert drafter.lookup_with_source([1, 5, 6, 7]) == ([8, 9, 10], 3, True)
+    assert drafter.lookup_with_source([6, 7, 0, 6, 7]) == ([0, 6, 7], 2, False)  # own match first
+    assert NgramDrafter(num_draft_tokens=3).lookup_with_source([1, 5, 6, 7]) == ([], 0, False)  # no cache
+
+
 def test_lookup_acceptance_counts_conditional_acceptance():
     acc = LookupAcceptance(num_positions=4, max_match=3, prior=(1.0, 1.0), max_count=1000.0)
     assert acc.confidence(True, 2).tolist() == [0.5] * 4  # the prior
@@ -169,6 +199,25 @@ def test_greedy_parity_with_both_sources(target, drafter_dir, plain_outputs, pol
     assert drafter.acceptance.reached.sum() > 0, "lookup outcomes must be counted"
     bm = engine.block_manager
     assert bm.num_free_blocks == len(bm.blocks)
+
+
+def test_second_serving_drafts_from_the_cross_request_cache(target, drafter_dir, plain_outputs):
+    """The prompts served again (new requests) find their earlier answers in the cache: cache-class
+    lookup rounds are verified and accepted, and the outputs stay the plain ones."""
+    engine = _lookup_engine(target, drafter_dir, "fixedG")
+    drafter = engine.drafter
+    first = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert len(drafter.lookup.cache) > 0, "finished requests must enter the cache"
+    cache_rows = np.s_[:, drafter.cache_class + 1:, 0]  # rounds counted per cache match class
+    before = drafter.acceptance.reached[cache_rows].sum(), drafter.acceptance.accepted[cache_rows].sum()
+    again = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    reached = drafter.acceptance.reached[cache_rows].sum() - before[0]
+    accepted = drafter.acceptance.accepted[cache_rows].sum() - before[1]
+    assert _mismatches(first.outputs, plain_outputs) == 0 and _mismatches(again.outputs, plain_outputs) == 0
+    assert reached > 0 and accepted / reached > 0.8, (reached, accepted)
+    off = _lookup_engine(target, drafter_dir, "fixedG", lookup_cache_entries=0)
+    run_staged(off, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert off.drafter.lookup.cache is None and off.drafter.acceptance.reached[cache_rows].sum() == 0
 
 
 def test_model_observers_see_model_rounds_only_and_skipped_requests_verify_lookups(target, drafter_dir,

@@ -29,13 +29,14 @@ from dspark.bench.metrics import compute_metrics, spec_decode_stats
 from dspark.bench.report import print_report, write_result_file
 
 _RESULT_CONFIG_KEYS = ("label", "endpoint", "dataset", "num_prompts", "max_tokens", "ignore_eos",
-                       "max_concurrency", "request_rate", "burstiness", "temperature", "seed")
+                       "max_concurrency", "request_rate", "burstiness", "temperature", "seed", "prompt_offset")
 
 
 async def arun_bench(cfg: BenchConfig) -> dict:
     """`run_bench` for callers already inside an event loop."""
-    prompts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.seed, cfg.random_input_len)
-    run = await run_load(cfg, prompts)
+    start, end = cfg.prompt_offset, cfg.prompt_offset + cfg.num_prompts
+    rows = load_prompts(cfg.dataset, end + cfg.num_warmup, cfg.seed, cfg.random_input_len)
+    run = await run_load(cfg, rows[start:end], warmup_prompts=rows[end:])
     result: dict = {"model": run.model} | {k: getattr(cfg, k) for k in _RESULT_CONFIG_KEYS}
     result |= compute_metrics(run.records, run.wall_time_s)
     spec = spec_decode_stats(run.metrics_before_text, run.metrics_after_text)
@@ -86,6 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="gamma shape of inter-arrival times; 1 = Poisson")
     p.add_argument("--num-warmup", type=int, default=d["num_warmup"])
     p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--prompt-offset", type=int, default=d["prompt_offset"],
+                   help="skip this many prompts of the seed's order (the warm-up takes the ones after the "
+                        "measured prompts)")
     p.add_argument("--result-file", default=d["result_file"])
     p.add_argument("--api-key", default=d["api_key"])
     p.add_argument("--temperature", type=float, default=d["temperature"])

@@ -52,6 +52,10 @@ class BenchConfig:
     burstiness: float = 1.0  # gamma shape of inter-arrival times (1.0 = Poisson)
     num_warmup: int = 1
     seed: int = 0
+    # measured prompts: [prompt_offset, prompt_offset + num_prompts) of the seed's shuffled order; the
+    # warm-up takes the num_warmup after them, so no measured prompt was served before (a server's
+    # prefix cache and cross-request lookup cache never saw it)
+    prompt_offset: int = 0
     result_file: str | None = None
     api_key: str | None = None
     temperature: float = 0.0
@@ -65,6 +69,8 @@ class BenchConfig:
             raise ValueError(f"endpoint must be 'chat' or 'completions', got {self.endpoint!r}")
         if self.burstiness <= 0 or self.request_rate <= 0:
             raise ValueError("burstiness and request_rate must be > 0")
+        if self.prompt_offset < 0:
+            raise ValueError(f"prompt_offset must be >= 0, got {self.prompt_offset}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1 (or None for unbounded)")
 
@@ -272,8 +278,10 @@ async def fetch_metrics_text(client: httpx.AsyncClient, cfg: BenchConfig) -> str
     return resp.text if resp.status_code == 200 else None
 
 
-async def run_load(cfg: BenchConfig, prompts: list[BenchPrompt]) -> RunOutput:
-    """Warm up, snapshot /metrics, run the measured requests, snapshot /metrics again."""
+async def run_load(cfg: BenchConfig, prompts: list[BenchPrompt],
+                   warmup_prompts: list[BenchPrompt] | None = None) -> RunOutput:
+    """Warm up (on `warmup_prompts`, else on the first measured ones), snapshot /metrics, run the
+    measured requests, snapshot /metrics again."""
     num_connections = max(cfg.max_concurrency or len(prompts), cfg.num_warmup, 1)
     limits = httpx.Limits(max_connections=num_connections,
                           max_keepalive_connections=num_connections)
@@ -282,7 +290,8 @@ async def run_load(cfg: BenchConfig, prompts: list[BenchPrompt]) -> RunOutput:
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         model = cfg.model or await fetch_first_model(client, cfg)
         if cfg.num_warmup > 0:
-            warmup = [prompts[i % len(prompts)] for i in range(cfg.num_warmup)]
+            pool = warmup_prompts or prompts
+            warmup = [pool[i % len(pool)] for i in range(cfg.num_warmup)]
             warm_records, _ = await _run_requests(
                 client, cfg, model, warmup, np.zeros(len(warmup)), cfg.max_concurrency, "warm-up")
             failed = [r for r in warm_records if not r.success]

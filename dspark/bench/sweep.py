@@ -10,7 +10,8 @@ concurrencies and datasets, then write results.json, report.md and plots.
 
 Per method (names: see `dspark.bench.methods`): start `python -m dspark serve MODEL --port P
 --speculative-config JSON [--engine-args ...]` on 127.0.0.1 and a free port, wait for /health, run
-`run_bench` for every dataset × concurrency × repeat (same prompts each repeat), stop the server
+`run_bench` for every dataset × concurrency × repeat (each point on prompts no earlier point served,
+the same for every method; `--reuse-prompts`: the same first prompts everywhere), stop the server
 (SIGTERM, then SIGKILL after a timeout). With `--interleave` every method's server is up at once
 and the points run repeat by repeat, dataset by dataset, concurrency by concurrency, the methods in
 turn: the compared methods are then measured seconds apart instead of minutes, which matters on a
@@ -95,6 +96,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     p.add_argument("--interleave", action="store_true",
                    help="all servers up at once; the methods take turns at every grid point")
+    p.add_argument("--reuse-prompts", action="store_true",
+                   help="every point draws the same first prompts (before session 7's sweeps); default: "
+                        "each dataset x concurrency x repeat point (and its warm-up) takes prompts no "
+                        "earlier point served, the same for every method, so no server's prefix or "
+                        "cross-request lookup cache holds a measured prompt's answer")
     p.set_defaults(func=run_cli)
     return p
 
@@ -156,18 +162,44 @@ def to_point(result: dict, *, method: str, dataset: str, concurrency: int, repea
     return point
 
 
+def point_num_prompts(args: argparse.Namespace, concurrency: int) -> int:
+    return max(args.num_prompts, args.num_prompts_per_concurrency * concurrency)
+
+
+def prompt_offsets(args: argparse.Namespace) -> dict[tuple[str, int, int], int]:
+    """(dataset, concurrency, repeat) → where the point's prompts start in the seed's order: each point
+    takes the next unused slice (its measured prompts, then its warm-up). Raises SystemExit when a
+    dataset has too few rows."""
+    from dspark.bench.datasets import RANDOM_DATASET, load_prompts
+
+    offsets, need = {}, {}
+    for d in args.dataset:
+        used = 0
+        for r in range(args.repeats):
+            for c in args.concurrency:
+                offsets[d, c, r] = used
+                used += point_num_prompts(args, c) + args.num_warmup
+        need[d] = used
+    for d, used in need.items():
+        if d != RANDOM_DATASET and used > (rows := len(load_prompts(d, None, args.seed))):
+            raise SystemExit(f"error: fresh prompts for every point need {used} prompts of {d!r}, which has "
+                             f"{rows}: lower --num-prompts / --repeats / --concurrency, or pass --reuse-prompts")
+    return offsets
+
+
 def bench_point(args: argparse.Namespace, name: str, base_url: str, out_dir: Path, *, dataset: str,
                 concurrency: int, repeat: int) -> dict:
     """One dataset × concurrency × repeat point against a running server."""
     from dspark.bench.cli import run_bench
 
-    num_prompts = max(args.num_prompts, args.num_prompts_per_concurrency * concurrency)
+    num_prompts = point_num_prompts(args, concurrency)
     raw = out_dir / "raw" / f"{safe_name(name)}_{safe_name(dataset)}_c{concurrency}_r{repeat}.json"
     cfg = BenchConfig(
         base_url=base_url, endpoint=args.endpoint, dataset=dataset,
         num_prompts=num_prompts, max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos, max_concurrency=concurrency,
         num_warmup=args.num_warmup, seed=args.seed, result_file=str(raw),
+        prompt_offset=0 if args.reuse_prompts else prompt_offsets(args)[dataset, concurrency, repeat],
         temperature=args.temperature, random_input_len=args.random_input_len,
         request_timeout_s=args.request_timeout_s, progress=False, label=name)
     try:
@@ -243,6 +275,8 @@ def run_cli(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     drafter_dirs = parse_drafter_dirs(args.drafter_dir)
+    if not args.reuse_prompts:
+        prompt_offsets(args)  # enough rows for fresh prompts everywhere: fail before any server starts
     results: dict = {"bench": "serve_sweep", **run_info(), "model": args.model,
                      "out_dir": str(out_dir),
                      "config": {k: v for k, v in vars(args).items()

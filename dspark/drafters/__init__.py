@@ -41,7 +41,8 @@ def build_drafter(spec: SpecConfig, *, target_config, target_model, dtype, devic
     if spec.ngram_first:
         from dspark.drafters.lookup_first import LookupFirstDrafter
         drafter = LookupFirstDrafter(drafter, prompt_lookup_min=spec.prompt_lookup_min,
-                                     prompt_lookup_max=spec.prompt_lookup_max)
+                                     prompt_lookup_max=spec.prompt_lookup_max,
+                                     lookup_cache_entries=spec.lookup_cache_entries)
     return drafter
 
 

@@ -96,3 +96,8 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         ...
+
+    def observe_finished(self, all_ids: list[int], num_prompt_tokens: int = 0) -> None:
+        """A request finished with these committed tokens (prompt + output, the first
+        `num_prompt_tokens` the prompt); drafters that learn from served traffic (the n-gram lookup's
+        cross-request cache) take them, the others ignore them."""

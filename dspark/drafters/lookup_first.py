@@ -6,6 +6,10 @@ costs a forward per step (the shipped DSpark: ~5 ms at batch 1, 30% of a decode 
 asks the lookup first for every request and runs the model drafter only for the requests where the
 lookup found nothing or is expected to keep fewer drafts than the model does.
 
+The lookup asks the request's own context first and then the cross-request cache (`ngram.NgramCache`:
+n-grams of finished requests → what followed them; `"lookup_cache_entries"`, 0 turns it off); the two
+sources are separate match classes in the acceptance counts below (own: n, cache: `cache_class` + n).
+
 "Expected to keep" is measured on the same scale for both: the expected accepted drafts Σ_k Π_{i≤k} c_i
 of a proposal. The model's c_k are its calibrated confidences (EMA of the sums over its recent
 proposals, per regime); the lookup's come from `LookupAcceptance`, the empirical conditional acceptance
@@ -32,7 +36,8 @@ from dspark.drafters.ngram import NgramDrafter
 
 
 class LookupAcceptance:
-    """Conditional acceptance c_k of lookup drafts, counted per (greedy?, match length n, position k):
+    """Conditional acceptance c_k of lookup drafts, counted per (greedy?, match class n, position k) (the
+    class: the matched length, offset for the cross-request cache, see LookupFirstDrafter):
     c = (accepted + a) / (reached + a + b), a Beta(a, b) prior; counts are halved when a cell reaches
     `max_count` rounds, so the estimate follows the traffic."""
 
@@ -76,18 +81,20 @@ class LookupFirstDrafter(Drafter):
     MAX_PENDING = 4096  # lookup proposals awaiting their verification outcome
 
     def __init__(self, model_drafter: Drafter, *, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5,
-                 model_decay: float = 0.9, explore_rounds: int = 8) -> None:
+                 model_decay: float = 0.9, explore_rounds: int = 8, lookup_cache_entries: int = 0) -> None:
         self.model_drafter = model_drafter
         self.num_draft_tokens = model_drafter.num_draft_tokens
         self.tap_layer_ids = model_drafter.tap_layer_ids
         self.has_confidence = model_drafter.has_confidence
         self.lookup = NgramDrafter(num_draft_tokens=self.num_draft_tokens, prompt_lookup_min=prompt_lookup_min,
-                                   prompt_lookup_max=prompt_lookup_max)
-        self.acceptance = LookupAcceptance(num_positions=self.num_draft_tokens, max_match=prompt_lookup_max)
+                                   prompt_lookup_max=prompt_lookup_max, cache_entries=lookup_cache_entries)
+        # match classes: n for the request's own context, CACHE_CLASS + n for the cross-request cache
+        self.cache_class = max(prompt_lookup_max, 3)
+        self.acceptance = LookupAcceptance(num_positions=self.num_draft_tokens, max_match=2 * self.cache_class)
         self.model_decay = model_decay
         self.explore_rounds = explore_rounds
         self.model_expected: dict[bool, float | None] = {False: None, True: None}  # EMA Σ survival, per regime
-        self._pending: dict[str, tuple[bool, int]] = {}  # request_id → (greedy?, match length) of lookup drafts
+        self._pending: dict[str, tuple[bool, int]] = {}  # request_id → (greedy?, match class) of lookup drafts
 
     def __getattr__(self, name: str):  # only reached for names this object does not have
         if name == "model_drafter":
@@ -108,6 +115,9 @@ class LookupFirstDrafter(Drafter):
     def extend_context(self, update):
         return self.model_drafter.extend_context(update)
 
+    def observe_finished(self, all_ids: list[int], num_prompt_tokens: int = 0) -> None:
+        self.lookup.observe_finished(all_ids, num_prompt_tokens)
+
     # -- proposing -------------------------------------------------------------------------------
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         width = self.num_draft_tokens
@@ -120,7 +130,8 @@ class LookupFirstDrafter(Drafter):
         model_rows: list[int] = []
         for i, r in enumerate(batch.requests):
             greedy = r.params.is_greedy
-            drafts, match_len = self.lookup.lookup_with_length(r.all_ids)
+            drafts, n, from_cache = self.lookup.lookup_with_source(r.all_ids)
+            match_len = self.cache_class + n if from_cache else n  # the acceptance class
             self._pending.pop(r.request_id, None)
             if drafts and (not r.allow_model or self._lookup_wins(greedy, match_len, len(drafts))):
                 draft_ids[i, :len(drafts)] = torch.tensor(drafts)

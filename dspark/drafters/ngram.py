@@ -2,7 +2,10 @@
 context's last n tokens (longest n first, from prompt_lookup_max down to prompt_lookup_min) and
 propose the tokens that followed it. Drafts are a point mass (`draft_probs=None`, no confidence).
 
-When nothing matches, it proposes nothing (the request decodes one token that step).
+Where the request's own context has no match, the cross-request cache (`NgramCache`, SuffixDecoding's
+idea in its simplest form) is asked: n-gram → continuation over the committed tokens of requests that
+finished earlier, so phrasing that recurs across a workload's answers (a solution's opening, a code
+idiom) is drafted too. When neither matches, it proposes nothing (the request decodes one token).
 """
 
 from __future__ import annotations
@@ -13,15 +16,68 @@ import torch
 from dspark.drafters.base import DraftProposal, Drafter, ProposeBatch
 
 
+class NgramCache:
+    """n-gram (n in [min_n, max_n]) → the up to `num_draft_tokens` tokens that followed its latest
+    occurrence in a finished request; at most `max_entries` n-grams, the oldest evicted first. Lookup
+    takes the longest n that matches the context's last tokens. Only committed tokens of finished
+    requests enter, so a draft never depends on the tokens being verified (lossless as any lookup)."""
+
+    def __init__(self, *, num_draft_tokens: int, min_n: int = 3, max_n: int = 5, max_entries: int = 65536):
+        if not 1 <= min_n <= max_n or max_entries < 1:
+            raise ValueError(f"need 1 <= min_n <= max_n and max_entries >= 1, got {min_n}, {max_n}, {max_entries}")
+        self.num_draft_tokens, self.min_n, self.max_n = num_draft_tokens, min_n, max_n
+        self.max_entries = max_entries
+        self._table: dict[tuple[int, ...], tuple[int, ...]] = {}  # insertion order = age
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def add(self, ids: list[int], start: int = 0) -> None:
+        """Index the n-grams of `ids` whose continuation starts at `start` or later (a finished request:
+        its output, the prompt's own repeats being the own-context lookup's); a later occurrence
+        replaces an earlier one's continuation. Past `max_entries` the first-inserted n-grams go."""
+        table, width = self._table, self.num_draft_tokens
+        for n in range(self.min_n, self.max_n + 1):
+            for end in range(max(n, start), len(ids)):  # n-gram ids[end - n:end], continuation from `end`
+                table[tuple(ids[end - n:end])] = tuple(ids[end:end + width])
+        for _ in range(len(table) - self.max_entries):
+            del table[next(iter(table))]
+
+    def lookup(self, ids: list[int]) -> tuple[list[int], int]:
+        """(continuation, matched n) for the longest cached suffix of `ids`; ([], 0) when none."""
+        for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
+            cont = self._table.get(tuple(ids[-n:]))
+            if cont:
+                return list(cont), n
+        return [], 0
+
+
 class NgramDrafter(Drafter):
-    def __init__(self, *, num_draft_tokens: int, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5):
+    def __init__(self, *, num_draft_tokens: int, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5,
+                 cache_entries: int = 0):
         self.num_draft_tokens = num_draft_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+        # cross-request n-grams from 3 tokens up (shorter ones across unrelated requests mislead)
+        self.cache = (NgramCache(num_draft_tokens=num_draft_tokens, min_n=max(3, prompt_lookup_min),
+                                 max_n=max(3, prompt_lookup_max), max_entries=cache_entries)
+                      if cache_entries > 0 else None)
 
     def lookup(self, ids: list[int]) -> list[int]:
         """Draft continuation of `ids` (possibly shorter than num_draft_tokens, possibly empty)."""
-        return self.lookup_with_length(ids)[0]
+        return self.lookup_with_source(ids)[0]
+
+    def lookup_with_source(self, ids: list[int]) -> tuple[list[int], int, bool]:
+        """(drafts, matched n, from the cross-request cache?): the request's own context first."""
+        drafts, n = self.lookup_with_length(ids)
+        if drafts or self.cache is None:
+            return drafts, n, False
+        drafts, n = self.cache.lookup(ids)
+        return drafts, n, bool(drafts)
+
+    def observe_finished(self, all_ids: list[int], num_prompt_tokens: int = 0) -> None:
+        if self.cache is not None:
+            self.cache.add(all_ids, start=num_prompt_tokens)
 
     def lookup_with_length(self, ids: list[int]) -> tuple[list[int], int]:
         """(draft continuation, length n of the matched suffix); ([], 0) when nothing matches.
@@ -59,4 +115,5 @@ class NgramDrafter(Drafter):
 
 def build(spec, *, target_config, target_model, dtype, device) -> NgramDrafter:
     return NgramDrafter(num_draft_tokens=spec.num_speculative_tokens,
-                        prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
+                        prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
+                        cache_entries=spec.lookup_cache_entries)
