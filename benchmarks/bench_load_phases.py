@@ -9,7 +9,8 @@ each finished one replaced by the next prompt at once, so with many prompts per 
 approaches a steady state (with one prompt per slot it is a burst and the slowest request sets the
 time). Every variant gets the same fresh prompts in a repeat (each repeat takes the next slice of the
 dataset, so no run is served from another's prefix cache) and the variants take turns within a
-repeat. Greedy, `--max-tokens` new tokens (EOS ignored), so every variant emits the same tokens.
+repeat. Greedy, `--max-tokens` new tokens (EOS ignored unless `--natural-stop`), so every variant
+emits the same tokens.
 
 Per run: output tok/s, engine steps, draft tokens verified / accepted, the target forward's seconds
 (`ModelRunner.forward`) and every other engine phase (`Engine._verify`, drafter context extension,
@@ -30,12 +31,10 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import statistics
 import time
-from pathlib import Path
 
-from dspark.bench.report import json_safe, run_info
+from dspark.bench.report import run_info, write_result_file
 
 DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
 DEFAULT = {"method": "dspark", "model": DRAFTER, "num_speculative_tokens": 7, "length_policy": "prefix",
@@ -138,6 +137,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variants", default="plain,default", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--natural-stop", action="store_true",
+                   help="stop at EOS (greedy: still the same tokens for every variant) instead of always "
+                        "--max-tokens; with fixed lengths plain decoding finishes its requests in lockstep "
+                        "and batches their replacement prompts, which speculation's staggered finishes "
+                        "cannot")
     p.add_argument("--coalesce-steps", type=int, default=None,
                    help="scheduler coalescing bound for every variant (default: the engine's)")
     p.add_argument("--out", default=None)
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = llms[names[0]].tokenizer
     n = args.num_prompts
     prompts = chat_prompt_ids(tokenizer, args.dataset, n * (args.repeats + 1), seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not args.natural_stop)
     for v in names:  # warm-up on a slice no timed run uses
         run_once(llms[v], prompts[:n], params, args.concurrency)
     runs: dict[str, list[dict]] = {v: [] for v in names}
@@ -181,8 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{v}: median {medians[v]['output_tok_s']:.1f} tok/s "
               f"({medians[v]['tok_s_ratio_vs_' + names[0]]:.3f}x {names[0]})")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(json_safe(result), indent=2) + "\n")
+        write_result_file(args.out, result)
     return result
 
 

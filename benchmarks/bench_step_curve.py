@@ -1,0 +1,71 @@
+"""The target's verification step time against its shape: R requests, each a window of w tokens (the
+decoding token + w - 1 drafts), at a fixed context, timed side by side in rounds (every shape once per
+round, medians over rounds), so a slow phase of the machine hits all shapes alike.
+
+    python benchmarks/bench_step_curve.py --out benchmarks/results/step_curve.json
+
+Shows where a step's cost grows with its tokens (the marginal cost of a verified draft) and where it
+jumps: before session 7 a step above 48 rows left the one-call decoder kernel for the per-layer path
+(a 56-row step cost ~1.5x a 48-row one); `kernels.MAX_ROWS` is 128 since. Times `ModelRunner.prepare`
++ `forward`, as `dspark profile` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from dspark.bench.report import run_info, write_result_file
+
+SHAPES = [(8, w) for w in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12)] + [(16, w) for w in (1, 2, 3, 4, 6, 8)] + \
+    [(32, w) for w in (1, 2, 4)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from dspark.llm import LLM
+    from dspark.verify.profile_cli import StepProfiler
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--context-len", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    engine = LLM(speculative_config=None, max_num_seqs=64).engine
+    profiler = StepProfiler(engine, context_len=args.context_len, tokens_per_request=max(w for _, w in SHAPES))
+
+    def step(num_reqs: int, window: int) -> float:
+        reqs = profiler._batch(("curve", num_reqs, window), [window] * num_reqs)
+        sched = SchedulerOutput(scheduled=[ScheduledRequest(r, window, window - 1, emits=True,
+                                                            start_pos=profiler.context_len) for r in reqs])
+        start = time.perf_counter()
+        engine.runner.forward(engine.runner.prepare(sched))
+        return time.perf_counter() - start
+
+    times: dict[tuple[int, int], list[float]] = {s: [] for s in SHAPES}
+    with torch.inference_mode():
+        for s in SHAPES:  # warm-up
+            step(*s)
+        for _ in range(args.rounds):
+            for s in SHAPES:
+                times[s].append(step(*s))
+    profiler.close()
+    rows = [{"num_reqs": r, "window": w, "num_tokens": r * w, "step_ms": 1000 * statistics.median(times[r, w]),
+             "ms_per_token": 1000 * statistics.median(times[r, w]) / (r * w)} for r, w in SHAPES]
+    for row in rows:
+        print(f"{row['num_reqs']:>3} requests x {row['window']:>2} tokens = {row['num_tokens']:>3}: "
+              f"{row['step_ms']:7.1f} ms ({row['ms_per_token']:.2f} ms a token)")
+    result = {"bench": "step_curve", "summary": {f"r{r['num_reqs']}_w{r['window']}_ms": round(r["step_ms"], 1)
+                                                 for r in rows},
+              "config": vars(args), "rows": rows,
+              **run_info(None if argv is None else ["benchmarks/bench_step_curve.py", *argv])}
+    if args.out:
+        write_result_file(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
