@@ -6,8 +6,8 @@ round, medians over rounds), so a slow phase of the machine hits all shapes alik
 
 Shows where a step's cost grows with its tokens (the marginal cost of a verified draft) and where it
 jumps: before session 7 a step above 48 rows left the one-call decoder kernel for the per-layer path
-(a 56-row step cost ~1.5x a 48-row one); `kernels.MAX_ROWS` is 128 since. Times `ModelRunner.prepare`
-+ `forward`, as `dspark profile` does.
+(a 56-row step cost ~1.5x a 48-row one); `kernels.MAX_ROWS` is 128 since. Times `StepProfiler.windows_step`
+(`ModelRunner.prepare` + `forward`), as `dspark profile` does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ SHAPES = [(8, w) for w in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12)] + [(16, w) for w in 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
     from dspark.llm import LLM
     from dspark.verify.profile_cli import StepProfiler
 
@@ -38,11 +37,8 @@ def main(argv: list[str] | None = None) -> dict:
     profiler = StepProfiler(engine, context_len=args.context_len, tokens_per_request=max(w for _, w in SHAPES))
 
     def step(num_reqs: int, window: int) -> float:
-        reqs = profiler._batch(("curve", num_reqs, window), [window] * num_reqs)
-        sched = SchedulerOutput(scheduled=[ScheduledRequest(r, window, window - 1, emits=True,
-                                                            start_pos=profiler.context_len) for r in reqs])
         start = time.perf_counter()
-        engine.runner.forward(engine.runner.prepare(sched))
+        profiler.windows_step([window] * num_reqs)
         return time.perf_counter() - start
 
     times: dict[tuple[int, int], list[float]] = {s: [] for s in SHAPES}

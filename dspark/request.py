@@ -80,9 +80,14 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V the target has not computed yet (prompt left, or the last sampled token)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def is_decoding(self) -> bool:
         """Only the last sampled token is left to compute: the next step is a decode/verify window."""
-        return self.num_tokens - self.num_computed_tokens == 1
+        return self.num_uncomputed_tokens == 1
 
     @property
     def uses_speculation(self) -> bool:

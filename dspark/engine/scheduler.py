@@ -111,13 +111,13 @@ class Scheduler:
         """(decode tokens, prompt tokens) the next `schedule()` is asked for before any draft: one token
         per decoding request, the prompt chunks still to compute of running requests, and the waiting
         prompts it would admit (none while coalescing holds them; up to the free sequence slots)."""
-        remaining = [r.num_tokens - r.num_computed_tokens for r in self.running]
+        remaining = [r.num_uncomputed_tokens for r in self.running]
         decode = sum(1 for n in remaining if n <= 1)
         prompt = sum(n for n in remaining if n > 1)
         left = self.config.max_num_batched_tokens - decode - prompt
         if self.waiting and not self._holds_waiting(left):
             room = max(0, self.config.max_num_seqs - len(self.running))
-            prompt += sum(r.num_tokens - r.num_computed_tokens for r in itertools.islice(self.waiting, room))
+            prompt += sum(r.num_uncomputed_tokens for r in itertools.islice(self.waiting, room))
         return decode, prompt
 
     def _holds_waiting(self, budget: int) -> bool:
@@ -125,7 +125,7 @@ class Scheduler:
         none has been held `coalesce_steps` steps yet)?"""
         if self.config.coalesce_steps <= 0 or not self.running or budget <= 0:
             return False
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        waiting_tokens = sum(r.num_uncomputed_tokens for r in self.waiting)
         return 2 * waiting_tokens < budget and all(r.waiting_steps < self.config.coalesce_steps
                                                    for r in self.waiting)
 
@@ -155,7 +155,7 @@ class Scheduler:
             budget -= item.num_new_tokens
 
     def _fit(self, req: Request, budget: int) -> ScheduledRequest:
-        remaining = req.num_tokens - req.num_computed_tokens
+        remaining = req.num_uncomputed_tokens
         if remaining > 1 or not req.draft_ids:
             n = min(remaining, budget)
             return ScheduledRequest(req, n, 0, emits=n == remaining, start_pos=req.num_computed_tokens)

@@ -52,9 +52,14 @@ class StepProfiler:
 
     def verify_step(self, num_tokens: int) -> None:
         """One target forward over `num_tokens` verification tokens."""
+        self.windows_step(_split(num_tokens, self.tokens_per_request))
+
+    def windows_step(self, window_sizes: list[int]) -> None:
+        """One target forward over one verification window per request, of these sizes (each the
+        decoding token + size - 1 drafts)."""
         from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
 
-        reqs = self._batch(("verify", num_tokens), _split(num_tokens, self.tokens_per_request))
+        reqs = self._batch(("verify", tuple(window_sizes)), window_sizes)
         sched = SchedulerOutput(scheduled=[
             ScheduledRequest(r, 1 + len(r.draft_ids), len(r.draft_ids), emits=True,
                              start_pos=self.context_len) for r in reqs])
