@@ -36,6 +36,7 @@ import subprocess
 import sys
 from contextlib import ExitStack
 from dataclasses import fields
+from functools import cache
 from pathlib import Path
 
 from dspark.bench.client import BenchConfig
@@ -169,19 +170,26 @@ def point_num_prompts(args: argparse.Namespace, concurrency: int) -> int:
 def prompt_offsets(args: argparse.Namespace) -> dict[tuple[str, int, int], int]:
     """(dataset, concurrency, repeat) → where the point's prompts start in the seed's order: each point
     takes the next unused slice (its measured prompts, then its warm-up). Raises SystemExit when a
-    dataset has too few rows."""
+    dataset has too few rows. Computed once per grid (every point asks)."""
+    sizes = tuple((c, point_num_prompts(args, c)) for c in args.concurrency)
+    return _prompt_offsets(tuple(args.dataset), sizes, args.repeats, args.num_warmup, args.seed)
+
+
+@cache
+def _prompt_offsets(datasets: tuple[str, ...], sizes: tuple[tuple[int, int], ...], repeats: int,
+                    num_warmup: int, seed: int) -> dict[tuple[str, int, int], int]:
     from dspark.bench.datasets import RANDOM_DATASET, load_prompts
 
     offsets, need = {}, {}
-    for d in args.dataset:
+    for d in datasets:
         used = 0
-        for r in range(args.repeats):
-            for c in args.concurrency:
+        for r in range(repeats):
+            for c, num_prompts in sizes:
                 offsets[d, c, r] = used
-                used += point_num_prompts(args, c) + args.num_warmup
+                used += num_prompts + num_warmup
         need[d] = used
     for d, used in need.items():
-        if d != RANDOM_DATASET and used > (rows := len(load_prompts(d, None, args.seed))):
+        if d != RANDOM_DATASET and used > (rows := len(load_prompts(d, None, seed))):
             raise SystemExit(f"error: fresh prompts for every point need {used} prompts of {d!r}, which has "
                              f"{rows}: lower --num-prompts / --repeats / --concurrency, or pass --reuse-prompts")
     return offsets
