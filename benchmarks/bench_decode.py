@@ -1,4 +1,5 @@
-"""Batch-1 greedy decode, side by side in one run: dspark (fp32) vs HF transformers
+"""Batch-1 greedy decode, side by side in one run: dspark (fp32 and bf16 matrix products; with --spec also
+the shipped speculative default) vs HF transformers
 `generate` vs llama.cpp (llama-cpp-python, optional: F32, F16 and the shipped Q4_1 GGUF) on
 SmolLM2-135M-Instruct, the same chat prompts, 128 new tokens (EOS ignored).
 
@@ -12,6 +13,7 @@ bandwidth (a large tensor copy). The last stdout line is one JSON object; `--out
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -41,9 +43,14 @@ def memory_bandwidth_gbs() -> float:
     return 2 * x.numel() * 4 / best / 1e9  # read + write
 
 
-def bench_dspark(chat_ids: list[list[int]]) -> list[float]:
+def bench_dspark(chat_ids: list[list[int]], matmul_dtype: str = "float32", spec: bool = False) -> list[float]:
+    """Decode tok/s per prompt; `spec`: the shipped speculative default (DSpark + lookup, prefix
+    scheduler) on the cost table of `matmul_dtype`."""
     from dspark import LLM, SamplingParams
-    llm = LLM(max_num_seqs=1)
+    from dspark.drafters.shipped import default_spec_config
+    spec_config = default_spec_config("default", matmul_dtype=matmul_dtype) if spec else None
+    llm = LLM(max_num_seqs=1, matmul_dtype=matmul_dtype,
+              speculative_config=None if spec_config is None else dataclasses.asdict(spec_config))
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     llm.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=8))
     rates = []
@@ -95,6 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--spec", action="store_true", help="also the shipped speculative default (fp32 and bf16)")
     ap.add_argument("--threads", type=int, default=None, help="torch/llama.cpp threads (default: torch's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -107,6 +115,13 @@ def main() -> None:
     del model
     results: dict[str, list[float]] = {}
     results["dspark_fp32"] = bench_dspark(chat_ids)
+    from dspark import kernels
+    if kernels.has_bf16_kernels():
+        results["dspark_bf16"] = bench_dspark(chat_ids, "bfloat16")
+        if args.spec:
+            results["dspark_bf16_spec"] = bench_dspark(chat_ids, "bfloat16", spec=True)
+    if args.spec:
+        results["dspark_fp32_spec"] = bench_dspark(chat_ids, spec=True)
     if not args.skip_hf:
         results["hf_transformers_fp32"] = bench_hf(chat_ids)
     try:
@@ -136,6 +151,10 @@ def main() -> None:
         summary["dspark_vs_hf"] = round(med["dspark_fp32"] / med["hf_transformers_fp32"], 2)
     if "llama_cpp_f32" in med:
         summary["dspark_vs_llama_cpp_f32"] = round(med["dspark_fp32"] / med["llama_cpp_f32"], 2)
+    for name in ("dspark_bf16", "dspark_bf16_spec", "dspark_fp32_spec"):
+        for base in ("dspark_fp32", "llama_cpp_q4_1"):
+            if name in med and base in med:
+                summary[f"{name}_vs_{base}"] = round(med[name] / med[base], 2)
     for k, v in med.items():
         print(f"{k:24s} {v:8.1f} tok/s")
     if args.out:

@@ -21,7 +21,9 @@ time ÷ tokens per step, both terms measured. Medians over repeats, and each var
 
 Variants: plain (no speculation), default (the shipped config: DSpark + lookup first + prefix
 scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), nogate
-(default without the draft gate), nocache (default without the lookup's cross-request cache). The
+(default without the draft gate), nocache (default without the lookup's cross-request cache); each as NAME-fp32 with fp32 matrix
+products instead of the default (bf16 where the CPU kernels support it; the shipped cost table of the
+variant's dtype). The
 warm-up slice is served first, so the cross-request cache starts with its answers, as a server's
 would with earlier traffic; the timed prompts are never in it.
 """
@@ -47,6 +49,23 @@ VARIANTS = {
     "nogate": {**DEFAULT, "draft_gate": False},
     "nocache": {**DEFAULT, "lookup_cache_entries": 0},
 }
+
+
+def variant_matmul_dtype(name: str) -> str:
+    """NAME-fp32: the variant with fp32 matrix products; otherwise the engine's default (auto)."""
+    from dspark.engine.build import resolve_matmul_dtype
+    return resolve_matmul_dtype("float32" if name.endswith("-fp32") else "auto")
+
+
+def variant_spec(name: str) -> dict | None:
+    """The variant's speculative config, its cost table the shipped one of its matmul dtype."""
+    from dspark.drafters.shipped import COST_TABLES
+    spec = VARIANTS[name.removesuffix("-fp32")]
+    if spec is None or "cost_table" not in spec:
+        return spec
+    return {**spec, "cost_table": f"{DRAFTER}/{COST_TABLES[variant_matmul_dtype(name)]}"}
+
+
 # (object attribute, method) timed on each engine: "runner" / "scheduler" / "drafter" / "engine"
 PHASES = [("engine", "_verify"), ("engine", "_extend_drafter_context"), ("engine", "_propose_and_choose"),
           ("runner", "forward"), ("runner", "prepare"), ("scheduler", "schedule"), ("scheduler", "commit"),
@@ -147,11 +166,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v.removesuffix("-fp32") not in VARIANTS]
     if unknown:
-        p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+        p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)} (each also as NAME-fp32)")
 
-    llms = {v: LLM(speculative_config=VARIANTS[v], max_num_seqs=max(64, args.concurrency)) for v in names}
+    llms = {v: LLM(speculative_config=variant_spec(v), matmul_dtype=variant_matmul_dtype(v),
+                   max_num_seqs=max(64, args.concurrency)) for v in names}
     if args.coalesce_steps is not None:
         for llm in llms.values():
             sched = llm.engine.scheduler

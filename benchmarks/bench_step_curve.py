@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context-len", type=int, default=200)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    engine = LLM(speculative_config=None, max_num_seqs=64).engine
+    engine = LLM(speculative_config=None, max_num_seqs=64, matmul_dtype=args.matmul_dtype).engine
     profiler = StepProfiler(engine, context_len=args.context_len, tokens_per_request=max(w for _, w in SHAPES))
 
     def step(num_reqs: int, window: int) -> float:

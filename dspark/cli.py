@@ -33,13 +33,17 @@ GROUPS = {
 
 def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
     """Flags shared by every command that builds an engine; defaults come from the dataclasses."""
-    from dspark.config import CacheConfig, DEFAULT_MODEL, EngineConfig, SchedulerConfig
+    from dspark.config import MATMUL_DTYPES, CacheConfig, DEFAULT_MODEL, EngineConfig, SchedulerConfig
     if positional_model:
         p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                        help="GGUF file, HF folder (config.json + safetensors) or the embedded default")
     else:
         p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default=EngineConfig.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--matmul-dtype", default=EngineConfig.matmul_dtype, choices=list(MATMUL_DTYPES),
+                   help="the target's matrix products with --dtype float32: bfloat16 rounds weights and inputs "
+                        "to bf16 and sums in fp32 (CPU kernels with AVX512-BF16); auto: bfloat16 where the "
+                        "kernels support it, else float32")
     p.add_argument("--seed", type=int, default=EngineConfig.seed)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
@@ -69,7 +73,7 @@ def engine_config_from_args(args: argparse.Namespace, *, default_spec=None):
             raise SystemExit(f"error: --speculative-config: {e}")
     try:
         return EngineConfig(
-            model=args.model, dtype=args.dtype, seed=args.seed,
+            model=args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, seed=args.seed,
             num_threads=args.num_threads,
             cache=CacheConfig(kv_block_size=args.kv_block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                               num_kv_blocks=args.num_kv_blocks,

@@ -16,6 +16,8 @@ SPEC_METHODS = ("dspark", "dflash", "eagle3", "ngram", "draft_model")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 LENGTH_POLICY_NAMES = ("fixed", "threshold", "prefix", "async")
 
+MATMUL_DTYPES = ("auto", "float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -125,6 +127,11 @@ class SpecConfig:
 class EngineConfig:
     model: str = DEFAULT_MODEL  # GGUF file, HF folder, or the name of the embedded default
     dtype: str = "float32"
+    # dtype of the target's matrix products when dtype is float32: "bfloat16" rounds weights and each
+    # product's input to bf16 and sums in fp32 (CPU kernels with AVX512-BF16: ~2x the arithmetic, half the
+    # weight bytes); norms, attention, residual stream and KV cache stay fp32. "auto": bfloat16 where the
+    # CPU kernels multiply bf16, else float32 (dspark.engine.build.resolve_matmul_dtype).
+    matmul_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
@@ -135,5 +142,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be {', '.join(MATMUL_DTYPES)}; got {self.matmul_dtype!r}")
+        if self.matmul_dtype == "bfloat16" and self.dtype != "float32":
+            raise ValueError(f"matmul_dtype='bfloat16' applies to dtype float32 (dtype {self.dtype!r} "
+                             f"multiplies in its own dtype); use matmul_dtype 'auto' or 'float32'")
         if self.spec is not None and self.spec.num_speculative_tokens + 1 > self.scheduler.max_num_batched_tokens:
             raise ValueError("num_speculative_tokens + 1 exceeds max_num_batched_tokens")

@@ -49,7 +49,7 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, speculative_config: dict | str | None = None,
-                 dtype: str = "float32", seed: int = 0,
+                 dtype: str = "float32", matmul_dtype: str = "auto", seed: int = 0,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_model_len: int | None = None, kv_cache_memory_gb: float = 1.0,
                  num_kv_blocks: int | None = None, kv_block_size: int = 16,
@@ -60,7 +60,7 @@ class LLM:
         else:
             spec = None if speculative_config is None else SpecConfig.from_dict(speculative_config)
             config = config or EngineConfig(
-                model=model, dtype=dtype, seed=seed, num_threads=num_threads,
+                model=model, dtype=dtype, matmul_dtype=matmul_dtype, seed=seed, num_threads=num_threads,
                 cache=CacheConfig(kv_block_size=kv_block_size, kv_cache_memory_gb=kv_cache_memory_gb,
                                   num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
                 scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,

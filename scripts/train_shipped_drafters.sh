@@ -36,6 +36,9 @@ for m in dspark dflash eagle3; do
   rm -rf dspark/assets/drafters/${m}-smollm2-135m
   cp -r runs/${m}2/export dspark/assets/drafters/${m}-smollm2-135m
 done
-# 6. the step-cost table the adaptive policies of `dspark serve` read (machine-specific: re-profile on yours)
+# 6. the step-cost tables the adaptive policies of `dspark serve` read, one per matmul dtype of the target
+#    (machine-specific: re-profile on yours)
 python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \
-    --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table.json
+    --matmul-dtype float32 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table.json
+python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \
+    --matmul-dtype bfloat16 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table_bf16.json

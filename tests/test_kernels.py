@@ -36,6 +36,34 @@ def test_small_mm_row_results_do_not_depend_on_the_batch():
         assert torch.equal(ops.small_mm(x[:rows], w), alone[:rows]), rows
 
 
+needs_bf16 = pytest.mark.skipif(not kernels.has_bf16_kernels(), reason="no AVX512-BF16 on this CPU")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 16, 48, 97, kernels.MAX_ROWS])
+@pytest.mark.parametrize("k,n", [(576, 131), (37, 9), (64, 1), (96, 40)])
+def test_small_mm_bf16_matches_rounded_matmul(rows, k, n):
+    """bf16 weights: the input rounded to bf16, exact products, fp32 sums — the twin is the fp32 product of
+    the rounded values (only the summation order differs), and it is not the unrounded product."""
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    wb = w.bfloat16()
+    out = ops.small_mm(x, wb)
+    ref = (x.bfloat16().double() @ wb.double().t()).float()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    if k >= 64:  # the rounding is really applied: the fp32 product is further away than summation order
+        assert (out - x @ w.t()).abs().max() > 10 * (out - ref).abs().max()
+
+
+@needs_bf16
+def test_small_mm_bf16_row_results_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(kernels.MAX_ROWS, 1536, generator=g), torch.randn(200, 1536, generator=g).bfloat16()
+    alone = torch.cat([ops.small_mm(x[i:i + 1], w) for i in range(x.shape[0])])
+    for rows in (2, 12, 13, 48, 61, kernels.MAX_ROWS):
+        assert torch.equal(ops.small_mm(x[:rows], w), alone[:rows]), rows
+
+
 def test_small_mm_rejects_bad_input():
     with pytest.raises(RuntimeError, match="rows"):
         ops.small_mm(torch.randn(kernels.MAX_ROWS + 1, 4), torch.randn(3, 4))
@@ -49,6 +77,8 @@ def test_linear_routes_only_eligible_products():
     assert kernels.linear(torch.randn(kernels.MAX_ROWS + 1, 8), w) is None  # too many rows: torch
     assert kernels.linear(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16()) is None
     assert kernels.linear(torch.randn(2, 8, requires_grad=True), w) is None  # autograd: torch
+    # bf16 weights with fp32 input: the kernel where the CPU has bf16 dot products
+    assert (kernels.linear(torch.randn(3, 8), w.bfloat16()) is not None) == kernels.has_bf16_kernels()
 
 
 def test_rms_norm_and_fused_add():

@@ -10,6 +10,7 @@ from dspark import kernels
 
 from conftest import PagedKV, hf_twin
 from dspark.models import MODEL_REGISTRY, build_model
+from dspark.models.layers import use_bf16_products
 
 ATOL = 1e-4
 
@@ -95,6 +96,51 @@ def test_chunked_prefill_and_decode_match_one_shot(tiny_config, cpu_kernels, mon
         assert err < ATOL, f"request {name}: chunked prefill + decode logits differ by {err:.2e} (atol {ATOL})"
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_bf16_products_match_their_twin_and_stay_near_fp32(tiny_config, cpu_kernels, monkeypatch):
+    """`use_bf16_products`: the kernels' bf16 products (fused stack for decode, per-layer for prompts)
+    against the same model computed by torch in fp64 from the rounded weights and inputs (summation order
+    apart, equal), and against HF's fp32 model: further than fp32 would be (the rounding is applied) but
+    with the same greedy tokens wherever fp32's margin is clear (random tiny models have near ties)."""
+    if not cpu_kernels:
+        monkeypatch.setattr(kernels, "ops", lambda: None)
+    elif not kernels.has_bf16_kernels():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    hf = hf_twin(tiny_config, seed=4)
+    ours = ours_from_hf(tiny_config, hf)
+    assert use_bf16_products(ours) > 0
+    for module in ours.modules():  # weights hold their bf16 values; the copies equal them
+        if hasattr(module, "weight_bf16"):
+            assert torch.equal(module.weight, module.weight_bf16.float())
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, tiny_config.vocab_size, (30,), generator=g).tolist()
+    kv = PagedKV.create(ours, num_requests=1, max_len=32, kv_block_size=4, seed=1)
+    rows = [kv.step(ours, [(ids[:24], 0)])[0]] + [kv.step(ours, [(ids[t:t + 1], t)])[0] for t in range(24, 30)]
+    logits = ours.compute_logits(torch.cat(rows))  # [30, vocab]
+
+    from dspark.models import layers
+    twin = ours_from_hf(tiny_config, hf).double()  # the bf16 model's twin: rounded weights, fp64 sums
+    with torch.no_grad():
+        for module in twin.modules():  # the products' weights (a tied embedding with the head)
+            if isinstance(module, (layers.Linear, layers.LMHead)):
+                module.weight.copy_(module.weight.bfloat16().double())
+    original = layers.linear
+    monkeypatch.setattr(layers, "linear", lambda x, w, b=None, *_: original(x.bfloat16().to(x.dtype), w, b))
+    monkeypatch.setattr(kernels, "ops", lambda: None)
+    kv64 = PagedKV.create(twin, num_requests=1, max_len=32, kv_block_size=4, seed=1, dtype=torch.float64)
+    ref = twin.compute_logits(kv64.step(twin, [(ids, 0)])[0]).float()
+    ref32, _ = hf_reference(hf, ids)
+    err_twin, err32 = (logits - ref).abs().max().item(), (logits - ref32).abs().max().item()
+    mean_twin, mean32 = (logits - ref).abs().mean().item(), (logits - ref32).abs().mean().item()
+    # equal up to summation order, which may flip the bf16 rounding of an odd activation (seen: one in
+    # ~10^3 logits moved by ~1e-4): bounded at the largest, ~100x below the fp32 model's distance on average
+    assert err_twin < 1e-3 and mean_twin < mean32 / 100, (err_twin, mean_twin, mean32)
+    assert ATOL < err32 < 0.05 * ref32.abs().max().item(), err32
+    top2 = ref32.topk(2, dim=-1).values  # the same greedy token wherever fp32's margin exceeds the distance
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * err32
+    assert clear.sum() >= len(ids) // 2 and torch.equal(logits.argmax(-1)[clear], ref32.argmax(-1)[clear])
+
+
 def test_load_weights_rejects_unknown_and_missing():
     from conftest import TINY_LLAMA
     hf = hf_twin(TINY_LLAMA)
@@ -144,15 +190,21 @@ def test_smollm2_gguf_matches_transformers_gguf(smollm2, hf_smollm2):
         assert err < tol, f"SmolLM2 tap {layer_id} differs by {err:.2e} (atol {tol:.1e})"
 
 
-def test_fused_decoder_layers_equal_per_layer_modules(tiny_config):
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_fused_decoder_layers_equal_per_layer_modules(tiny_config, matmul_dtype):
     """The one-call decoder stack of few-row steps (`kernels.decoder_layers`) against the per-layer modules
     on the same weights: hidden states, taps and every K/V written are bit-identical, for decode rows,
     verify windows, a two-request group and a 60-row step of five 12-token windows (more rows than one
-    pass of the kernel's products serves), after prompts that ran the module path."""
+    pass of the kernel's products serves), after prompts that ran the module path; with fp32 and with
+    bf16 matrix products."""
     if kernels.ops() is None:
         pytest.skip("CPU kernels unavailable")
+    if matmul_dtype == "bfloat16" and not kernels.has_bf16_kernels():
+        pytest.skip("no AVX512-BF16 on this CPU")
     hf = hf_twin(tiny_config, seed=3)
     ours = ours_from_hf(tiny_config, hf)
+    if matmul_dtype == "bfloat16":
+        use_bf16_products(ours)
     g = torch.Generator().manual_seed(2)
     a, b, c, d, e = (torch.randint(3, tiny_config.vocab_size, (40,), generator=g).tolist() for _ in range(5))
     steps = [[(a[:20], 0), (b[:25], 0), (c[:20], 0), (d[:20], 0), (e[:20], 0)],  # prompts: the module path

@@ -384,6 +384,28 @@ def test_build_engine_fails_closed(target_dir, drafter_dir, tmp_path, case):
         build_engine(EngineConfig(model=target_dir, spec=spec))
 
 
+@pytest.mark.parametrize("table_dtype,engine_dtype", [(None, "bfloat16"), ("bfloat16", "float32")])
+def test_build_engine_refuses_a_cost_table_of_another_matmul_dtype(target_dir, drafter_dir, tmp_path,
+                                                                  table_dtype, engine_dtype):
+    """A table profiled with fp32 products prices bf16 steps ~2x too high (and the reverse): refused
+    before any weight loads, naming both dtypes (a table without the field is an fp32 one)."""
+    from dspark.engine.build import build_engine
+    meta = {} if table_dtype is None else {"matmul_dtype": table_dtype}
+    path = tmp_path / "cost.json"
+    CostTable(num_tokens=[1, 8], steps_per_second=[50.0, 30.0], meta=meta).save(path)
+    spec = _spec(drafter_dir, length_policy="prefix", cost_table=str(path))
+    with pytest.raises(ValueError, match=f"profiled with {table_dtype or 'float32'} .* multiplies in {engine_dtype}"):
+        build_engine(EngineConfig(model=target_dir, spec=spec, matmul_dtype=engine_dtype))
+
+
+def test_matmul_dtype_is_validated():
+    with pytest.raises(ValueError, match="matmul_dtype must be"):
+        EngineConfig(matmul_dtype="int8")
+    with pytest.raises(ValueError, match="applies to dtype float32"):
+        EngineConfig(dtype="bfloat16", matmul_dtype="bfloat16")
+    EngineConfig(dtype="bfloat16", matmul_dtype="auto")  # resolves to the dtype's own products
+
+
 # -- /metrics -------------------------------------------------------------------------------------
 def test_metrics_scrape_scheduled_verification(tmp_path):
     from server_harness import MODEL, TINY, build_tiny_model, serve

@@ -347,7 +347,7 @@ def test_serve_cli_flags():
         "some/model", "127.0.0.1", 8123, "k", "m")
     assert args.func is run and args.log_level == "info"
     assert parser.parse_args(["serve"]).port == 8000
-    assert default_spec("no-such-model") is None
+    assert default_spec(parser.parse_args(["serve", "no-such-model"])) is None
 
 
 def test_prefix_cache_hit_is_reported(plain):

@@ -145,3 +145,45 @@ def test_shipped_default_greedy_equals_plain(smollm2, chat_prompts, plain_output
     assert drafter.model_expected[True] is not None, "the model must draft (its running record exists)"
     assert engine.metrics.num_accepted_tokens > 0
     assert engine.block_manager.num_free_blocks == 40
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    """The default model with bf16 matrix products (`--matmul-dtype bfloat16`, the default where the CPU
+    kernels multiply bf16)."""
+    from dspark import kernels
+    from dspark.models.loader import DEFAULT_MODEL, load_model
+    if not kernels.has_bf16_kernels():
+        pytest.skip("no AVX512-BF16 CPU kernels")
+    return load_model(DEFAULT_MODEL, dtype=torch.float32, matmul_dtype="bfloat16")
+
+
+def test_bf16_products_shipped_default_greedy_equals_plain(smollm2_bf16, chat_prompts, hf_smollm2):
+    """Lossless with bf16 products too: plain decoding of the bf16 model against the shipped default on
+    its bf16 cost table, under the pressure above (preemption, prompt chunks sharing verify steps); and
+    the bf16 model stays the model — its greedy tokens against HF's fp32 agree on most of the prompts."""
+    from dspark.drafters.shipped import default_spec_config
+    from dspark.engine.build import build_policy
+    model, cfg, tok = smollm2_bf16
+    plain = _generate(_engine(smollm2_bf16, num_kv_blocks=48, budget=64), chat_prompts[:8])
+    spec = default_spec_config("SmolLM2-135M-Instruct", matmul_dtype="bfloat16")
+    assert spec.cost_table.endswith("cost_table_bf16.json")
+    drafter = build_drafter(spec, target_config=cfg, target_model=model, dtype=torch.float32, device="cpu")
+    config = EngineConfig(cache=CacheConfig(kv_block_size=16, num_kv_blocks=40), matmul_dtype="bfloat16",
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), spec=spec)
+    policy, cost = build_policy(config, drafter)
+    assert cost.meta["matmul_dtype"] == "bfloat16"
+    engine = Engine(config, model=model, model_config=cfg, drafter=drafter, length_policy=policy,
+                    cost_table=cost, eos_token_ids=tok.eos_token_ids)
+    outs = _generate(engine, chat_prompts[:8])
+    mismatches = [i for i, (a, b) in enumerate(zip(outs, plain)) if a != b]
+    assert not mismatches, f"bf16 shipped default: prompts {mismatches} differ from bf16 plain greedy"
+    assert engine.metrics.num_preemptions > 0 and engine.metrics.num_accepted_tokens > 0
+    eos = cfg.eos_token_ids
+    same = 0
+    for prompt, ours in zip(chat_prompts[:8], plain):
+        with torch.inference_mode():
+            out = hf_smollm2.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                      eos_token_id=list(eos), pad_token_id=eos[0])
+        same += ours == out[0, len(prompt):].tolist()
+    assert same >= 6, f"only {same} of 8 bf16 greedy outputs equal HF fp32's"

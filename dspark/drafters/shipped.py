@@ -33,15 +33,19 @@ def drafter_dir(model: str, method: str = "dspark") -> Path | None:
     return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None
 
 
-def default_spec_config(model: str) -> SpecConfig | None:
+# the shipped cost table for each matmul dtype of the target (EngineConfig.matmul_dtype, resolved)
+COST_TABLES = {"float32": "cost_table.json", "bfloat16": "cost_table_bf16.json"}
+
+
+def default_spec_config(model: str, matmul_dtype: str = "float32") -> SpecConfig | None:
     """DSpark with prompt lookup first (`ngram_first`) and the prefix scheduler (Algorithm 1) on the cost
-    table profiled on this project's machines (2 CPU cores); on other hardware run `dspark profile` or
-    pass "cost_table": "auto". Lookup first: 1.28-1.54x the tok/s of DSpark alone at batch 1 on gsm8k
-    and humaneval (docs/benchmarks.md, sweep_lookup_r3)."""
+    table profiled on this project's machines (2 CPU cores) with the engine's matmul dtype; on other
+    hardware run `dspark profile` or pass "cost_table": "auto". Lookup first: 1.28-1.54x the tok/s of
+    DSpark alone at batch 1 on gsm8k and humaneval (docs/benchmarks.md, sweep_lookup_r3)."""
     path = drafter_dir(model, "dspark")
     if path is None:
         return None
-    cost = path / "cost_table.json"
+    cost = path / COST_TABLES.get(matmul_dtype, "")
     if not cost.is_file():
         return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS,
                           ngram_first=True)

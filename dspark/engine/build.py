@@ -26,11 +26,12 @@ def build_engine(config: EngineConfig):
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     target_config = read_model_config(config.model)
+    matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device)
     if config.spec is not None:
         check_drafter(config.spec, target_config)
-        _check_length_policy(config)
+        _check_length_policy(config, matmul_dtype)
     model, target_config, tokenizer = load_model(config.model, dtype=DTYPES[config.dtype],
-                                                 device=config.device)
+                                                 device=config.device, matmul_dtype=matmul_dtype)
     drafter = None
     if config.spec is not None:
         drafter = build_drafter(config.spec, target_config=target_config, target_model=model,
@@ -45,15 +46,38 @@ def build_engine(config: EngineConfig):
     return engine, tokenizer
 
 
-def _check_length_policy(config: EngineConfig) -> None:
+def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: str = "cpu") -> str:
+    """The target's matrix-product dtype (EngineConfig.matmul_dtype), "auto" resolved: bfloat16 for a
+    float32 CPU engine whose kernels multiply bf16 (AVX512-BF16), else float32. An explicit bfloat16
+    without such kernels still runs (torch multiplies the same rounded values in fp32), slower: said in
+    the log."""
+    from dspark import kernels
+    bf16_kernels = device == "cpu" and kernels.has_bf16_kernels()
+    if matmul_dtype == "auto":
+        return "bfloat16" if dtype == "float32" and bf16_kernels else "float32"
+    if matmul_dtype == "bfloat16" and not bf16_kernels:
+        log.warning("matmul_dtype=bfloat16 without bf16 CPU kernels (no AVX512-BF16, kernels off or not a CPU "
+                    "device): the rounded products run through torch in fp32 — the same model, slower")
+    return matmul_dtype
+
+
+def _check_length_policy(config: EngineConfig, matmul_dtype: str = "float32") -> None:
     """Fail closed before loading weights: adaptive verification needs a confidence head (checked
-    by the drafter's `check`) and a cost table on disk."""
+    by the drafter's `check`) and a cost table on disk, profiled with the engine's matmul dtype."""
     spec = config.spec
     if spec.length_policy != "fixed" and spec.method not in ("dspark",):
         raise ValueError(f"length_policy={spec.length_policy!r} needs a drafter with a confidence head "
                          f"(method 'dspark'); {spec.method!r} has none")
     if spec.cost_table and spec.cost_table != "auto" and not Path(spec.cost_table).is_file():
         raise ValueError(f"cost_table {spec.cost_table!r} does not exist (run `dspark profile --out PATH`)")
+    if spec.cost_table and spec.cost_table != "auto":
+        from dspark.verify.cost_table import CostTable
+        table_dtype = CostTable.load(spec.cost_table).meta.get("matmul_dtype", "float32")
+        if table_dtype != matmul_dtype:
+            raise ValueError(f"cost_table {spec.cost_table!r} was profiled with {table_dtype} matrix products; "
+                             f"this engine multiplies in {matmul_dtype} (its step costs differ ~2x): profile "
+                             f"it (`dspark profile --matmul-dtype {matmul_dtype} --out PATH`), pass a table "
+                             f"of the same dtype, or set --matmul-dtype {table_dtype}")
     if spec.length_policy in ("prefix", "async") and not spec.cost_table:
         raise ValueError(f"length_policy={spec.length_policy!r} needs a cost table: run `dspark profile "
                          f"--out cost.json` and pass \"cost_table\": \"cost.json\" (or \"auto\": profile at "

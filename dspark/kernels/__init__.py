@@ -1,4 +1,7 @@
-"""CPU fp32 kernels for few-row steps (batch-1 decode, verification and draft blocks), and their torch twins.
+"""CPU kernels for few-row steps (batch-1 decode, verification and draft blocks), and their torch twins.
+
+Activations are fp32; the matrix products take fp32 weights or, on CPUs with AVX512-BF16, bf16 weights
+(the input rounded to bf16, fp32 accumulation: twice the arithmetic per instruction, half the bytes).
 
 `cpu_ops.cpp` is compiled once per machine with torch's C++ extension builder (g++ and ninja; ~30 s on two
 cores) into `~/.cache/dspark/kernels/<source hash>/`; `scripts/setup.sh` does it ahead of time with
@@ -83,12 +86,14 @@ def _eligible(*tensors: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [..., in] @ weight[out, in]^T through the kernel when it applies (≤ MAX_ROWS rows in all, fp32
-    CPU, no autograd); None otherwise, so the caller uses torch."""
+    CPU input, no autograd; fp32 weights, or bf16 ones on a CPU with bf16 dot products: the input is
+    then rounded to bf16 and the products accumulate in fp32); None otherwise, so the caller uses torch."""
     rows = x.numel() // max(1, x.shape[-1])
-    if rows > MAX_ROWS or rows == 0 or not _eligible(x, weight):
+    bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    if rows > MAX_ROWS or rows == 0 or not (_eligible(x) if bf16 else _eligible(x, weight)):
         return None
     k = ops()
-    if k is None or not weight.is_contiguous():
+    if k is None or not weight.is_contiguous() or (bf16 and not k.has_bf16):
         return None
     return k.small_mm(x.reshape(rows, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
 
@@ -126,6 +131,12 @@ def set_matmul_dtype(module: torch.nn.Module, dtype: torch.dtype, *, skip: tuple
             m.register_buffer("lowp_weight", m.weight.detach().to(dtype), persistent=False)
             count += 1
     return count
+
+
+def has_bf16_kernels() -> bool:
+    """Do the built kernels multiply bf16 weights (the CPU has AVX512-BF16)?"""
+    k = ops()
+    return k is not None and bool(getattr(k, "has_bf16", False))
 
 
 @cache

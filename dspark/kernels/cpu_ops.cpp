@@ -1,5 +1,8 @@
-// CPU fp32 kernels for the few-row steps (batch-1 decode, short verification and draft blocks), where
-// torch's general kernels pay more in dispatch and poor GEMV bandwidth than the arithmetic costs:
+// CPU kernels for the few-row steps (batch-1 decode, short verification and draft blocks), where
+// torch's general kernels pay more in dispatch and poor GEMV bandwidth than the arithmetic costs.
+// Activations are fp32; the products take fp32 weights or, with AVX512-BF16, bf16 weights (the input
+// rows rounded to bf16 first, VDPBF16PS: exact products, fp32 sums — twice the FMA's arithmetic per
+// instruction and half the weight bytes):
 //
 //   small_mm(x, w)                 x[M, K] @ w[N, K]^T for M <= 128: passes of up to 12 rows (R rows x M
 //                                  accumulators in vector registers) over L2-sized tiles of weight rows;
@@ -75,42 +78,96 @@ constexpr int rows_per_block() {
   return 1;
 }
 
-// Output rows [n, n + R) for all M input rows.
-template <int M, int R>
-inline void block(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t n) {
+// How a product's elements are loaded and multiplied: fp32 (one FMA per element pair), and with
+// AVX512-BF16 bf16 (VDPBF16PS: 32 element pairs per instruction into 16 fp32 sums, each product exact in
+// fp32 — twice the FMA's arithmetic and half its weight bytes). `step`: elements per vector.
+struct F32 {
+  using elem = float;
+  using evec = vec;
+  static constexpr int step = kLanes;
+  static evec load(const float* p) { return vload(p); }
+  static vec fma(vec acc, evec w, evec x) { return vfma(w, x, acc); }
+  static float value(float v) { return v; }
+};
+
+using bf16 = at::BFloat16;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kHasBf16 = true;
+struct BF16 {
+  using elem = bf16;
+  using evec = __m512bh;
+  static constexpr int step = 32;
+  static evec load(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static vec fma(vec acc, evec w, evec x) { return _mm512_dpbf16_ps(acc, w, x); }
+  static float value(bf16 v) { return static_cast<float>(v); }  // exact widening
+};
+
+// fp32 -> bf16, round to nearest even (VCVTNEPS2BF16, also for the tail, so every element of a row is
+// rounded the same way wherever the row sits).
+inline void to_bf16(const float* x, bf16* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + i));
+    _mm256_mask_storeu_epi16(y + i, mask, v);
+  }
+}
+#else
+constexpr bool kHasBf16 = false;
+struct BF16 {  // compiles the bf16 paths; never called: every bf16 entry point checks kHasBf16 first
+  using elem = bf16;
+  using evec = vec;
+  static constexpr int step = kLanes;
+  static evec load(const bf16*) { return vzero(); }
+  static vec fma(vec acc, evec, evec) { return acc; }
+  static float value(bf16 v) { return static_cast<float>(v); }
+};
+inline void to_bf16(const float*, bf16*, int64_t) {}
+#endif
+
+// Output rows [n, n + R) for all M input rows, x [M, K] and w [N, K] row-major in the elements of T.
+template <typename T, int M, int R>
+inline void block(const typename T::elem* x, const typename T::elem* w, float* out, int64_t K, int64_t N,
+                  int64_t n) {
+  constexpr int64_t prefetch = kPrefetch * 4 / sizeof(typename T::elem);  // the same bytes ahead in any type
   vec acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = vzero();
   int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    vec wv[R];
+  for (; k + T::step <= K; k += T::step) {
+    typename T::evec wv[R];
     for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(w + (n + r) * K + k + kPrefetch, 0, 1);  // to L2: measured best of 0-3
-      wv[r] = vload(w + (n + r) * K + k);
+      __builtin_prefetch(w + (n + r) * K + k + prefetch, 0, 1);  // to L2: measured best of 0-3
+      wv[r] = T::load(w + (n + r) * K + k);
     }
     for (int m = 0; m < M; ++m) {
-      const vec xv = vload(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = vfma(wv[r], xv, acc[r][m]);
+      const typename T::evec xv = T::load(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = T::fma(acc[r][m], wv[r], xv);
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int m = 0; m < M; ++m) {
       float s = vsum(acc[r][m]);
-      for (int64_t kk = k; kk < K; ++kk) s += w[(n + r) * K + kk] * x[m * K + kk];
+      for (int64_t kk = k; kk < K; ++kk) s += T::value(w[(n + r) * K + kk]) * T::value(x[m * K + kk]);
       out[m * N + n + r] = s;
     }
   }
 }
 
-template <int M>
-void rows(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+template <typename T, int M>
+void rows(const typename T::elem* x, const typename T::elem* w, float* out, int64_t K, int64_t N, int64_t n0,
+          int64_t n1) {
   constexpr int R = rows_per_block<M>();
   int64_t n = n0;
-  for (; n + R <= n1; n += R) block<M, R>(x, w, out, K, N, n);
-  for (; n < n1; ++n) block<M, 1>(x, w, out, K, N, n);
+  for (; n + R <= n1; n += R) block<T, M, R>(x, w, out, K, N, n);
+  for (; n < n1; ++n) block<T, M, 1>(x, w, out, K, N, n);
 }
 
-using RowsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+template <typename T>
+using RowsFn = void (*)(const typename T::elem*, const typename T::elem*, float*, int64_t, int64_t, int64_t,
+                        int64_t);
 // One pass serves up to kPassRows input rows (beyond that the accumulators no longer fit and the pass
 // gets slower than two); up to kMaxRows rows run as balanced passes. Against BLAS on all of SmolLM2's
 // weights (ms, one process): 8 rows 22 vs 42, 16 31 vs 52, 32 57 vs 74, 48 92 vs 98, 64 124 vs 127,
@@ -119,27 +176,33 @@ using RowsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, in
 // its limit a step falls to the per-layer path, which cost a 56-row step 212 ms against 162 fused.
 constexpr int kPassRows = 12;
 constexpr int kMaxRows = 128;
-constexpr RowsFn kRows[kPassRows] = {rows<1>, rows<2>, rows<3>, rows<4>,  rows<5>,  rows<6>,
-                                     rows<7>, rows<8>, rows<9>, rows<10>, rows<11>, rows<12>};
+template <typename T>
+constexpr RowsFn<T> kRows[kPassRows] = {rows<T, 1>, rows<T, 2>, rows<T, 3>, rows<T, 4>,  rows<T, 5>,  rows<T, 6>,
+                                        rows<T, 7>, rows<T, 8>, rows<T, 9>, rows<T, 10>, rows<T, 11>, rows<T, 12>};
 
 // Output columns [n0, n1) of out[M, N] = x[M, K] @ w[N, K]^T, M in 1..kMaxRows, in balanced passes of
 // <= 12 rows over tiles of weight rows that stay in L2 (~256 KB): the first pass streams a tile from
 // memory, the others re-read it from cache. Every output element is the same K-ordered sum whatever M,
 // the pass split or the tile, so a row's result never depends on the other rows of the batch.
-void mm_cols(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, float* op, int64_t n0, int64_t n1) {
+template <typename T>
+void mm_cols(const typename T::elem* xp, int64_t M, int64_t K, const typename T::elem* wp, int64_t N, float* op,
+             int64_t n0, int64_t n1) {
   const int64_t passes = (M + kPassRows - 1) / kPassRows, per_pass = (M + passes - 1) / passes;
-  const int64_t tile = passes == 1 ? n1 - n0 : std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(K, 1));
+  const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(typename T::elem));
+  const int64_t tile = passes == 1 ? n1 - n0 : std::max<int64_t>(16, (1 << 18) / row_bytes);
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
     for (int64_t m0 = 0; m0 < M; m0 += per_pass)
-      kRows[std::min(per_pass, M - m0) - 1](xp + m0 * K, wp, op + m0 * N, K, N, t0, t1);
+      kRows<T>[std::min(per_pass, M - m0) - 1](xp + m0 * K, wp, op + m0 * N, K, N, t0, t1);
   }
 }
 
-// out[M, N] = x[M, K] @ w[N, K]^T for M in 1..kMaxRows, raw row-major fp32 pointers; parallel over N.
-void mm_into(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, float* op) {
-  const int64_t grain = std::max<int64_t>(64, (1 << 16) / std::max<int64_t>(K, 1));  // >= ~256 KB per task
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { mm_cols(xp, M, K, wp, N, op, n0, n1); });
+// out[M, N] = x[M, K] @ w[N, K]^T for M in 1..kMaxRows, raw row-major pointers; parallel over N.
+template <typename T>
+void mm_into(const typename T::elem* xp, int64_t M, int64_t K, const typename T::elem* wp, int64_t N, float* op) {
+  const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(typename T::elem));
+  const int64_t grain = std::max<int64_t>(64, (1 << 18) / row_bytes);  // >= ~256 KB of weights per task
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { mm_cols<T>(xp, M, K, wp, N, op, n0, n1); });
 }
 
 // [begin, end) of thread `tid`'s share of n items, boundaries on multiples of `align`.
@@ -172,17 +235,27 @@ class SpinBarrier {
 
 }  // namespace
 
-// x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 contiguous -> [M, N]
+// x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 or bf16 contiguous -> [M, N] fp32. With bf16
+// weights x is rounded to bf16 first (round to nearest even) and the products accumulate in fp32.
 torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_mm: shapes ", x.sizes(), " and ",
               w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_mm: fp32 only");
+  const bool bf = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || bf),
+              "small_mm: fp32 input and fp32 or bf16 weights only");
+  TORCH_CHECK(!bf || kHasBf16, "small_mm: bf16 weights need a CPU with AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_mm: CPU tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "small_mm: 1..", kMaxRows, " rows, got ", M);
   const torch::Tensor xc = x.contiguous(), wc = w.contiguous();
   torch::Tensor out = torch::empty({M, N}, x.options());
-  mm_into(xc.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, out.data_ptr<float>());
+  if (bf) {
+    torch::Tensor xb = torch::empty({M, K}, x.options().dtype(at::kBFloat16));
+    to_bf16(xc.data_ptr<float>(), xb.data_ptr<bf16>(), M * K);
+    mm_into<BF16>(xb.data_ptr<bf16>(), M, K, wc.data_ptr<bf16>(), N, out.data_ptr<float>());
+  } else {
+    mm_into<F32>(xc.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, out.data_ptr<float>());
+  }
   return out;
 }
 
@@ -337,10 +410,16 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
               "decoder_layers_: x must be a contiguous fp32 CPU [T, D] tensor");
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(T >= 1 && T <= kMaxRows, "decoder_layers_: 1..", kMaxRows, " rows, got ", T);
-  for (const torch::Tensor& w : weights)
-    TORCH_CHECK(!w.defined() || w.numel() == 0 || (w.scalar_type() == at::kFloat && w.is_contiguous() &&
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const torch::Tensor& w = weights[i];
+    const int slot = static_cast<int>(i % kPerLayer);
+    const bool matrix = slot == 1 || slot == 4 || slot == 6 || slot == 7;  // qkv, o, gate_up, down
+    const bool bf = matrix && w.defined() && w.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(!bf || kHasBf16, "decoder_layers_: bf16 weights need a CPU with AVX512-BF16");
+    TORCH_CHECK(!w.defined() || w.numel() == 0 || ((w.scalar_type() == at::kFloat || bf) && w.is_contiguous() &&
                                                   w.device().is_cpu()),
-                "decoder_layers_: weights must be contiguous fp32 CPU tensors");
+                "decoder_layers_: weights must be contiguous CPU tensors, fp32 (matrices: fp32 or bf16)");
+  }
   for (const torch::Tensor* t : {&slot_mapping, &token_index, &key_limit, &kv_slots}) check_index(*t, "decoder_layers_");
   TORCH_CHECK(slot_mapping.numel() == T, "decoder_layers_: one slot per row");
   const int64_t hd = cos.size(-1), qk_heads = H + Hkv, qkv_dim = (H + 2 * Hkv) * hd;
@@ -355,6 +434,9 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   torch::Tensor q = torch::empty({T, H, hd}, opts), attn = torch::empty({T, H * hd}, opts);
   torch::Tensor o = torch::empty({T, D}, opts), gu = torch::empty({T, 2 * inter}, opts);
   torch::Tensor act = torch::empty({T, inter}, opts);
+  // bf16 copies of a product's input rows, for bf16 weights (the widest input: D, H * hd or inter)
+  torch::Tensor xbf = torch::empty({T * std::max({D, H * hd, inter})}, opts.dtype(at::kBFloat16));
+  bf16* xbp = xbf.data_ptr<bf16>();
   float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *ap = attn.data_ptr<float>(), *opp = o.data_ptr<float>();
   float *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
@@ -397,7 +479,14 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
     auto sync = [&] { barrier.wait(nt); };
     auto mm = [&](const float* in, int64_t K, const torch::Tensor& wt, int64_t N, float* out) {
       const auto [n0, n1] = share(N, tid, nt, 16);
-      if (n0 < n1) mm_cols(in, T, K, wt.data_ptr<float>(), N, out, n0, n1);
+      if (wt.scalar_type() == at::kBFloat16) {  // round the input rows to bf16 (split), then multiply
+        const auto [i0, i1] = share(T * K, tid, nt, 16);
+        if (i0 < i1) to_bf16(in + i0, xbp + i0, i1 - i0);
+        sync();
+        if (n0 < n1) mm_cols<BF16>(xbp, T, K, wt.data_ptr<bf16>(), N, out, n0, n1);
+      } else if (n0 < n1) {
+        mm_cols<F32>(in, T, K, wt.data_ptr<float>(), N, out, n0, n1);
+      }
       sync();
     };
     for (int64_t l = 0; l < L; ++l) {
@@ -459,9 +548,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs, as torch's own ops do: the server's API thread keeps
   // streaming and detokenizing while the engine thread computes
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 128 (fp32, CPU)", release());
+  m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 128 (fp32 x, fp32 or bf16 w, CPU)", release());
   m.def("rms_norm", &rms_norm, "x / rms(x) * w (fp32, CPU)", release());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) (fp32, CPU)", release());
   m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());
-  m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32, CPU)", release());
+  m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32 or bf16)", release());
+  m.attr("has_bf16") = kHasBf16;
 }

@@ -30,6 +30,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_kv_blocks, kv_block_siz
 IGNORED_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.(cos|sin)_cached)$")
 
 
+def _product_weight(linear: Linear) -> torch.Tensor:
+    """The weight the kernels multiply by: the bf16 copy under `use_bf16_products`, else the weight."""
+    bf16 = getattr(linear, "weight_bf16", None)
+    return linear.weight if bf16 is None else bf16
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -200,10 +206,11 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 a, mlp = layer.self_attn, layer.mlp
                 q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-                weights += [layer.input_layernorm.weight, a.qkv_proj.weight,
+                weights += [layer.input_layernorm.weight, _product_weight(a.qkv_proj),
                             q_norm.weight if q_norm is not None else none,
-                            k_norm.weight if k_norm is not None else none, a.o_proj.weight,
-                            layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+                            k_norm.weight if k_norm is not None else none, _product_weight(a.o_proj),
+                            layer.post_attention_layernorm.weight, _product_weight(mlp.gate_up_proj),
+                            _product_weight(mlp.down_proj)]
             self._layer_weight_list = weights
         return self._layer_weight_list
 

@@ -25,7 +25,7 @@ import torch
 
 from dspark.models import build_model
 from dspark import kernels
-from dspark.models.layers import add_decode_layout
+from dspark.models.layers import add_decode_layout, use_bf16_products
 from dspark.models.config import ModelConfig
 from dspark.models.tokenizer import TokenizerBundle, gguf_cache_dir, load_tokenizer
 
@@ -58,8 +58,10 @@ def resolve_model_path(name: str | Path) -> Path:
 
 
 def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", decode_layout: bool = True) -> tuple[torch.nn.Module, ModelConfig, TokenizerBundle]:
-    """-> (eval-mode model with weights, its ModelConfig, its TokenizerBundle)."""
+               device: torch.device | str = "cpu", decode_layout: bool = True,
+               matmul_dtype: str = "float32") -> tuple[torch.nn.Module, ModelConfig, TokenizerBundle]:
+    """-> (eval-mode model with weights, its ModelConfig, its TokenizerBundle). `matmul_dtype`
+    "bfloat16": bf16 matrix products (`use_bf16_products`, a float32 model only)."""
     path = resolve_model_path(path_or_name)
     if path.is_file() and path.suffix == ".gguf":
         cache = gguf_cache_dir(path)
@@ -79,7 +81,9 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
             _write_gguf_cache(gguf_cache_dir(path), source.config, converted)
         else:
             model.load_weights(source.weights())
-    if decode_layout and torch.device(device).type == "cpu" and not (dtype == torch.float32 and kernels.enabled()):
+    if matmul_dtype == "bfloat16":
+        use_bf16_products(model)
+    elif decode_layout and torch.device(device).type == "cpu" and not (dtype == torch.float32 and kernels.enabled()):
         add_decode_layout(model)  # the fp32 CPU kernels read the [out, in] layout directly
     tokenizer = load_tokenizer(path, eos_token_ids=source.config.eos_token_ids)
     return model, source.config, tokenizer

@@ -34,10 +34,12 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def default_spec(model: str):
-    """The drafter shipped for `model` (dspark.drafters.shipped), or None when there is none."""
+def default_spec(args: argparse.Namespace):
+    """The drafter shipped for the model (dspark.drafters.shipped), with the cost table of the engine's
+    matmul dtype, or None when there is none."""
     from dspark.drafters.shipped import default_spec_config
-    return default_spec_config(model)
+    from dspark.engine.build import resolve_matmul_dtype
+    return default_spec_config(args.model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype, dtype=args.dtype))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark.server.async_engine import AsyncEngine
 
     logging.getLogger().setLevel(args.log_level.upper())
-    config = engine_config_from_args(args, default_spec=default_spec(args.model))
+    config = engine_config_from_args(args, default_spec=default_spec(args))
     engine, tokenizer = build_engine(config)
     model_name = args.served_model_name or args.model
     spec = config.spec.method if config.spec else "none"

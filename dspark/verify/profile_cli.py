@@ -159,7 +159,8 @@ def _device_meta(engine) -> dict:
     device = str(engine.config.device)
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else (
         platform.processor() or platform.machine())
-    return {"model": engine.config.model, "dtype": engine.config.dtype, "device": device,
+    return {"model": engine.config.model, "dtype": engine.config.dtype,
+            "matmul_dtype": getattr(engine.runner.model, "matmul_dtype", "float32"), "device": device,
             "device_name": name, "num_threads": torch.get_num_threads(),
             "speculative_method": engine.config.spec.method if engine.config.spec else None,
             "torch": torch.__version__,
