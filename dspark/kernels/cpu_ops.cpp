@@ -11,7 +11,8 @@
 //   add_rms_norm_(x, r, w, eps)    r += x in place, returns rms_norm(r) (the residual add fused in).
 //   short_attention(...)           paged attention for short queries: each query reads its request's keys
 //                                  straight from the pool through the slot table, up to a per-query key
-//                                  limit (causal or block-bidirectional); online softmax; GQA.
+//                                  limit (causal or block-bidirectional); scores, one vectorised exp pass,
+//                                  then the weighted values in registers; GQA.
 //   decoder_layers_(...)           every Llama/Qwen3 decoder layer of a decode/verify step in one call and
 //                                  one OpenMP region (the ops above + RoPE, K/V store, SiLU), bit-identical
 //                                  to the per-layer modules.
@@ -42,6 +43,9 @@ inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using vec = __m256;
 constexpr int kLanes = 8;
@@ -54,6 +58,9 @@ inline float vsum(vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 #else
 struct vec { float v[4]; };
 constexpr int kLanes = 4;
@@ -64,6 +71,9 @@ inline vec vfma(vec a, vec b, vec c) {
   return c;
 }
 inline float vsum(vec v) { return v.v[0] + v.v[1] + v.v[2] + v.v[3]; }
+inline vec vset1(float a) { return vec{{a, a, a, a}}; }
+inline vec vmul(vec a, vec b) { return vec{{a.v[0] * b.v[0], a.v[1] * b.v[1], a.v[2] * b.v[2], a.v[3] * b.v[3]}}; }
+inline void vstore(float* p, vec v) { for (int i = 0; i < 4; ++i) p[i] = v.v[i]; }
 #endif
 
 constexpr int64_t kPrefetch = 1024;  // floats ahead of the current load, per weight row
@@ -326,34 +336,94 @@ void attention_into(const float* qp, const float* kp, const float* vp, float* op
   });
 }
 
+// x[j] = exp(x[j] - m) for j < n; returns their sum. With AVX-512 sixteen at a time: exp(y) = 2^k e^r,
+// k = round(y / ln 2), r = y - k ln 2 in two parts (Cody-Waite), e^r by Cephes' degree-6 polynomial
+// (relative error ~2e-7, as expf), 2^k by VSCALEFPS (underflows to 0 for very negative y).
+inline float exp_shifted_sum(float* x, int64_t n, float m) {
+  int64_t j = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 lowest = _mm512_set1_ps(-104.f), one = _mm512_set1_ps(1.f);
+  __m512 total = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 y = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm), lowest);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(y, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, y);
+    r = _mm512_fnmadd_ps(k, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, one));
+    const __m512 e = _mm512_scalef_ps(p, k);
+    _mm512_storeu_ps(x + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  sum = _mm512_reduce_add_ps(total);
+#endif
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
+
+// One query head against its request's keys [0, limit): scores, softmax, weighted values. HD: the head
+// dim when known at compile time (the output sums then stay in registers), 0 for any.
+template <int HD>
+void attend(const float* qv, const float* kp, const float* vp, float* o, const int64_t* slots, int64_t limit,
+            int64_t Hkv, int64_t kvh, int64_t hd, float sc, float* scores) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < limit; ++j) {
+    scores[j] = dot(qv, kp + (slots[j] * Hkv + kvh) * hd, hd) * sc;
+    m = std::max(m, scores[j]);
+  }
+  const float inv = 1.f / exp_shifted_sum(scores, limit, m);
+  if constexpr (HD > 0 && HD % kLanes == 0) {
+    constexpr int C = HD / kLanes;
+    vec acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = vzero();
+    for (int64_t j = 0; j < limit; ++j) {
+      const float* vv = vp + (slots[j] * Hkv + kvh) * HD;
+      const vec p = vset1(scores[j]);
+      for (int c = 0; c < C; ++c) acc[c] = vfma(p, vload(vv + c * kLanes), acc[c]);
+    }
+    const vec vinv = vset1(inv);
+    for (int c = 0; c < C; ++c) vstore(o + c * kLanes, vmul(acc[c], vinv));
+  } else {
+    std::fill(o, o + hd, 0.f);
+    for (int64_t j = 0; j < limit; ++j) {
+      const float* vv = vp + (slots[j] * Hkv + kvh) * hd;
+      for (int64_t i = 0; i < hd; ++i) o[i] += scores[j] * vv[i];
+    }
+    for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
+  }
+}
+
 // Items [b0, b1) of attention_into: item b = (query sj = b / H, head h = b % H).
 void attention_items(const float* qp, const float* kp, const float* vp, float* op, int64_t H, int64_t Hkv,
                      int64_t hd, const int64_t* tip, const int64_t* klp, const int64_t* slp, int64_t Q,
                      int64_t max_kv, float sc, int64_t b0, int64_t b1) {
   const int64_t group = H / Hkv;
-  {
-    std::vector<float> acc(hd);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t h = b % H, sj = b / H, s = sj / Q;
-      const int64_t limit = std::min(klp[sj], max_kv);
-      if (limit <= 0) continue;
-      const int64_t row = tip[sj], kvh = h / group;
-      const float* qv = qp + (row * H + h) * hd;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-      for (int64_t j = 0; j < limit; ++j) {
-        const int64_t slot = slp[s * max_kv + j];
-        const float score = dot(qv, kp + (slot * Hkv + kvh) * hd, hd) * sc;
-        const float m_new = std::max(m, score);
-        const float corr = std::exp(m - m_new), p = std::exp(score - m_new);
-        l = l * corr + p;
-        const float* vv = vp + (slot * Hkv + kvh) * hd;
-        for (int64_t i = 0; i < hd; ++i) acc[i] = acc[i] * corr + p * vv[i];
-        m = m_new;
-      }
-      float* o = op + (row * H + h) * hd;
-      for (int64_t i = 0; i < hd; ++i) o[i] = acc[i] / l;
-    }
+  std::vector<float> scores(std::max<int64_t>(max_kv, 1));
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t h = b % H, sj = b / H, s = sj / Q;
+    const int64_t limit = std::min(klp[sj], max_kv);
+    if (limit <= 0) continue;
+    const int64_t row = tip[sj], kvh = h / group;
+    const float* qv = qp + (row * H + h) * hd;
+    float* o = op + (row * H + h) * hd;
+    const int64_t* slots = slp + s * max_kv;
+    if (hd == 64)
+      attend<64>(qv, kp, vp, o, slots, limit, Hkv, kvh, hd, sc, scores.data());
+    else if (hd == 128)
+      attend<128>(qv, kp, vp, o, slots, limit, Hkv, kvh, hd, sc, scores.data());
+    else
+      attend<0>(qv, kp, vp, o, slots, limit, Hkv, kvh, hd, sc, scores.data());
   }
 }
 
