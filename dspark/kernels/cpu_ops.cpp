@@ -372,13 +372,57 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+// The dot products of one query (C vectors of 16) with 16 keys, as one vector (lane t: key t). The 16
+// per-key partial vectors are summed in a transpose tree (four levels of lane shuffles and adds) instead
+// of one horizontal reduction per key.
+template <int C>
+inline __m512 dots16(const __m512* q, const float* const* keys) {
+  __m512 a[16], b[8], c[4], d[2];
+  for (int t = 0; t < 16; ++t) {
+    __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(keys[t]));
+    for (int i = 1; i < C; ++i) acc = _mm512_fmadd_ps(q[i], _mm512_loadu_ps(keys[t] + 16 * i), acc);
+    a[t] = acc;
+  }
+  // b[i]: 256-bit halves = keys i, i + 8; c[i]: 128-bit quarters = keys i, i + 8, i + 4, i + 12;
+  // d[i]: pairs of keys per quarter; e: one sum per lane, in the order `order` undoes
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], 0x44), _mm512_shuffle_ps(c[i], c[i + 2], 0xEE));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+#endif
+
 // One query head against its request's keys [0, limit): scores, softmax, weighted values. HD: the head
 // dim when known at compile time (the output sums then stay in registers), 0 for any.
 template <int HD>
 void attend(const float* qv, const float* kp, const float* vp, float* o, const int64_t* slots, int64_t limit,
             int64_t Hkv, int64_t kvh, int64_t hd, float sc, float* scores) {
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < limit; ++j) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {  // sixteen keys at a time
+    constexpr int C = HD / 16;
+    __m512 q[C];
+    for (int i = 0; i < C; ++i) q[i] = _mm512_loadu_ps(qv + 16 * i);
+    const __m512 vsc = _mm512_set1_ps(sc);
+    __m512 vmax = _mm512_set1_ps(m);
+    const float* keys[16];
+    for (; j + 16 <= limit; j += 16) {
+      for (int t = 0; t < 16; ++t) keys[t] = kp + (slots[j + t] * Hkv + kvh) * HD;
+      const __m512 s16 = _mm512_mul_ps(dots16<C>(q, keys), vsc);
+      _mm512_storeu_ps(scores + j, s16);
+      vmax = _mm512_max_ps(vmax, s16);
+    }
+    m = _mm512_reduce_max_ps(vmax);
+  }
+#endif
+  for (; j < limit; ++j) {
     scores[j] = dot(qv, kp + (slots[j] * Hkv + kvh) * hd, hd) * sc;
     m = std::max(m, scores[j]);
   }
@@ -404,17 +448,20 @@ void attend(const float* qv, const float* kp, const float* vp, float* o, const i
   }
 }
 
-// Items [b0, b1) of attention_into: item b = (query sj = b / H, head h = b % H).
+// Items [b0, b1) of attention_into, b = ((s * Hkv + kvh) * Q + j) * group + g: query j of sequence s,
+// head kvh * group + g. The items that read one sequence's keys and values of one KV head run in a row,
+// so those stay in cache (a verification window at a long context: 8 queries x the group's heads).
 void attention_items(const float* qp, const float* kp, const float* vp, float* op, int64_t H, int64_t Hkv,
                      int64_t hd, const int64_t* tip, const int64_t* klp, const int64_t* slp, int64_t Q,
                      int64_t max_kv, float sc, int64_t b0, int64_t b1) {
   const int64_t group = H / Hkv;
   std::vector<float> scores(std::max<int64_t>(max_kv, 1));
   for (int64_t b = b0; b < b1; ++b) {
-    const int64_t h = b % H, sj = b / H, s = sj / Q;
+    const int64_t g = b % group, j = b / group % Q, kvh = b / (group * Q) % Hkv, s = b / (group * Q * Hkv);
+    const int64_t sj = s * Q + j, h = kvh * group + g;
     const int64_t limit = std::min(klp[sj], max_kv);
     if (limit <= 0) continue;
-    const int64_t row = tip[sj], kvh = h / group;
+    const int64_t row = tip[sj];
     const float* qv = qp + (row * H + h) * hd;
     float* o = op + (row * H + h) * hd;
     const int64_t* slots = slp + s * max_kv;
