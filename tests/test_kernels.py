@@ -64,6 +64,18 @@ def test_small_mm_bf16_row_results_do_not_depend_on_the_batch():
         assert torch.equal(ops.small_mm(x[:rows], w), alone[:rows]), rows
 
 
+@needs_bf16
+def test_linear_bf16_above_max_rows_runs_the_kernel_in_chunks():
+    """Prompt chunks (more rows than one kernel call serves) multiply bf16 weights in MAX_ROWS-row chunks:
+    every row's result is the one it gets alone (a decode step's), and close to the rounded product."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(2 * kernels.MAX_ROWS + 37, 576, generator=g), torch.randn(100, 576, generator=g).bfloat16()
+    out = kernels.linear(x.view(1, *x.shape), w)[0]
+    alone = torch.cat([kernels.linear(x[i:i + 1], w) for i in range(x.shape[0])])
+    assert torch.equal(out, alone)
+    torch.testing.assert_close(out, (x.bfloat16().double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4)
+
+
 def test_small_mm_rejects_bad_input():
     with pytest.raises(RuntimeError, match="rows"):
         ops.small_mm(torch.randn(kernels.MAX_ROWS + 1, 4), torch.randn(3, 4))

@@ -15,8 +15,10 @@ dense SDPA over contiguous K/V.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,14 +29,27 @@ SHORT_QUERY_MAX = 16  # queries up to this length share one padded group
 
 @dataclass
 class AttnGroup:
-    """Requests whose queries run in one padded SDPA call."""
+    """Requests whose queries run in one padded SDPA call (or one short-attention kernel call)."""
 
     token_index: torch.Tensor  # [num_seqs, max_q] long: flat token row of each query (padding → 0)
     query_valid: torch.Tensor  # [num_seqs, max_q] bool
     kv_slots: torch.Tensor  # [num_seqs, max_kv] long: pool slot of each key (padding → 0)
-    mask: torch.Tensor | None  # [num_seqs, 1, max_q, max_kv] bool, True = may attend; None = all
     all_valid: bool  # no query padding: scatter back with a plain reshape
     key_limit: torch.Tensor  # [num_seqs, max_q] long: query j reads keys [0, limit); 0 = padding
+    needs_mask: bool = True  # some query sees fewer than all max_kv keys
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[num_seqs, 1, max_q, max_kv] bool, True = may attend (None: all may), built from `key_limit`
+        when a torch path first asks (the CPU kernel reads the limits). Padded query rows attend key 0
+        only: no NaN, and their rows are discarded."""
+        if not self.needs_mask:
+            return None
+        max_kv = self.kv_slots.shape[1]
+        keys = torch.arange(max_kv, device=self.key_limit.device)
+        mask = keys < self.key_limit.unsqueeze(-1)  # [num_seqs, max_q, max_kv]
+        mask[..., 0] |= self.key_limit == 0
+        return mask.unsqueeze(1)
 
 
 @dataclass
@@ -98,35 +113,26 @@ def flat_batch(
 
 
 def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
-    max_q = max(s.num_query for s in seqs)
-    max_kv = max(s.num_cached + s.num_query for s in seqs)
-    token_index = torch.zeros(len(seqs), max_q, dtype=torch.long)
-    key_limit = torch.zeros(len(seqs), max_q, dtype=torch.long)
-    query_valid = torch.zeros(len(seqs), max_q, dtype=torch.bool)
-    kv_slots = torch.zeros(len(seqs), max_kv, dtype=torch.long)
-    mask = torch.zeros(len(seqs), 1, max_q, max_kv, dtype=torch.bool)
-    need_mask = False
+    num_query = np.array([s.num_query for s in seqs])  # [num_seqs]
+    num_kv = np.array([s.num_cached + s.num_query for s in seqs])
+    max_q, max_kv = int(num_query.max()), int(num_kv.max())
+    token_index = np.zeros((len(seqs), max_q), dtype=np.int64)
+    key_limit = np.zeros((len(seqs), max_q), dtype=np.int64)
+    kv_slots = np.zeros((len(seqs), max_kv), dtype=np.int64)
+    block_offsets = np.arange(kv_block_size)
     for i, s in enumerate(seqs):
-        num_kv = s.num_cached + s.num_query
-        token_index[i, :s.num_query] = torch.arange(s.token_offset, s.token_offset + s.num_query)
-        query_valid[i, :s.num_query] = True
-        kv_slots[i, :num_kv] = torch.tensor(slots_for(s.block_table, 0, num_kv, kv_block_size))
-        if s.causal:
-            # query j sits at position num_cached + j and sees keys 0 .. num_cached + j
-            q_pos = torch.arange(s.num_query).unsqueeze(1) + s.num_cached
-            mask[i, 0, :s.num_query, :num_kv] = torch.arange(num_kv).unsqueeze(0) <= q_pos
-            key_limit[i, :s.num_query] = q_pos[:, 0] + 1
-            need_mask |= s.num_query > 1
-        else:
-            mask[i, 0, :s.num_query, :num_kv] = True
-            key_limit[i, :s.num_query] = num_kv
-        mask[i, 0, s.num_query:, 0] = True  # padded query rows attend one key: no NaN, discarded
-        need_mask |= num_kv < max_kv or s.num_query < max_q
-    all_valid = bool(query_valid.all())
+        n, kv = s.num_query, s.num_cached + s.num_query
+        token_index[i, :n] = np.arange(s.token_offset, s.token_offset + n)
+        blocks = np.asarray(s.block_table[:-(-kv // kv_block_size)], dtype=np.int64)
+        kv_slots[i, :kv] = (blocks[:, None] * kv_block_size + block_offsets).reshape(-1)[:kv]
+        # causal: query j sits at position num_cached + j and sees keys 0 .. num_cached + j
+        key_limit[i, :n] = np.arange(s.num_cached + 1, kv + 1) if s.causal else kv
+    needs_mask = bool((num_kv < max_kv).any() or (num_query < max_q).any()
+                      or any(s.causal and s.num_query > 1 for s in seqs))
     return AttnGroup(
-        token_index=token_index.to(device), query_valid=query_valid.to(device),
-        kv_slots=kv_slots.to(device), mask=mask.to(device) if need_mask else None,
-        all_valid=all_valid, key_limit=key_limit.to(device))
+        token_index=torch.from_numpy(token_index).to(device), query_valid=torch.from_numpy(key_limit > 0).to(device),
+        kv_slots=torch.from_numpy(kv_slots).to(device), all_valid=bool((num_query == max_q).all()),
+        key_limit=torch.from_numpy(key_limit).to(device), needs_mask=needs_mask)
 
 
 def store_kv(
