@@ -75,7 +75,8 @@ def test_sweep_end_to_end(tiny_dir, tmp_path):
 
 
 def test_sweep_interleaved_takes_turns(tiny_dir, tmp_path):
-    """--interleave: both servers up at once, the methods take turns at every grid point."""
+    """--interleave: both servers up at once, the methods take turns at every grid point, the turn order
+    rotated from one point to the next."""
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "dspark", "bench", "sweep", "--model", str(tiny_dir),
            "--methods", "none,ngram", "--concurrency", "1", "--dataset", "random", "--repeats", "2",
@@ -84,7 +85,7 @@ def test_sweep_interleaved_takes_turns(tiny_dir, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)  # a hang guard
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = json.loads((out / "results.json").read_text())["points"]
-    assert [(p["method"], p["repeat"]) for p in points] == [("none", 0), ("ngram", 0), ("none", 1), ("ngram", 1)]
+    assert [(p["method"], p["repeat"]) for p in points] == [("none", 0), ("ngram", 0), ("ngram", 1), ("none", 1)]
     assert all(not p.get("error") and p["num_completed"] == 2 for p in points)
     # fresh prompts: repeat 1 starts after repeat 0's two prompts and its warm-up, for both methods
     offsets = [json.loads((out / p["raw_file"]).read_text())["prompt_offset"] for p in points]

@@ -141,6 +141,38 @@ def test_bf16_products_match_their_twin_and_stay_near_fp32(tiny_config, cpu_kern
     assert clear.sum() >= len(ids) // 2 and torch.equal(logits.argmax(-1)[clear], ref32.argmax(-1)[clear])
 
 
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_a_token_is_bitwise_the_same_however_its_prompt_is_chunked(tiny_config, matmul_dtype):
+    """Batch invariance, what greedy parity rests on: plain and speculative decoding chunk prompts
+    differently (drafts take step budget) and put other requests beside them. With the CPU kernels a
+    token's hidden state must not depend on that, bit for bit — with bf16 products a last-bit
+    difference can flip an input's rounding and grow into a different greedy token (seen: SDPA over
+    whole prompt chunks gave 9 of 210 eval prompts another output)."""
+    if kernels.ops() is None:
+        pytest.skip("CPU kernels unavailable")
+    if matmul_dtype == "bfloat16" and not kernels.has_bf16_kernels():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    hf = hf_twin(tiny_config, seed=5)
+    ours = ours_from_hf(tiny_config, hf)
+    if matmul_dtype == "bfloat16":
+        use_bf16_products(ours)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, tiny_config.vocab_size, (60,), generator=g).tolist()
+    other = torch.randint(3, tiny_config.vocab_size, (30,), generator=g).tolist()
+    results = []
+    for cuts in ([60], [17, 43], [25, 5, 30], [59, 1]):
+        kv = PagedKV.create(ours, num_requests=2, max_len=64, kv_block_size=4, seed=7)
+        kv.step(ours, [(other[:29], 0)], tap_layer_ids=())  # another request in the pool
+        rows, start = [], 0
+        for i, n in enumerate(cuts):  # the other request decodes beside every second chunk
+            chunks = [(ids[start:start + n], start)] + ([([other[29]], 29)] if i == 1 else [])
+            rows.append(kv.step(ours, chunks)[0][:n])
+            start += n
+        results.append(torch.cat(rows))
+    for cuts, hidden in zip(([17, 43], [25, 5, 30], [59, 1]), results[1:]):
+        assert torch.equal(hidden, results[0]), f"chunks {cuts}: differs by {(hidden - results[0]).abs().max():.2e}"
+
+
 def test_load_weights_rejects_unknown_and_missing():
     from conftest import TINY_LLAMA
     hf = hf_twin(TINY_LLAMA)

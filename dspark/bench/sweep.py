@@ -229,10 +229,14 @@ def bench_method(args: argparse.Namespace, name: str, base_url: str, out_dir: Pa
 
 
 def bench_interleaved(args: argparse.Namespace, base_urls: dict[str, str], out_dir: Path) -> list[dict]:
-    """Repeat by repeat, dataset by dataset, concurrency by concurrency: every method in turn."""
-    return [bench_point(args, name, url, out_dir, dataset=d, concurrency=c, repeat=r)
-            for r in range(args.repeats) for d in args.dataset for c in args.concurrency
-            for name, url in base_urls.items()]
+    """Repeat by repeat, dataset by dataset, concurrency by concurrency: every method in turn, the turn
+    order rotated by one method at each point, so no method always runs first or right after another
+    (the machine's state after a heavy method's point would otherwise fall on the same one each time)."""
+    names = list(base_urls)
+    grid = [(r, d, c) for r in range(args.repeats) for d in args.dataset for c in args.concurrency]
+    return [bench_point(args, name, base_urls[name], out_dir, dataset=d, concurrency=c, repeat=r)
+            for i, (r, d, c) in enumerate(grid)
+            for name in names[i % len(names):] + names[:i % len(names)]]
 
 
 def _point_line(point: dict) -> str:

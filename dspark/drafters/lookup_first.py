@@ -122,8 +122,9 @@ class LookupFirstDrafter(Drafter):
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         width = self.num_draft_tokens
         num_reqs = len(batch.requests)
-        draft_ids = torch.zeros(num_reqs, width, dtype=torch.long)  # [num_reqs, γ]
-        confidence = torch.zeros(num_reqs, width)  # [num_reqs, γ]
+        # filled row by row in numpy (a torch op per row cost more than the lookup), tensors at the end
+        draft_ids = np.zeros((num_reqs, width), dtype=np.int64)  # [num_reqs, γ]
+        confidence = np.zeros((num_reqs, width), dtype=np.float32)  # [num_reqs, γ]
         num_valid = [0] * num_reqs
         draft_probs: list[torch.Tensor | None] = [None] * num_reqs
         from_model = [False] * num_reqs
@@ -134,8 +135,8 @@ class LookupFirstDrafter(Drafter):
             match_len = self.cache_class + n if from_cache else n  # the acceptance class
             self._pending.pop(r.request_id, None)
             if drafts and (not r.allow_model or self._lookup_wins(greedy, match_len, len(drafts))):
-                draft_ids[i, :len(drafts)] = torch.tensor(drafts)
-                confidence[i] = torch.from_numpy(self.acceptance.confidence(greedy, match_len)).float()
+                draft_ids[i, :len(drafts)] = drafts
+                confidence[i] = self.acceptance.confidence(greedy, match_len)
                 num_valid[i] = len(drafts)
                 self._pending[r.request_id] = (greedy, match_len)
             elif r.allow_model:
@@ -147,20 +148,22 @@ class LookupFirstDrafter(Drafter):
                                kv_block_size=batch.kv_block_size, draft_sample_method=batch.draft_sample_method)
             proposal = self.model_drafter.propose(sub)
             valid = proposal.num_valid or [proposal.draft_ids.shape[1]] * len(model_rows)
+            model_ids = proposal.draft_ids.cpu().numpy()  # [len(model_rows), γ]
+            model_conf = None if proposal.confidence is None else proposal.confidence.float().cpu().numpy()
             for j, i in enumerate(model_rows):
                 n = min(int(valid[j]), width)
-                draft_ids[i, :n] = proposal.draft_ids[j, :n]
+                draft_ids[i, :n] = model_ids[j, :n]
                 num_valid[i] = n
                 from_model[i] = True
                 if proposal.draft_probs is not None:
                     draft_probs[i] = proposal.draft_probs[j]
-                if proposal.confidence is not None:
-                    confidence[i, :n] = proposal.confidence[j, :n].float()
+                if model_conf is not None:
+                    confidence[i, :n] = model_conf[j, :n]
             if proposal.confidence is not None:
                 self._fold_model(proposal.confidence, valid, [batch.requests[i].params.is_greedy for i in model_rows])
-        return DraftProposal(draft_ids=draft_ids,
+        return DraftProposal(draft_ids=torch.from_numpy(draft_ids),
                              draft_probs=draft_probs if any(p is not None for p in draft_probs) else None,
-                             confidence=confidence if self.has_confidence else None,
+                             confidence=torch.from_numpy(confidence) if self.has_confidence else None,
                              num_valid=num_valid, from_model=from_model)
 
     def _lookup_wins(self, greedy: bool, match_len: int, num_drafts: int) -> bool:

@@ -5,10 +5,11 @@ head_dim]`; a request's K/V live in the kv_blocks its block table names, so slot
 is offset `o` of kv_block `b`. One step is a flat, variable-length batch of tokens. `AttnMetadata` says
 where each new token's K/V go (`slot_mapping`) and, per group of requests, which slots each query reads.
 
-Requests with short queries (decode and verify windows) are padded together into one SDPA call; long
+Requests with short queries (decode and verify windows) are padded together into one group; long
 prompt chunks get a group each, so a 512-token chunk never pads 8 one-token decodes to 512 rows. In fp32 on
-the CPU the short group runs the fused kernel of `dspark.kernels` (keys read in place through the slot
-table); everything else is gather + SDPA. A flash-attn varlen kernel can replace `paged_attention` on
+the CPU every group runs the attention kernel of `dspark.kernels` (keys read in place through the slot
+table, each query computed on its own: a token's result is the same whatever the chunking and whatever
+shares its step); elsewhere gather + SDPA. A flash-attn varlen kernel can replace `paged_attention` on
 CUDA without changing the metadata. `tests/test_attention.py` checks it against
 dense SDPA over contiguous K/V.
 """
@@ -167,9 +168,11 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in meta.groups:
         num_seqs, max_q = g.token_index.shape
-        if max_q <= SHORT_QUERY_MAX and kernels.short_attention(q, k_flat, v_flat, g.token_index, g.key_limit,
-                                                                g.kv_slots, out, scale):
-            continue  # fp32 CPU: the fused kernel read the keys in place (dspark/kernels)
+        if kernels.short_attention(q, k_flat, v_flat, g.token_index, g.key_limit, g.kv_slots, out, scale):
+            # fp32 CPU, every group (prompt chunks too): the kernel reads the keys in place and computes
+            # each query on its own, so a token's attention never depends on how its prompt was chunked
+            # or what shared its step (with bf16 products a last-bit difference could flip a rounding)
+            continue
         qg = q[g.token_index.view(-1)].view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)
         kg = k_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *k_flat.shape[1:]).transpose(1, 2)
         vg = v_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *v_flat.shape[1:]).transpose(1, 2)
