@@ -21,6 +21,19 @@ def ours_from_hf(cfg, hf_model):
     return model
 
 
+def kernel_model(cfg, matmul_dtype: str, *, seed: int):
+    """(HF twin, ours) for a test of the CPU kernels in `matmul_dtype` products; skips where they cannot run."""
+    if kernels.ops() is None:
+        pytest.skip("CPU kernels unavailable")
+    if matmul_dtype == "bfloat16" and not kernels.has_bf16_kernels():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    hf = hf_twin(cfg, seed=seed)
+    ours = ours_from_hf(cfg, hf)
+    if matmul_dtype == "bfloat16":
+        use_bf16_products(ours)
+    return hf, ours
+
+
 def hf_comparable_tap(model, tap: torch.Tensor, layer_id: int) -> torch.Tensor:
     """Taps are the raw residual stream; HF's last hidden_states entry is taken after the final norm."""
     if layer_id == model.config.num_hidden_layers - 1:
@@ -148,14 +161,7 @@ def test_a_token_is_bitwise_the_same_however_its_prompt_is_chunked(tiny_config, 
     token's hidden state must not depend on that, bit for bit — with bf16 products a last-bit
     difference can flip an input's rounding and grow into a different greedy token (seen: SDPA over
     whole prompt chunks gave 9 of 210 eval prompts another output)."""
-    if kernels.ops() is None:
-        pytest.skip("CPU kernels unavailable")
-    if matmul_dtype == "bfloat16" and not kernels.has_bf16_kernels():
-        pytest.skip("no AVX512-BF16 on this CPU")
-    hf = hf_twin(tiny_config, seed=5)
-    ours = ours_from_hf(tiny_config, hf)
-    if matmul_dtype == "bfloat16":
-        use_bf16_products(ours)
+    hf, ours = kernel_model(tiny_config, matmul_dtype, seed=5)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, tiny_config.vocab_size, (60,), generator=g).tolist()
     other = torch.randint(3, tiny_config.vocab_size, (30,), generator=g).tolist()
@@ -229,14 +235,7 @@ def test_fused_decoder_layers_equal_per_layer_modules(tiny_config, matmul_dtype)
     verify windows, a two-request group and a 60-row step of five 12-token windows (more rows than one
     pass of the kernel's products serves), after prompts that ran the module path; with fp32 and with
     bf16 matrix products."""
-    if kernels.ops() is None:
-        pytest.skip("CPU kernels unavailable")
-    if matmul_dtype == "bfloat16" and not kernels.has_bf16_kernels():
-        pytest.skip("no AVX512-BF16 on this CPU")
-    hf = hf_twin(tiny_config, seed=3)
-    ours = ours_from_hf(tiny_config, hf)
-    if matmul_dtype == "bfloat16":
-        use_bf16_products(ours)
+    hf, ours = kernel_model(tiny_config, matmul_dtype, seed=3)
     g = torch.Generator().manual_seed(2)
     a, b, c, d, e = (torch.randint(3, tiny_config.vocab_size, (40,), generator=g).tolist() for _ in range(5))
     steps = [[(a[:20], 0), (b[:25], 0), (c[:20], 0), (d[:20], 0), (e[:20], 0)],  # prompts: the module path
