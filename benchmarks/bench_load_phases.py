@@ -21,7 +21,8 @@ time ÷ tokens per step, both terms measured. Medians over repeats, and each var
 
 Variants: plain (no speculation), default (the shipped config: DSpark + lookup first + prefix
 scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), nogate
-(default without the draft gate), nocache (default without the lookup's cross-request cache); each as NAME-fp32 with fp32 matrix
+(default without the draft gate), nocache (default without the lookup's cross-request cache), upkeep (default with online upkeep of
+the cost table and calibration from live steps); each as NAME-fp32 with fp32 matrix
 products instead of the default (bf16 where the CPU kernels support it; the shipped cost table of the
 variant's dtype). The
 warm-up slice is served first, so the cross-request cache starts with its answers, as a server's
@@ -48,6 +49,7 @@ VARIANTS = {
     "fp32-draft": {**DEFAULT, "draft_matmul_dtype": "float32"},
     "nogate": {**DEFAULT, "draft_gate": False},
     "nocache": {**DEFAULT, "lookup_cache_entries": 0},
+    "upkeep": {**DEFAULT, "online_upkeep": True},
 }
 
 
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     for v in names:
         medians[v]["tok_s_ratio_vs_" + names[0]] = medians[v]["output_tok_s"] / base
     result = {"bench": "load_phases", "summary": {"median": medians}, "config": vars(args),
-              "variants": {v: VARIANTS[v] for v in names},
+              "variants": {v: {"speculative_config": variant_spec(v), "matmul_dtype": variant_matmul_dtype(v)}
+                 for v in names},
               "runs": runs, **run_info(None if argv is None else ["benchmarks/bench_load_phases.py", *argv])}
     for v in names:
         print(f"{v}: median {medians[v]['output_tok_s']:.1f} tok/s "

@@ -27,6 +27,7 @@ def build_engine(config: EngineConfig):
         torch.set_num_threads(config.num_threads)
     target_config = read_model_config(config.model)
     matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device)
+    log.info("target matrix products: %s (matmul_dtype=%s)", matmul_dtype, config.matmul_dtype)
     if config.spec is not None:
         check_drafter(config.spec, target_config)
         _check_length_policy(config, matmul_dtype)
