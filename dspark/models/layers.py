@@ -276,10 +276,10 @@ def use_bf16_products(model: nn.Module) -> int:
     """Make every matrix product of `model` (its Linear layers and LM head) a bf16 product: each weight
     is rounded to bf16 in place (a tied embedding with it) and gets a bf16 copy, `weight_bf16`, that the
     CPU kernels stream; inputs are rounded to bf16 per product and the sums stay fp32. Norms, attention,
-    the residual stream and the KV cache stay fp32. Every path — kernel, fused stack, torch for long
-    prompt chunks — computes the same rounded products (up to summation order), so plain and
-    speculative decoding still see one model. Apply after the weights are loaded. Returns the bytes
-    added."""
+    the residual stream and the KV cache stay fp32. Every path computes the same rounded products: the
+    kernel (in 128-row chunks for prompt chunks) and the fused stack bit for bit whatever the batch,
+    torch (kernels off) up to summation order — so plain and speculative decoding see one model. Apply
+    after the weights are loaded. Returns the bytes added."""
     added, rounded = 0, set()
     for module in model.modules():
         if isinstance(module, (Linear, LMHead)):
