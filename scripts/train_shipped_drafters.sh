@@ -26,9 +26,9 @@ done
 wait
 # 4. Sequential Temperature Scaling on the held-out split of the training data (not eval/): a greedy
 #    fit and a sampling fit (calibration.json "greedy_temperatures" / "temperatures")
-python -m dspark calibrate --drafter runs/dspark2/export --data "$DATA" --num-prompts 0 --max-tokens 192 \
+python -m dspark calibrate --drafter runs/dspark2/export --data "$DATA" --num-prompts 0 --max-tokens 192 --matmul-dtype float32 \
     --temperature 0 --fit-bias --plot docs/img/reliability_dspark_smollm2_greedy.png --num-threads 2
-python -m dspark calibrate --drafter runs/dspark2/export --data "$DATA" --num-prompts 0 --max-tokens 192 \
+python -m dspark calibrate --drafter runs/dspark2/export --data "$DATA" --num-prompts 0 --max-tokens 192 --matmul-dtype float32 \
     --temperature 1 --fit-bias --plot docs/img/reliability_dspark_smollm2.png --num-threads 2
 # 5. ship
 mkdir -p dspark/assets/drafters

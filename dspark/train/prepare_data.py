@@ -48,6 +48,9 @@ class PrepareConfig:
     holdout: float = 0.05
     seed: int = 0
     dtype: str = "float32"
+    # the target's matrix products while generating: float32 by default, the model the trainer computes
+    # its features with (dspark.train loads the target in fp32) and the one the shipped drafters saw
+    matmul_dtype: str = "float32"
     num_threads: int | None = None
 
 
@@ -115,7 +118,7 @@ def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
         items = items[:cfg.max_prompts]
     if llm is None:
         from dspark.llm import LLM
-        llm = LLM(cfg.model, dtype=cfg.dtype, seed=cfg.seed, num_threads=cfg.num_threads,
+        llm = LLM(cfg.model, dtype=cfg.dtype, matmul_dtype=cfg.matmul_dtype, seed=cfg.seed, num_threads=cfg.num_threads,
                   max_num_seqs=cfg.batch_size, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 8)
     items += magpie_prompts(llm, cfg, done=done)
     todo = [(k, p) for k, p in items if k not in done]
@@ -198,6 +201,9 @@ def register(sub) -> None:
     p.add_argument("--holdout", type=float, default=d.holdout, help="validation fraction")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    p.add_argument("--matmul-dtype", default=d.matmul_dtype, choices=["auto", "float32", "bfloat16"],
+                   help="the target's matrix products while generating (default float32: the model the "
+                        "trainer's features come from)")
     p.add_argument("--num-threads", type=int, default=None)
     p.set_defaults(func=_main)
 
@@ -208,7 +214,7 @@ def _main(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
         min_answer_tokens=args.min_answer_tokens, magpie=args.magpie, temperature=args.temperature,
         top_p=args.top_p, batch_size=args.batch_size, holdout=args.holdout, seed=args.seed,
-        dtype=args.dtype, num_threads=args.num_threads)
+        dtype=args.dtype, matmul_dtype=args.matmul_dtype, num_threads=args.num_threads)
     manifest = prepare(cfg)
     print(json.dumps({"out": cfg.out, **{k: manifest[k] for k in ("num_samples", "num_tokens")}}))
     return 0
