@@ -34,6 +34,7 @@ from dspark.drafters.checkpoint import (DTYPE_NAMES, check_tensors, load_tensors
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.kernels import cpu_has_bf16_dot, set_matmul_dtype
+from dspark.models.attention import slots_for
 from dspark.sampling import GREEDY_EPS, logits_to_probs
 
 CALIBRATION_NAME = "calibration.json"
@@ -97,10 +98,8 @@ class DSparkDrafter(Drafter):
         for s in segments:
             n = len(s.token_ids)
             rows.append(torch.arange(s.tap_rows.start, s.tap_rows.start + n))
-            pos = torch.arange(s.start_pos, s.start_pos + n)  # [n]
-            table = torch.tensor(s.block_table, dtype=torch.long)
-            positions.append(pos)
-            slots.append(table[pos // kv_block_size] * kv_block_size + pos % kv_block_size)
+            positions.append(torch.arange(s.start_pos, s.start_pos + n))  # [n]
+            slots.append(torch.from_numpy(slots_for(s.block_table, s.start_pos, s.start_pos + n, kv_block_size)))
         dev = self.device
         taps = update.taps[torch.cat(rows).to(update.taps.device)].to(dev)  # [num_rows, num_taps * hidden]
         slot_mapping = torch.cat(slots).to(dev)  # [num_rows]

@@ -527,11 +527,13 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
               "decoder_layers_: x must be a contiguous fp32 CPU [T, D] tensor");
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(T >= 1 && T <= kMaxRows, "decoder_layers_: 1..", kMaxRows, " rows, got ", T);
+  bool any_bf = false;
   for (size_t i = 0; i < weights.size(); ++i) {
     const torch::Tensor& w = weights[i];
     const int slot = static_cast<int>(i % kPerLayer);
     const bool matrix = slot == 1 || slot == 4 || slot == 6 || slot == 7;  // qkv, o, gate_up, down
     const bool bf = matrix && w.defined() && w.scalar_type() == at::kBFloat16;
+    any_bf |= bf;
     TORCH_CHECK(!bf || kHasBf16, "decoder_layers_: bf16 weights need a CPU with AVX512-BF16");
     TORCH_CHECK(!w.defined() || w.numel() == 0 || ((w.scalar_type() == at::kFloat || bf) && w.is_contiguous() &&
                                                   w.device().is_cpu()),
@@ -552,7 +554,7 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   torch::Tensor o = torch::empty({T, D}, opts), gu = torch::empty({T, 2 * inter}, opts);
   torch::Tensor act = torch::empty({T, inter}, opts);
   // bf16 copies of a product's input rows, for bf16 weights (the widest input: D, H * hd or inter)
-  torch::Tensor xbf = torch::empty({T * std::max({D, H * hd, inter})}, opts.dtype(at::kBFloat16));
+  torch::Tensor xbf = torch::empty({any_bf ? T * std::max({D, H * hd, inter}) : 0}, opts.dtype(at::kBFloat16));
   bf16* xbp = xbf.data_ptr<bf16>();
   float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *ap = attn.data_ptr<float>(), *opp = o.data_ptr<float>();

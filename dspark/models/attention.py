@@ -73,16 +73,18 @@ class SeqSpec:
     store: bool = True  # False: queries only, the K/V of these positions are not written
 
 
-def slots_for(block_table: list[int], start: int, end: int, kv_block_size: int) -> list[int]:
-    """Pool slots of positions [start, end) under a block table."""
-    return [block_table[p // kv_block_size] * kv_block_size + p % kv_block_size for p in range(start, end)]
+def slots_for(block_table: list[int], start: int, end: int, kv_block_size: int) -> np.ndarray:
+    """[end - start] int64: pool slots of positions [start, end) under a block table."""
+    positions = np.arange(start, end)
+    blocks = np.asarray(block_table[:-(-end // kv_block_size)], dtype=np.int64)
+    return blocks[positions // kv_block_size] * kv_block_size + positions % kv_block_size
 
 
 def build_attn_metadata(
     seqs: list[SeqSpec], *, num_tokens: int, kv_block_size: int, device: torch.device | str = "cpu"
 ) -> AttnMetadata:
-    """Slot mapping and query groups for a flat batch; pure Python → tensors, built once per step."""
-    slot_mapping = [-1] * num_tokens
+    """Slot mapping and query groups for a flat batch; numpy → tensors, built once per step."""
+    slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
     for s in seqs:
         if s.store:
             slot_mapping[s.token_offset:s.token_offset + s.num_query] = slots_for(
@@ -92,8 +94,8 @@ def build_attn_metadata(
     if short:
         groups.append(_group(short, kv_block_size, device))
     return AttnMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        groups=groups, num_tokens=num_tokens, all_stored=-1 not in slot_mapping)
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        groups=groups, num_tokens=num_tokens, all_stored=bool((slot_mapping >= 0).all()))
 
 
 def flat_batch(
@@ -120,12 +122,10 @@ def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
     token_index = np.zeros((len(seqs), max_q), dtype=np.int64)
     key_limit = np.zeros((len(seqs), max_q), dtype=np.int64)
     kv_slots = np.zeros((len(seqs), max_kv), dtype=np.int64)
-    block_offsets = np.arange(kv_block_size)
     for i, s in enumerate(seqs):
         n, kv = s.num_query, s.num_cached + s.num_query
         token_index[i, :n] = np.arange(s.token_offset, s.token_offset + n)
-        blocks = np.asarray(s.block_table[:-(-kv // kv_block_size)], dtype=np.int64)
-        kv_slots[i, :kv] = (blocks[:, None] * kv_block_size + block_offsets).reshape(-1)[:kv]
+        kv_slots[i, :kv] = slots_for(s.block_table, 0, kv, kv_block_size)
         # causal: query j sits at position num_cached + j and sees keys 0 .. num_cached + j
         key_limit[i, :n] = np.arange(s.num_cached + 1, kv + 1) if s.causal else kv
     needs_mask = bool((num_kv < max_kv).any() or (num_query < max_q).any()
