@@ -53,8 +53,9 @@ class Request:
     num_cached_tokens: int = 0  # of the prompt, served by a prefix-cache hit at admission
     num_draft_computed: int = 0  # positions whose drafter context K/V are in the pool
     # committed positions whose drafter context is deferred while the draft gate skips, contiguous from
-    # num_draft_computed
+    # num_draft_computed (`defer_context`, `take_pending_context`), and how many
     pending_context: list["PendingContext"] = field(default_factory=list)
+    num_pending_positions: int = 0
     block_table: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)  # proposed for the next verification
     draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] or None (point mass)
@@ -74,6 +75,13 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_at(self, pos: int) -> int | None:
+        """all_ids[pos] without building all_ids; None past the end."""
+        n = len(self.prompt_ids)
+        if pos < n:
+            return self.prompt_ids[pos]
+        return self.output_ids[pos - n] if pos - n < len(self.output_ids) else None
 
     @property
     def num_tokens(self) -> int:
@@ -102,11 +110,20 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_draft_computed = 0
-        self.pending_context = []
+        self.take_pending_context()
         self.block_table = []
         self.clear_drafts()
         self.status = RequestStatus.WAITING
         self.num_preemptions += 1
+
+    def defer_context(self, part: PendingContext) -> None:
+        self.pending_context.append(part)
+        self.num_pending_positions += len(part.token_ids)
+
+    def take_pending_context(self) -> list[PendingContext]:
+        """The deferred parts, oldest first; none are left."""
+        parts, self.pending_context, self.num_pending_positions = self.pending_context, [], 0
+        return parts
 
     def clear_drafts(self) -> None:
         self.draft_ids = []

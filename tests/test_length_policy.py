@@ -360,6 +360,42 @@ def test_draft_gate_decides_from_cost_and_past_survival():
         DraftGate(probe_every=0)
 
 
+def test_proposing_is_skipped_where_lookup_drafts_cannot_pay_for_it():
+    """Proposing without the model (prompt lookup) is worth what the recent free proposals' survivals
+    (pooled, resampled to the load) gain at the load, against the measured proposing seconds. On a
+    curve linear in the batch (compute-bound: a verified token costs a decoded one's) it gains nothing
+    and is skipped, with a probe every 2 × probe_every steps; on a flat curve it pays; on a curve that
+    turns linear it pays at 1 request and not at 64 — where a few sure matches among many requests
+    still pay (the spread counts, not the mean). Before any proposal or without a table: propose."""
+    from dspark.verify.length_policy import DraftGate
+    sizes = list(range(1, 129))  # every size profiled: time ∝ B
+    linear = CostTable(num_tokens=sizes, steps_per_second=[64.0 / b for b in sizes])
+    flat = CostTable(num_tokens=[1, 512], steps_per_second=[100.0, 100.0])
+    bends = CostTable(num_tokens=[1, 16, 32, 64, 128, 256], steps_per_second=[100.0, 90.0, 60.0, 30.0, 15.0, 7.5])
+    gate = DraftGate(probe_every=4)
+    assert gate.proposing_pays(num_reqs=16, num_nondraft_tokens=16, cost=linear), "nothing observed yet"
+    confidence = torch.full((16, 4), 0.9)
+    gate.observe_proposal(seconds=0.0002 * 16, confidence=confidence, num_proposed=[4] * 8 + [0] * 8)
+    assert gate.propose_seconds_per_req == pytest.approx(0.0002)
+    decisions = [gate.proposing_pays(num_reqs=16, num_nondraft_tokens=16, cost=linear) for _ in range(16)]
+    assert decisions == [False] * 7 + [True] + [False] * 7 + [True], "skip, probing every 8 steps"
+    assert gate.proposing_pays(num_reqs=16, num_nondraft_tokens=16, cost=flat)
+    assert gate.proposing_pays(num_reqs=1, num_nondraft_tokens=1, cost=bends)
+    assert not gate.proposing_pays(num_reqs=64, num_nondraft_tokens=64, cost=bends)
+    # a long prompt chunk riding the step: its time is the prompt's, the drafts still pay nothing
+    assert not gate.proposing_pays(num_reqs=16, num_nondraft_tokens=80, num_prompt_tokens=64, cost=linear)
+    assert gate.proposing_pays(num_reqs=16, num_nondraft_tokens=16, cost=None), "no table: nothing to decide from"
+    # 2 of 16 requests with near-sure matches (the rest none) on a curve whose verified token costs 0.6 of
+    # a decoded one: pays, though a mean curve (survival ~0.12) would say it cannot
+    bent = CostTable(num_tokens=sizes, steps_per_second=[100.0 / (16 + 0.6 * (b - 16)) if b > 16 else 100.0 / 16
+                                                         for b in sizes])
+    sparse = DraftGate(probe_every=4)
+    sparse.observe_proposal(seconds=0.0001 * 16, confidence=torch.full((16, 4), 0.97),
+                            num_proposed=[4, 4] + [0] * 14)
+    assert sparse.proposing_pays(num_reqs=16, num_nondraft_tokens=16, cost=bent)
+    assert not sparse.proposing_pays(num_reqs=16, num_nondraft_tokens=16, cost=linear)
+
+
 def test_draft_gate_corrects_overconfident_heads_from_verified_windows():
     from dspark.verify.length_policy import DraftGate
     cost = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 80.0], draft_num_reqs=[1, 16],

@@ -318,7 +318,7 @@ def test_skipped_requests_defer_drafter_context_and_draft_the_same(target, draft
         engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, coalesce_steps=2,
                               draft_matmul_dtype="float32")
         if not defer:
-            engine.MAX_DEFERRED_CONTEXT = 0
+            engine.MAX_DEFERRED_BYTES = 0
         step = {"n": 0}
         # drafting in 2 of every 7 steps, per request in turn; the rest plain
         engine.draft_gate.drafted_requests = lambda *, num_reqs, **_: (
@@ -354,6 +354,77 @@ def test_skipped_requests_defer_drafter_context_and_draft_the_same(target, draft
         # the context K/V were computed over differently shaped batches: equal up to rounding
         assert torch.allclose(torch.tensor(conf_d), torch.tensor(conf_e), atol=1e-5)
     assert deferred["extend"] < eager["extend"] <= steps, (deferred["extend"], eager["extend"])
+
+
+def test_proposing_stops_where_even_lookup_drafts_cannot_pay_and_output_is_unchanged(target, drafter_dir,
+                                                                                     plain_outputs):
+    """On a step-cost curve linear in the batch (every size profiled, drafter time as dear) neither the
+    model nor prompt lookup can pay: after the first lookup proposals the engine stops proposing (a
+    probe now and then), and the output is plain decoding's. On a flat curve it never stops."""
+    sizes = list(range(1, 257))
+    linear = CostTable(num_tokens=sizes, steps_per_second=[100.0 / b for b in sizes],
+                       draft_num_reqs=[1, 64], draft_seconds=[0.05, 0.05])
+    counts = {}
+    for name, cost in (("linear", linear), ("flat", FLAT)):
+        engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=cost, coalesce_steps=2,
+                              ngram_first=True)
+        staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+        assert _mismatches(staged.outputs, plain_outputs) == 0
+        counts[name] = (engine.metrics.num_proposal_skips, engine.metrics.num_steps)
+        assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
+    skips, steps = counts["linear"]
+    assert skips > steps // 2, counts
+    assert counts["flat"][0] == 0, counts
+
+
+@pytest.mark.parametrize("budget_rows", [None, 6])
+def test_a_closed_gate_extends_prompts_only_and_bounds_the_kept_taps(target, drafter_dir, plain_outputs,
+                                                                     budget_rows):
+    """With the gate closed for good, the drafter context covers the prompts (their drafter K/V make a
+    later prefix hit a draft hit) and no generated position: those wait, and are dropped when their
+    request finishes. Under a small budget of kept taps the longest backlogs are extended instead, and
+    after every step the kept taps fit the budget. Output equals plain decoding either way."""
+    engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, coalesce_steps=2,
+                          draft_matmul_dtype="float32")
+    prompts = _prompts()
+    row_bytes = len(engine.drafter.tap_layer_ids) * TINY_LLAMA.hidden_size * 4  # fp32 taps
+    if budget_rows is not None:
+        engine.MAX_DEFERRED_BYTES = budget_rows * row_bytes
+    engine.draft_gate.drafted_requests = lambda **_: []
+    extended: list[tuple[str, int, int]] = []  # (request id, first position, positions)
+    prompt_len: dict[str, int] = {}
+    extend = engine.drafter.extend_context
+
+    def recorded_extend(update, _f=extend):
+        extended.extend((s.request_id, s.start_pos, len(s.token_ids)) for s in update.segments)
+        prompt_len.update((s.request_id, len(engine.requests[s.request_id].prompt_ids)) for s in update.segments)
+        return _f(update)
+    engine.drafter.extend_context = recorded_extend
+    kept: list[int] = []
+    original_step = engine.step
+
+    def step_noting_backlog(_f=original_step):
+        out = _f()
+        kept.append(sum(r.num_pending_positions for r in engine.requests.values()))
+        return out
+    engine.step = step_noting_backlog
+    staged = run_staged(engine, prompts, greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert _mismatches(staged.outputs, plain_outputs) == 0
+    assert engine.metrics.num_draft_tokens == 0
+    covered: dict[str, int] = {}
+    for rid, start, n in extended:
+        # (a request may start past a prefix-cache hit that carried the drafter's K/V)
+        assert start == covered.get(rid, start) and (rid in covered or start < prompt_len[rid]), \
+            "drafter context extended out of order"
+        covered[rid] = start + n
+    assert len(covered) == len(prompts)
+    if budget_rows is None:  # the prompts and nothing generated
+        assert all(covered[rid] == prompt_len[rid] for rid in covered), (covered, prompt_len)
+        assert max(kept) > 6, "the budget case below would not bind"
+    else:
+        assert max(kept) <= budget_rows, kept
+        assert any(covered[rid] > prompt_len[rid] for rid in covered), "the budget flushed nothing"
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
 
 
 # -- fail closed --------------------------------------------------------------------------------

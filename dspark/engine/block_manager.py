@@ -40,8 +40,9 @@ class BlockManager:
         # Free blocks in reuse order (oldest first); an OrderedDict gives O(1) removal on a cache hit.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_kv_blocks))
         self.hash_to_block: dict[int, int] = {}
-        # request_id → (leading blocks already hashed, hash of the last of them)
-        self.hash_state: dict[str, tuple[int, int | None]] = {}
+        # request_id → (leading blocks already hashed, hash of the last of them, leading blocks marked
+        # as holding the drafter's K/V)
+        self.hash_state: dict[str, tuple[int, int | None, int]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -75,7 +76,7 @@ class BlockManager:
         for block_id in matched:
             self._take(block_id)
         req.block_table = matched
-        self.hash_state[req.request_id] = (len(matched), parent)
+        self.hash_state[req.request_id] = (len(matched), parent, 0)
         return len(matched) * self.kv_block_size
 
     # -- allocation ------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         ids = req.all_ids
-        done, parent = self.hash_state.get(req.request_id, (0, None))
+        done, parent, draft_done = self.hash_state.get(req.request_id, (0, None, 0))
         full = min(req.num_computed_tokens // self.kv_block_size, len(req.block_table))
         for i in range(done, full):
             block = self.blocks[req.block_table[i]]
@@ -127,9 +128,9 @@ class BlockManager:
                 block.block_hash = h
                 self.hash_to_block[h] = block.block_id
             parent = h
-        self.hash_state[req.request_id] = (max(done, full), parent)
         draft_full = min(req.num_draft_computed // self.kv_block_size, full)
-        for i in range(draft_full):
+        self.hash_state[req.request_id] = (max(done, full), parent, max(draft_done, draft_full))
+        for i in range(draft_done, draft_full):
             block = self.blocks[req.block_table[i]]
             if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block.block_id:
                 block.has_draft_kv = True

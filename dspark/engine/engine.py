@@ -205,34 +205,40 @@ class Engine:
                     observe(rid, s.request.draft_confidence, s.num_drafts, n)
         return StepVerify(dict(zip(ids, result.output_ids)), dict(zip(ids, result.num_accepted)))
 
-    # Committed positions whose drafter context may wait (draft gate only): a request the gate skips
-    # keeps its new positions' taps and extends them, with the next proposal's, in one call — a step
-    # without drafting then costs no drafter work. Longer backlogs are flushed.
-    MAX_DEFERRED_CONTEXT = 64
+    # Drafter context that may wait (draft gate only): a skipped request's *generated* positions keep
+    # their taps and are extended when it next proposes, in one call with that step's positions — a
+    # request the gate never lets draft again costs no drafter work at all (its backlog is dropped when
+    # it finishes). Prompt positions are extended at once: their drafter K/V make a later prefix hit a
+    # draft hit. The kept taps live under one budget for all requests; past it the longest backlogs
+    # are extended.
+    MAX_DEFERRED_BYTES = 64 * 2**20
 
     def _extend_drafter_context(self, sched: SchedulerOutput, batch: StepBatch, taps, result, *,
                                 flush: set[str]) -> None:
         """Extend the drafter context over this step's committed positions: now for the requests in
-        `flush` (they propose next) or without a draft gate, deferred otherwise (up to
-        MAX_DEFERRED_CONTEXT positions)."""
+        `flush` (they propose next), for prompt positions, and for every position without a draft gate;
+        deferred otherwise (within MAX_DEFERRED_BYTES)."""
         parts: list[tuple[Request, PendingContext]] = []  # what is extended now, pending included
+        deferring = False
         for item, offset in zip(sched.scheduled, batch.token_offsets):
             req = item.request
             if req.is_finished or not req.uses_speculation:
                 continue
             rejected = item.num_drafts - result.num_accepted_by_id.get(req.request_id, 0)
             count = item.num_new_tokens - rejected if item.emits else item.num_new_tokens
-            all_ids = req.all_ids
-            end = item.start_pos + count
+            defer = (self.draft_gate is not None and req.request_id not in flush
+                     and item.start_pos >= len(req.prompt_ids))
+            rows = None if taps is None else taps[offset:offset + count]  # [count, num_taps * hidden]
             part = PendingContext(start_pos=item.start_pos, token_ids=batch.input_id_list[offset:offset + count],
-                                  next_token_id=all_ids[end] if end < len(all_ids) else None,
-                                  taps=None if taps is None else taps[offset:offset + count])
-            deferred = sum(len(p.token_ids) for p in req.pending_context)
-            if (self.draft_gate is not None and req.request_id not in flush
-                    and deferred + count <= self.MAX_DEFERRED_CONTEXT):
-                req.pending_context.append(part._replace(taps=None if part.taps is None else part.taps.clone()))
+                                  next_token_id=req.token_at(item.start_pos + count),
+                                  taps=rows.clone() if defer and rows is not None else rows)
+            if defer:
+                req.defer_context(part)
+                deferring = True
                 continue
-            parts.append((req, self._merge_pending(req, part)))
+            parts.append((req, self._joined(req.take_pending_context() + [part])))
+        if deferring:
+            parts += self._over_budget(row_bytes=0 if taps is None else taps.shape[1] * taps.element_size())
         if not parts:
             return
         segments, row = [], 0
@@ -249,15 +255,32 @@ class Engine:
             req.num_draft_computed = done.get(seg.request_id, seg.start_pos + len(seg.token_ids))
             self.block_manager.commit(req)
 
+    def _over_budget(self, *, row_bytes: int) -> list[tuple[Request, PendingContext]]:
+        """Backlogs to extend now because the deferred taps exceed MAX_DEFERRED_BYTES: the longest
+        first, until the rest fit in half the budget."""
+        live = [r for r in self.requests.values() if not r.is_finished]  # (a finished one's blocks are freed)
+        total = row_bytes * sum(r.num_pending_positions for r in live)
+        parts: list[tuple[Request, PendingContext]] = []
+        if total <= self.MAX_DEFERRED_BYTES:
+            return parts
+        for req in sorted(live, key=lambda r: -r.num_pending_positions):
+            if not req.num_pending_positions or (parts and total <= self.MAX_DEFERRED_BYTES // 2):
+                break
+            total -= row_bytes * req.num_pending_positions
+            parts.append((req, self._joined(req.take_pending_context())))
+        return parts
+
     @staticmethod
-    def _merge_pending(req: Request, part: PendingContext) -> PendingContext:
-        """The deferred positions of `req` and this step's, as one contiguous part."""
-        pending, req.pending_context = req.pending_context + [part], []
+    def _joined(pending: list[PendingContext]) -> PendingContext:
+        """Contiguous parts of one request's context, as one part."""
+        if len(pending) == 1:
+            return pending[0]
         ids = [t for p in pending for t in p.token_ids]
-        assert pending[0].start_pos + len(ids) == part.start_pos + len(part.token_ids), \
+        assert all(a.start_pos + len(a.token_ids) == b.start_pos for a, b in zip(pending, pending[1:])), \
             "deferred drafter context is not contiguous"
-        return PendingContext(start_pos=pending[0].start_pos, token_ids=ids, next_token_id=part.next_token_id,
-                              taps=None if part.taps is None else torch.cat([p.taps for p in pending]))
+        last = pending[-1]
+        return PendingContext(start_pos=pending[0].start_pos, token_ids=ids, next_token_id=last.next_token_id,
+                              taps=None if last.taps is None else torch.cat([p.taps for p in pending]))
 
     def _proposing_requests(self, sched: SchedulerOutput) -> tuple[list[Request], list[bool], "NextStep"]:
         """The requests that draft for the next step, whether the model drafter may draft for each (the
@@ -269,6 +292,15 @@ class Engine:
         if not reqs:
             return [], [], NextStep(0, 0, 0)
         next_step = self._next_step_tokens()
+        if self.draft_gate is not None and not self.draft_gate.proposing_pays(
+                num_reqs=len(reqs), num_nondraft_tokens=next_step.num_nondraft,
+                num_prompt_tokens=next_step.num_prompt, cost=self.cost_table):  # lookup cannot pay for itself
+            for r in reqs:
+                r.clear_drafts()
+            with self.metrics.lock:
+                self.metrics.num_proposal_skips += 1
+                self.metrics.verify_lens.extend([0] * len(reqs))
+            return [], [], next_step
         allowed = [True] * len(reqs)
         cost_aware = getattr(self.length_policy, "needs_cost", False)
         if cost_aware and next_step.max_drafts == 0:
@@ -276,7 +308,8 @@ class Engine:
         elif self.draft_gate is not None:
             drafted = set(self.draft_gate.drafted_requests(
                 num_reqs=len(reqs), num_nondraft_tokens=next_step.num_nondraft,
-                num_prompt_tokens=next_step.num_prompt, cost=self.cost_table))
+                num_prompt_tokens=next_step.num_prompt, cost=self.cost_table,
+                backlog=[r.num_pending_positions for r in reqs]))
             allowed = [i in drafted for i in range(len(reqs))]
             self.metrics.num_draft_skips += allowed.count(False)
         for r in (r for r, ok in zip(reqs, allowed) if not ok):
@@ -302,6 +335,7 @@ class Engine:
         proposed for."""
         if not reqs:
             return 0
+        start = time.perf_counter()
         batch = ProposeBatch(
             requests=[ProposeRequest(
                 request_id=r.request_id, all_ids=r.all_ids, anchor_pos=r.num_computed_tokens,
@@ -339,6 +373,9 @@ class Engine:
         with self.metrics.lock:
             self.metrics.verify_lens.extend(int(v) for v in verify_lens)
             self.metrics.num_lookup_drafts += sum(1 for i in range(len(reqs)) if not from_model[i] and num_valid[i])
+        if self.draft_gate is not None and not any(from_model):  # a lookup-only proposal: its cost and worth
+            self.draft_gate.observe_proposal(seconds=time.perf_counter() - start, confidence=proposal.confidence,
+                                             num_proposed=num_valid)
         return sum(from_model)
 
     def _record(self, sched: SchedulerOutput, result: "StepVerify") -> None:

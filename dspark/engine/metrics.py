@@ -19,6 +19,7 @@ class EngineMetrics:
     verify_lens: list[int] = field(default_factory=list)  # recent per-request verify budgets (drained by the server)
     num_wasted_verify_tokens: int = 0  # verified drafts that were rejected
     num_draft_skips: int = 0  # request-steps whose drafting the draft gate skipped (it could not pay)
+    num_proposal_skips: int = 0  # steps without any proposal: lookup drafts could not pay for proposing
     num_lookup_drafts: int = 0  # request-steps drafted by prompt lookup instead of the model ("ngram_first")
     coalesce_held_steps: list[int] = field(default_factory=list)  # per finished request (drained)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

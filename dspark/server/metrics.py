@@ -59,6 +59,10 @@ class _EngineCollector:
         yield counter("spec_decode_num_draft_skips",
                       "Request-steps without model drafts because the draft gate found drafting "
                       "could not pay under the load (prompt lookup may still draft them).", m.num_draft_skips)
+        yield counter("spec_decode_num_proposal_skips",
+                      "Steps without any proposal (lookup or model): under the load the draft gate "
+                      "found that prompt lookup's drafts could not pay for proposing them.",
+                      m.num_proposal_skips)
         yield counter("spec_decode_num_lookup_drafts",
                       "Request-steps drafted by prompt lookup instead of the model drafter "
                       "(ngram_first).", m.num_lookup_drafts)

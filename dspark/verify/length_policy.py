@@ -117,9 +117,9 @@ class ConfidenceThreshold:
                num_reqs=None, num_proposed=None, num_prompt_tokens=0, num_drafted_reqs=None,
                max_drafts=None) -> list[int]:
         conditional = _checked_confidence(confidence, num_draft_tokens, policy="threshold")
-        scores = conditional.cumprod(dim=1) if self.cumulative else conditional
+        scores = np.cumprod(conditional, axis=1) if self.cumulative else conditional
         keep = scores >= self.threshold  # [num_reqs, num_draft_tokens]
-        lengths = keep.long().cumprod(dim=1).sum(dim=1).tolist()  # leading run of kept positions
+        lengths = np.cumprod(keep, axis=1).sum(axis=1).tolist()  # leading run of kept positions
         limits = _proposal_limits(confidence, num_draft_tokens, num_reqs, num_proposed)
         return [min(length, limit) for length, limit in zip(lengths, limits)]
 
@@ -160,7 +160,7 @@ class AsyncPrefixScheduler:
         if cold_start_len is not None and cold_start_len < 0:
             raise ValueError(f"cold_start_len must be >= 0, got {cold_start_len}")
         self.cold_start_len = cold_start_len
-        self._history: deque[torch.Tensor] = deque(maxlen=2)  # survivals [num_candidates] each
+        self._history: deque[np.ndarray] = deque(maxlen=2)  # survivals [num_candidates] each
 
     def observe(
         self,
@@ -170,7 +170,7 @@ class AsyncPrefixScheduler:
     ) -> None:
         """Record a step's confidences; they set the capacity of the step after next."""
         survival = _masked_survival(confidence, confidence.shape[1], num_proposed, policy="async")
-        self._history.append(survival[survival > 0].double().clone())
+        self._history.append(survival[survival > 0])
 
     def reset(self) -> None:
         self._history.clear()
@@ -180,7 +180,7 @@ class AsyncPrefixScheduler:
         """K = global argmax of Θ over the stale survivals (no break); None during cold start."""
         if len(self._history) < 2:
             return None
-        stale_survival = self._history[0].sort(descending=True).values
+        stale_survival = np.sort(self._history[0])[::-1]
         throughput = _throughput_curve(stale_survival, cost=cost, num_reqs=num_reqs,
                                        num_nondraft_tokens=num_nondraft_tokens,
                                        num_prompt_tokens=num_prompt_tokens, num_drafted_reqs=num_drafted_reqs)
@@ -258,6 +258,14 @@ class DraftGate:
         # change, and a closed gate asks the same question every step
         self._curve_version = 0
         self._gain_cache: tuple[tuple, CostTable, float] | None = None
+        # proposals without the model drafter (prompt lookup only; `observe_proposal`): the engine's
+        # proposing and choosing seconds per request (EMA) and the last few proposals' positive
+        # survivals with their request counts
+        self.propose_seconds_per_req: float | None = None
+        self._free: deque[tuple[np.ndarray, int]] = deque(maxlen=self.FREE_HISTORY)
+        self._free_version = 0  # bumped by each observed proposal
+        self._pays_cache: tuple[tuple, CostTable, bool] | None = None
+        self._steps_without_proposal = 0
 
     def observe_step(self, *, num_tokens: int, seconds: float, drafts_verified: bool, num_proposed_reqs: int,
                      cost: CostTable | None) -> None:
@@ -279,7 +287,7 @@ class DraftGate:
     def observe(self, confidence: torch.Tensor, *, num_proposed: Sequence[int] | None = None) -> None:
         """Fold a proposal's confidences [num_reqs, γ] into the mean survival curve."""
         survival = _masked_survival(confidence, confidence.shape[1], num_proposed, policy="gate")
-        curve = survival.mean(dim=0).numpy()  # [γ]
+        curve = survival.mean(axis=0)  # [γ]
         self._curve_version += 1
         if self.mean_survival is None or self.mean_survival.shape != curve.shape:
             self.mean_survival = curve
@@ -295,13 +303,72 @@ class DraftGate:
             return self._gain_cache[2]
         curve = np.clip(self.mean_survival * self.correction, 0.0, 1.0)
         candidates = np.sort(np.tile(curve, num_reqs))[::-1].copy()
-        with_drafts = _throughput_curve(torch.from_numpy(candidates), cost=cost, num_reqs=num_reqs,
+        with_drafts = _throughput_curve(candidates, cost=cost, num_reqs=num_reqs,
                                         num_nondraft_tokens=num_nondraft_tokens,
                                         num_prompt_tokens=num_prompt_tokens)
         without = num_reqs * cost.sps(_decode_tokens(num_nondraft_tokens, num_prompt_tokens))
         gain = float(with_drafts.max() / without)
         self._gain_cache = (key, cost, gain)
         return gain
+
+    def observe_proposal(self, *, seconds: float, confidence: torch.Tensor | None,
+                         num_proposed: Sequence[int]) -> None:
+        """A step's proposal made without the model drafter (prompt lookup only): the engine's wall time
+        for proposing and choosing (an EMA per request) and the drafts' survivals (rows without drafts
+        have num_proposed 0), kept for the last `FREE_HISTORY` such proposals."""
+        num_reqs = len(num_proposed)
+        if num_reqs <= 0 or seconds <= 0 or confidence is None:
+            return
+        value = seconds / num_reqs
+        old = self.propose_seconds_per_req
+        self.propose_seconds_per_req = value if old is None else self.time_decay * old + (1 - self.time_decay) * value
+        survival = _masked_survival(confidence, confidence.shape[1], num_proposed, policy="gate")
+        self._free.append((survival[survival > 0], num_reqs))
+        self._free_version += 1
+
+    FREE_HISTORY = 16
+
+    def proposing_pays(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None,
+                       num_prompt_tokens: int = 0) -> bool:
+        """Can proposing without the model (prompt lookup) pay for its own bookkeeping at this load?
+        Expected throughput with it: the best Θ over the survivals of the last free proposals, pooled
+        and resampled (by quantile) to `num_reqs` requests' worth (lookup drafts cost no drafter time;
+        the pool keeps their spread — a few requests with sure matches, most with none — which a mean
+        curve would average away), with the measured proposing seconds in the denominator; without it:
+        plain decoding. Where the step-cost curve is near-linear in the batch (compute-bound: a verified
+        token costs almost what a decoded one does) the drafts that pass cannot pay for proposing them,
+        and the engine skips proposing altogether; every `probe_every` × 2 steps it proposes anyway, so
+        the pool and the timing stay current. Reads only the load, the table and past proposals:
+        lossless."""
+        if cost is None or self.propose_seconds_per_req is None or not self._free or num_reqs <= 0:
+            return True
+        self._steps_without_proposal += 1
+        if self._steps_without_proposal >= 2 * self.probe_every:
+            self._steps_without_proposal = 0
+            return True
+        key = (num_reqs, num_nondraft_tokens, num_prompt_tokens, self._free_version)
+        if self._pays_cache is not None and self._pays_cache[0] == key and self._pays_cache[1] is cost:
+            pays = self._pays_cache[2]  # (the answer changes only with the load or a new proposal)
+        else:
+            pays = self._free_pays(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens,
+                                   num_prompt_tokens=num_prompt_tokens, cost=cost)
+            self._pays_cache = (key, cost, pays)
+        if pays:
+            self._steps_without_proposal = 0
+        return pays
+
+    def _free_pays(self, *, num_reqs: int, num_nondraft_tokens: int, num_prompt_tokens: int,
+                   cost: CostTable) -> bool:
+        pooled = np.sort(np.concatenate([s for s, _ in self._free]))[::-1]  # [num_candidates] descending
+        size = round(len(pooled) * num_reqs / sum(n for _, n in self._free))
+        if size == 0:  # too few candidates to resample for this load (at low load, where a single
+            return True  # lookup hit pays for many proposals): propose
+        candidates = pooled[np.linspace(0, len(pooled) - 1, size).round().astype(int)]
+        extra = self.propose_seconds_per_req * num_reqs
+        best = _throughput_curve(candidates, cost=cost, num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens,
+                                 num_prompt_tokens=num_prompt_tokens, num_drafted_reqs=0, extra_seconds=extra)
+        plain = num_reqs * cost.sps(_decode_tokens(num_nondraft_tokens, num_prompt_tokens))
+        return bool(best.max() > plain)
 
     @property
     def correction(self) -> float:
@@ -411,29 +478,29 @@ def build_length_policy(
 
 
 def _checked_confidence(confidence: torch.Tensor | None, num_draft_tokens: int, *,
-                        policy: str) -> torch.Tensor:  # [num_reqs, num_draft_tokens] float64
+                        policy: str) -> np.ndarray:  # [num_reqs, num_draft_tokens] float64
     if confidence is None:
         raise ValueError(f"length policy {policy!r} needs draft confidences, got confidence=None")
     if confidence.dim() != 2 or confidence.shape[1] < num_draft_tokens:
         raise ValueError(f"confidence must be [num_reqs, >= {num_draft_tokens}], "
                          f"got {tuple(confidence.shape)}")
-    confidence = confidence[:, :num_draft_tokens].detach().to("cpu", torch.float64)
-    if bool(torch.isnan(confidence).any()):
+    values = confidence[:, :num_draft_tokens].detach().to("cpu", torch.float64).numpy()
+    if np.isnan(values).any():
         raise ValueError(f"length policy {policy!r} got NaN confidences")
-    return confidence.clamp(0.0, 1.0)
+    return np.clip(values, 0.0, 1.0)
 
 
 def _masked_survival(confidence: torch.Tensor | None, num_draft_tokens: int,
                      num_proposed: Sequence[int] | None, *,
-                     policy: str) -> torch.Tensor:  # [num_reqs, num_draft_tokens] float64
+                     policy: str) -> np.ndarray:  # [num_reqs, num_draft_tokens] float64
     """a_{r,j} = Π_{i≤j} c_{r,i}, zeroed past what request r actually proposed."""
-    survival = _checked_confidence(confidence, num_draft_tokens, policy=policy).cumprod(dim=1)
+    survival = np.cumprod(_checked_confidence(confidence, num_draft_tokens, policy=policy), axis=1)
     if num_proposed is not None:
-        limits = torch.as_tensor(list(num_proposed)).view(-1, 1)  # [num_reqs, 1]
+        limits = np.asarray(num_proposed).reshape(-1, 1)  # [num_reqs, 1]
         if limits.shape[0] != survival.shape[0]:
             raise ValueError(f"num_proposed has {limits.shape[0]} entries, "
                              f"expected {survival.shape[0]}")
-        survival = survival.masked_fill(torch.arange(num_draft_tokens).view(1, -1) >= limits, 0.0)
+        survival[np.arange(num_draft_tokens).reshape(1, -1) >= limits] = 0.0
     return survival
 
 
@@ -455,26 +522,28 @@ def _require_cost(cost: CostTable | None, *, policy: str) -> CostTable:
 
 
 def _rank_candidates(
-    survival: torch.Tensor,  # [num_reqs, num_draft_tokens]
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_candidates] survival, [num_candidates] req index)
+    survival: np.ndarray,  # [num_reqs, num_draft_tokens]
+) -> tuple[np.ndarray, np.ndarray]:  # ([num_candidates] survival, [num_candidates] req index)
     """Candidates with survival > 0, sorted by survival descending; ties keep position order (j
     before j+1), so every admitted set of leading candidates is a per-request prefix."""
     num_reqs, num_draft_tokens = survival.shape
-    by_position = survival.t().reshape(-1)  # [num_draft_tokens * num_reqs], position-major
-    req_index = torch.arange(num_reqs).repeat(num_draft_tokens)  # matches by_position
+    by_position = survival.T.reshape(-1)  # [num_draft_tokens * num_reqs], position-major
+    req_index = np.tile(np.arange(num_reqs), num_draft_tokens)  # matches by_position
     positive = by_position > 0
-    values, order = by_position[positive].sort(descending=True, stable=True)
-    return values, req_index[positive][order]
+    values, reqs = by_position[positive], req_index[positive]
+    order = np.argsort(-values, kind="stable")
+    return values[order], reqs[order]
 
 
 def _throughput_curve(
-    ranked_survival: torch.Tensor,  # [num_candidates] sorted descending
+    ranked_survival: np.ndarray,  # [num_candidates] sorted descending
     *,
     cost: CostTable,
     num_reqs: int,
     num_nondraft_tokens: int,
     num_prompt_tokens: int = 0,
     num_drafted_reqs: int | None = None,  # None: the drafter ran for all num_reqs
+    extra_seconds: float = 0.0,  # added to every denominator (the proposal's own bookkeeping)
 ) -> np.ndarray:  # [num_candidates + 1] Θ after admitting the first n candidates, n = 0..
     """Θ(n) = (num_reqs + Σ_{i<n} a_i) / (T(decode) + T(nondraft + n) − T(nondraft) + draft seconds).
 
@@ -488,15 +557,15 @@ def _throughput_curve(
     ran for (`num_drafted_reqs`): prompt-lookup rows cost nothing, and charging a model forward that did
     not run would dilute the verify cost (at 16 lookup rows: 36 ms beside a 60 ms step, so drafts of
     survival 0.5 would pass where 0.75 is the break-even)."""
-    expected_tokens = num_reqs + np.concatenate([[0.0], np.cumsum(ranked_survival.numpy())])
-    batch_tokens = num_nondraft_tokens + np.arange(ranked_survival.numel() + 1)
+    expected_tokens = num_reqs + np.concatenate([[0.0], np.cumsum(ranked_survival)])
+    batch_tokens = num_nondraft_tokens + np.arange(len(ranked_survival) + 1)
     step_seconds = 1.0 / cost.sps_array(batch_tokens)
     if num_prompt_tokens > 0:
         decode = _decode_tokens(num_nondraft_tokens, num_prompt_tokens)
         step_seconds = step_seconds - step_seconds[0] + cost.step_seconds(decode)
     drafted = num_reqs if num_drafted_reqs is None else num_drafted_reqs
     draft_seconds = cost.draft_seconds_for(drafted) if drafted > 0 else 0.0
-    return expected_tokens / (step_seconds + draft_seconds)
+    return expected_tokens / (step_seconds + draft_seconds + extra_seconds)
 
 
 def _capped(num_admitted: int, max_drafts: int | None) -> int:
@@ -514,5 +583,5 @@ def _decode_tokens(num_nondraft_tokens: int, num_prompt_tokens: int) -> int:
     return max(1, num_nondraft_tokens - num_prompt_tokens)
 
 
-def _lengths_from_ranking(admitted_reqs: torch.Tensor, num_reqs: int) -> list[int]:
-    return torch.bincount(admitted_reqs, minlength=num_reqs).tolist()
+def _lengths_from_ranking(admitted_reqs: np.ndarray, num_reqs: int) -> list[int]:
+    return np.bincount(admitted_reqs, minlength=num_reqs).tolist()
