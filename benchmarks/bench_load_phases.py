@@ -9,8 +9,9 @@ each finished one replaced by the next prompt at once, so with many prompts per 
 approaches a steady state (with one prompt per slot it is a burst and the slowest request sets the
 time). Every variant gets the same fresh prompts in a repeat (each repeat takes the next slice of the
 dataset, so no run is served from another's prefix cache) and the variants take turns within a
-repeat. Greedy, `--max-tokens` new tokens (EOS ignored unless `--natural-stop`), so every variant
-emits the same tokens.
+repeat, the first turn rotating from repeat to repeat (the VM's speed drifts within a minute).
+Greedy, `--max-tokens` new tokens (EOS ignored unless `--natural-stop`), so every variant emits the
+same tokens.
 
 Per run: output tok/s, engine steps, draft tokens verified / accepted, the target forward's seconds
 (`ModelRunner.forward`) and every other engine phase (`Engine._verify`, drafter context extension,
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, list[dict]] = {v: [] for v in names}
     for r in range(args.repeats):
         chunk = prompts[n * (r + 1):n * (r + 2)]
-        for v in names:
+        for v in names[r % len(names):] + names[:r % len(names)]:  # turns rotate: no variant always first
             out = run_once(llms[v], chunk, params, args.concurrency)
             runs[v].append(out)
             print(f"[{v}] repeat {r}: {out['output_tok_s']:.1f} tok/s, {out['steps']} steps, "
