@@ -33,8 +33,11 @@ cap on the admitted count, lossless for the same reason as the break — (r, k) 
 proposed it asks whether drafting can pay at all under the current load, from the cost table (draft
 seconds included) and a running mean of the survival curve of earlier proposals; when even the best
 verify length cannot beat plain decoding it skips the drafter for that step (a probe still drafts every
-`probe_every` steps so the estimate follows the traffic). The decision reads only past steps, so it
-keeps the output distribution (and greedy output) unchanged.
+`probe_every` steps so the estimate follows the traffic). With a free drafter beside the model (prompt lookup) it
+also asks whether proposing at all can pay for its own bookkeeping (`proposing_pays`: the recent
+lookup-only proposals' survivals at the current load against the measured proposing seconds), and
+the engine then skips proposing for the step. The decisions read only past steps, so they keep the
+output distribution (and greedy output) unchanged.
 
 Policies that need confidences or a cost table fail closed: `build_length_policy(...,
 confidence_available=False)` or `choose(confidence=None)` raises a ValueError naming what is
