@@ -233,6 +233,8 @@ class DraftGate:
     # humaneval at batch 1 at 0.82x plain, 1.10 at 0.96x (benchmarks/results/sweep_margin_r3).
     MIN_GAIN = 1.15
     LIVE_MIN_GAIN = 1.10
+    # lookup-only proposals whose survivals `proposing_pays` pools (16 × the requests of each)
+    FREE_HISTORY = 16
 
     def __init__(self, *, probe_every: int = 8, decay: float = 0.7, min_gain: float = MIN_GAIN,
                  live_min_gain: float = LIVE_MIN_GAIN, plain_probe_every: int = 32,
@@ -284,18 +286,15 @@ class DraftGate:
         else:
             return
         ratio = float(np.clip(seconds / predicted, 0.2, 5.0))
-        old = self.time_ratio[mode]
-        self.time_ratio[mode] = ratio if old is None else self.time_decay * old + (1 - self.time_decay) * ratio
+        self.time_ratio[mode] = _ema(self.time_ratio[mode], ratio, self.time_decay)
 
     def observe(self, confidence: torch.Tensor, *, num_proposed: Sequence[int] | None = None) -> None:
         """Fold a proposal's confidences [num_reqs, γ] into the mean survival curve."""
         survival = _masked_survival(confidence, confidence.shape[1], num_proposed, policy="gate")
         curve = survival.mean(axis=0)  # [γ]
         self._curve_version += 1
-        if self.mean_survival is None or self.mean_survival.shape != curve.shape:
-            self.mean_survival = curve
-        else:
-            self.mean_survival = self.decay * self.mean_survival + (1.0 - self.decay) * curve
+        old = self.mean_survival
+        self.mean_survival = _ema(None if old is None or old.shape != curve.shape else old, curve, self.decay)
 
     def expected_gain(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable,
                       num_prompt_tokens: int = 0) -> float:
@@ -322,14 +321,10 @@ class DraftGate:
         num_reqs = len(num_proposed)
         if num_reqs <= 0 or seconds <= 0 or confidence is None:
             return
-        value = seconds / num_reqs
-        old = self.propose_seconds_per_req
-        self.propose_seconds_per_req = value if old is None else self.time_decay * old + (1 - self.time_decay) * value
+        self.propose_seconds_per_req = _ema(self.propose_seconds_per_req, seconds / num_reqs, self.time_decay)
         survival = _masked_survival(confidence, confidence.shape[1], num_proposed, policy="gate")
         self._free.append((survival[survival > 0], num_reqs))
         self._free_version += 1
-
-    FREE_HISTORY = 16
 
     def proposing_pays(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable | None,
                        num_prompt_tokens: int = 0) -> bool:
@@ -569,6 +564,11 @@ def _throughput_curve(
     drafted = num_reqs if num_drafted_reqs is None else num_drafted_reqs
     draft_seconds = cost.draft_seconds_for(drafted) if drafted > 0 else 0.0
     return expected_tokens / (step_seconds + draft_seconds + extra_seconds)
+
+
+def _ema(old, value, decay: float):
+    """Exponential moving average: `value` itself when there is no `old` yet."""
+    return value if old is None else decay * old + (1.0 - decay) * value
 
 
 def _capped(num_admitted: int, max_drafts: int | None) -> int:
