@@ -26,9 +26,10 @@ import torch
 MAX_NEW = 128
 
 
-def prompts(n: int) -> list[str]:
+def prompts(n: int, datasets: str = "gsm8k") -> list[str]:
+    """n prompts from each eval/ set in the comma list `datasets` (math and code: gsm8k,humaneval)."""
     from dspark.bench.datasets import load_prompts
-    return [p.prompt for p in load_prompts("gsm8k", num_prompts=n, seed=0)]
+    return [p.prompt for name in datasets.split(",") for p in load_prompts(name, num_prompts=n, seed=0)]
 
 
 def memory_bandwidth_gbs() -> float:
@@ -81,8 +82,9 @@ def bench_hf(chat_ids: list[list[int]]) -> list[float]:
 
 
 def bench_llama_cpp(chat_ids: list[list[int]], gguf_path: Path) -> list[float]:
-    from llama_cpp import Llama
-    llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+    from dspark.bench.peers import llama_without_repack
+    llm = llama_without_repack(model_path=str(gguf_path), n_ctx=2048, n_threads=torch.get_num_threads(),
+                               verbose=False)
     rates = []
     for ids in chat_ids:
         llm.reset()
@@ -100,8 +102,10 @@ def bench_llama_cpp(chat_ids: list[list[int]], gguf_path: Path) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--num-prompts", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=3, help="prompts per dataset")
+    ap.add_argument("--datasets", default="gsm8k", help="comma list of eval/ sets (e.g. gsm8k,humaneval)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over all engines, each starting one later")
     ap.add_argument("--spec", action="store_true", help="also the shipped speculative default (fp32 and bf16)")
     ap.add_argument("--threads", type=int, default=None, help="torch/llama.cpp threads (default: torch's)")
     ap.add_argument("--out", default=None)
@@ -111,19 +115,19 @@ def main() -> None:
     from dspark.models.loader import load_model, resolve_model_path
     model, cfg, tok = load_model("default")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    chat_ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts(args.num_prompts)]
+    chat_ids = [tok.apply_chat_template([{"role": "user", "content": p}])
+                for p in prompts(args.num_prompts, args.datasets)]
     del model
-    results: dict[str, list[float]] = {}
-    results["dspark_fp32"] = bench_dspark(chat_ids)
+    runs = {"dspark_fp32": lambda: bench_dspark(chat_ids)}  # label → one pass over the prompts
     from dspark import kernels
     if kernels.has_bf16_kernels():
-        results["dspark_bf16"] = bench_dspark(chat_ids, "bfloat16")
+        runs["dspark_bf16"] = lambda: bench_dspark(chat_ids, "bfloat16")
         if args.spec:
-            results["dspark_bf16_spec"] = bench_dspark(chat_ids, "bfloat16", spec=True)
+            runs["dspark_bf16_spec"] = lambda: bench_dspark(chat_ids, "bfloat16", spec=True)
     if args.spec:
-        results["dspark_fp32_spec"] = bench_dspark(chat_ids, spec=True)
+        runs["dspark_fp32_spec"] = lambda: bench_dspark(chat_ids, spec=True)
     if not args.skip_hf:
-        results["hf_transformers_fp32"] = bench_hf(chat_ids)
+        runs["hf_transformers_fp32"] = lambda: bench_hf(chat_ids)
     try:
         import llama_cpp  # noqa: F401
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -131,9 +135,15 @@ def main() -> None:
         src = Path(resolve_model_path("default"))
         for label, path in (("llama_cpp_f32", cached_copy(src, "f32")), ("llama_cpp_f16", cached_copy(src, "f16")),
                             ("llama_cpp_q4_1", src)):
-            results[label] = bench_llama_cpp(chat_ids, path)
+            runs[label] = lambda path=path: bench_llama_cpp(chat_ids, path)
     except ImportError:
         print("llama-cpp-python not installed: skipping llama.cpp (PEERS=1 bash scripts/setup.sh)")
+    # repeats rotate which engine goes first: this VM's speed drifts within a run (order bias)
+    results: dict[str, list[float]] = {label: [] for label in runs}
+    labels = list(runs)
+    for r in range(args.repeats):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            results[label] += runs[label]()
     bw = memory_bandwidth_gbs()
     med = {k: statistics.median(v) for k, v in results.items()}
     summary = {

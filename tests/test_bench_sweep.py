@@ -172,6 +172,21 @@ def test_offline_bench(tiny_dir, tmp_path, capsys):
     assert expected in line["skipped_peers"]["llama_cpp"]
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python not installed (PEERS=1 bash scripts/setup.sh)")
+def test_llama_cpp_peer_decodes_the_shipped_q4_1():
+    """The llama.cpp peer on the embedded Q4_1 GGUF, in a child process: with llama-cpp-python's runtime
+    weight repacking on, its first decode segfaults on AVX-512 CPUs (the peer turns repacking off)."""
+    ids = [1, 4093, 198, 23830, 288, 2229, 30, 2, 198, 1, 520, 9531, 198]  # a short chat, SmolLM2 ids
+    code = ("import json; from dspark.bench.peers import llama_cpp_peer; "
+            f"out, skipped = llama_cpp_peer(model='default', prompt_ids=[{ids}], lengths=[6], "
+            "prompt_lookup_num_tokens=3, num_threads=1); print(json.dumps(out))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["llama_cpp"]["gguf"].endswith("Q4_1.gguf") and out["llama_cpp"]["total_output_tokens"] == 6
+
+
 def _write(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))

@@ -74,12 +74,30 @@ def hf_peer(*, model: str, prompt_ids: list[list[int]], lengths: list[int],
     return out, {}
 
 
+def llama_without_repack(**kwargs):
+    """llama_cpp.Llama with `use_extra_bufts` off: llama-cpp-python 0.3.36's runtime weight repacking
+    segfaults in the first decode of the Q4_1 GGUF on this AVX-512 CPU (F16/F32 copies are unaffected);
+    the plain Q4_1 path runs at the speed session 3 measured with the older release."""
+    from llama_cpp import llama as llama_module
+    default = llama_module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    llama_module.llama_cpp.llama_model_default_params = params
+    try:
+        return llama_module.Llama(**kwargs)
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = default
+
+
 def llama_cpp_peer(*, model: str, prompt_ids: list[list[int]], lengths: list[int],
                    prompt_lookup_num_tokens: int, num_threads: int | None = None,
                    gguf: str | None = None) -> tuple[dict, dict]:
     """llama.cpp through llama-cpp-python on a GGUF, plain and with prompt-lookup decoding."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         return {}, {"llama_cpp": "llama-cpp-python not installed (PEERS=1 bash scripts/setup.sh)"}
     import torch
@@ -102,9 +120,9 @@ def llama_cpp_peer(*, model: str, prompt_ids: list[list[int]], lengths: list[int
     if len(variants) == 1:
         skipped["llama_cpp_prompt_lookup"] = "llama_cpp.llama_speculative not available"
     for name, make_draft in variants.items():
-        llm = Llama(model_path=str(path), n_ctx=n_ctx, verbose=False,
-                    n_threads=num_threads or torch.get_num_threads(),
-                    draft_model=make_draft() if make_draft else None)
+        llm = llama_without_repack(model_path=str(path), n_ctx=n_ctx, verbose=False,
+                                   n_threads=num_threads or torch.get_num_threads(),
+                                   draft_model=make_draft() if make_draft else None)
         ttft, tpot = [], []
         for ids, n in zip(prompt_ids, lengths):
             t0 = time.perf_counter()
