@@ -4,6 +4,7 @@ on the same checkpoint, and `benchmarks/make_board.py` (regeneration keeps hand-
 Run: pytest tests/test_bench_sweep.py -q
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -166,17 +167,17 @@ def test_offline_bench(tiny_dir, tmp_path, capsys):
     assert line["batch1"]["dspark"]["decode_tok_s"] > 0
     assert line["batch1"]["hf_transformers"]["total_output_tokens"] == 2 * 8
     assert "hf_transformers_prompt_lookup_k4" in line["batch1"]
-    import importlib.util
     # an HF folder: llama.cpp is skipped, for being absent or (when installed) for the model format
     expected = "not a GGUF" if importlib.util.find_spec("llama_cpp") else "not installed"
     assert expected in line["skipped_peers"]["llama_cpp"]
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("llama_cpp") is None,
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                     reason="llama-cpp-python not installed (PEERS=1 bash scripts/setup.sh)")
 def test_llama_cpp_peer_decodes_the_shipped_q4_1():
     """The llama.cpp peer on the embedded Q4_1 GGUF, in a child process: with llama-cpp-python's runtime
-    weight repacking on, its first decode segfaults on AVX-512 CPUs (the peer turns repacking off)."""
+    weight repacking on, its first decode segfaults on this project's AVX-512 machines (the peer turns
+    repacking off)."""
     ids = [1, 4093, 198, 23830, 288, 2229, 30, 2, 198, 1, 520, 9531, 198]  # a short chat, SmolLM2 ids
     code = ("import json; from dspark.bench.peers import llama_cpp_peer; "
             f"out, skipped = llama_cpp_peer(model='default', prompt_ids=[{ids}], lengths=[6], "
@@ -184,7 +185,8 @@ def test_llama_cpp_peer_decodes_the_shipped_q4_1():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["llama_cpp"]["gguf"].endswith("Q4_1.gguf") and out["llama_cpp"]["total_output_tokens"] == 6
+    assert out["llama_cpp"]["gguf"].endswith("Q4_1.gguf")
+    assert out["llama_cpp"]["decode_tok_s"] > 0  # tokens after the first were decoded and timed
 
 
 def _write(path: Path, data) -> None:
