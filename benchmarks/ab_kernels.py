@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="git revision whose kernels are the baseline")
-    p.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16", "q4_1"])
     p.add_argument("--context-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None)

@@ -1,5 +1,5 @@
-"""Batch-1 greedy decode, side by side in one run: dspark (fp32 and bf16 matrix products; with --spec also
-the shipped speculative default) vs HF transformers
+"""Batch-1 greedy decode, side by side in one run: dspark (fp32, bf16 and Q4_1 matrix products, each where
+the CPU kernels serve it; with --spec also the shipped speculative default) vs HF transformers
 `generate` vs llama.cpp (llama-cpp-python, optional: F32, F16 and the shipped Q4_1 GGUF) on
 SmolLM2-135M-Instruct, the same chat prompts, 128 new tokens (EOS ignored).
 
@@ -81,10 +81,16 @@ def bench_hf(chat_ids: list[list[int]]) -> list[float]:
     return rates
 
 
-def bench_llama_cpp(chat_ids: list[list[int]], gguf_path: Path) -> list[float]:
+def bench_llama_cpp(chat_ids: list[list[int]], gguf_path: Path, repack: bool = False) -> list[float]:
+    """`repack`: llama.cpp's runtime weight repacking on (its default; it segfaults on the Q4_1 GGUF on some
+    AVX-512 CPUs, so that run goes through `bench_llama_cpp_child`)."""
     from dspark.bench.peers import llama_without_repack
-    llm = llama_without_repack(model_path=str(gguf_path), n_ctx=2048, n_threads=torch.get_num_threads(),
-                               verbose=False)
+    kwargs = dict(model_path=str(gguf_path), n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+    if repack:
+        import llama_cpp
+        llm = llama_cpp.Llama(**kwargs)
+    else:
+        llm = llama_without_repack(**kwargs)
     rates = []
     for ids in chat_ids:
         llm.reset()
@@ -98,6 +104,19 @@ def bench_llama_cpp(chat_ids: list[list[int]], gguf_path: Path) -> list[float]:
                 break
         rates.append((n - 1) / (time.perf_counter() - t_first))
     return rates
+
+
+def bench_llama_cpp_child(chat_ids: list[list[int]], gguf_path: Path) -> list[float]:
+    """bench_llama_cpp with repacking on, in a child process: [] where the child dies (the segfault)."""
+    import subprocess
+    code = (f"import json, sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); torch.set_num_threads("
+            f"{torch.get_num_threads()}); from bench_decode import bench_llama_cpp; from pathlib import Path; "
+            f"print(json.dumps(bench_llama_cpp({chat_ids!r}, Path({str(gguf_path)!r}), repack=True)))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        print(f"llama.cpp with repacking died (exit {proc.returncode}): skipped")
+        return []
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -126,6 +145,10 @@ def main() -> None:
             runs["dspark_bf16_spec"] = lambda: bench_dspark(chat_ids, "bfloat16", spec=True)
     if args.spec:
         runs["dspark_fp32_spec"] = lambda: bench_dspark(chat_ids, spec=True)
+    if kernels.has_q4_1_kernels():  # the GGUF's own Q4_1 blocks (--matmul-dtype q4_1)
+        runs["dspark_q4_1"] = lambda: bench_dspark(chat_ids, "q4_1")
+        if args.spec:
+            runs["dspark_q4_1_spec"] = lambda: bench_dspark(chat_ids, "q4_1", spec=True)
     if not args.skip_hf:
         runs["hf_transformers_fp32"] = lambda: bench_hf(chat_ids)
     try:
@@ -136,6 +159,7 @@ def main() -> None:
         for label, path in (("llama_cpp_f32", cached_copy(src, "f32")), ("llama_cpp_f16", cached_copy(src, "f16")),
                             ("llama_cpp_q4_1", src)):
             runs[label] = lambda path=path: bench_llama_cpp(chat_ids, path)
+        runs["llama_cpp_q4_1_repack"] = lambda: bench_llama_cpp_child(chat_ids, src)
     except ImportError:
         print("llama-cpp-python not installed: skipping llama.cpp (PEERS=1 bash scripts/setup.sh)")
     # repeats rotate which engine goes first: this VM's speed drifts within a run (order bias)
@@ -145,7 +169,7 @@ def main() -> None:
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             results[label] += runs[label]()
     bw = memory_bandwidth_gbs()
-    med = {k: statistics.median(v) for k, v in results.items()}
+    med = {k: statistics.median(v) for k, v in results.items() if v}
     summary = {
         "bench": "decode_batch1", "max_new_tokens": MAX_NEW,
         "command": "python benchmarks/bench_decode.py " + " ".join(
@@ -161,8 +185,10 @@ def main() -> None:
         summary["dspark_vs_hf"] = round(med["dspark_fp32"] / med["hf_transformers_fp32"], 2)
     if "llama_cpp_f32" in med:
         summary["dspark_vs_llama_cpp_f32"] = round(med["dspark_fp32"] / med["llama_cpp_f32"], 2)
-    for name in ("dspark_bf16", "dspark_bf16_spec", "dspark_fp32_spec"):
-        for base in ("dspark_fp32", "llama_cpp_q4_1"):
+    for name in ("dspark_bf16", "dspark_bf16_spec", "dspark_fp32_spec", "dspark_q4_1", "dspark_q4_1_spec"):
+        for base in ("dspark_fp32", "dspark_q4_1", "llama_cpp_q4_1", "llama_cpp_q4_1_repack"):
+            if name == base:
+                continue
             if name in med and base in med:
                 summary[f"{name}_vs_{base}"] = round(med[name] / med[base], 2)
     for k, v in med.items():

@@ -16,7 +16,7 @@ SPEC_METHODS = ("dspark", "dflash", "eagle3", "ngram", "draft_model")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 LENGTH_POLICY_NAMES = ("fixed", "threshold", "prefix", "async")
 
-MATMUL_DTYPES = ("auto", "float32", "bfloat16")
+MATMUL_DTYPES = ("auto", "float32", "bfloat16", "q4_1")
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,9 @@ class EngineConfig:
     # dtype of the target's matrix products when dtype is float32: "bfloat16" rounds weights and each
     # product's input to bf16 and sums in fp32 (CPU kernels with AVX512-BF16: ~2x the arithmetic, half the
     # weight bytes); norms, attention, residual stream and KV cache stay fp32. "auto": bfloat16 where the
-    # CPU kernels multiply bf16, else float32 (dspark.engine.build.resolve_matmul_dtype).
+    # CPU kernels multiply bf16, else float32 (dspark.engine.build.resolve_matmul_dtype). "q4_1": the
+    # decoder layers multiply the GGUF's own Q4_1 blocks (a Q4_1 GGUF model only; exact weights, 0.69
+    # bytes a weight, input rounded to bf16, fp32 sums), the LM head in bf16.
     matmul_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
@@ -144,8 +146,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be {', '.join(MATMUL_DTYPES)}; got {self.matmul_dtype!r}")
-        if self.matmul_dtype == "bfloat16" and self.dtype != "float32":
-            raise ValueError(f"matmul_dtype='bfloat16' applies to dtype float32 (dtype {self.dtype!r} "
+        if self.matmul_dtype in ("bfloat16", "q4_1") and self.dtype != "float32":
+            raise ValueError(f"matmul_dtype={self.matmul_dtype!r} applies to dtype float32 (dtype {self.dtype!r} "
                              f"multiplies in its own dtype); use matmul_dtype 'auto' or 'float32'")
         if self.spec is not None and self.spec.num_speculative_tokens + 1 > self.scheduler.max_num_batched_tokens:
             raise ValueError("num_speculative_tokens + 1 exceeds max_num_batched_tokens")

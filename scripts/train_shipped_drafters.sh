@@ -42,3 +42,5 @@ python -m dspark profile --speculative-config '{"method": "dspark", "model": "ds
     --matmul-dtype float32 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table.json
 python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \
     --matmul-dtype bfloat16 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table_bf16.json
+python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \
+    --matmul-dtype q4_1 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table_q4_1.json

@@ -34,7 +34,7 @@ def drafter_dir(model: str, method: str = "dspark") -> Path | None:
 
 
 # the shipped cost table for each matmul dtype of the target (EngineConfig.matmul_dtype, resolved)
-COST_TABLES = {"float32": "cost_table.json", "bfloat16": "cost_table_bf16.json"}
+COST_TABLES = {"float32": "cost_table.json", "bfloat16": "cost_table_bf16.json", "q4_1": "cost_table_q4_1.json"}
 
 
 def default_spec_config(model: str, matmul_dtype: str = "float32") -> SpecConfig | None:

@@ -56,6 +56,9 @@ def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: s
     bf16_kernels = device == "cpu" and kernels.has_bf16_kernels()
     if matmul_dtype == "auto":
         return "bfloat16" if dtype == "float32" and bf16_kernels else "float32"
+    if matmul_dtype == "q4_1" and not (device == "cpu" and kernels.has_q4_1_kernels()):
+        log.warning("matmul_dtype=q4_1 without Q4_1 CPU kernels (no AVX2/FMA/F16C, kernels off or not a CPU): "
+                    "torch multiplies the same weights in fp32, much slower")
     if matmul_dtype == "bfloat16" and not bf16_kernels:
         log.warning("matmul_dtype=bfloat16 without bf16 CPU kernels (no AVX512-BF16, kernels off or not a CPU "
                     "device): the rounded products run through torch in fp32 — the same model, slower")

@@ -85,19 +85,23 @@ def _eligible(*tensors: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x [..., in] @ weight[out, in]^T through the kernel when it applies (≤ MAX_ROWS rows in all, fp32
-    CPU input, no autograd; fp32 weights, or bf16 ones on a CPU with bf16 dot products: the input is
-    then rounded to bf16 and the products accumulate in fp32); None otherwise, so the caller uses torch."""
+    """x [..., in] @ weight[out, in]^T through the kernel when it applies (fp32 CPU input, no autograd;
+    fp32 weights up to MAX_ROWS rows in all; any number of rows for bf16 weights on a CPU with bf16 dot
+    products, Q4_1-packed uint8 ones [out, in * 11 / 16] (`pack_q4_1`) — the input is then rounded to bf16
+    and the products accumulate in fp32 — or Q8_0-packed int8 ones [out, in * 9 / 8] (`pack_q8_0`, fp32
+    input); None otherwise, so the caller uses torch."""
     rows = x.numel() // max(1, x.shape[-1])
-    bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-    if (rows > MAX_ROWS and not bf16) or rows == 0 or not (_eligible(x) if bf16 else _eligible(x, weight)):
+    cpu = weight.device.type == "cpu"
+    flag = {torch.bfloat16: "has_bf16", torch.uint8: "has_q4_1", torch.int8: "has_q8_0"}.get(weight.dtype) if cpu else None
+    lowp = flag is not None
+    if (rows > MAX_ROWS and not lowp) or rows == 0 or not (_eligible(x) if lowp else _eligible(x, weight)):
         return None
     k = ops()
-    if k is None or not weight.is_contiguous() or (bf16 and not k.has_bf16):
+    if k is None or not weight.is_contiguous() or (lowp and not getattr(k, flag, False)):
         return None
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
-    if rows > MAX_ROWS:  # bf16: chunks of MAX_ROWS rows (faster than torch's fp32 product of the rounded
-        # values, and a row's result stays the same in a prompt chunk as in a decode step)
+    if rows > MAX_ROWS:  # bf16 / Q4_1: chunks of MAX_ROWS rows (faster than torch's fp32 product of the
+        # rounded values, and a row's result stays the same in a prompt chunk as in a decode step)
         out = torch.cat([k.small_mm(part, weight) for part in x2.split(MAX_ROWS)])
     else:
         out = k.small_mm(x2, weight)
@@ -144,6 +148,97 @@ def set_matmul_dtype(module: torch.nn.Module, dtype: torch.dtype, *, skip: tuple
             m.register_buffer("lowp_weight", m.weight.detach().to(dtype), persistent=False)
             count += 1
     return count
+
+
+Q4_1_BLOCK_BYTES = 20  # llama.cpp Q4_1: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
+
+
+def _q4_1_byte_order() -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each packed nibble byte comes from: for an 8-block group, 128 indices into its blocks'
+    [8 * 16] GGUF nibble bytes (two 64-byte loads: byte 16 l + 8 h + u of load `ld` feeds block
+    (4 l + u // 2) % 8, byte 8 ld + 4 h + 2 (l // 2) + u % 2); for a 2-block group, 32 indices into [2 * 16]
+    (byte 4 k + t: block t // 2, byte 2 k + t % 2). Mirrors Q4Order in cpu_ops.cpp."""
+    full = []
+    for ld in range(2):
+        for pos in range(64):
+            lane, h, u = pos // 16, pos // 8 % 2, pos % 8
+            full.append(((4 * lane + u // 2) % 8) * 16 + 8 * ld + 4 * h + 2 * (lane // 2) + u % 2)
+    tail = [(t // 2) * 16 + 2 * k + t % 2 for k in range(8) for t in range(4)]
+    return torch.tensor(full), torch.tensor(tail)
+
+
+def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 rows [N, K / 32 * 20] uint8 (per block of 32: fp16 d, fp16 m, 16 bytes of nibbles) -> the
+    kernels' packed rows [N, K * 11 / 16] uint8 (cpu_ops.cpp, "Q4_1 products"): groups of 8 blocks, then
+    of 2, each its nibble bytes reordered and its fp16 scales; then m - 128 d per block as fp32. The
+    same weights (K must be a multiple of 64)."""
+    n, row = blocks.shape
+    if blocks.dtype != torch.uint8 or row % (2 * Q4_1_BLOCK_BYTES):
+        raise ValueError(f"Q4_1 rows must be uint8 with a whole number of 64-column groups; got {tuple(blocks.shape)} "
+                         f"{blocks.dtype}")
+    nb = row // Q4_1_BLOCK_BYTES
+    b = blocks.contiguous().view(n, nb, Q4_1_BLOCK_BYTES)
+    nibbles, scales = b[..., 4:], b[..., 0:2]  # [N, nb, 16], [N, nb, 2]
+    d = scales.contiguous().view(torch.float16).reshape(n, nb).float()
+    m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, nb).float()
+    full_order, tail_order = _q4_1_byte_order()
+    parts, full = [], nb // 8 * 8
+    for start, size, order in [(g, 8, full_order) for g in range(0, full, 8)] + \
+                              [(g, 2, tail_order) for g in range(full, nb, 2)]:
+        parts.append(nibbles[:, start:start + size].reshape(n, size * 16)[:, order])
+        parts.append(scales[:, start:start + size].reshape(n, size * 2))
+    parts.append((m - 128 * d).contiguous().view(torch.uint8))  # exact: d * 128 scales by a power of two
+    return torch.cat(parts, 1).contiguous()
+
+
+def q4_1_packed_cols(packed: torch.Tensor) -> int:
+    """K (input columns) of a packed Q4_1 matrix [N, K * 11 / 16]."""
+    return packed.shape[1] // 44 * 64
+
+
+def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 rows [N, K / 32 * 20] uint8 -> fp32 [N, K] (d * q + m), the torch twin's weights."""
+    n, row = blocks.shape
+    b = blocks.contiguous().view(n, row // Q4_1_BLOCK_BYTES, Q4_1_BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    q = torch.stack([b[..., 4:] & 0x0F, b[..., 4:] >> 4], -2).reshape(n, -1, 32).float()  # [N, nb, 32]
+    return (d * q + m).reshape(n, -1)
+
+
+Q8_0_BLOCK_BYTES = 34  # llama.cpp Q8_0: fp16 d, 32 int8 weights
+
+
+def pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 rows [N, K / 32 * 34] uint8 (per block of 32: fp16 d, 32 int8 q) -> the kernels' packed
+    rows [N, K * 9 / 8] int8: the K q in order, then the K / 32 scales as fp32 bytes. The same weights."""
+    n, row = blocks.shape
+    if blocks.dtype != torch.uint8 or row % Q8_0_BLOCK_BYTES:
+        raise ValueError(f"Q8_0 rows must be uint8 with whole blocks; got {tuple(blocks.shape)} {blocks.dtype}")
+    b = blocks.contiguous().view(n, row // Q8_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1).float()  # [N, nb]
+    q = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)  # [N, K]
+    return torch.cat([q, d.contiguous().view(torch.int8)], 1).contiguous()
+
+
+def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 rows [N, K / 32 * 34] uint8 -> fp32 [N, K] (d * q)."""
+    n, row = blocks.shape
+    b = blocks.contiguous().view(n, row // Q8_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
+
+
+def has_q8_0_kernels() -> bool:
+    """Do the built kernels multiply Q8_0 weights (AVX2 + FMA + F16C)?"""
+    k = ops()
+    return k is not None and bool(getattr(k, "has_q8_0", False))
+
+
+def has_q4_1_kernels() -> bool:
+    """Do the built kernels multiply Q4_1 weights (AVX2 + FMA + F16C)?"""
+    k = ops()
+    return k is not None and bool(getattr(k, "has_q4_1", False))
 
 
 def has_bf16_kernels() -> bool:

@@ -31,6 +31,7 @@
 #include <omp.h>
 #include <utility>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -74,6 +75,15 @@ inline float vsum(vec v) { return v.v[0] + v.v[1] + v.v[2] + v.v[3]; }
 inline vec vset1(float a) { return vec{{a, a, a, a}}; }
 inline vec vmul(vec a, vec b) { return vec{{a.v[0] * b.v[0], a.v[1] * b.v[1], a.v[2] * b.v[2], a.v[3] * b.v[3]}}; }
 inline void vstore(float* p, vec v) { for (int i = 0; i < 4; ++i) p[i] = v.v[i]; }
+#endif
+
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {  // the sum of an AVX2 vector's 8 lanes (Q4_1 / Q8_0 products)
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 #endif
 
 constexpr int64_t kPrefetch = 1024;  // floats ahead of the current load, per weight row
@@ -243,23 +253,354 @@ class SpinBarrier {
   std::atomic<int> count_{0}, gen_{0};
 };
 
+
+// ---------------------------------------------------------------------------------------- Q4_1 products
+// Weights kept in llama.cpp's Q4_1 blocks (32 weights: w_i = d * q_i + m, q_i in 0..15, d and m fp16),
+// repacked per weight row (dspark.kernels.pack_q4_1) into groups of 8 blocks (256 input columns), then
+// groups of 2 blocks (64 columns) for the rest of K, then the blocks' offsets as fp32:
+//   8-block group: 128 bytes of nibbles, then the 8 scales d as fp16. Byte u of 128-bit lane l of 64-byte
+//     half `ld`, at offset 64 ld + 16 l + u, holds in its low nibble the weight paired with input word
+//     8 l + u % 8 of word vector 4 ld + u / 8 and in its high nibble the one of vector 4 ld + 2 + u / 8
+//     (32 words a vector; Q4Order says which input column each word is). Word s takes block
+//     (4 (s / 8) + s % 8 / 2) % 8: the 8 words of one 8-byte run (one AVX2 vector) hold blocks 0-3, two
+//     words each, for even l and blocks 4-7 for odd l, so two sums per group, each scaled once by its
+//     lanes' d.
+//   2-block group: 32 nibble bytes (byte s: word s, low nibble vector 0, high vector 1; block s % 4 / 2),
+//     then the 2 fp16 scales.
+//   offsets: m - 128 d per block (fp32; exact for SmolLM2's blocks: m comes back as offset + 128 d).
+// Row bytes = K * 11 / 16 (GGUF: K * 10 / 16). A product is sum_b d_b * sum_i q_i x_i + m_b * sum_i x_i
+// over the blocks b of a row, with x rounded to bf16 (as in bf16 products): exact products (q x: 12
+// bits), fp32 sums in a fixed order. The input rows are rearranged once per product into the words'
+// order (q4_prepare), with their per-block sums. AVX2 + FMA + F16C; the Python side checks has_q4_1.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define DSPARK_Q4_AVX2 1
+constexpr bool kHasQ4 = true;
+#else
+constexpr bool kHasQ4 = false;
+#endif
+using Q4In = float;  // the prepared input: bf16-rounded values kept as fp32
+constexpr at::ScalarType kQ4InType = at::kFloat;
+constexpr int64_t kQ4Full = 256, kQ4FullBytes = 144, kQ4Tail = 64, kQ4TailBytes = 36;
+inline int64_t q4_row_bytes(int64_t K) { return K / kQ4Tail * kQ4TailBytes + K / 32 * 4; }
+// K from a packed row's byte count (0 when no multiple of 64 gives it)
+inline int64_t q4_cols(int64_t row_bytes) { return row_bytes % 44 == 0 ? row_bytes / 44 * kQ4Tail : 0; }
+
+// Input column (within its group) of word s of word vector v: 8-block groups (v < 8), 2-block (v < 2).
+struct Q4Order {
+  uint16_t full[8][32], tail[2][32];
+  Q4Order() {
+    for (int v = 0; v < 8; ++v) {  // v = load * 4 + nibble * 2 + unpack half
+      const int load = v / 4, nib = v / 2 % 2, half = v % 2;
+      for (int s = 0; s < 32; ++s) {
+        const int l = s / 8, u = s % 8;  // 128-bit lane, byte within its unpacked half
+        const int block = (4 * l + u / 2) % 8, j = 8 * load + 4 * half + 2 * (l / 2) + u % 2;
+        full[v][s] = static_cast<uint16_t>(block * 32 + 16 * nib + j);
+      }
+    }
+    for (int v = 0; v < 2; ++v)  // v = nibble
+      for (int s = 0; s < 32; ++s) {
+        const int k = s / 4, t = s % 4;
+        tail[v][s] = static_cast<uint16_t>((t >> 1) * 32 + 2 * k + (t & 1) + 16 * v);
+      }
+  }
+};
+const Q4Order kQ4Order;
+
+#if defined(DSPARK_Q4_AVX2)
+// AVX2: the same packed rows; each 8 nibbles widened to fp32 q and multiplied by the input with FMAs into
+// two sums per (row, input) and 8-block group (lanes on blocks 0-3 and 4-7, as the words' order places
+// them), scaled by the blocks' d at the group's end; the offsets' m = stored offset + 128 d times the
+// input's block sums. The input rows are rounded to bf16 (kept as fp32), rearranged into the words' order.
+inline __m256 round_bf16(__m256 v) {  // round to nearest even at bf16 precision, as torch's .bfloat16()
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// x [M, K] rows [m0, m1) -> xq [M, K] (bf16-rounded fp32, words' order) and sums [M, K / 32] (per block of
+// 32, of the rounded values); `scratch` holds K floats.
+inline void q4_prepare(const float* x, int64_t m0, int64_t m1, int64_t K, Q4In* xq, float* sums, Q4In* scratch) {
+  const int64_t full = K / kQ4Full * kQ4Full;
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t i = 0; i < K; i += 8) _mm256_storeu_ps(scratch + i, round_bf16(_mm256_loadu_ps(x + m * K + i)));
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* v = scratch + 32 * b;
+      sums[m * (K / 32) + b] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
+                                                   _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24))));
+    }
+    float* q = xq + m * K;
+    for (int64_t c = 0; c < full; c += kQ4Full)
+      for (int v = 0; v < 8; ++v)
+        for (int s = 0; s < 32; ++s) q[c + 32 * v + s] = scratch[c + kQ4Order.full[v][s]];
+    for (int64_t c = full; c < K; c += kQ4Tail)
+      for (int v = 0; v < 2; ++v)
+        for (int s = 0; s < 32; ++s) q[c + 32 * v + s] = scratch[c + kQ4Order.tail[v][s]];
+  }
+}
+
+inline __m256i q4_bytes8(const uint8_t* p) {  // 8 nibble bytes widened to int32 lanes
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Output rows [n, n + R) for all M prepared input rows; a row's sums run in one fixed order whatever R, M.
+template <int M, int R>
+inline void q4_block(const Q4In* xq, const float* sums, const uint8_t* w, int64_t rb, float* out, int64_t K,
+                     int64_t N, int64_t n) {
+  const int64_t F = K / kQ4Full, T = K % kQ4Full / kQ4Tail, B = K / 32;
+  // word s of a group's vector takes block (4 (s / 8) + s % 8 / 2) % 8 (8-block groups) or s % 4 / 2 (2-block)
+  const __m256i lanes_a = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), lanes_b = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  const __m256i lanes_t = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1), low4 = _mm256_set1_epi32(0x0F);
+  const __m256 c128 = _mm256_set1_ps(128.f);
+  const uint8_t* row[R];
+  const float* offs[R];
+  for (int r = 0; r < R; ++r) {
+    row[r] = w + (n + r) * rb;
+    offs[r] = reinterpret_cast<const float*>(row[r] + K / kQ4Tail * kQ4TailBytes);
+  }
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < F; ++g) {
+    __m256 t[2][R][M];  // lanes on blocks 0-3 (128-bit lanes 0, 2 of a load) and 4-7 (lanes 1, 3)
+    for (int a = 0; a < 2; ++a)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) t[a][r][m] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __builtin_prefetch(row[r] + (g + 16) * kQ4FullBytes, 0, 1);
+      __builtin_prefetch(row[r] + (g + 16) * kQ4FullBytes + 64, 0, 1);
+    }
+#pragma GCC unroll 2
+    for (int ld = 0; ld < 2; ++ld)
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half)
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {  // 8 bytes of 128-bit lane l: words 8 l .. 8 l + 7 of vector 4 ld + half
+          const int64_t off = g * kQ4FullBytes + 64 * ld + 16 * l + 8 * half;
+          const int64_t xo = g * kQ4Full + 32 * (4 * ld + half) + 8 * l;  // the high nibbles: vector + 2
+          __m256i b[R];
+          for (int r = 0; r < R; ++r) b[r] = q4_bytes8(row[r] + off);
+#pragma GCC unroll 2
+          for (int nib = 0; nib < 2; ++nib) {
+            __m256 xv[M];
+            for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(xq + m * K + xo + 64 * nib);
+            for (int r = 0; r < R; ++r) {
+              const __m256 q = _mm256_cvtepi32_ps(nib ? _mm256_srli_epi32(b[r], 4) : _mm256_and_si256(b[r], low4));
+              for (int m = 0; m < M; ++m) t[l % 2][r][m] = _mm256_fmadd_ps(q, xv[m], t[l % 2][r][m]);
+            }
+          }
+        }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = row[r] + g * kQ4FullBytes;
+      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 128)));
+      const __m256 m8 = _mm256_fmadd_ps(d8, c128, _mm256_loadu_ps(offs[r] + 8 * g));
+      const __m256 da = _mm256_permutevar8x32_ps(d8, lanes_a), db = _mm256_permutevar8x32_ps(d8, lanes_b);
+      for (int m = 0; m < M; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(t[0][r][m], da, acc[r][m]);
+        acc[r][m] = _mm256_fmadd_ps(t[1][r][m], db, acc[r][m]);
+        acc[r][m] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sums + m * B + 8 * g), acc[r][m]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < T; ++g) {
+    const int64_t blk = 8 * F + 2 * g;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = row[r] + F * kQ4FullBytes + g * kQ4TailBytes;
+      __m256 t[M];
+      for (int m = 0; m < M; ++m) t[m] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256i b = q4_bytes8(p + 8 * c);
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+        const int64_t xo = F * kQ4Full + g * kQ4Tail + 8 * c;
+        for (int m = 0; m < M; ++m) {
+          t[m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xq + m * K + xo), t[m]);
+          t[m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xq + m * K + xo + 32), t[m]);
+        }
+      }
+      int32_t scales;  // dA | dB << 16
+      std::memcpy(&scales, p + 32, 4);
+      const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));  // [dA, dB, 0, 0]
+      const __m128 o2 = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(offs[r] + blk)));
+      const __m256 m2 = _mm256_zextps128_ps256(_mm_fmadd_ps(d2, _mm_set1_ps(128.f), o2));  // [mA, mB, 0 ...]
+      const __m256 dt = _mm256_permutevar8x32_ps(_mm256_zextps128_ps256(d2), lanes_t);
+      for (int m = 0; m < M; ++m) {
+        const __m256 s2 = _mm256_castsi256_ps(_mm256_zextsi128_si256(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sums + m * B + blk))));
+        acc[r][m] = _mm256_fmadd_ps(t[m], dt, acc[r][m]);
+        acc[r][m] = _mm256_fmadd_ps(m2, s2, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[m * N + n + r] = hsum8(acc[r][m]);
+}
+#else
+inline void q4_prepare(const float*, int64_t, int64_t, int64_t, Q4In*, float*, Q4In*) {}
+template <int M, int R>
+inline void q4_block(const Q4In*, const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t) {}
+#endif
+
+template <int M>
+constexpr int q4_rows_per_block() {
+  for (int r : {2})  // 2 R x M group sums + R weight bytes + M inputs + 1 fit the 16 registers; at most
+    // 2 rows: 4 measured 1.4-1.9x slower at one input row
+    if (2 * r * M + r + M + 1 <= 16) return r;
+  return 1;
+}
+
+template <int M>
+void q4_rows(const Q4In* xq, const float* sums, const uint8_t* w, int64_t rb, float* out, int64_t K, int64_t N,
+             int64_t n0, int64_t n1) {
+  constexpr int R = q4_rows_per_block<M>();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) q4_block<M, R>(xq, sums, w, rb, out, K, N, n);
+  for (; n < n1; ++n) q4_block<M, 1>(xq, sums, w, rb, out, K, N, n);
+}
+
+using Q4RowsFn = void (*)(const Q4In*, const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t,
+                          int64_t);
+constexpr Q4RowsFn kQ4Rows[kPassRows] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>,  q4_rows<5>,  q4_rows<6>,
+                                         q4_rows<7>, q4_rows<8>, q4_rows<9>, q4_rows<10>, q4_rows<11>, q4_rows<12>};
+
+// Input rows a pass serves: two group sums per (row, input) fill the 16 registers at 4.
+constexpr int64_t kQ4PassRows = 4;
+
+// Output columns [n0, n1) of out[M, N] for prepared inputs: the passes and L2 tiles of mm_cols.
+void q4_mm_cols(const Q4In* xq, const float* sums, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* op,
+                int64_t n0, int64_t n1) {
+  const int64_t passes = (M + kQ4PassRows - 1) / kQ4PassRows, per_pass = (M + passes - 1) / passes;
+  const int64_t rb = q4_row_bytes(K);
+  const int64_t tile = passes == 1 ? n1 - n0 : std::max<int64_t>(16, (1 << 18) / rb);
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    for (int64_t m0 = 0; m0 < M; m0 += per_pass)
+      kQ4Rows[std::min(per_pass, M - m0) - 1](xq + m0 * K, sums + m0 * (K / 32), w, rb, op + m0 * N, K, N, t0, t1);
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------- Q8_0 products
+// Weights kept in llama.cpp's Q8_0 blocks (32 weights: w_i = d * q_i, q_i int8, d fp16), repacked per row
+// (dspark.kernels.pack_q8_0) as the K int8 q, then the K / 32 scales d as fp32: K * 9 / 8 bytes a row.
+// Each weight d * q is exact in fp32 (19 bits), the input stays fp32: the fp32 model's product, only
+// the summation order differs (per block sum_i q_i x_i, then times d). For the LM head of a Q8_0 GGUF
+// (SmolLM2's tied embedding): 1.1 bytes a weight instead of 4.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasQ8 = true;
+
+// Output rows [n, n + R) for the M input rows x [M, K]; a row's sums run in one fixed order whatever R, M.
+template <int M, int R>
+inline void q8_block(const float* x, const int8_t* w, int64_t rb, float* out, int64_t K, int64_t N, int64_t n) {
+  const int64_t B = K / 32;
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m256 t[R][M];
+    for (int r = 0; r < R; ++r) {
+      __builtin_prefetch(w + (n + r) * rb + 32 * b + 512, 0, 1);
+      for (int m = 0; m < M; ++m) t[r][m] = _mm256_setzero_ps();
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      __m256 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(x + m * K + 32 * b + 8 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + (n + r) * rb + 32 * b + 8 * c))));
+        for (int m = 0; m < M; ++m) t[r][m] = _mm256_fmadd_ps(q, xv[m], t[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(w + (n + r) * rb + K) + b);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(t[r][m], d, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[m * N + n + r] = hsum8(acc[r][m]);
+}
+#else
+constexpr bool kHasQ8 = false;
+template <int M, int R>
+inline void q8_block(const float*, const int8_t*, int64_t, float*, int64_t, int64_t, int64_t) {}
+#endif
+
+template <int M>
+constexpr int q8_rows_per_block() {  // 2 R x M sums + M inputs + 1 weight vector fit 16 registers
+  for (int r : {6, 4, 3, 2})
+    if (2 * r * M + M + 1 <= 16) return r;
+  return 1;
+}
+
+template <int M>
+void q8_rows(const float* x, const int8_t* w, int64_t rb, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int R = q8_rows_per_block<M>();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) q8_block<M, R>(x, w, rb, out, K, N, n);
+  for (; n < n1; ++n) q8_block<M, 1>(x, w, rb, out, K, N, n);
+}
+
+constexpr int64_t kQ8PassRows = 4;
+using Q8RowsFn = void (*)(const float*, const int8_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t);
+constexpr Q8RowsFn kQ8Rows[kQ8PassRows] = {q8_rows<1>, q8_rows<2>, q8_rows<3>, q8_rows<4>};
+
+// out[M, N] for x [M, K] fp32 and Q8_0-packed w [N, K * 9 / 8]: even shares of N over the threads, passes
+// of <= 4 input rows over L2-sized tiles of weight rows.
+void q8_mm_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, int64_t N, float* op) {
+  const int64_t rb = K + K / 8, threads = std::max(1, at::get_num_threads());
+  const int64_t passes = (M + kQ8PassRows - 1) / kQ8PassRows, per_pass = (M + passes - 1) / passes;
+  const int64_t tile = passes == 1 ? N : std::max<int64_t>(16, (1 << 18) / rb);
+  at::parallel_for(0, N, std::max<int64_t>(16, (N + threads - 1) / threads), [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += per_pass)
+        kQ8Rows[std::min(per_pass, M - m0) - 1](xp + m0 * K, wp, rb, op + m0 * N, K, N, t0, t1);
+    }
+  });
+}
+
 }  // namespace
 
-// x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 or bf16 contiguous -> [M, N] fp32. With bf16
-// weights x is rounded to bf16 first (round to nearest even) and the products accumulate in fp32.
+namespace {
+// out[M, N] for x [M, K] fp32 and Q4_1-packed w [N, q4_row_bytes(K)]; parallel over N.
+void q4_mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* op, const at::TensorOptions& opts) {
+  torch::Tensor xq = torch::empty({(M + 1) * K}, opts.dtype(kQ4InType)), sums = torch::empty({M * (K / 32)}, opts);
+  Q4In* xqp = xq.data_ptr<Q4In>();
+  float* sp = sums.data_ptr<float>();
+  q4_prepare(xp, 0, M, K, xqp, sp, xqp + M * K);
+  // even shares (the rows are short: a fixed byte grain would leave a thread idle on 576-row matrices)
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { q4_mm_cols(xqp, sp, M, K, wp, N, op, n0, n1); });
+}
+}  // namespace
+
+// x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 or bf16, or uint8 [N, K * 11 / 16] Q4_1-packed
+// (see "Q4_1 products"; K a multiple of 64) -> [M, N] fp32. With bf16 or Q4_1 weights x is rounded to bf16
+// first (round to nearest even) and the products accumulate in fp32.
 torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_mm: shapes ", x.sizes(), " and ",
-              w.sizes());
-  const bool bf = w.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || bf),
-              "small_mm: fp32 input and fp32 or bf16 weights only");
+  const bool bf = w.scalar_type() == at::kBFloat16, q4 = w.scalar_type() == at::kByte, q8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (q4 ? w.size(1) == q4_row_bytes(x.size(1)) && x.size(1) % kQ4Tail == 0
+                                               : q8 ? w.size(1) == x.size(1) + x.size(1) / 8 && x.size(1) % 32 == 0
+                                                    : x.size(1) == w.size(1)),
+              "small_mm: shapes ", x.sizes(), " and ", w.sizes(), q4 ? " (Q4_1: K a multiple of 64, K * 11 / 16 bytes a row)"
+                                                                 : q8 ? " (Q8_0: K a multiple of 32, K * 9 / 8 bytes a row)" : "");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || bf || q4 || q8),
+              "small_mm: fp32 input and fp32, bf16, Q4_1-packed uint8 or Q8_0-packed int8 weights only");
+  TORCH_CHECK(!q8 || kHasQ8, "small_mm: Q8_0 weights need a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(!bf || kHasBf16, "small_mm: bf16 weights need a CPU with AVX512-BF16");
+  TORCH_CHECK(!q4 || kHasQ4, "small_mm: Q4_1 weights need a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_mm: CPU tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "small_mm: 1..", kMaxRows, " rows, got ", M);
   const torch::Tensor xc = x.contiguous(), wc = w.contiguous();
   torch::Tensor out = torch::empty({M, N}, x.options());
-  if (bf) {
+  if (q8) {
+    q8_mm_into(xc.data_ptr<float>(), M, K, wc.data_ptr<int8_t>(), N, out.data_ptr<float>());
+  } else if (q4) {
+    q4_mm_into(xc.data_ptr<float>(), M, K, wc.data_ptr<uint8_t>(), N, out.data_ptr<float>(), x.options());
+  } else if (bf) {
     torch::Tensor xb = torch::empty({M, K}, x.options().dtype(at::kBFloat16));
     to_bf16(xc.data_ptr<float>(), xb.data_ptr<bf16>(), M * K);
     mm_into<BF16>(xb.data_ptr<bf16>(), M, K, wc.data_ptr<bf16>(), N, out.data_ptr<float>());
@@ -527,22 +868,28 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
               "decoder_layers_: x must be a contiguous fp32 CPU [T, D] tensor");
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(T >= 1 && T <= kMaxRows, "decoder_layers_: 1..", kMaxRows, " rows, got ", T);
-  bool any_bf = false;
+  bool any_bf = false, any_q4 = false;
   for (size_t i = 0; i < weights.size(); ++i) {
     const torch::Tensor& w = weights[i];
     const int slot = static_cast<int>(i % kPerLayer);
     const bool matrix = slot == 1 || slot == 4 || slot == 6 || slot == 7;  // qkv, o, gate_up, down
     const bool bf = matrix && w.defined() && w.scalar_type() == at::kBFloat16;
+    const bool q4 = matrix && w.defined() && w.scalar_type() == at::kByte;
     any_bf |= bf;
+    any_q4 |= q4;
     TORCH_CHECK(!bf || kHasBf16, "decoder_layers_: bf16 weights need a CPU with AVX512-BF16");
-    TORCH_CHECK(!w.defined() || w.numel() == 0 || ((w.scalar_type() == at::kFloat || bf) && w.is_contiguous() &&
+    TORCH_CHECK(!q4 || (kHasQ4 && w.dim() == 2 && q4_cols(w.size(1)) > 0),
+                "decoder_layers_: Q4_1-packed weights need a CPU with AVX2, FMA and F16C, [N, K * 11 / 16]");
+    TORCH_CHECK(!w.defined() || w.numel() == 0 || ((w.scalar_type() == at::kFloat || bf || q4) && w.is_contiguous() &&
                                                   w.device().is_cpu()),
-                "decoder_layers_: weights must be contiguous CPU tensors, fp32 (matrices: fp32 or bf16)");
+                "decoder_layers_: weights must be contiguous CPU tensors, fp32 (matrices: fp32, bf16 or Q4_1)");
   }
+  // a matrix's input width: its columns, or what its packed Q4_1 row holds
+  const auto cols = [](const torch::Tensor& w) { return w.scalar_type() == at::kByte ? q4_cols(w.size(1)) : w.size(1); };
   for (const torch::Tensor* t : {&slot_mapping, &token_index, &key_limit, &kv_slots}) check_index(*t, "decoder_layers_");
   TORCH_CHECK(slot_mapping.numel() == T, "decoder_layers_: one slot per row");
   const int64_t hd = cos.size(-1), qk_heads = H + Hkv, qkv_dim = (H + 2 * Hkv) * hd;
-  const int64_t inter = weights[7].size(1), half = hd / 2;
+  const int64_t inter = cols(weights[7]), half = hd / 2;
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * hd && sin.numel() == T * hd &&
                   H % Hkv == 0 && hd % 2 == 0,
               "decoder_layers_: cos/sin [T, head_dim] contiguous");
@@ -554,8 +901,15 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   torch::Tensor o = torch::empty({T, D}, opts), gu = torch::empty({T, 2 * inter}, opts);
   torch::Tensor act = torch::empty({T, inter}, opts);
   // bf16 copies of a product's input rows, for bf16 weights (the widest input: D, H * hd or inter)
-  torch::Tensor xbf = torch::empty({any_bf ? T * std::max({D, H * hd, inter}) : 0}, opts.dtype(at::kBFloat16));
+  const int64_t widest = std::max({D, H * hd, inter});
+  const int64_t threads = std::max(1, at::get_num_threads());
+  torch::Tensor xbf = torch::empty({any_bf ? T * widest : 0}, opts.dtype(at::kBFloat16));
+  // Q4_1: the prepared input rows (+ per thread one row of scratch) and their block sums
+  torch::Tensor xq4 = torch::empty({any_q4 ? (T + threads) * widest : 0}, opts.dtype(kQ4InType));
+  torch::Tensor xsums = torch::empty({any_q4 ? T * widest / 32 : 0}, opts);
   bf16* xbp = xbf.data_ptr<bf16>();
+  Q4In* xqp = xq4.data_ptr<Q4In>();
+  float* xsp = xsums.data_ptr<float>();
   float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *ap = attn.data_ptr<float>(), *opp = o.data_ptr<float>();
   float *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
@@ -569,9 +923,9 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
     TORCH_CHECK(kc.scalar_type() == at::kFloat && kc.is_contiguous() && vc.is_contiguous() &&
                     kc.size(-2) == Hkv && kc.size(-1) == hd && vc.sizes() == kc.sizes(),
                 "decoder_layers_: fp32 contiguous caches [blocks, block_size, ", Hkv, ", ", hd, "]");
-    TORCH_CHECK(w[0].numel() == D && w[5].numel() == D && w[1].size(0) == qkv_dim && w[1].size(1) == D &&
-                    w[4].size(0) == D && w[4].size(1) == H * hd && w[6].size(0) == 2 * inter &&
-                    w[6].size(1) == D && w[7].size(0) == D && w[7].size(1) == inter &&
+    TORCH_CHECK(w[0].numel() == D && w[5].numel() == D && w[1].size(0) == qkv_dim && cols(w[1]) == D &&
+                    w[4].size(0) == D && cols(w[4]) == H * hd && w[6].size(0) == 2 * inter &&
+                    cols(w[6]) == D && w[7].size(0) == D && cols(w[7]) == inter &&
                     (w[2].numel() == 0 || (w[2].numel() == hd && w[3].numel() == hd)),
                 "decoder_layers_: weight shapes of layer ", l);
     kcp[l] = kc.data_ptr<float>();
@@ -592,13 +946,18 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   // threads, the row-wise glue (norms, RoPE, K/V stores, residual adds) runs on thread 0, and the
   // phases are separated by a spinning barrier.
   SpinBarrier barrier;
-#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+#pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     auto sync = [&] { barrier.wait(nt); };
     auto mm = [&](const float* in, int64_t K, const torch::Tensor& wt, int64_t N, float* out) {
       const auto [n0, n1] = share(N, tid, nt, 16);
-      if (wt.scalar_type() == at::kBFloat16) {  // round the input rows to bf16 (split), then multiply
+      if (wt.scalar_type() == at::kByte) {  // Q4_1: prepare the input rows (split by rows), then multiply
+        const auto [r0, r1] = share(T, tid, nt, 1);
+        if (r0 < r1) q4_prepare(in, r0, r1, K, xqp, xsp, xqp + (T + tid) * widest);
+        sync();
+        if (n0 < n1) q4_mm_cols(xqp, xsp, T, K, wt.data_ptr<uint8_t>(), N, out, n0, n1);
+      } else if (wt.scalar_type() == at::kBFloat16) {  // round the input rows to bf16 (split), then multiply
         const auto [i0, i1] = share(T * K, tid, nt, 16);
         if (i0 < i1) to_bf16(in + i0, xbp + i0, i1 - i0);
         sync();
@@ -667,10 +1026,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs, as torch's own ops do: the server's API thread keeps
   // streaming and detokenizing while the engine thread computes
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 128 (fp32 x, fp32 or bf16 w, CPU)", release());
+  m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 128 (fp32 x; fp32, bf16, Q4_1- or Q8_0-packed w; CPU)", release());
   m.def("rms_norm", &rms_norm, "x / rms(x) * w (fp32, CPU)", release());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) (fp32, CPU)", release());
   m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());
-  m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32 or bf16)", release());
+  m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32, bf16 or Q4_1)", release());
   m.attr("has_bf16") = kHasBf16;
+  m.attr("has_q4_1") = kHasQ4;
+  m.attr("has_q8_0") = kHasQ8;
 }

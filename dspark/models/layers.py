@@ -151,16 +151,25 @@ SMALL_M = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_t: torch.Tensor | None = None, weight_bf16: torch.Tensor | None = None) -> torch.Tensor:
+           weight_t: torch.Tensor | None = None, weight_bf16: torch.Tensor | None = None,
+           weight_q4: torch.Tensor | None = None, weight_q8: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] @ weight[out, in]^T (+ bias) -> [rows, out] contiguous.
 
     `weight_t` [in, out] (see `add_decode_layout`): a one-row product streams it ~1.8x faster than
     the [out, in] layout on CPU (measured: 7.2 vs 12.7 ms for SmolLM2's 113 MB LM head).
     `weight_bf16` (see `use_bf16_products`): the product of x rounded to bf16 with the bf16 weight,
     accumulated in fp32 — the kernel's when it applies, else the same values in fp32 through torch
-    (`weight` holds the bf16-rounded values), so every path computes one model."""
-    if weight_bf16 is not None:
-        out = kernels.linear(x, weight_bf16)
+    (`weight` holds the bf16-rounded values), so every path computes one model. `weight_q4` (see
+    `use_q4_1_products`): the same with the GGUF's Q4_1 blocks (`weight` holds their exact values).
+    `weight_q8` (see `use_q8_0_head`): the GGUF's Q8_0 blocks with the fp32 input — the fp32 product
+    (`weight` holds the blocks' exact values), in 1.1 bytes a weight."""
+    if weight_q8 is not None:
+        out = kernels.linear(x, weight_q8)
+        out = F.linear(x, weight) if out is None else out
+        return out if bias is None else out + bias
+    lowp = weight_q4 if weight_q4 is not None else weight_bf16
+    if lowp is not None:
+        out = kernels.linear(x, lowp)
         if out is None:
             out = F.linear(x.to(torch.bfloat16).to(x.dtype), weight)
         return out if bias is None else out + bias
@@ -199,7 +208,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         return linear(x, self.weight, self.bias, getattr(self, "weight_t", None),
-                      getattr(self, "weight_bf16", None))
+                      getattr(self, "weight_bf16", None), getattr(self, "weight_q4", None))
 
 
 class MergedLinear(Linear):
@@ -256,7 +265,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab]
         return linear(hidden, self.weight, None, getattr(self, "weight_t", None),
-                      getattr(self, "weight_bf16", None)).float()
+                      getattr(self, "weight_bf16", None), weight_q8=getattr(self, "weight_q8", None)).float()
 
 
 def add_decode_layout(model: nn.Module) -> int:
@@ -270,6 +279,53 @@ def add_decode_layout(model: nn.Module) -> int:
             module.weight_t = module.weight.detach().t().contiguous()
             added += module.weight_t.numel() * module.weight_t.element_size()
     return added
+
+
+def use_q4_1_products(model: nn.Module, packed: dict[str, torch.Tensor], *, head_bf16: bool) -> int:
+    """Make the products of the Linear layers of `model` Q4_1 products: `packed` maps each Linear's
+    module name to its weight in the kernels' packed Q4_1 layout ([out, in * 11 / 16] uint8,
+    `kernels.pack_q4_1`), kept as `weight_q4`; the weight itself must already hold those blocks' exact
+    values (the torch twin multiplies by it). Inputs are rounded to bf16 per product, sums stay fp32.
+    `head_bf16`: the LM head takes bf16 products (`use_bf16_products` for it alone: where the kernels
+    multiply bf16, half the head's bytes), else it stays fp32. Every Linear must be covered (a missing
+    one raises ValueError naming it). Returns the bytes added."""
+    added = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            w = packed.get(name)
+            if w is None:
+                raise ValueError(f"Q4_1 products: no Q4_1 weight for {name}")
+            if w.dtype != torch.uint8 or w.shape[0] != module.out_features or \
+                    kernels.q4_1_packed_cols(w) != module.in_features:
+                raise ValueError(f"Q4_1 products: {name} is [{module.out_features}, {module.in_features}], "
+                                 f"its packed weight {tuple(w.shape)} {w.dtype}")
+            module.register_buffer("weight_q4", w.contiguous(), persistent=False)
+            module.weight_t = None
+            added += w.numel()
+    for module in model.modules():
+        if isinstance(module, LMHead) and head_bf16:
+            added += use_bf16_products(module)
+    model.matmul_dtype = "q4_1"
+    if hasattr(model, "_layer_weight_list"):
+        model._layer_weight_list = None  # the fused stack's list picks the packed weights up
+    return added
+
+
+def use_q8_0_head(model: nn.Module, packed: torch.Tensor) -> int:
+    """Make the LM head of `model` multiply its GGUF's Q8_0 blocks: `packed` [vocab, hidden * 9 / 8] int8
+    (`kernels.pack_q8_0`), kept as `weight_q8`; the head's weight must already hold the blocks' exact
+    values. The input stays fp32, so the logits are the fp32 model's (summation order apart). Returns
+    the bytes added."""
+    heads = [m for m in model.modules() if isinstance(m, LMHead)]
+    if len(heads) != 1:
+        raise ValueError(f"Q8_0 head: the model has {len(heads)} LM heads")
+    head = heads[0]
+    vocab, hidden = head.weight.shape
+    if packed.dtype != torch.int8 or tuple(packed.shape) != (vocab, hidden + hidden // 8):
+        raise ValueError(f"Q8_0 head: the head is [{vocab}, {hidden}], its packed weight {tuple(packed.shape)} {packed.dtype}")
+    head.register_buffer("weight_q8", packed.contiguous(), persistent=False)
+    head.weight_t = None
+    return packed.numel()
 
 
 def use_bf16_products(model: nn.Module) -> int:
@@ -293,7 +349,8 @@ def use_bf16_products(model: nn.Module) -> int:
             module.register_buffer("weight_bf16", w.detach().to(torch.bfloat16).contiguous(), persistent=False)
             module.weight_t = None
             added += module.weight_bf16.numel() * 2
-    model.matmul_dtype = "bfloat16"
+    if not isinstance(model, LMHead):
+        model.matmul_dtype = "bfloat16"
     if hasattr(model, "_layer_weight_list"):
         model._layer_weight_list = None  # the fused stack's list picks the bf16 copies up
     return added

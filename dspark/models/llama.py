@@ -31,9 +31,13 @@ IGNORED_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.(cos|sin)_cache
 
 
 def _product_weight(linear: Linear) -> torch.Tensor:
-    """The weight the kernels multiply by: the bf16 copy under `use_bf16_products`, else the weight."""
-    bf16 = getattr(linear, "weight_bf16", None)
-    return linear.weight if bf16 is None else bf16
+    """The weight the kernels multiply by: the packed Q4_1 blocks under `use_q4_1_products`, the bf16 copy
+    under `use_bf16_products`, else the weight."""
+    for name in ("weight_q4", "weight_bf16"):
+        w = getattr(linear, name, None)
+        if w is not None:
+            return w
+    return linear.weight
 
 
 class LlamaAttention(nn.Module):

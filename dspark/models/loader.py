@@ -8,6 +8,11 @@ converter interleaves the rows of q_proj/k_proj of Llama models for its rope ker
 here. Parsing and dequantising a GGUF takes seconds, so the first load also writes the HF-named fp32
 tensors and config.json to the file's cache directory (`tokenizer.gguf_cache_dir`); later loads read
 that as an HF directory. Checkpoints are read with `safetensors` only (never pickle).
+
+`matmul_dtype="q4_1"` keeps a Q4_1 GGUF's layer matrices in their blocks for the CPU kernels (read from
+the GGUF itself, rows un-interleaved the same way, packed by `kernels.pack_q4_1`) beside the fp32 values;
+the LM head takes bf16 products where the kernels multiply bf16, else its own Q8_0 blocks when the GGUF
+stores it so (`kernels.pack_q8_0`: the fp32 head's values and input), else fp32.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from dspark.models import build_model
 from dspark import kernels
-from dspark.models.layers import add_decode_layout, use_bf16_products
+from dspark.models.layers import Linear, add_decode_layout, use_bf16_products, use_q4_1_products, use_q8_0_head
 from dspark.models.config import ModelConfig
 from dspark.models.tokenizer import TokenizerBundle, gguf_cache_dir, load_tokenizer
 
@@ -61,8 +66,13 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", decode_layout: bool = True,
                matmul_dtype: str = "float32") -> tuple[torch.nn.Module, ModelConfig, TokenizerBundle]:
     """-> (eval-mode model with weights, its ModelConfig, its TokenizerBundle). `matmul_dtype`
-    "bfloat16": bf16 matrix products (`use_bf16_products`, a float32 model only)."""
+    "bfloat16": bf16 matrix products (`use_bf16_products`, a float32 model only); "q4_1": the layers
+    multiply the GGUF's Q4_1 blocks (`use_q4_1_products`; a Q4_1 GGUF only, see `q4_1_problem`)."""
     path = resolve_model_path(path_or_name)
+    if matmul_dtype == "q4_1":
+        problem = q4_1_problem(path)
+        if problem:
+            raise ValueError(f"matmul_dtype q4_1: {problem}")
     if path.is_file() and path.suffix == ".gguf":
         cache = gguf_cache_dir(path)
         if (cache / "model.safetensors").is_file() and (cache / "config.json").is_file():
@@ -83,10 +93,80 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
             model.load_weights(source.weights())
     if matmul_dtype == "bfloat16":
         use_bf16_products(model)
+    elif matmul_dtype == "q4_1":
+        head_bf16 = kernels.has_bf16_kernels()
+        use_q4_1_products(model, gguf_q4_1_weights(path, model), head_bf16=head_bf16)
+        head = None if head_bf16 or not kernels.has_q8_0_kernels() else gguf_q8_0_head(path)
+        if head is not None:  # without bf16 kernels: the head's own Q8_0 blocks, exact and 3.6x fewer bytes
+            use_q8_0_head(model, head)
     elif decode_layout and torch.device(device).type == "cpu" and not (dtype == torch.float32 and kernels.enabled()):
         add_decode_layout(model)  # the fp32 CPU kernels read the [out, in] layout directly
     tokenizer = load_tokenizer(path, eos_token_ids=source.config.eos_token_ids)
     return model, source.config, tokenizer
+
+
+def q4_1_problem(path_or_name: str | Path) -> str | None:
+    """Why a model cannot take Q4_1 products (None when it can): not a GGUF, a layer matrix stored in
+    another type, or a matrix's input width not a multiple of 64. Reads the header only."""
+    path = resolve_model_path(path_or_name)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return f"{path} is not a GGUF file (Q4_1 products multiply a Q4_1 GGUF's own blocks)"
+    import gguf
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if not t.name.startswith("blk.") or len(t.shape) != 2:
+            continue  # the embedding / LM head take bf16 products; norms are vectors
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            return f"{path.name}: {t.name} is {t.tensor_type.name}, not Q4_1"
+        if int(t.shape[0]) % 64:
+            return f"{path.name}: {t.name} has {int(t.shape[0])} input columns, not a multiple of 64"
+    return None
+
+
+def gguf_q8_0_head(path: Path) -> torch.Tensor | None:
+    """The LM head's matrix of the GGUF at `path` (`output.weight`, else the tied `token_embd.weight`)
+    packed for the Q8_0 kernel (`kernels.pack_q8_0`), or None when it is stored in another type."""
+    import gguf
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    t = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+        return None
+    return kernels.pack_q8_0(torch.from_numpy(np.array(t.data, copy=True)))
+
+
+def gguf_q4_1_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The packed Q4_1 weight of every Linear of `model` from the GGUF at `path` ({module name: [out,
+    in * 11 / 16] uint8}); merged projections (qkv, gate_up) are stacked in their shard order."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    config = gguf_model_config(reader)
+    permute = config.architecture == "LlamaForCausalLM"
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    for t in reader.tensors:
+        if not t.name.startswith("blk.") or len(t.shape) != 2:
+            continue
+        name, shard = model._resolve(gguf_to_hf_name(t.name))
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name)
+        if not isinstance(module, Linear):
+            continue
+        raw = torch.from_numpy(np.array(t.data, copy=True))  # [out, in / 32 * 20] GGUF blocks
+        if permute and name.endswith("qkv_proj.weight") and shard in ("q", "k"):
+            heads = config.num_attention_heads if shard == "q" else config.num_key_value_heads
+            raw = unpermute_rope_rows(raw, heads)
+        packed = kernels.pack_q4_1(raw)
+        if module_name not in out:
+            out[module_name] = torch.zeros(module.out_features, packed.shape[1], dtype=torch.uint8)
+            filled[module_name] = 0
+        start, rows = module.shard_rows[shard] if shard else (0, module.out_features)
+        if packed.shape[0] != rows:
+            raise ValueError(f"{path.name}: {t.name} has {packed.shape[0]} rows, {module_name} expects {rows}")
+        out[module_name][start:start + rows] = packed
+        filled[module_name] += rows
+    short = [n for n, f in filled.items() if f != out[n].shape[0]]
+    if short:
+        raise ValueError(f"{path.name}: Q4_1 weights cover only part of {', '.join(short[:4])}")
+    return out
 
 
 def _write_gguf_cache(cache: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

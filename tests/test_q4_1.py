@@ -1,0 +1,298 @@
+"""Q4_1 products (`--matmul-dtype q4_1`): the layers multiply a Q4_1 GGUF's own blocks, the LM head its
+own Q8_0 blocks where the kernels have no bf16 products.
+
+* the packing (`kernels.pack_q4_1`) and the kernel's product against the twin — the fp64 product of the
+  bf16-rounded input with the blocks' dequantized weights (gguf's own dequantization) — at every row
+  count a step uses, for widths with 8-block groups, 2-block groups and both;
+* the Q8_0 head's product against the fp64 product of the fp32 input with the blocks' values;
+* a row's result is bit for bit the same alone or in any batch (prompt chunks included);
+* a tiny model with Q4_1 weights: the fused decoder stack and the per-layer path against the torch twin
+  (kernels off), batch invariance under four chunkings, and HF's fp32 model of the same weights;
+* the real default GGUF: its packed blocks are its weights, the config checks fail before loading, and
+  the shipped speculative default equals plain greedy decoding token for token in q4_1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from dspark import kernels
+from dspark.models.config import ModelConfig
+
+from conftest import PagedKV, TINY_LLAMA, TINY_QWEN3, hf_twin
+
+needs_q4 = pytest.mark.skipif(not kernels.has_q4_1_kernels(), reason="no Q4_1 CPU kernels (AVX2/FMA/F16C)")
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
+
+
+def gguf_blocks(n: int, k: int, *, seed: int, kind=Q4_1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GGUF rows of `kind` [n, k / 32 * block bytes] uint8, their fp32 values [n, k]) of a random matrix,
+    quantized by gguf's own quantizer."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+    raw = gguf.quantize(w, kind)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(gguf.dequantize(raw, kind).copy())
+
+
+def q4_blocks(n: int, k: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return gguf_blocks(n, k, seed=seed, kind=Q4_1)
+
+
+def test_dequantize_q4_1_is_gguf_s_dequantization():
+    raw, ref = q4_blocks(7, 320, seed=0)
+    assert torch.equal(kernels.dequantize_q4_1(raw), ref)
+
+
+def test_pack_q4_1_rejects_widths_it_cannot_pack():
+    raw, _ = q4_blocks(3, 96, seed=1)  # 3 blocks: not a whole 64-column group
+    with pytest.raises(ValueError, match="64-column"):
+        kernels.pack_q4_1(raw)
+    with pytest.raises(ValueError, match="uint8"):
+        kernels.pack_q4_1(torch.zeros(3, 40, dtype=torch.int16))
+
+
+@needs_q4
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 12, 13, 48, kernels.MAX_ROWS])
+@pytest.mark.parametrize("k", [64, 512, 576, 1536])  # 2-block groups only, 8-block only, both, 6 x 8-block
+def test_small_mm_q4_1_matches_the_dequantized_product(rows, k):
+    raw, w = q4_blocks(37, k, seed=rows + k)
+    packed = kernels.pack_q4_1(raw)
+    assert packed.shape == (37, k * 11 // 16) and kernels.q4_1_packed_cols(packed) == k
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    out = kernels.ops().small_mm(x, packed)
+    ref = (x.bfloat16().double() @ w.double().t()).float()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    # the input really is rounded to bf16: the unrounded product is much further away than summation order
+    assert (out - x @ w.t()).abs().max() > 10 * (out - ref).abs().max()
+
+
+@needs_q4
+def test_q4_1_row_results_do_not_depend_on_the_batch():
+    """Bit for bit, a row's product is the same alone or among others, across passes, tiles, thread shares
+    and the 128-row chunks of a prompt (kernels.linear)."""
+    raw, _ = q4_blocks(300, 576, seed=3)
+    packed = kernels.pack_q4_1(raw)
+    x = torch.randn(2 * kernels.MAX_ROWS + 9, 576, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([kernels.linear(x[i:i + 1], packed) for i in range(x.shape[0])])
+    for rows in (2, 4, 5, 12, 13, 61, kernels.MAX_ROWS, x.shape[0]):
+        assert torch.equal(kernels.linear(x[:rows], packed), alone[:rows]), rows
+
+
+@needs_q4
+def test_small_mm_q4_1_rejects_a_mismatched_width():
+    packed = kernels.pack_q4_1(q4_blocks(5, 128, seed=5)[0])
+    with pytest.raises(RuntimeError, match="Q4_1"):
+        kernels.ops().small_mm(torch.randn(2, 192), packed)
+
+
+needs_q8 = pytest.mark.skipif(not kernels.has_q8_0_kernels(), reason="no Q8_0 CPU kernels (AVX2/FMA/F16C)")
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def q8_blocks(n: int, k: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return gguf_blocks(n, k, seed=seed, kind=Q8_0)
+
+
+def test_dequantize_q8_0_is_gguf_s_dequantization():
+    raw, ref = q8_blocks(5, 96, seed=0)
+    assert torch.equal(kernels.dequantize_q8_0(raw), ref)
+    packed = kernels.pack_q8_0(raw)
+    assert packed.dtype == torch.int8 and packed.shape == (5, 96 * 9 // 8)
+
+
+@needs_q8
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, kernels.MAX_ROWS])
+@pytest.mark.parametrize("k", [32, 576])
+def test_small_mm_q8_0_is_the_fp32_product_of_its_weights(rows, k):
+    raw, w = q8_blocks(45, k, seed=rows + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    out = kernels.ops().small_mm(x, kernels.pack_q8_0(raw))
+    torch.testing.assert_close(out, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_q8
+def test_q8_0_row_results_do_not_depend_on_the_batch():
+    packed = kernels.pack_q8_0(q8_blocks(300, 576, seed=3)[0])
+    x = torch.randn(kernels.MAX_ROWS + 9, 576, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([kernels.linear(x[i:i + 1], packed) for i in range(x.shape[0])])
+    for rows in (2, 4, 5, 13, x.shape[0]):
+        assert torch.equal(kernels.linear(x[:rows], packed), alone[:rows]), rows
+
+
+# -- a tiny model with Q4_1 weights
+
+Q4_LLAMA = replace(TINY_LLAMA, hidden_size=320, intermediate_size=512, num_attention_heads=5,
+                   num_key_value_heads=1, head_dim=64)
+Q4_QWEN3 = replace(TINY_QWEN3, hidden_size=320, intermediate_size=512, num_attention_heads=5,
+                   num_key_value_heads=1, head_dim=64)
+
+
+def q4_model(cfg: ModelConfig, *, seed: int):
+    """(HF fp32 twin, ours with Q4_1 products): every layer matrix of the HF model quantized to Q4_1 (gguf's
+    quantizer) and replaced by the blocks' values; ours loads those and multiplies the packed blocks
+    (merged projections stacked in shard order, as the GGUF loader does)."""
+    from dspark.models import build_model
+    from dspark.models.layers import use_q4_1_products
+    hf = hf_twin(cfg, seed=seed)
+    blocks = {}
+    with torch.no_grad():
+        for key, t in hf.state_dict().items():
+            if t.dim() == 2 and key.startswith("model.layers."):
+                raw = gguf.quantize(t.numpy(), Q4_1)
+                t.copy_(torch.from_numpy(gguf.dequantize(raw, Q4_1).copy()))
+                blocks[key] = torch.from_numpy(np.ascontiguousarray(raw))
+    ours = build_model(cfg, dtype=torch.float32, device="cpu")
+    ours.load_weights(hf.state_dict().items())
+    packed: dict[str, torch.Tensor] = {}
+    for key, raw in blocks.items():
+        name, shard = ours._resolve(key)
+        module_name = name.rpartition(".")[0]
+        module = ours.get_submodule(module_name)
+        rows = kernels.pack_q4_1(raw)
+        out = packed.setdefault(module_name, torch.zeros(module.out_features, rows.shape[1], dtype=torch.uint8))
+        start, n = module.shard_rows[shard] if shard else (0, module.out_features)
+        out[start:start + n] = rows
+    assert use_q4_1_products(ours, packed, head_bf16=False) > 0
+    return hf, ours
+
+
+def _chunked_logits(model, ids, cuts):
+    kv = PagedKV.create(model, num_requests=1, max_len=64, kv_block_size=4, seed=1)
+    rows, start = [], 0
+    for n in cuts:
+        rows.append(kv.step(model, [(ids[start:start + n], start)])[0])
+        start += n
+    return model.compute_logits(torch.cat(rows))
+
+
+@needs_q4
+@pytest.mark.parametrize("cfg", [Q4_LLAMA, Q4_QWEN3], ids=["llama", "qwen3"])
+def test_q4_1_model_products_match_their_twin_and_the_model_stays_hf_s(cfg):
+    """A prompt chunk (per-layer path) then decode steps (fused stack, bit for bit the per-layer path:
+    the chunking test below): every product of the model, on the input it really got, against its twin
+    (fp64 product of the bf16-rounded input with the blocks' values); and the logits against HF's fp32
+    model of the same weights — apart by the inputs' bf16 rounding only, with the same greedy tokens
+    wherever HF's margin is clear. (A whole-model torch twin is no reference here: a last-bit difference
+    in a norm flips an input's bf16 rounding, ~1 in 10^4 inputs, and moves the logits by ~1e-3.)"""
+    from dspark.models.layers import Linear
+    hf, ours = q4_model(cfg, seed=6)
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: seen.append((inp[0].clone(), out.clone(), mod.weight)))
+             for m in ours.modules() if isinstance(m, Linear)]
+    ids = torch.randint(3, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    logits = _chunked_logits(ours, ids, [24] + [1] * 6)
+    for h in hooks:
+        h.remove()
+    assert len(seen) >= 4 * cfg.num_hidden_layers
+    for x, out, w in seen:
+        torch.testing.assert_close(out, (x.bfloat16().double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    err = (logits - ref).abs().max().item()
+    assert 1e-5 < err < 0.05 * ref.abs().max().item(), err
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * err
+    assert clear.sum() >= len(ids) // 2 and torch.equal(logits.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+@needs_q4
+def test_q4_1_a_token_is_bitwise_the_same_however_its_prompt_is_chunked():
+    _, ours = q4_model(Q4_LLAMA, seed=7)
+    ids = torch.randint(3, Q4_LLAMA.vocab_size, (60,), generator=torch.Generator().manual_seed(7)).tolist()
+    first = _chunked_logits(ours, ids, [60])
+    for cuts in ([17, 43], [25, 5, 30], [59, 1], [3] * 20):
+        assert torch.equal(_chunked_logits(ours, ids, cuts), first), cuts
+
+
+def test_use_q4_1_products_names_an_uncovered_layer():
+    from dspark.models import build_model
+    from dspark.models.layers import use_q4_1_products
+    with pytest.raises(ValueError, match="no Q4_1 weight for"):
+        use_q4_1_products(build_model(Q4_LLAMA), {}, head_bf16=False)
+
+
+# -- the real default GGUF
+
+def test_q4_1_config_is_refused_before_loading(tmp_path):
+    from dspark.config import EngineConfig
+    from dspark.models.loader import load_model
+    with pytest.raises(ValueError, match="matmul_dtype='q4_1' applies to dtype float32"):
+        EngineConfig(matmul_dtype="q4_1", dtype="bfloat16")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(tmp_path, matmul_dtype="q4_1")
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4(smollm2):
+    from dspark.models.loader import DEFAULT_MODEL, load_model
+    if not kernels.has_q4_1_kernels():
+        pytest.skip("no Q4_1 CPU kernels")
+    return load_model(DEFAULT_MODEL, dtype=torch.float32, matmul_dtype="q4_1")
+
+
+def test_smollm2_q4_1_blocks_are_its_weights(smollm2, smollm2_q4):
+    """The packed blocks hold the GGUF's weights (rows un-interleaved for rope like the fp32 load): each
+    Linear's kernel product equals the fp32 model's weights times the bf16-rounded input."""
+    from dspark.models.layers import Linear
+    fp32 = dict(smollm2[0].named_modules())
+    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(8))
+    checked = 0
+    for name, module in smollm2_q4[0].named_modules():
+        if isinstance(module, Linear):
+            assert module.weight_q4.dtype == torch.uint8
+            assert torch.equal(module.weight, fp32[name].weight), name
+            if checked < 8 or name.endswith("29.self_attn.qkv_proj"):
+                xi = x[:, :module.in_features]
+                ref = (xi.bfloat16().double() @ fp32[name].weight.double().t()).float()
+                torch.testing.assert_close(kernels.linear(xi, module.weight_q4), ref, rtol=1e-5, atol=1e-4)
+                checked += 1
+    assert checked >= 9
+    head = smollm2_q4[0].lm_head
+    if kernels.has_bf16_kernels():
+        assert head.weight_bf16 is not None
+    elif kernels.has_q8_0_kernels():  # the GGUF's Q8_0 embedding as the head: the fp32 model's logits
+        assert head.weight_q8.dtype == torch.int8
+        h = torch.randn(4, 576, generator=torch.Generator().manual_seed(9))
+        ref = (h.double() @ smollm2[0].lm_head.weight.double().t()).float()
+        torch.testing.assert_close(head(h), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_smollm2_q4_1_shipped_default_greedy_equals_plain(smollm2_q4):
+    """Lossless in q4_1: plain decoding of the q4_1 model against the shipped default (DSpark + lookup,
+    prefix scheduler on the q4_1 cost table) under preemption and prompt chunks sharing verify steps."""
+    from dspark.config import CacheConfig, EngineConfig, SchedulerConfig
+    from dspark.drafters import build_drafter
+    from dspark.drafters.shipped import default_spec_config
+    from dspark.engine.build import build_policy
+    from dspark.engine.engine import Engine
+    from test_smollm2 import _generate
+    model, cfg, tok = smollm2_q4
+    from dspark.bench.datasets import load_prompts
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r.prompt}])[:400]
+               for r in load_prompts("all", num_prompts=8, seed=0)]
+
+    def engine(spec, blocks):
+        config = EngineConfig(cache=CacheConfig(kv_block_size=16, num_kv_blocks=blocks), matmul_dtype="q4_1",
+                              scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), spec=spec)
+        if spec is None:
+            return Engine(config, model=model, model_config=cfg, eos_token_ids=tok.eos_token_ids)
+        drafter = build_drafter(spec, target_config=cfg, target_model=model, dtype=torch.float32, device="cpu")
+        policy, cost = build_policy(config, drafter)
+        assert cost.meta["matmul_dtype"] == "q4_1"
+        return Engine(config, model=model, model_config=cfg, drafter=drafter, length_policy=policy,
+                      cost_table=cost, eos_token_ids=tok.eos_token_ids)
+
+    plain = _generate(engine(None, 48), prompts)
+    spec = default_spec_config("SmolLM2-135M-Instruct", matmul_dtype="q4_1")
+    assert spec.cost_table.endswith("cost_table_q4_1.json")
+    spec_engine = engine(spec, 40)
+    outs = _generate(spec_engine, prompts)
+    mismatches = [i for i, (a, b) in enumerate(zip(outs, plain)) if a != b]
+    assert not mismatches, f"q4_1 shipped default: prompts {mismatches} differ from q4_1 plain greedy"
+    assert spec_engine.metrics.num_preemptions > 0 and spec_engine.metrics.num_accepted_tokens > 0
+    assert spec_engine.block_manager.num_free_blocks == 40
