@@ -21,8 +21,8 @@ import torch
 
 from dspark.bench.report import run_info, write_result_file
 
-SHAPES = [(8, w) for w in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12)] + [(16, w) for w in (1, 2, 3, 4, 6, 8)] + \
-    [(32, w) for w in (1, 2, 4)]
+SHAPES = [(1, w) for w in (1, 2, 4, 8)] + [(8, w) for w in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12)] + \
+    [(16, w) for w in (1, 2, 3, 4, 6, 8)] + [(32, w) for w in (1, 2, 4)]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -130,9 +130,11 @@ class EngineConfig:
     # dtype of the target's matrix products when dtype is float32: "bfloat16" rounds weights and each
     # product's input to bf16 and sums in fp32 (CPU kernels with AVX512-BF16: ~2x the arithmetic, half the
     # weight bytes); norms, attention, residual stream and KV cache stay fp32. "auto": bfloat16 where the
-    # CPU kernels multiply bf16, else float32 (dspark.engine.build.resolve_matmul_dtype). "q4_1": the
+    # CPU kernels multiply bf16, else q4_1 for a Q4_1 GGUF where they multiply Q4_1 (AVX2), else float32
+    # (dspark.engine.build.resolve_matmul_dtype). "q4_1": the
     # decoder layers multiply the GGUF's own Q4_1 blocks (a Q4_1 GGUF model only; exact weights, 0.69
-    # bytes a weight, input rounded to bf16, fp32 sums), the LM head in bf16.
+    # bytes a weight, input rounded to bf16, fp32 sums), the LM head in bf16 where the kernels multiply
+    # bf16, else in its own Q8_0 blocks when stored so (dspark.models.loader), else fp32.
     matmul_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0

@@ -296,3 +296,20 @@ def test_smollm2_q4_1_shipped_default_greedy_equals_plain(smollm2_q4):
     assert not mismatches, f"q4_1 shipped default: prompts {mismatches} differ from q4_1 plain greedy"
     assert spec_engine.metrics.num_preemptions > 0 and spec_engine.metrics.num_accepted_tokens > 0
     assert spec_engine.block_manager.num_free_blocks == 40
+
+
+def test_auto_takes_q4_1_for_a_q4_1_gguf_where_the_kernels_have_no_bf16(smollm2, monkeypatch, tmp_path):
+    """`--matmul-dtype auto`: bf16 products where the kernels multiply bf16, else the GGUF's own Q4_1
+    blocks where they multiply Q4_1 and the model is a Q4_1 GGUF, else fp32."""
+    from dspark.engine.build import resolve_matmul_dtype
+    from dspark.models.loader import DEFAULT_MODEL
+    monkeypatch.setattr(kernels, "has_bf16_kernels", lambda: False)
+    monkeypatch.setattr(kernels, "has_q4_1_kernels", lambda: True)
+    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL) == "q4_1"
+    assert resolve_matmul_dtype("auto", model=str(tmp_path)) == "float32"  # not a GGUF
+    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL, dtype="bfloat16") == "float32"
+    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL, device="cuda") == "float32"
+    monkeypatch.setattr(kernels, "has_q4_1_kernels", lambda: False)
+    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL) == "float32"
+    monkeypatch.setattr(kernels, "has_bf16_kernels", lambda: True)
+    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL) == "bfloat16"

@@ -26,7 +26,8 @@ def build_engine(config: EngineConfig):
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     target_config = read_model_config(config.model)
-    matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device)
+    matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device,
+                                        model=config.model)
     log.info("target matrix products: %s (matmul_dtype=%s)", matmul_dtype, config.matmul_dtype)
     if config.spec is not None:
         check_drafter(config.spec, target_config)
@@ -47,15 +48,29 @@ def build_engine(config: EngineConfig):
     return engine, tokenizer
 
 
-def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: str = "cpu") -> str:
-    """The target's matrix-product dtype (EngineConfig.matmul_dtype), "auto" resolved: bfloat16 for a
-    float32 CPU engine whose kernels multiply bf16 (AVX512-BF16), else float32. An explicit bfloat16
-    without such kernels still runs (torch multiplies the same rounded values in fp32), slower: said in
-    the log."""
+def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: str = "cpu",
+                         model: str | None = None) -> str:
+    """The target's matrix-product dtype (EngineConfig.matmul_dtype), "auto" resolved for a float32 CPU
+    engine: bfloat16 where the kernels multiply bf16 (AVX512-BF16); else q4_1 for a Q4_1 GGUF `model`
+    (the default model) where the kernels multiply Q4_1 (AVX2: 2.3x the fp32 batch-1 decode, the same
+    step time from 8 tokens up, docs/benchmarks.md session 11); else float32. An explicit bfloat16 or
+    q4_1 without such kernels still runs (torch multiplies the same values in fp32), slower: said in the
+    log."""
     from dspark import kernels
     bf16_kernels = device == "cpu" and kernels.has_bf16_kernels()
     if matmul_dtype == "auto":
-        return "bfloat16" if dtype == "float32" and bf16_kernels else "float32"
+        if dtype != "float32":
+            return "float32"
+        if bf16_kernels:
+            return "bfloat16"
+        if model is not None and device == "cpu" and kernels.has_q4_1_kernels():
+            from dspark.models.loader import q4_1_problem
+            try:
+                if q4_1_problem(model) is None:
+                    return "q4_1"
+            except (FileNotFoundError, ValueError):
+                pass  # an unknown model fails where it loads, with its own message
+        return "float32"
     if matmul_dtype == "q4_1" and not (device == "cpu" and kernels.has_q4_1_kernels()):
         log.warning("matmul_dtype=q4_1 without Q4_1 CPU kernels (no AVX2/FMA/F16C, kernels off or not a CPU): "
                     "torch multiplies the same weights in fp32, much slower")

@@ -265,7 +265,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab]
         return linear(hidden, self.weight, None, getattr(self, "weight_t", None),
-                      getattr(self, "weight_bf16", None), weight_q8=getattr(self, "weight_q8", None)).float()
+                      getattr(self, "weight_bf16", None), None, getattr(self, "weight_q8", None)).float()
 
 
 def add_decode_layout(model: nn.Module) -> int:

@@ -17,6 +17,7 @@ stores it so (`kernels.pack_q8_0`: the fp32 head's values and input), else fp32.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -105,6 +106,20 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
     return model, source.config, tokenizer
 
 
+def gguf_reader(path: str | Path):
+    """gguf.GGUFReader for the file at `path`, parsed once per process and file version (parsing
+    SmolLM2's header and vocabulary takes ~5 s; the config check, the Q4_1 blocks and the head read it)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _gguf_reader(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str, mtime_ns: int, size: int):
+    import gguf
+    return gguf.GGUFReader(path)
+
+
 def q4_1_problem(path_or_name: str | Path) -> str | None:
     """Why a model cannot take Q4_1 products (None when it can): not a GGUF, a layer matrix stored in
     another type, or a matrix's input width not a multiple of 64. Reads the header only."""
@@ -112,9 +127,9 @@ def q4_1_problem(path_or_name: str | Path) -> str | None:
     if not (path.is_file() and path.suffix == ".gguf"):
         return f"{path} is not a GGUF file (Q4_1 products multiply a Q4_1 GGUF's own blocks)"
     import gguf
-    for t in gguf.GGUFReader(str(path)).tensors:
+    for t in gguf_reader(path).tensors:
         if not t.name.startswith("blk.") or len(t.shape) != 2:
-            continue  # the embedding / LM head take bf16 products; norms are vectors
+            continue  # the embedding / LM head: bf16, Q8_0 or fp32 products; norms are vectors
         if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
             return f"{path.name}: {t.name} is {t.tensor_type.name}, not Q4_1"
         if int(t.shape[0]) % 64:
@@ -126,7 +141,7 @@ def gguf_q8_0_head(path: Path) -> torch.Tensor | None:
     """The LM head's matrix of the GGUF at `path` (`output.weight`, else the tied `token_embd.weight`)
     packed for the Q8_0 kernel (`kernels.pack_q8_0`), or None when it is stored in another type."""
     import gguf
-    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    tensors = {t.name: t for t in gguf_reader(path).tensors}
     t = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
         return None
@@ -136,8 +151,7 @@ def gguf_q8_0_head(path: Path) -> torch.Tensor | None:
 def gguf_q4_1_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The packed Q4_1 weight of every Linear of `model` from the GGUF at `path` ({module name: [out,
     in * 11 / 16] uint8}); merged projections (qkv, gate_up) are stacked in their shard order."""
-    import gguf
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_reader(path)
     config = gguf_model_config(reader)
     permute = config.architecture == "LlamaForCausalLM"
     out: dict[str, torch.Tensor] = {}
@@ -271,9 +285,8 @@ class GGUFSource:
     """A llama.cpp GGUF file: header -> ModelConfig, tensors -> dequantised HF-named fp32 tensors."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
         self.path = path
-        self.reader = gguf.GGUFReader(str(path))
+        self.reader = gguf_reader(path)
         self.config = gguf_model_config(self.reader)
 
     def field(self, key: str, default: Any = None) -> Any:
@@ -356,8 +369,7 @@ def read_model_config(path_or_name: str | Path) -> ModelConfig:
     and engine configuration can be validated before a long load."""
     path = resolve_model_path(path_or_name)
     if path.is_file() and path.suffix == ".gguf":
-        import gguf
-        return gguf_model_config(gguf.GGUFReader(str(path)))
+        return gguf_model_config(gguf_reader(path))
     if path.is_dir():
         config_file = path / "config.json"
         if not config_file.is_file():

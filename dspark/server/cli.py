@@ -39,7 +39,8 @@ def default_spec(args: argparse.Namespace):
     matmul dtype, or None when there is none."""
     from dspark.drafters.shipped import default_spec_config
     from dspark.engine.build import resolve_matmul_dtype
-    return default_spec_config(args.model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype, dtype=args.dtype))
+    return default_spec_config(args.model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype, dtype=args.dtype,
+                                                                             model=args.model))
 
 
 def run(args: argparse.Namespace) -> int:
