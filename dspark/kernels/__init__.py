@@ -1,7 +1,9 @@
 """CPU kernels for few-row steps (batch-1 decode, verification and draft blocks), and their torch twins.
 
 Activations are fp32; the matrix products take fp32 weights or, on CPUs with AVX512-BF16, bf16 weights
-(the input rounded to bf16, fp32 accumulation: twice the arithmetic per instruction, half the bytes).
+(the input rounded to bf16, fp32 accumulation: twice the arithmetic per instruction, half the bytes),
+or, on CPUs with AVX2 + FMA + F16C, a GGUF's own Q4_1 blocks (`pack_q4_1`; input rounded to bf16) and
+Q8_0 blocks (`pack_q8_0`; fp32 input) — the file's exact weights in 0.69 and 1.1 bytes each.
 
 `cpu_ops.cpp` is compiled once per machine with torch's C++ extension builder (g++ and ninja; ~30 s on two
 cores) into `~/.cache/dspark/kernels/<source hash>/`; `scripts/setup.sh` does it ahead of time with

@@ -2,7 +2,9 @@
 // torch's general kernels pay more in dispatch and poor GEMV bandwidth than the arithmetic costs.
 // Activations are fp32; the products take fp32 weights or, with AVX512-BF16, bf16 weights (the input
 // rows rounded to bf16 first, VDPBF16PS: exact products, fp32 sums — twice the FMA's arithmetic per
-// instruction and half the weight bytes):
+// instruction and half the weight bytes), or, with AVX2 + FMA + F16C, a GGUF's own Q4_1 blocks (input
+// rounded to bf16) and Q8_0 blocks (fp32 input), repacked by dspark.kernels ("Q4_1 products", "Q8_0
+// products" below):
 //
 //   small_mm(x, w)                 x[M, K] @ w[N, K]^T for M <= 128: passes of up to 12 rows (R rows x M
 //                                  accumulators in vector registers) over L2-sized tiles of weight rows;
