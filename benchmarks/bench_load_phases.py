@@ -24,7 +24,7 @@ Variants: plain (no speculation), default (the shipped config: DSpark + lookup f
 scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), nogate
 (default without the draft gate), nocache (default without the lookup's cross-request cache), upkeep (default with online upkeep of
 the cost table and calibration from live steps); each as NAME-fp32 with fp32 matrix
-products instead of the default (bf16 where the CPU kernels support it; the shipped cost table of the
+products instead of the default (auto: bf16 or q4_1 where the CPU kernels support it; the shipped cost table of the
 variant's dtype). The
 warm-up slice is served first, so the cross-request cache starts with its answers, as a server's
 would with earlier traffic; the timed prompts are never in it.
@@ -57,7 +57,8 @@ VARIANTS = {
 def variant_matmul_dtype(name: str) -> str:
     """NAME-fp32: the variant with fp32 matrix products; otherwise the engine's default (auto)."""
     from dspark.engine.build import resolve_matmul_dtype
-    return resolve_matmul_dtype("float32" if name.endswith("-fp32") else "auto")
+    from dspark.models.loader import DEFAULT_MODEL
+    return resolve_matmul_dtype("float32" if name.endswith("-fp32") else "auto", model=DEFAULT_MODEL)
 
 
 def variant_spec(name: str) -> dict | None:

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="comma list of auto, float32, bfloat16: one engine each, timed side by side")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    dtypes = list(dict.fromkeys(resolve_matmul_dtype(d) for d in args.matmul_dtypes.split(",") if d))
+    from dspark.models.loader import DEFAULT_MODEL
+    dtypes = list(dict.fromkeys(resolve_matmul_dtype(d, model=DEFAULT_MODEL) for d in args.matmul_dtypes.split(",") if d))
     profilers = {}
     for d in dtypes:
         engine = LLM(speculative_config=None, max_num_seqs=64, matmul_dtype=d).engine
