@@ -2,7 +2,7 @@
 own Q8_0 blocks where the kernels have no bf16 products.
 
 * the packing (`kernels.pack_q4_1`) and the kernel's product against the twin — the fp64 product of the
-  bf16-rounded input with the blocks' dequantized weights (gguf's own dequantization) — at every row
+  bf16-rounded input with the blocks' weights (gguf's own dequantization) — at every row
   count a step uses, for widths with 8-block groups, 2-block groups and both;
 * the Q8_0 head's product against the fp64 product of the fp32 input with the blocks' values;
 * a row's result is bit for bit the same alone or in any batch (prompt chunks included);
@@ -40,11 +40,6 @@ def gguf_blocks(n: int, k: int, *, seed: int, kind=Q4_1) -> tuple[torch.Tensor, 
 
 def q4_blocks(n: int, k: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return gguf_blocks(n, k, seed=seed, kind=Q4_1)
-
-
-def test_dequantize_q4_1_is_gguf_s_dequantization():
-    raw, ref = q4_blocks(7, 320, seed=0)
-    assert torch.equal(kernels.dequantize_q4_1(raw), ref)
 
 
 def test_pack_q4_1_rejects_widths_it_cannot_pack():
@@ -97,11 +92,14 @@ def q8_blocks(n: int, k: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return gguf_blocks(n, k, seed=seed, kind=Q8_0)
 
 
-def test_dequantize_q8_0_is_gguf_s_dequantization():
-    raw, ref = q8_blocks(5, 96, seed=0)
-    assert torch.equal(kernels.dequantize_q8_0(raw), ref)
+def test_pack_q8_0_keeps_the_int8_weights_then_the_scales():
+    raw, _ = q8_blocks(5, 96, seed=0)
     packed = kernels.pack_q8_0(raw)
     assert packed.dtype == torch.int8 and packed.shape == (5, 96 * 9 // 8)
+    blocks = raw.view(5, 3, 34)
+    assert torch.equal(packed[:, :96], blocks[..., 2:].contiguous().view(torch.int8).reshape(5, 96))
+    assert torch.equal(packed[:, 96:].contiguous().view(torch.float32),
+                       blocks[..., :2].contiguous().view(torch.float16).reshape(5, 3).float())
 
 
 @needs_q8

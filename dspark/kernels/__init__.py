@@ -86,6 +86,11 @@ def _eligible(*tensors: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------------ ops
 
 
+# weight dtypes the kernels multiply with any number of input rows, and the build flag each needs:
+# bf16 copies, Q4_1-packed (`pack_q4_1`) and Q8_0-packed (`pack_q8_0`) blocks
+LOWP_FLAGS = {torch.bfloat16: "has_bf16", torch.uint8: "has_q4_1", torch.int8: "has_q8_0"}
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [..., in] @ weight[out, in]^T through the kernel when it applies (fp32 CPU input, no autograd;
     fp32 weights up to MAX_ROWS rows in all; any number of rows for bf16 weights on a CPU with bf16 dot
@@ -93,8 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     and the products accumulate in fp32 — or Q8_0-packed int8 ones [out, in * 9 / 8] (`pack_q8_0`, fp32
     input); None otherwise, so the caller uses torch."""
     rows = x.numel() // max(1, x.shape[-1])
-    cpu = weight.device.type == "cpu"
-    flag = {torch.bfloat16: "has_bf16", torch.uint8: "has_q4_1", torch.int8: "has_q8_0"}.get(weight.dtype) if cpu else None
+    flag = LOWP_FLAGS.get(weight.dtype) if weight.device.type == "cpu" else None
     lowp = flag is not None
     if (rows > MAX_ROWS and not lowp) or rows == 0 or not (_eligible(x) if lowp else _eligible(x, weight)):
         return None
@@ -155,6 +159,7 @@ def set_matmul_dtype(module: torch.nn.Module, dtype: torch.dtype, *, skip: tuple
 Q4_1_BLOCK_BYTES = 20  # llama.cpp Q4_1: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
 
 
+@cache
 def _q4_1_byte_order() -> tuple[torch.Tensor, torch.Tensor]:
     """Where each packed nibble byte comes from: for an 8-block group, 128 indices into its blocks'
     [8 * 16] GGUF nibble bytes (two 64-byte loads: byte 16 l + 8 h + u of load `ld` feeds block
@@ -198,16 +203,6 @@ def q4_1_packed_cols(packed: torch.Tensor) -> int:
     return packed.shape[1] // 44 * 64
 
 
-def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF Q4_1 rows [N, K / 32 * 20] uint8 -> fp32 [N, K] (d * q + m), the torch twin's weights."""
-    n, row = blocks.shape
-    b = blocks.contiguous().view(n, row // Q4_1_BLOCK_BYTES, Q4_1_BLOCK_BYTES)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
-    q = torch.stack([b[..., 4:] & 0x0F, b[..., 4:] >> 4], -2).reshape(n, -1, 32).float()  # [N, nb, 32]
-    return (d * q + m).reshape(n, -1)
-
-
 Q8_0_BLOCK_BYTES = 34  # llama.cpp Q8_0: fp16 d, 32 int8 weights
 
 
@@ -221,14 +216,6 @@ def pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1).float()  # [N, nb]
     q = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)  # [N, K]
     return torch.cat([q, d.contiguous().view(torch.int8)], 1).contiguous()
-
-
-def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF Q8_0 rows [N, K / 32 * 34] uint8 -> fp32 [N, K] (d * q)."""
-    n, row = blocks.shape
-    b = blocks.contiguous().view(n, row // Q8_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
-    return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
 
 
 def has_q8_0_kernels() -> bool:

@@ -206,17 +206,25 @@ constexpr RowsFn<T> kRows[kPassRows] = {rows<T, 1>, rows<T, 2>, rows<T, 3>, rows
 // <= 12 rows over tiles of weight rows that stay in L2 (~256 KB): the first pass streams a tile from
 // memory, the others re-read it from cache. Every output element is the same K-ordered sum whatever M,
 // the pass split or the tile, so a row's result never depends on the other rows of the batch.
-template <typename T>
-void mm_cols(const typename T::elem* xp, int64_t M, int64_t K, const typename T::elem* wp, int64_t N, float* op,
-             int64_t n0, int64_t n1) {
-  const int64_t passes = (M + kPassRows - 1) / kPassRows, per_pass = (M + passes - 1) / passes;
-  const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(typename T::elem));
+// The walk of mm_cols and the quantized products: balanced passes of <= `pass_rows` input rows over tiles
+// of weight rows [t0, t1) of ~256 KB (`row_bytes` each); pass(m0, rows, t0, t1) for each.
+template <typename Pass>
+inline void passes_over_tiles(int64_t M, int64_t pass_rows, int64_t row_bytes, int64_t n0, int64_t n1, Pass&& pass) {
+  const int64_t passes = (M + pass_rows - 1) / pass_rows, per_pass = (M + passes - 1) / passes;
   const int64_t tile = passes == 1 ? n1 - n0 : std::max<int64_t>(16, (1 << 18) / row_bytes);
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
-    for (int64_t m0 = 0; m0 < M; m0 += per_pass)
-      kRows<T>[std::min(per_pass, M - m0) - 1](xp + m0 * K, wp, op + m0 * N, K, N, t0, t1);
+    for (int64_t m0 = 0; m0 < M; m0 += per_pass) pass(m0, std::min(per_pass, M - m0), t0, t1);
   }
+}
+
+template <typename T>
+void mm_cols(const typename T::elem* xp, int64_t M, int64_t K, const typename T::elem* wp, int64_t N, float* op,
+             int64_t n0, int64_t n1) {
+  const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(typename T::elem));
+  passes_over_tiles(M, kPassRows, row_bytes, n0, n1, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+    kRows<T>[rows - 1](xp + m0 * K, wp, op + m0 * N, K, N, t0, t1);
+  });
 }
 
 // out[M, N] = x[M, K] @ w[N, K]^T for M in 1..kMaxRows, raw row-major pointers; parallel over N.
@@ -225,6 +233,13 @@ void mm_into(const typename T::elem* xp, int64_t M, int64_t K, const typename T:
   const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(typename T::elem));
   const int64_t grain = std::max<int64_t>(64, (1 << 18) / row_bytes);  // >= ~256 KB of weights per task
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { mm_cols<T>(xp, M, K, wp, N, op, n0, n1); });
+}
+
+// A parallel_for grain that gives each thread one even share of n items (at least 16): for the quantized
+// products, whose short rows would make a byte-sized grain leave a thread idle on 576-row matrices.
+inline int64_t even_grain(int64_t n) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  return std::max<int64_t>(16, (n + threads - 1) / threads);
 }
 
 // [begin, end) of thread `tid`'s share of n items, boundaries on multiples of `align`.
@@ -280,8 +295,6 @@ constexpr bool kHasQ4 = true;
 #else
 constexpr bool kHasQ4 = false;
 #endif
-using Q4In = float;  // the prepared input: bf16-rounded values kept as fp32
-constexpr at::ScalarType kQ4InType = at::kFloat;
 constexpr int64_t kQ4Full = 256, kQ4FullBytes = 144, kQ4Tail = 64, kQ4TailBytes = 36;
 inline int64_t q4_row_bytes(int64_t K) { return K / kQ4Tail * kQ4TailBytes + K / 32 * 4; }
 // K from a packed row's byte count (0 when no multiple of 64 gives it)
@@ -322,7 +335,7 @@ inline __m256 round_bf16(__m256 v) {  // round to nearest even at bf16 precision
 
 // x [M, K] rows [m0, m1) -> xq [M, K] (bf16-rounded fp32, words' order) and sums [M, K / 32] (per block of
 // 32, of the rounded values); `scratch` holds K floats.
-inline void q4_prepare(const float* x, int64_t m0, int64_t m1, int64_t K, Q4In* xq, float* sums, Q4In* scratch) {
+inline void q4_prepare(const float* x, int64_t m0, int64_t m1, int64_t K, float* xq, float* sums, float* scratch) {
   const int64_t full = K / kQ4Full * kQ4Full;
   for (int64_t m = m0; m < m1; ++m) {
     for (int64_t i = 0; i < K; i += 8) _mm256_storeu_ps(scratch + i, round_bf16(_mm256_loadu_ps(x + m * K + i)));
@@ -347,7 +360,7 @@ inline __m256i q4_bytes8(const uint8_t* p) {  // 8 nibble bytes widened to int32
 
 // Output rows [n, n + R) for all M prepared input rows; a row's sums run in one fixed order whatever R, M.
 template <int M, int R>
-inline void q4_block(const Q4In* xq, const float* sums, const uint8_t* w, int64_t rb, float* out, int64_t K,
+inline void q4_block(const float* xq, const float* sums, const uint8_t* w, int64_t rb, float* out, int64_t K,
                      int64_t N, int64_t n) {
   const int64_t F = K / kQ4Full, T = K % kQ4Full / kQ4Tail, B = K / 32;
   // word s of a group's vector takes block (4 (s / 8) + s % 8 / 2) % 8 (8-block groups) or s % 4 / 2 (2-block)
@@ -438,9 +451,9 @@ inline void q4_block(const Q4In* xq, const float* sums, const uint8_t* w, int64_
     for (int m = 0; m < M; ++m) out[m * N + n + r] = hsum8(acc[r][m]);
 }
 #else
-inline void q4_prepare(const float*, int64_t, int64_t, int64_t, Q4In*, float*, Q4In*) {}
+inline void q4_prepare(const float*, int64_t, int64_t, int64_t, float*, float*, float*) {}
 template <int M, int R>
-inline void q4_block(const Q4In*, const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t) {}
+inline void q4_block(const float*, const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t) {}
 #endif
 
 template <int M>
@@ -452,7 +465,7 @@ constexpr int q4_rows_per_block() {
 }
 
 template <int M>
-void q4_rows(const Q4In* xq, const float* sums, const uint8_t* w, int64_t rb, float* out, int64_t K, int64_t N,
+void q4_rows(const float* xq, const float* sums, const uint8_t* w, int64_t rb, float* out, int64_t K, int64_t N,
              int64_t n0, int64_t n1) {
   constexpr int R = q4_rows_per_block<M>();
   int64_t n = n0;
@@ -460,25 +473,19 @@ void q4_rows(const Q4In* xq, const float* sums, const uint8_t* w, int64_t rb, fl
   for (; n < n1; ++n) q4_block<M, 1>(xq, sums, w, rb, out, K, N, n);
 }
 
-using Q4RowsFn = void (*)(const Q4In*, const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t,
+using Q4RowsFn = void (*)(const float*, const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t,
                           int64_t);
-constexpr Q4RowsFn kQ4Rows[kPassRows] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>,  q4_rows<5>,  q4_rows<6>,
-                                         q4_rows<7>, q4_rows<8>, q4_rows<9>, q4_rows<10>, q4_rows<11>, q4_rows<12>};
-
 // Input rows a pass serves: two group sums per (row, input) fill the 16 registers at 4.
 constexpr int64_t kQ4PassRows = 4;
+constexpr Q4RowsFn kQ4Rows[kQ4PassRows] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>};
 
 // Output columns [n0, n1) of out[M, N] for prepared inputs: the passes and L2 tiles of mm_cols.
-void q4_mm_cols(const Q4In* xq, const float* sums, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* op,
+void q4_mm_cols(const float* xq, const float* sums, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* op,
                 int64_t n0, int64_t n1) {
-  const int64_t passes = (M + kQ4PassRows - 1) / kQ4PassRows, per_pass = (M + passes - 1) / passes;
   const int64_t rb = q4_row_bytes(K);
-  const int64_t tile = passes == 1 ? n1 - n0 : std::max<int64_t>(16, (1 << 18) / rb);
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t t1 = std::min(n1, t0 + tile);
-    for (int64_t m0 = 0; m0 < M; m0 += per_pass)
-      kQ4Rows[std::min(per_pass, M - m0) - 1](xq + m0 * K, sums + m0 * (K / 32), w, rb, op + m0 * N, K, N, t0, t1);
-  }
+  passes_over_tiles(M, kQ4PassRows, rb, n0, n1, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+    kQ4Rows[rows - 1](xq + m0 * K, sums + m0 * (K / 32), w, rb, op + m0 * N, K, N, t0, t1);
+  });
 }
 
 
@@ -550,15 +557,11 @@ constexpr Q8RowsFn kQ8Rows[kQ8PassRows] = {q8_rows<1>, q8_rows<2>, q8_rows<3>, q
 // out[M, N] for x [M, K] fp32 and Q8_0-packed w [N, K * 9 / 8]: even shares of N over the threads, passes
 // of <= 4 input rows over L2-sized tiles of weight rows.
 void q8_mm_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, int64_t N, float* op) {
-  const int64_t rb = K + K / 8, threads = std::max(1, at::get_num_threads());
-  const int64_t passes = (M + kQ8PassRows - 1) / kQ8PassRows, per_pass = (M + passes - 1) / passes;
-  const int64_t tile = passes == 1 ? N : std::max<int64_t>(16, (1 << 18) / rb);
-  at::parallel_for(0, N, std::max<int64_t>(16, (N + threads - 1) / threads), [&](int64_t n0, int64_t n1) {
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t m0 = 0; m0 < M; m0 += per_pass)
-        kQ8Rows[std::min(per_pass, M - m0) - 1](xp + m0 * K, wp, rb, op + m0 * N, K, N, t0, t1);
-    }
+  const int64_t rb = K + K / 8;
+  at::parallel_for(0, N, even_grain(N), [&](int64_t n0, int64_t n1) {
+    passes_over_tiles(M, kQ8PassRows, rb, n0, n1, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+      kQ8Rows[rows - 1](xp + m0 * K, wp, rb, op + m0 * N, K, N, t0, t1);
+    });
   });
 }
 
@@ -567,14 +570,11 @@ void q8_mm_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, int64_t
 namespace {
 // out[M, N] for x [M, K] fp32 and Q4_1-packed w [N, q4_row_bytes(K)]; parallel over N.
 void q4_mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* op, const at::TensorOptions& opts) {
-  torch::Tensor xq = torch::empty({(M + 1) * K}, opts.dtype(kQ4InType)), sums = torch::empty({M * (K / 32)}, opts);
-  Q4In* xqp = xq.data_ptr<Q4In>();
+  torch::Tensor xq = torch::empty({(M + 1) * K}, opts), sums = torch::empty({M * (K / 32)}, opts);
+  float* xqp = xq.data_ptr<float>();
   float* sp = sums.data_ptr<float>();
   q4_prepare(xp, 0, M, K, xqp, sp, xqp + M * K);
-  // even shares (the rows are short: a fixed byte grain would leave a thread idle on 576-row matrices)
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { q4_mm_cols(xqp, sp, M, K, wp, N, op, n0, n1); });
+  at::parallel_for(0, N, even_grain(N), [&](int64_t n0, int64_t n1) { q4_mm_cols(xqp, sp, M, K, wp, N, op, n0, n1); });
 }
 }  // namespace
 
@@ -907,10 +907,10 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   const int64_t threads = std::max(1, at::get_num_threads());
   torch::Tensor xbf = torch::empty({any_bf ? T * widest : 0}, opts.dtype(at::kBFloat16));
   // Q4_1: the prepared input rows (+ per thread one row of scratch) and their block sums
-  torch::Tensor xq4 = torch::empty({any_q4 ? (T + threads) * widest : 0}, opts.dtype(kQ4InType));
+  torch::Tensor xq4 = torch::empty({any_q4 ? (T + threads) * widest : 0}, opts);
   torch::Tensor xsums = torch::empty({any_q4 ? T * widest / 32 : 0}, opts);
   bf16* xbp = xbf.data_ptr<bf16>();
-  Q4In* xqp = xq4.data_ptr<Q4In>();
+  float* xqp = xq4.data_ptr<float>();
   float* xsp = xsums.data_ptr<float>();
   float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *ap = attn.data_ptr<float>(), *opp = o.data_ptr<float>();

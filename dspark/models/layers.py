@@ -349,8 +349,7 @@ def use_bf16_products(model: nn.Module) -> int:
             module.register_buffer("weight_bf16", w.detach().to(torch.bfloat16).contiguous(), persistent=False)
             module.weight_t = None
             added += module.weight_bf16.numel() * 2
-    if not isinstance(model, LMHead):
-        model.matmul_dtype = "bfloat16"
+    model.matmul_dtype = "bfloat16"
     if hasattr(model, "_layer_weight_list"):
         model._layer_weight_list = None  # the fused stack's list picks the bf16 copies up
     return added
