@@ -72,10 +72,12 @@ class SpecConfig:
     # ngram / ngram_first: n-grams kept from finished requests for cross-request lookup (0: own context only)
     lookup_cache_entries: int = 65536
     draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target
-    # dspark / dflash: dtype of the drafter's many-row matrix products (> 16 rows; activations and
+    # dspark / dflash: dtype of the drafter backbone's matrix products (activations and
     # weights keep the engine dtype, a copy is kept in this one). "auto": bfloat16 for a float32 engine
-    # on a CPU with bf16 dot products (AVX512-BF16 / AMX), else the engine dtype. Drafts only propose,
-    # so this never changes the output (the target verifies).
+    # on a CPU with bf16 dot products (AVX512-BF16 / AMX; the input rounded to bf16) or with AVX2 (the
+    # kernels widen the bf16 weights against the fp32 input: a bf16 checkpoint's exact fp32 products in
+    # half the bytes), else the engine dtype. Drafts only propose, so this never changes the output (the
+    # target verifies).
     draft_matmul_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -432,21 +432,74 @@ def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, 
     logits16, conf16 = _drafts_on_shared_context(b16)
     assert logits16.dtype == torch.float32 and conf16.dtype == torch.float32
     assert not torch.equal(logits16, logits32), "the bf16 products were not used"
-    one32, _ = _drafts_on_shared_context(f32, num_reqs=1)  # 4 block rows: with bf16 kernels, bf16 products too
+    # 4 block rows: with bf16 kernels (dot products, or AVX2's widening of the weights) bf16 products too
+    one32, _ = _drafts_on_shared_context(f32, num_reqs=1)
     one16, _ = _drafts_on_shared_context(b16, num_reqs=1)
-    assert torch.equal(one16, one32) != kernels.has_bf16_kernels()
+    assert torch.equal(one16, one32) != (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels())
     assert (one16 - one32).abs().max() <= 0.03 * one32.abs().max()
     # bf16 keeps 8 mantissa bits (relative rounding 2^-9 per product input, a few products deep)
     assert (logits16 - logits32).abs().max() <= 0.03 * logits32.abs().max()
     assert (conf16 - conf32).abs().max() <= 0.03
 
 
+@pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("draft_matmul_dtype", ["float32", "bfloat16"])
+def test_fused_block_forward_matches_the_module_path(tmp_path, monkeypatch, draft_matmul_dtype):
+    """The block forward in one fused-stack call (`DSparkModel.fused_backbone`: the block's K/V stored
+    past each context, key limits instead of a mask) against the module path over the gathered context,
+    for three requests with contexts of 5, 9 and 2 positions: logits and hidden within the kernel's
+    attention / RoPE rounding, the same drafts and confidences; the context slots are untouched. A request
+    whose block table ends before its block's last position takes the module path for the whole batch."""
+    if draft_matmul_dtype == "bfloat16" and not (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()):
+        pytest.skip("no bf16 products on this CPU")
+    cfg = tiny_cfg(enable_confidence_head=True)
+    save_dspark(random_model(cfg, seed=4), cfg, tmp_path / "d", dtype="bfloat16")
+    drafter = build(spec(tmp_path / "d", draft_matmul_dtype=draft_matmul_dtype), target_config=TARGET,
+                    target_model=random_target(), dtype=torch.float32, device="cpu")
+    make_pool(drafter, num_blocks=16, kv_block_size=4)
+    g = torch.Generator().manual_seed(6)
+    ctx = [5, 9, 2]
+    ids = [torch.randint(3, 120, (12,), generator=g).tolist() for _ in ctx]
+    tables = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]  # each covers its block (anchor + block_size <= 4 * len)
+    taps = torch.randn(sum(ctx), len(TAPS) * TARGET.hidden_size, generator=g)
+    starts = [0, 5, 14]
+    drafter.extend_context(ContextUpdate([ContextSegment(f"r{i}", tables[i], 0, ids[i][:n], None,
+                                                         slice(starts[i], starts[i] + n)) for i, n in enumerate(ctx)], taps))
+    context = [(k.clone(), v.clone()) for k, v in drafter.kv_caches]
+    batch = ProposeBatch([propose_request(f"r{i}", ids[i], n, tables[i]) for i, n in enumerate(ctx)], 4, "greedy")
+    ran = []
+    original = kernels.decoder_layers
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, **k: ran.append(True) or original(*a, **k))
+    fused_logits, fused_hidden, _ = drafter.forward_blocks(batch)
+    fused = drafter.propose(batch)
+    assert len(ran) == 2, "the fused stack did not run"
+    for (k0, v0), (k1, v1) in zip(context, drafter.kv_caches):
+        for i, n in enumerate(ctx):
+            for pos in range(n):
+                slot = (tables[i][pos // 4], pos % 4)
+                assert torch.equal(k0[slot], k1[slot]) and torch.equal(v0[slot], v1[slot])
+    monkeypatch.setattr(drafter.model, "fused_backbone", lambda *a, **k: None)
+    module_logits, module_hidden, _ = drafter.forward_blocks(batch)
+    module = drafter.propose(batch)
+    torch.testing.assert_close(fused_logits, module_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_hidden, module_hidden, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fused.draft_ids, module.draft_ids)
+    torch.testing.assert_close(fused.confidence, module.confidence, rtol=1e-4, atol=1e-5)
+    monkeypatch.undo()
+    short = ProposeBatch([*batch.requests[:2], propose_request("r2", ids[2], 2, tables[2][:1])], 4, "greedy")
+    ran.clear()
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, **k: ran.append(True) or original(*a, **k))
+    assert torch.equal(drafter.propose(short).draft_ids, module.draft_ids) and not ran
+
+
 def test_draft_matmul_dtype_auto_and_validation(monkeypatch):
     from dspark.drafters import dspark as dspark_mod
 
     resolve = dspark_mod.resolve_matmul_dtype
-    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
+    for has_bf16, widens, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                       (False, False, torch.float32)):
         monkeypatch.setattr(dspark_mod, "cpu_has_bf16_dot", lambda: has_bf16)
+        monkeypatch.setattr(dspark_mod, "has_bf16w_kernels", lambda: widens)  # AVX2's widening bf16 path
         assert resolve("auto", dtype=torch.float32, device="cpu") == expected
     assert resolve("auto", dtype=torch.float32, device="cuda:0") == torch.float32  # no change on CUDA
     assert resolve("auto", dtype=torch.bfloat16, device="cpu") == torch.bfloat16

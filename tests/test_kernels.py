@@ -76,6 +76,35 @@ def test_linear_bf16_above_max_rows_runs_the_kernel_in_chunks():
     torch.testing.assert_close(out, (x.bfloat16().double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4)
 
 
+needs_bf16w = pytest.mark.skipif(not kernels.has_bf16w_kernels(), reason="bf16 weights are widened only on AVX2 builds")
+
+
+@needs_bf16w
+@pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 48, 97, kernels.MAX_ROWS])
+@pytest.mark.parametrize("k,n", [(576, 131), (37, 9), (64, 1), (1536, 40)])
+def test_small_mm_widened_bf16_is_the_fp32_kernel_on_the_same_values(rows, k, n):
+    """AVX2 (BF16W): bf16 weights times the unrounded fp32 input is bit for bit the fp32 kernel's product
+    of the widened weights (same sums in the same order; K tails included), close to the fp64 product,
+    and not the product of a bf16-rounded input."""
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x, wb = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g).bfloat16()
+    out = ops.small_mm(x, wb)
+    assert torch.equal(out, ops.small_mm(x, wb.float()))
+    torch.testing.assert_close(out, (x.double() @ wb.double().t()).float(), rtol=1e-5, atol=1e-4)
+    if k >= 64:
+        rounded = (x.bfloat16().double() @ wb.double().t()).float()
+        assert (out - rounded).abs().max() > 10 * (out - (x.double() @ wb.double().t()).float()).abs().max()
+
+
+@needs_bf16w
+def test_linear_fp32_input_routes_bf16_weights_to_the_widening_path():
+    g = torch.Generator().manual_seed(3)
+    x, wb = torch.randn(2, 3, 96, generator=g), torch.randn(40, 96, generator=g).bfloat16()
+    assert kernels.linear(x, wb) is None  # without fp32_input bf16 weights mean rounded input: not here
+    out = kernels.linear(x, wb, fp32_input=True)
+    assert out.shape == (2, 3, 40) and torch.equal(out, kernels.linear(x, wb.float()))
+
+
 def test_small_mm_rejects_bad_input():
     with pytest.raises(RuntimeError, match="rows"):
         ops.small_mm(torch.randn(kernels.MAX_ROWS + 1, 4), torch.randn(3, 4))
@@ -143,3 +172,43 @@ def test_add_rms_norm_is_in_place_only_outside_autograd():
     assert total is plain
     torch.testing.assert_close(plain, before + x)
     torch.testing.assert_close(normed, F.rms_norm(before + x, (64,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16w
+def test_decoder_layers_widened_bf16_is_the_fp32_stack_on_the_same_values():
+    """The one-call decoder stack with bf16 matrices on AVX2 (BF16W: the fp32 input times the widened
+    weights) is bit for bit the stack on the widened fp32 copies: hidden rows and every K/V stored, for a
+    causal verify window and a block-bidirectional draft block of two requests."""
+    from dspark.models.attention import SeqSpec, build_attn_metadata
+    g = torch.Generator().manual_seed(11)
+    D, H, Hkv, hd, inter, layers, bs = 128, 4, 2, 32, 192, 2, 4
+
+    def weights(bf16: bool) -> list[torch.Tensor]:
+        gw = torch.Generator().manual_seed(12)
+        out = []
+        for _ in range(layers):
+            mats = [torch.randn(n, k, generator=gw) * 0.1 for n, k in
+                    (((H + 2 * Hkv) * hd, D), (D, H * hd), (2 * inter, D), (D, inter))]
+            mats = [m.bfloat16() if bf16 else m.bfloat16().float() for m in mats]
+            out += [torch.rand(D, generator=gw) + 0.5, mats[0], torch.rand(hd, generator=gw) + 0.5,
+                    torch.rand(hd, generator=gw) + 0.5, mats[1], torch.rand(D, generator=gw) + 0.5, mats[2], mats[3]]
+        return out
+
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    seqs = [SeqSpec(tables[0], 9, 7, 0, causal=False), SeqSpec(tables[1], 3, 7, 7, causal=True)]
+    meta = build_attn_metadata(seqs, num_tokens=14, kv_block_size=bs)
+    grp = meta.groups[0]
+    x0 = torch.randn(14, D, generator=g)
+    angles = torch.rand(14, hd, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    caches0 = [torch.randn(8, bs, Hkv, hd, generator=g) for _ in range(2 * layers)]
+    results = []
+    for bf16 in (True, False):
+        x, caches = x0.clone(), [c.clone() for c in caches0]
+        assert kernels.decoder_layers(x, weights(bf16), caches[:layers], caches[layers:], cos, sin, meta.slot_mapping,
+                                      grp.token_index, grp.key_limit, grp.kv_slots, num_heads=H, num_kv_heads=Hkv,
+                                      eps=1e-5, scale=hd ** -0.5)
+        results.append((x, caches))
+    (xb, cb), (xf, cf) = results
+    assert not torch.equal(xb, x0) and torch.equal(xb, xf)
+    assert all(torch.equal(a, b) for a, b in zip(cb, cf))

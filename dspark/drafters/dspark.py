@@ -33,8 +33,8 @@ from dspark.drafters.checkpoint import (DTYPE_NAMES, check_tensors, load_tensors
                                         write_json)
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
-from dspark.kernels import cpu_has_bf16_dot, set_matmul_dtype
-from dspark.models.attention import slots_for
+from dspark.kernels import cpu_has_bf16_dot, has_bf16w_kernels, set_matmul_dtype
+from dspark.models.attention import SeqSpec, build_attn_metadata, slots_for
 from dspark.sampling import GREEDY_EPS, logits_to_probs
 
 CALIBRATION_NAME = "calibration.json"
@@ -115,12 +115,32 @@ class DSparkDrafter(Drafter):
     @torch.inference_mode()
     def forward_blocks(self, batch: ProposeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One parallel block forward for all requests → (base_logits [num_reqs, num_draft, draft_vocab]
-        fp32, hidden [num_reqs, num_draft, hidden], anchor target ids [num_reqs])."""
+        fp32, hidden [num_reqs, num_draft, hidden], anchor target ids [num_reqs]). On the CPU, where every
+        block's positions have pool slots (the scheduler's lookahead), the fused decoder stack
+        (`DSparkModel.fused_backbone`); otherwise the module path over the gathered context."""
         cfg, model, dev = self.cfg, self.model, self.device
         reqs = batch.requests
         kv_block_size = self.kv_caches[0][0].shape[1]
         anchor_pos = torch.tensor([r.anchor_pos for r in reqs], dtype=torch.long)  # [num_reqs]
         anchor_ids = torch.tensor([r.all_ids[r.anchor_pos] for r in reqs], dtype=torch.long, device=dev)
+        block_ids = model.block_ids(anchor_ids)  # [num_reqs, block_size]
+        positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(cfg.block_size, device=dev)
+        hidden = None
+        if dev.type == "cpu" and all(len(r.block_table) * kv_block_size >= r.anchor_pos + cfg.block_size
+                                     for r in reqs):
+            hidden = model.fused_backbone(block_ids, positions, meta=self._block_meta(reqs, kv_block_size),
+                                          kv_caches=self.kv_caches)
+        if hidden is None:
+            hidden = self._module_backbone(reqs, anchor_pos, block_ids, positions, kv_block_size)
+        off = cfg.slot_offset
+        hidden = hidden[:, off:off + self.num_draft_tokens]  # [num_reqs, num_draft, hidden]
+        return model.compute_logits(hidden), hidden, anchor_ids
+
+    def _module_backbone(self, reqs, anchor_pos: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor,
+                         kv_block_size: int) -> torch.Tensor:
+        """`DSparkModel.backbone` over each request's context K/V gathered from the pool (nothing stored)
+        → [num_reqs, block_size, hidden]."""
+        cfg, dev = self.cfg, self.device
         max_ctx = int(anchor_pos.max())
         # context slots of positions 0 .. anchor_pos-1 through each request's block table (padding → 0)
         num_tables = max(1, -(-max_ctx // kv_block_size))
@@ -142,12 +162,15 @@ class DSparkDrafter(Drafter):
             v_flat = v_cache.view(-1, *v_cache.shape[2:])
             return k_flat[ctx_slots], v_flat[ctx_slots]  # [num_reqs, max_ctx, G, hd]
 
-        block_ids = model.block_ids(anchor_ids)  # [num_reqs, block_size]
-        positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(cfg.block_size, device=dev)
-        hidden = model.backbone(block_ids, positions, layer_context_kv=layer_context_kv, mask=mask)
-        off = cfg.slot_offset
-        hidden = hidden[:, off:off + self.num_draft_tokens]  # [num_reqs, num_draft, hidden]
-        return model.compute_logits(hidden), hidden, anchor_ids
+        return self.model.backbone(block_ids, positions, layer_context_kv=layer_context_kv, mask=mask)
+
+    def _block_meta(self, reqs, kv_block_size: int):
+        """Attention metadata of the flat block rows (request i's block at rows i·block_size ..): each
+        block sees its request's context and itself both ways, its K/V stored past the context."""
+        size = self.cfg.block_size
+        seqs = [SeqSpec(block_table=r.block_table, num_cached=r.anchor_pos, num_query=size, token_offset=i * size,
+                        causal=False) for i, r in enumerate(reqs)]
+        return build_attn_metadata(seqs, num_tokens=len(reqs) * size, kv_block_size=kv_block_size)
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> DraftProposal:
@@ -161,15 +184,13 @@ class DSparkDrafter(Drafter):
         greedy_rows = (temperature < GREEDY_EPS).tolist()
         head = model.markov_head
         state = head.init_state(num_rows=len(reqs), device=dev, dtype=hidden.dtype) if head else None
-        draft_ids, draft_probs, conf_logits = [], [], []
+        draft_ids, draft_probs, prev_ids = [], [], []
         for k in range(self.num_draft_tokens):
+            prev_ids.append(prev)
             logits = base_logits[:, k]  # [num_reqs, draft_vocab] fp32
             if head is not None:
                 logits, state = head.step(base_logits=logits, hidden=hidden[:, k], prev_ids=prev,
                                           state=state)
-            conf = model.confidence_logits(hidden[:, k], prev_ids=prev)  # [num_reqs] or None
-            if conf is not None:
-                conf_logits.append(conf)
             if probabilistic:
                 probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
                 tokens = torch.stack([
@@ -181,6 +202,9 @@ class DSparkDrafter(Drafter):
                 tokens = logits.argmax(dim=-1)  # [num_reqs]
             prev = model.d2t[tokens]  # target ids; the next position's predecessor
             draft_ids.append(prev)
+        # the confidences read each position's predecessor, not its logits: all positions in one call
+        # after the loop (each row the same product as position by position)
+        conf_logits = model.confidence_logits(hidden, prev_ids=torch.stack(prev_ids, dim=1))  # [num_reqs, γ]
         return DraftProposal(
             draft_ids=torch.stack(draft_ids, dim=1).cpu(),  # [num_reqs, num_draft]
             draft_probs=self._target_probs(draft_probs) if probabilistic and not all(greedy_rows) else None,
@@ -203,12 +227,12 @@ class DSparkDrafter(Drafter):
         """[num_draft] the STS shifts added after the temperature (zeros for plain STS)."""
         return self.greedy_confidence_biases if greedy else self.confidence_biases
 
-    def _confidence(self, conf_logits: list[torch.Tensor], greedy_rows: list[bool]) -> torch.Tensor | None:
+    def _confidence(self, conf_logits: torch.Tensor | None, greedy_rows: list[bool]) -> torch.Tensor | None:
         """σ(z_k / T_k + b_k) [num_reqs, num_draft] (T_k, b_k from calibration.json for the request's
-        regime, else 1 and 0), or None."""
-        if not conf_logits:
+        regime, else 1 and 0), or None (no confidence head)."""
+        if conf_logits is None:
             return None
-        z = torch.stack(conf_logits, dim=1).cpu()  # [num_reqs, num_draft] fp32
+        z = conf_logits.cpu()  # [num_reqs, num_draft] fp32
         temps = torch.stack([self.temperatures_for(g) for g in greedy_rows])  # [num_reqs, num_draft]
         shifts = torch.stack([self.biases_for(g) for g in greedy_rows])  # [num_reqs, num_draft]
         return torch.sigmoid(z / temps + shifts)
@@ -219,7 +243,8 @@ def resolve_matmul_dtype(name: str, *, dtype: torch.dtype, device) -> torch.dtyp
     if name != "auto":
         return DTYPE_NAMES[name]
     on_cpu = torch.device(device).type == "cpu"
-    return torch.bfloat16 if on_cpu and dtype == torch.float32 and cpu_has_bf16_dot() else dtype
+    bf16_pays = cpu_has_bf16_dot() or has_bf16w_kernels()  # bf16 dot products, or AVX2's widening kernel
+    return torch.bfloat16 if on_cpu and dtype == torch.float32 and bf16_pays else dtype
 
 
 def per_position(values, num_positions: int, *, fill: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -236,6 +236,66 @@ class DSparkModel(nn.Module):
             h = layer(h, cos=cos, sin=sin, k_ctx=k_ctx, v_ctx=v_ctx, mask=mask)
         return self.norm(h)
 
+    def fused_backbone(
+        self,
+        block_ids: torch.Tensor,  # [batch, num_query] long
+        positions: torch.Tensor,  # [batch, num_query] long
+        *,
+        meta,  # models.attention.AttnMetadata of the flat block rows: one short group, every row stored
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer the paged pool's (k, v)
+    ) -> torch.Tensor | None:  # [batch, num_query, hidden] final-normed, or None
+        """`backbone` for inference in one CPU kernel call (`kernels.decoder_layers`, the target's fused
+        decoder stack): the block's own K/V are stored into the pool at `meta.slot_mapping` (the
+        positions past the committed context, which a later context extension overwrites) and each block
+        row attends to the pool through `meta`'s key limits. The same products as the module path (norms,
+        matrices, SiLU), attention and RoPE rounded differently (the kernel's, ~1e-6). None where it does
+        not apply (kernels off, more than MAX_ROWS rows, weights the kernels do not take): the caller runs
+        `backbone`."""
+        batch, num_query = block_ids.shape
+        weights = self._fused_weights()
+        if (weights is None or batch * num_query > kernels.MAX_ROWS or len(meta.groups) != 1 or not meta.all_stored
+                or not kernels.enabled()):
+            return None
+        x = self.embed_tokens(block_ids).reshape(batch * num_query, -1).float().contiguous()  # [T, hidden]
+        cos, sin = self.rope(positions.reshape(-1))  # [T, head_dim]
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # the rotate-half sign folded in
+        attn, g = self.layers[0].self_attn, meta.groups[0]
+        if not kernels.decoder_layers(
+                x, weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], cos, sin,
+                meta.slot_mapping, g.token_index, g.key_limit, g.kv_slots, num_heads=attn.num_heads,
+                num_kv_heads=attn.num_kv_heads, eps=self.cfg.rms_norm_eps, scale=attn.head_dim ** -0.5):
+            return None
+        return self.norm(x).view(batch, num_query, -1)
+
+    def _fused_weights(self) -> list[torch.Tensor] | None:
+        """The 8 tensors per layer `kernels.decoder_layers` reads (norms; q|k|v and gate|up stacked), each
+        matrix in its product dtype (the `lowp_weight` copy where `set_matmul_dtype` gave one); rebuilt
+        when a weight changed in place (training), None for product dtypes the kernels do not take."""
+        sources = [t for layer in self.layers for t in (*layer.parameters(), *layer.buffers())]  # + lowp copies
+        key = tuple((id(t), t._version) for t in sources)
+        cached = getattr(self, "_fused_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+
+        def product(*linears: Linear) -> torch.Tensor:
+            return torch.cat([getattr(m, "lowp_weight", m.weight).detach() for m in linears]).contiguous()
+
+        weights: list[torch.Tensor] | None = []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight.detach(), product(a.q_proj, a.k_proj, a.v_proj),
+                        a.q_norm.weight.detach(), a.k_norm.weight.detach(), product(a.o_proj),
+                        layer.post_attention_layernorm.weight.detach(), product(mlp.gate_proj, mlp.up_proj),
+                        product(mlp.down_proj)]
+        bf16_ok = kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()
+        matrices = [w for i, w in enumerate(weights) if i % 8 in (1, 4, 6, 7)]
+        if (any(w.device.type != "cpu" for w in weights) or self.norm.weight.dtype != torch.float32
+                or any(w.dtype != torch.float32 and not (w.dtype == torch.bfloat16 and bf16_ok) for w in matrices)):
+            weights = None
+        self._fused_cache = (key, weights)
+        return weights
+
     def block_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[...] anchor ids → [..., block_size] = [anchor, mask × (block_size - 1)]."""
         ids = torch.full((*anchor_ids.shape, self.cfg.block_size), self.cfg.mask_token_id,

@@ -91,14 +91,17 @@ def _eligible(*tensors: torch.Tensor) -> bool:
 LOWP_FLAGS = {torch.bfloat16: "has_bf16", torch.uint8: "has_q4_1", torch.int8: "has_q8_0"}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+def linear(x: torch.Tensor, weight: torch.Tensor, *, fp32_input: bool = False) -> torch.Tensor | None:
     """x [..., in] @ weight[out, in]^T through the kernel when it applies (fp32 CPU input, no autograd;
     fp32 weights up to MAX_ROWS rows in all; any number of rows for bf16 weights on a CPU with bf16 dot
     products, Q4_1-packed uint8 ones [out, in * 11 / 16] (`pack_q4_1`) — the input is then rounded to bf16
     and the products accumulate in fp32 — or Q8_0-packed int8 ones [out, in * 9 / 8] (`pack_q8_0`, fp32
-    input); None otherwise, so the caller uses torch."""
+    input); None otherwise, so the caller uses torch. `fp32_input` with bf16 weights: the unrounded input
+    times the widened weights — the fp32 product of the bf16 values, bitwise the fp32 kernel's on them —
+    where the kernels have that path (`has_bf16w_kernels`: AVX2 without bf16 dot products), else None."""
     rows = x.numel() // max(1, x.shape[-1])
-    flag = LOWP_FLAGS.get(weight.dtype) if weight.device.type == "cpu" else None
+    flag = (("has_bf16w" if fp32_input and weight.dtype == torch.bfloat16 else LOWP_FLAGS.get(weight.dtype))
+            if weight.device.type == "cpu" else None)
     lowp = flag is not None
     if (rows > MAX_ROWS and not lowp) or rows == 0 or not (_eligible(x) if lowp else _eligible(x, weight)):
         return None
@@ -121,7 +124,9 @@ class Linear(torch.nn.Linear):
     dot products), inference products multiply in that dtype: a bf16 copy through the kernel's bf16
     products up to MAX_ROWS rows (fp32 input rounded per product, fp32 out), torch's bf16 product
     above (input and output in bf16; faster there than the kernel in chunks); other low-precision
-    copies through torch beyond `LOWP_MIN_ROWS` rows, fewer rows keeping the fp32 kernel. The DSpark
+    copies through torch beyond `LOWP_MIN_ROWS` rows, fewer rows keeping the fp32 kernel. On AVX2 (no
+    bf16 dot products) a bf16 copy takes the kernel's widening path up to MAX_ROWS rows (`linear`,
+    fp32_input: the fp32 product of the same values, half the bytes) and the fp32 weight above. The DSpark
     drafter's step, side by side against fp32 kernel products up to 16 rows and torch's bf16 above:
     1 request 3.7 vs 5.1 ms, 4: 6.7 vs 8.5, 16: 20.1 vs 21.7."""
 
@@ -130,11 +135,12 @@ class Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lowp = getattr(self, "lowp_weight", None)
         inference = lowp is not None and not (torch.is_grad_enabled() and self.weight.requires_grad)
+        widened = inference and lowp.dtype == torch.bfloat16 and has_bf16w_kernels()
         if inference and lowp.dtype == torch.bfloat16 and x.numel() <= MAX_ROWS * x.shape[-1]:
-            out = linear(x, lowp)
+            out = linear(x, lowp, fp32_input=widened)
             if out is not None:
                 return out if self.bias is None else out + self.bias
-        if inference and x.numel() > self.LOWP_MIN_ROWS * x.shape[-1]:
+        if inference and not widened and x.numel() > self.LOWP_MIN_ROWS * x.shape[-1]:
             bias = None if self.bias is None else self.bias.to(lowp.dtype)
             return F.linear(x.to(lowp.dtype), lowp, bias).to(x.dtype)
         out = linear(x, self.weight)
@@ -228,6 +234,13 @@ def has_q4_1_kernels() -> bool:
     """Do the built kernels multiply Q4_1 weights (AVX2 + FMA + F16C)?"""
     k = ops()
     return k is not None and bool(getattr(k, "has_q4_1", False))
+
+
+def has_bf16w_kernels() -> bool:
+    """Do the built kernels multiply bf16 weights by an unrounded fp32 input (AVX2 + FMA without AVX-512;
+    `linear(..., fp32_input=True)`)?"""
+    k = ops()
+    return k is not None and bool(getattr(k, "has_bf16w", False))
 
 
 def has_bf16_kernels() -> bool:

@@ -2,9 +2,10 @@
 // torch's general kernels pay more in dispatch and poor GEMV bandwidth than the arithmetic costs.
 // Activations are fp32; the products take fp32 weights or, with AVX512-BF16, bf16 weights (the input
 // rows rounded to bf16 first, VDPBF16PS: exact products, fp32 sums — twice the FMA's arithmetic per
-// instruction and half the weight bytes), or, with AVX2 + FMA + F16C, a GGUF's own Q4_1 blocks (input
-// rounded to bf16) and Q8_0 blocks (fp32 input), repacked by dspark.kernels ("Q4_1 products", "Q8_0
-// products" below):
+// instruction and half the weight bytes) — on AVX2 bf16 weights widened to fp32 against the fp32 input
+// (BF16W: the bf16 model's exact fp32 product, half the weight bytes) — or, with AVX2 + FMA + F16C, a
+// GGUF's own Q4_1 blocks (input rounded to bf16) and Q8_0 blocks (fp32 input), repacked by
+// dspark.kernels ("Q4_1 products", "Q8_0 products" below):
 //
 //   small_mm(x, w)                 x[M, K] @ w[N, K]^T for M <= 128: passes of up to 12 rows (R rows x M
 //                                  accumulators in vector registers) over L2-sized tiles of weight rows;
@@ -103,13 +104,18 @@ constexpr int rows_per_block() {
 // How a product's elements are loaded and multiplied: fp32 (one FMA per element pair), and with
 // AVX512-BF16 bf16 (VDPBF16PS: 32 element pairs per instruction into 16 fp32 sums, each product exact in
 // fp32 — twice the FMA's arithmetic and half its weight bytes). `step`: elements per vector.
+// `elem` is the weights' element and `xelem` the input's (the same but for BF16W).
 struct F32 {
   using elem = float;
+  using xelem = float;
   using evec = vec;
+  using xvec = vec;
   static constexpr int step = kLanes;
   static evec load(const float* p) { return vload(p); }
-  static vec fma(vec acc, evec w, evec x) { return vfma(w, x, acc); }
+  static xvec xload(const float* p) { return vload(p); }
+  static vec fma(vec acc, evec w, xvec x) { return vfma(w, x, acc); }
   static float value(float v) { return v; }
+  static float xvalue(float v) { return v; }
 };
 
 using bf16 = at::BFloat16;
@@ -117,11 +123,15 @@ using bf16 = at::BFloat16;
 constexpr bool kHasBf16 = true;
 struct BF16 {
   using elem = bf16;
+  using xelem = bf16;
   using evec = __m512bh;
+  using xvec = __m512bh;
   static constexpr int step = 32;
   static evec load(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static vec fma(vec acc, evec w, evec x) { return _mm512_dpbf16_ps(acc, w, x); }
+  static xvec xload(const bf16* p) { return load(p); }
+  static vec fma(vec acc, evec w, xvec x) { return _mm512_dpbf16_ps(acc, w, x); }
   static float value(bf16 v) { return static_cast<float>(v); }  // exact widening
+  static float xvalue(bf16 v) { return static_cast<float>(v); }
 };
 
 // fp32 -> bf16, round to nearest even (VCVTNEPS2BF16, also for the tail, so every element of a row is
@@ -140,18 +150,51 @@ inline void to_bf16(const float* x, bf16* y, int64_t n) {
 constexpr bool kHasBf16 = false;
 struct BF16 {  // compiles the bf16 paths; never called: every bf16 entry point checks kHasBf16 first
   using elem = bf16;
+  using xelem = bf16;
   using evec = vec;
+  using xvec = vec;
   static constexpr int step = kLanes;
   static evec load(const bf16*) { return vzero(); }
-  static vec fma(vec acc, evec, evec) { return acc; }
+  static xvec xload(const bf16*) { return vzero(); }
+  static vec fma(vec acc, evec, xvec) { return acc; }
   static float value(bf16 v) { return static_cast<float>(v); }
+  static float xvalue(bf16 v) { return static_cast<float>(v); }
 };
 inline void to_bf16(const float*, bf16*, int64_t) {}
 #endif
 
+// bf16 weights, fp32 input, without bf16 dot products (AVX2 + FMA, no AVX-512): each weight widened
+// exactly (a 16-bit shift) and multiplied by the input as in F32 — the fp32 product of the bf16 weights,
+// in half F32's weight bytes (the few-row products are bound by those bytes). DSpark drafters ship bf16.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr bool kHasBf16W = true;
+struct BF16W {
+  using elem = bf16;
+  using xelem = float;
+  using evec = vec;
+  using xvec = vec;
+  static constexpr int step = kLanes;
+  static evec load(const bf16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static xvec xload(const float* p) { return vload(p); }
+  static vec fma(vec acc, evec w, xvec x) { return vfma(w, x, acc); }
+  static float value(bf16 v) { return static_cast<float>(v); }
+  static float xvalue(float v) { return v; }
+};
+#else
+constexpr bool kHasBf16W = false;
+struct BF16W : F32 {  // never called: small_mm checks kHasBf16W first
+  using elem = bf16;
+  static evec load(const bf16*) { return vzero(); }
+  static float value(bf16 v) { return static_cast<float>(v); }
+};
+#endif
+
 // Output rows [n, n + R) for all M input rows, x [M, K] and w [N, K] row-major in the elements of T.
 template <typename T, int M, int R>
-inline void block(const typename T::elem* x, const typename T::elem* w, float* out, int64_t K, int64_t N,
+inline void block(const typename T::xelem* x, const typename T::elem* w, float* out, int64_t K, int64_t N,
                   int64_t n) {
   constexpr int64_t prefetch = kPrefetch * 4 / sizeof(typename T::elem);  // the same bytes ahead in any type
   vec acc[R][M];
@@ -165,21 +208,21 @@ inline void block(const typename T::elem* x, const typename T::elem* w, float* o
       wv[r] = T::load(w + (n + r) * K + k);
     }
     for (int m = 0; m < M; ++m) {
-      const typename T::evec xv = T::load(x + m * K + k);
+      const typename T::xvec xv = T::xload(x + m * K + k);
       for (int r = 0; r < R; ++r) acc[r][m] = T::fma(acc[r][m], wv[r], xv);
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int m = 0; m < M; ++m) {
       float s = vsum(acc[r][m]);
-      for (int64_t kk = k; kk < K; ++kk) s += T::value(w[(n + r) * K + kk]) * T::value(x[m * K + kk]);
+      for (int64_t kk = k; kk < K; ++kk) s += T::value(w[(n + r) * K + kk]) * T::xvalue(x[m * K + kk]);
       out[m * N + n + r] = s;
     }
   }
 }
 
 template <typename T, int M>
-void rows(const typename T::elem* x, const typename T::elem* w, float* out, int64_t K, int64_t N, int64_t n0,
+void rows(const typename T::xelem* x, const typename T::elem* w, float* out, int64_t K, int64_t N, int64_t n0,
           int64_t n1) {
   constexpr int R = rows_per_block<M>();
   int64_t n = n0;
@@ -188,7 +231,7 @@ void rows(const typename T::elem* x, const typename T::elem* w, float* out, int6
 }
 
 template <typename T>
-using RowsFn = void (*)(const typename T::elem*, const typename T::elem*, float*, int64_t, int64_t, int64_t,
+using RowsFn = void (*)(const typename T::xelem*, const typename T::elem*, float*, int64_t, int64_t, int64_t,
                         int64_t);
 // One pass serves up to kPassRows input rows (beyond that the accumulators no longer fit and the pass
 // gets slower than two); up to kMaxRows rows run as balanced passes. Against BLAS on all of SmolLM2's
@@ -219,7 +262,7 @@ inline void passes_over_tiles(int64_t M, int64_t pass_rows, int64_t row_bytes, i
 }
 
 template <typename T>
-void mm_cols(const typename T::elem* xp, int64_t M, int64_t K, const typename T::elem* wp, int64_t N, float* op,
+void mm_cols(const typename T::xelem* xp, int64_t M, int64_t K, const typename T::elem* wp, int64_t N, float* op,
              int64_t n0, int64_t n1) {
   const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(typename T::elem));
   passes_over_tiles(M, kPassRows, row_bytes, n0, n1, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
@@ -229,7 +272,7 @@ void mm_cols(const typename T::elem* xp, int64_t M, int64_t K, const typename T:
 
 // out[M, N] = x[M, K] @ w[N, K]^T for M in 1..kMaxRows, raw row-major pointers; parallel over N.
 template <typename T>
-void mm_into(const typename T::elem* xp, int64_t M, int64_t K, const typename T::elem* wp, int64_t N, float* op) {
+void mm_into(const typename T::xelem* xp, int64_t M, int64_t K, const typename T::elem* wp, int64_t N, float* op) {
   const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(typename T::elem));
   const int64_t grain = std::max<int64_t>(64, (1 << 18) / row_bytes);  // >= ~256 KB of weights per task
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { mm_cols<T>(xp, M, K, wp, N, op, n0, n1); });
@@ -579,8 +622,9 @@ void q4_mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_
 }  // namespace
 
 // x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 or bf16, or uint8 [N, K * 11 / 16] Q4_1-packed
-// (see "Q4_1 products"; K a multiple of 64) -> [M, N] fp32. With bf16 or Q4_1 weights x is rounded to bf16
-// first (round to nearest even) and the products accumulate in fp32.
+// (see "Q4_1 products"; K a multiple of 64) -> [M, N] fp32. With Q4_1 weights, and bf16 ones on AVX512-BF16,
+// x is rounded to bf16 first (round to nearest even); with bf16 weights on AVX2 (BF16W) x stays fp32. The
+// products accumulate in fp32.
 torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
   const bool bf = w.scalar_type() == at::kBFloat16, q4 = w.scalar_type() == at::kByte, q8 = w.scalar_type() == at::kChar;
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (q4 ? w.size(1) == q4_row_bytes(x.size(1)) && x.size(1) % kQ4Tail == 0
@@ -591,7 +635,7 @@ torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || bf || q4 || q8),
               "small_mm: fp32 input and fp32, bf16, Q4_1-packed uint8 or Q8_0-packed int8 weights only");
   TORCH_CHECK(!q8 || kHasQ8, "small_mm: Q8_0 weights need a CPU with AVX2, FMA and F16C");
-  TORCH_CHECK(!bf || kHasBf16, "small_mm: bf16 weights need a CPU with AVX512-BF16");
+  TORCH_CHECK(!bf || kHasBf16 || kHasBf16W, "small_mm: bf16 weights need a CPU with AVX512-BF16, or AVX2 + FMA");
   TORCH_CHECK(!q4 || kHasQ4, "small_mm: Q4_1 weights need a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_mm: CPU tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -602,6 +646,8 @@ torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
     q8_mm_into(xc.data_ptr<float>(), M, K, wc.data_ptr<int8_t>(), N, out.data_ptr<float>());
   } else if (q4) {
     q4_mm_into(xc.data_ptr<float>(), M, K, wc.data_ptr<uint8_t>(), N, out.data_ptr<float>(), x.options());
+  } else if (bf && !kHasBf16) {  // AVX2: the fp32 input times the widened bf16 weights
+    mm_into<BF16W>(xc.data_ptr<float>(), M, K, wc.data_ptr<bf16>(), N, out.data_ptr<float>());
   } else if (bf) {
     torch::Tensor xb = torch::empty({M, K}, x.options().dtype(at::kBFloat16));
     to_bf16(xc.data_ptr<float>(), xb.data_ptr<bf16>(), M * K);
@@ -879,7 +925,7 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
     const bool q4 = matrix && w.defined() && w.scalar_type() == at::kByte;
     any_bf |= bf;
     any_q4 |= q4;
-    TORCH_CHECK(!bf || kHasBf16, "decoder_layers_: bf16 weights need a CPU with AVX512-BF16");
+    TORCH_CHECK(!bf || kHasBf16 || kHasBf16W, "decoder_layers_: bf16 weights need a CPU with AVX512-BF16, or AVX2 + FMA");
     TORCH_CHECK(!q4 || (kHasQ4 && w.dim() == 2 && q4_cols(w.size(1)) > 0),
                 "decoder_layers_: Q4_1-packed weights need a CPU with AVX2, FMA and F16C, [N, K * 11 / 16]");
     TORCH_CHECK(!w.defined() || w.numel() == 0 || ((w.scalar_type() == at::kFloat || bf || q4) && w.is_contiguous() &&
@@ -905,7 +951,7 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   // bf16 copies of a product's input rows, for bf16 weights (the widest input: D, H * hd or inter)
   const int64_t widest = std::max({D, H * hd, inter});
   const int64_t threads = std::max(1, at::get_num_threads());
-  torch::Tensor xbf = torch::empty({any_bf ? T * widest : 0}, opts.dtype(at::kBFloat16));
+  torch::Tensor xbf = torch::empty({any_bf && kHasBf16 ? T * widest : 0}, opts.dtype(at::kBFloat16));
   // Q4_1: the prepared input rows (+ per thread one row of scratch) and their block sums
   torch::Tensor xq4 = torch::empty({any_q4 ? (T + threads) * widest : 0}, opts);
   torch::Tensor xsums = torch::empty({any_q4 ? T * widest / 32 : 0}, opts);
@@ -959,6 +1005,8 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
         if (r0 < r1) q4_prepare(in, r0, r1, K, xqp, xsp, xqp + (T + tid) * widest);
         sync();
         if (n0 < n1) q4_mm_cols(xqp, xsp, T, K, wt.data_ptr<uint8_t>(), N, out, n0, n1);
+      } else if (wt.scalar_type() == at::kBFloat16 && !kHasBf16) {  // AVX2: widen the weights, fp32 input
+        if (n0 < n1) mm_cols<BF16W>(in, T, K, wt.data_ptr<bf16>(), N, out, n0, n1);
       } else if (wt.scalar_type() == at::kBFloat16) {  // round the input rows to bf16 (split), then multiply
         const auto [i0, i1] = share(T * K, tid, nt, 16);
         if (i0 < i1) to_bf16(in + i0, xbp + i0, i1 - i0);
@@ -1034,6 +1082,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());
   m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32, bf16 or Q4_1)", release());
   m.attr("has_bf16") = kHasBf16;
+  m.attr("has_bf16w") = kHasBf16W;  // small_mm multiplies bf16 weights by the unrounded fp32 input (AVX2)
   m.attr("has_q4_1") = kHasQ4;
   m.attr("has_q8_0") = kHasQ8;
 }
