@@ -449,7 +449,8 @@ def test_fused_block_forward_matches_the_module_path(tmp_path, monkeypatch, draf
     past each context, key limits instead of a mask) against the module path over the gathered context,
     for three requests with contexts of 5, 9 and 2 positions: logits and hidden within the kernel's
     attention / RoPE rounding, the same drafts and confidences; the context slots are untouched. A request
-    whose block table ends before its block's last position takes the module path for the whole batch."""
+    whose block table ends before its block's last position takes the module path for the whole batch;
+    more block rows than a kernel call takes run as several calls of whole blocks."""
     if draft_matmul_dtype == "bfloat16" and not (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()):
         pytest.skip("no bf16 products on this CPU")
     cfg = tiny_cfg(enable_confidence_head=True)
@@ -473,6 +474,9 @@ def test_fused_block_forward_matches_the_module_path(tmp_path, monkeypatch, draf
     fused_logits, fused_hidden, _ = drafter.forward_blocks(batch)
     fused = drafter.propose(batch)
     assert len(ran) == 2, "the fused stack did not run"
+    with monkeypatch.context() as m:  # more block rows than one call takes: calls of whole blocks, same rows
+        m.setattr(kernels, "MAX_ROWS", 2 * cfg.block_size)
+        assert torch.equal(drafter.forward_blocks(batch)[1], fused_hidden) and len(ran) == 4
     for (k0, v0), (k1, v1) in zip(context, drafter.kv_caches):
         for i, n in enumerate(ctx):
             for pos in range(n):

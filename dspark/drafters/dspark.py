@@ -33,6 +33,7 @@ from dspark.drafters.checkpoint import (DTYPE_NAMES, check_tensors, load_tensors
                                         write_json)
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
+from dspark import kernels
 from dspark.kernels import cpu_has_bf16_dot, has_bf16w_kernels, set_matmul_dtype
 from dspark.models.attention import SeqSpec, build_attn_metadata, slots_for
 from dspark.sampling import GREEDY_EPS, logits_to_probs
@@ -128,8 +129,15 @@ class DSparkDrafter(Drafter):
         hidden = None
         if dev.type == "cpu" and all(len(r.block_table) * kv_block_size >= r.anchor_pos + cfg.block_size
                                      for r in reqs):
-            hidden = model.fused_backbone(block_ids, positions, meta=self._block_meta(reqs, kv_block_size),
-                                          kv_caches=self.kv_caches)
+            per_call = max(1, kernels.MAX_ROWS // cfg.block_size)  # requests per fused call (blocks are independent)
+            parts = []
+            for i in range(0, len(reqs), per_call):
+                part = model.fused_backbone(block_ids[i:i + per_call], positions[i:i + per_call], kv_caches=self.kv_caches,
+                                            meta=self._block_meta(reqs[i:i + per_call], kv_block_size))
+                if part is None:
+                    break
+                parts.append(part)
+            hidden = torch.cat(parts) if len(parts) * per_call >= len(reqs) else None
         if hidden is None:
             hidden = self._module_backbone(reqs, anchor_pos, block_ids, positions, kv_block_size)
         off = cfg.slot_offset
