@@ -1,0 +1,71 @@
+"""The DSpark drafter's proposal (block forward, Markov head, confidences) against the number of
+requests, drafter paths side by side in one process: each round times every path at every request
+count once, each proposal right after a target verification step (so the drafter's weights come from
+memory, as in serving, not from the cache of the previous proposal); medians over rounds.
+
+    python benchmarks/bench_draft_proposal.py --num-reqs 1,4,16,32,64 --rounds 7 \
+        --out benchmarks/results/draft_proposal_s12.json
+
+Paths: `current` (the defaults: `draft_matmul_dtype` auto — bf16 copies, widened against the fp32
+input on AVX2 — and the block forward through the fused decoder stack), `module-bf16` (the same
+products, the block forward through the per-layer modules) and `module-fp32` (fp32 products and the
+modules: the drafter path before session 12). The target is the default model at `auto` (q4_1 on AVX2
+CPUs), context 256 positions per request (`dspark profile`'s `StepProfiler`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from dspark.bench.report import run_info, write_result_file
+
+DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
+PATHS = {"current": {}, "module-bf16": {"fused": False}, "module-fp32": {"fused": False, "draft_matmul_dtype": "float32"}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from dspark.llm import LLM
+    from dspark.verify.profile_cli import StepProfiler
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--num-reqs", default="1,4,16,32,64")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    counts = [int(n) for n in args.num_reqs.split(",")]
+    profilers = {}
+    for name in args.paths.split(","):
+        opts = dict(PATHS[name])
+        fused = opts.pop("fused", True)
+        llm = LLM(speculative_config={"method": "dspark", "model": DRAFTER, **opts})
+        if not fused:
+            llm.engine.drafter.model.fused_backbone = lambda *a, **k: None  # the module path
+        profilers[name] = StepProfiler(llm.engine)
+    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in profilers for n in counts}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for n in counts:
+            for name, prof in profilers.items():
+                prof.windows_step([8])  # a target step in between, as in serving
+                start = time.perf_counter()
+                prof.draft_step(n)
+                if r:
+                    times[(name, n)].append(time.perf_counter() - start)
+    ms = {f"{name}_r{n}_ms": round(statistics.median(t) * 1e3, 2) for (name, n), t in times.items()}
+    base = next(iter(profilers))
+    ratios = {f"{name}_over_{base}_r{n}": round(ms[f"{name}_r{n}_ms"] / ms[f"{base}_r{n}_ms"], 2)
+              for name in profilers if name != base for n in counts}
+    result = {"bench": "draft_proposal", "summary": {**ms, **ratios}, "config": vars(args),
+              "samples_ms": {f"{name}_r{n}": [round(x * 1e3, 3) for x in t] for (name, n), t in times.items()},
+              **run_info(argv)}
+    for n in counts:
+        print(f"{n:3d} requests: " + "  ".join(f"{name} {ms[f'{name}_r{n}_ms']:.1f} ms" for name in profilers))
+    if args.out:
+        write_result_file(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
