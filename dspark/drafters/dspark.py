@@ -134,10 +134,11 @@ class DSparkDrafter(Drafter):
             for i in range(0, len(reqs), per_call):
                 part = model.fused_backbone(block_ids[i:i + per_call], positions[i:i + per_call], kv_caches=self.kv_caches,
                                             meta=self._block_meta(reqs[i:i + per_call], kv_block_size))
-                if part is None:
+                if part is None:  # the kernels do not apply (the same for every part): the module path
                     break
                 parts.append(part)
-            hidden = torch.cat(parts) if len(parts) * per_call >= len(reqs) else None
+            else:
+                hidden = torch.cat(parts)
         if hidden is None:
             hidden = self._module_backbone(reqs, anchor_pos, block_ids, positions, kv_block_size)
         off = cfg.slot_offset
