@@ -134,8 +134,9 @@ class EngineConfig:
     # weight bytes); norms, attention, residual stream and KV cache stay fp32. "auto": bfloat16 where the
     # CPU kernels multiply bf16, else q4_1 for a Q4_1 GGUF where they multiply Q4_1 (AVX2), else float32
     # (dspark.engine.build.resolve_matmul_dtype). "q4_1": the
-    # decoder layers multiply the GGUF's own Q4_1 blocks (a Q4_1 GGUF model only; exact weights, 0.69
-    # bytes a weight, input rounded to bf16, fp32 sums), the LM head in bf16 where the kernels multiply
+    # decoder layers multiply the GGUF's own Q4_1 blocks (a Q4_1 GGUF model only; exact weights, 0.63
+    # bytes a weight, each product's input quantized to Q8_1 blocks, integer dot products and fp32 sums
+    # over the blocks: llama.cpp's Q4_1 product), the LM head in bf16 where the kernels multiply
     # bf16, else in its own Q8_0 blocks when stored so (dspark.models.loader), else fp32.
     matmul_dtype: str = "auto"
     device: str = "cpu"

@@ -1,9 +1,10 @@
 """Q4_1 products (`--matmul-dtype q4_1`): the layers multiply a Q4_1 GGUF's own blocks, the LM head its
 own Q8_0 blocks where the kernels have no bf16 products.
 
-* the packing (`kernels.pack_q4_1`) and the kernel's product against the twin — the fp64 product of the
-  bf16-rounded input with the blocks' weights (gguf's own dequantization) — at every row
-  count a step uses, for widths with 8-block groups, 2-block groups and both;
+* the packing (`kernels.pack_q4_1`: tiles of 8 rows, the GGUF's bytes reordered) and the kernel's product
+  against the twin — the fp64 product of the input's Q8_1 values (`kernels.q8_1_dequantized`, checked
+  against llama.cpp's quantizer as gguf implements it) with the blocks' weights (gguf's own
+  dequantization) — at every row count a step uses, for odd and even block counts;
 * the Q8_0 head's product against the fp64 product of the fp32 input with the blocks' values;
 * a row's result is bit for bit the same alone or in any batch (prompt chunks included);
 * a tiny model with Q4_1 weights: the fused decoder stack and the per-layer path against the torch twin
@@ -42,26 +43,51 @@ def q4_blocks(n: int, k: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return gguf_blocks(n, k, seed=seed, kind=Q4_1)
 
 
-def test_pack_q4_1_rejects_widths_it_cannot_pack():
-    raw, _ = q4_blocks(3, 96, seed=1)  # 3 blocks: not a whole 64-column group
-    with pytest.raises(ValueError, match="64-column"):
+def test_pack_q4_1_reorders_the_gguf_bytes_into_tiles_of_8_rows():
+    raw, _ = q4_blocks(16, 96, seed=1)
+    packed = kernels.pack_q4_1(raw)
+    assert packed.shape == raw.shape and kernels.q4_1_packed_cols(packed) == 96
+    assert torch.equal(packed.flatten().sort().values, raw.flatten().sort().values)  # the same bytes
+    tile = packed[8:16].reshape(-1)  # the second tile: rows 8-15
+    block = tile[160:320]  # its block 1: 4 units of 8 rows x 4 nibble bytes, then 8 d, then 8 m
+    rows = raw[8:16].view(8, 3, 20)[:, 1]  # [rows, 20]: d, m, 16 nibble bytes
+    assert torch.equal(block[:128].view(4, 8, 4), rows[:, 4:].reshape(8, 4, 4).transpose(0, 1))
+    assert torch.equal(block[128:144].view(8, 2), rows[:, 0:2]) and torch.equal(block[144:].view(8, 2), rows[:, 2:4])
+
+
+def test_pack_q4_1_rejects_what_it_cannot_pack():
+    raw, _ = q4_blocks(12, 96, seed=1)  # 12 rows: not whole tiles of 8
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
         kernels.pack_q4_1(raw)
     with pytest.raises(ValueError, match="uint8"):
-        kernels.pack_q4_1(torch.zeros(3, 40, dtype=torch.int16))
+        kernels.pack_q4_1(torch.zeros(8, 40, dtype=torch.int16))
+
+
+def test_q8_1_dequantized_is_llama_cpps_q8_1_quantization():
+    """The input's Q8_1 values: gguf's Q8_0 quantizer (llama.cpp's reference, the same e and p as Q8_1; it
+    rounds halves away from zero where the kernels round to even, so ties are avoided) dequantized."""
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
+    x[1, :32] = 0  # an all-zero block
+    x[2, 40] = 50.0  # a block with one large value
+    ref = gguf.dequantize(gguf.quantize(x.numpy(), Q8_0), Q8_0)
+    q8 = kernels.q8_1_dequantized(x)
+    # gguf keeps e in fp16 (Q8_0); ours is fp32: the values agree to fp16 precision of e
+    torch.testing.assert_close(q8, torch.from_numpy(ref.copy()), rtol=2e-3, atol=1e-6)
+    assert torch.equal(q8[1, :32], torch.zeros(32))
+    assert (q8 - x).abs().max() < x.abs().max() / 254 + 1e-6
 
 
 @needs_q4
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 12, 13, 48, kernels.MAX_ROWS])
-@pytest.mark.parametrize("k", [64, 512, 576, 1536])  # 2-block groups only, 8-block only, both, 6 x 8-block
+@pytest.mark.parametrize("k", [32, 96, 576, 1536])  # 1 block, 3, 18, 48
 def test_small_mm_q4_1_matches_the_dequantized_product(rows, k):
-    raw, w = q4_blocks(37, k, seed=rows + k)
+    raw, w = q4_blocks(40, k, seed=rows + k)
     packed = kernels.pack_q4_1(raw)
-    assert packed.shape == (37, k * 11 // 16) and kernels.q4_1_packed_cols(packed) == k
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     out = kernels.ops().small_mm(x, packed)
-    ref = (x.bfloat16().double() @ w.double().t()).float()
+    ref = (kernels.q8_1_dequantized(x).double() @ w.double().t()).float()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
-    # the input really is rounded to bf16: the unrounded product is much further away than summation order
+    # the input really is quantized: the unquantized product is much further away than summation order
     assert (out - x @ w.t()).abs().max() > 10 * (out - ref).abs().max()
 
 
@@ -69,7 +95,7 @@ def test_small_mm_q4_1_matches_the_dequantized_product(rows, k):
 def test_q4_1_row_results_do_not_depend_on_the_batch():
     """Bit for bit, a row's product is the same alone or among others, across passes, tiles, thread shares
     and the 128-row chunks of a prompt (kernels.linear)."""
-    raw, _ = q4_blocks(300, 576, seed=3)
+    raw, _ = q4_blocks(304, 576, seed=3)
     packed = kernels.pack_q4_1(raw)
     x = torch.randn(2 * kernels.MAX_ROWS + 9, 576, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([kernels.linear(x[i:i + 1], packed) for i in range(x.shape[0])])
@@ -79,9 +105,11 @@ def test_q4_1_row_results_do_not_depend_on_the_batch():
 
 @needs_q4
 def test_small_mm_q4_1_rejects_a_mismatched_width():
-    packed = kernels.pack_q4_1(q4_blocks(5, 128, seed=5)[0])
+    packed = kernels.pack_q4_1(q4_blocks(8, 128, seed=5)[0])
     with pytest.raises(RuntimeError, match="Q4_1"):
         kernels.ops().small_mm(torch.randn(2, 192), packed)
+    with pytest.raises(RuntimeError, match="Q4_1"):  # rows in whole tiles of 8
+        kernels.ops().small_mm(torch.randn(2, 128), packed[:5])
 
 
 needs_q8 = pytest.mark.skipif(not kernels.has_q8_0_kernels(), reason="no Q8_0 CPU kernels (AVX2/FMA/F16C)")
@@ -172,10 +200,10 @@ def _chunked_logits(model, ids, cuts):
 def test_q4_1_model_products_match_their_twin_and_the_model_stays_hf_s(cfg):
     """A prompt chunk (per-layer path) then decode steps (fused stack, bit for bit the per-layer path:
     the chunking test below): every product of the model, on the input it really got, against its twin
-    (fp64 product of the bf16-rounded input with the blocks' values); and the logits against HF's fp32
-    model of the same weights — apart by the inputs' bf16 rounding only, with the same greedy tokens
+    (fp64 product of the input's Q8_1 values with the blocks' values); and the logits against HF's fp32
+    model of the same weights — apart by the inputs' quantization only, with the same greedy tokens
     wherever HF's margin is clear. (A whole-model torch twin is no reference here: a last-bit difference
-    in a norm flips an input's bf16 rounding, ~1 in 10^4 inputs, and moves the logits by ~1e-3.)"""
+    in a norm flips an input's rounding to its Q8_1 value and moves the logits by ~1e-3.)"""
     from dspark.models.layers import Linear
     hf, ours = q4_model(cfg, seed=6)
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -187,7 +215,8 @@ def test_q4_1_model_products_match_their_twin_and_the_model_stays_hf_s(cfg):
         h.remove()
     assert len(seen) >= 4 * cfg.num_hidden_layers
     for x, out, w in seen:
-        torch.testing.assert_close(out, (x.bfloat16().double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, (kernels.q8_1_dequantized(x).double() @ w.double().t()).float(),
+                                   rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     err = (logits - ref).abs().max().item()
@@ -235,7 +264,7 @@ def smollm2_q4(smollm2):
 
 def test_smollm2_q4_1_blocks_are_its_weights(smollm2, smollm2_q4):
     """The packed blocks hold the GGUF's weights (rows un-interleaved for rope like the fp32 load): each
-    Linear's kernel product equals the fp32 model's weights times the bf16-rounded input."""
+    Linear's kernel product equals the fp32 model's weights times the input's Q8_1 values."""
     from dspark.models.layers import Linear
     fp32 = dict(smollm2[0].named_modules())
     x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(8))
@@ -246,7 +275,7 @@ def test_smollm2_q4_1_blocks_are_its_weights(smollm2, smollm2_q4):
             assert torch.equal(module.weight, fp32[name].weight), name
             if checked < 8 or name.endswith("29.self_attn.qkv_proj"):
                 xi = x[:, :module.in_features]
-                ref = (xi.bfloat16().double() @ fp32[name].weight.double().t()).float()
+                ref = (kernels.q8_1_dequantized(xi).double() @ fp32[name].weight.double().t()).float()
                 torch.testing.assert_close(kernels.linear(xi, module.weight_q4), ref, rtol=1e-5, atol=1e-4)
                 checked += 1
     assert checked >= 9

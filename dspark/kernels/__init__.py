@@ -2,8 +2,9 @@
 
 Activations are fp32; the matrix products take fp32 weights or, on CPUs with AVX512-BF16, bf16 weights
 (the input rounded to bf16, fp32 accumulation: twice the arithmetic per instruction, half the bytes),
-or, on CPUs with AVX2 + FMA + F16C, a GGUF's own Q4_1 blocks (`pack_q4_1`; input rounded to bf16) and
-Q8_0 blocks (`pack_q8_0`; fp32 input) — the file's exact weights in 0.69 and 1.1 bytes each.
+or, on CPUs with AVX2 + FMA + F16C, a GGUF's own Q4_1 blocks (`pack_q4_1`; the input quantized to Q8_1
+blocks, integer dot products: llama.cpp's Q4_1 x Q8_1 product) and Q8_0 blocks (`pack_q8_0`; fp32 input)
+— the file's exact weights in 0.63 and 1.1 bytes each.
 
 `cpu_ops.cpp` is compiled once per machine with torch's C++ extension builder (g++ and ninja; ~30 s on two
 cores) into `~/.cache/dspark/kernels/<source hash>/`; `scripts/setup.sh` does it ahead of time with
@@ -94,8 +95,8 @@ LOWP_FLAGS = {torch.bfloat16: "has_bf16", torch.uint8: "has_q4_1", torch.int8: "
 def linear(x: torch.Tensor, weight: torch.Tensor, *, fp32_input: bool = False) -> torch.Tensor | None:
     """x [..., in] @ weight[out, in]^T through the kernel when it applies (fp32 CPU input, no autograd;
     fp32 weights up to MAX_ROWS rows in all; any number of rows for bf16 weights on a CPU with bf16 dot
-    products, Q4_1-packed uint8 ones [out, in * 11 / 16] (`pack_q4_1`) — the input is then rounded to bf16
-    and the products accumulate in fp32 — or Q8_0-packed int8 ones [out, in * 9 / 8] (`pack_q8_0`, fp32
+    products — the input then rounded to bf16, the products accumulated in fp32 — Q4_1-packed uint8 ones
+    [out, in * 10 / 16] (`pack_q4_1`; the input quantized to Q8_1 blocks, `q8_1_dequantized`) or Q8_0-packed int8 ones [out, in * 9 / 8] (`pack_q8_0`, fp32
     input); None otherwise, so the caller uses torch. `fp32_input` with bf16 weights: the unrounded input
     times the widened weights — the fp32 product of the bf16 values, bitwise the fp32 kernel's on them —
     where the kernels have that path (`has_bf16w_kernels`: AVX2 without bf16 dot products), else None."""
@@ -165,48 +166,38 @@ def set_matmul_dtype(module: torch.nn.Module, dtype: torch.dtype, *, skip: tuple
 Q4_1_BLOCK_BYTES = 20  # llama.cpp Q4_1: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
 
 
-@cache
-def _q4_1_byte_order() -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each packed nibble byte comes from: for an 8-block group, 128 indices into its blocks'
-    [8 * 16] GGUF nibble bytes (two 64-byte loads: byte 16 l + 8 h + u of load `ld` feeds block
-    (4 l + u // 2) % 8, byte 8 ld + 4 h + 2 (l // 2) + u % 2); for a 2-block group, 32 indices into [2 * 16]
-    (byte 4 k + t: block t // 2, byte 2 k + t % 2). Mirrors Q4Order in cpu_ops.cpp."""
-    full = []
-    for ld in range(2):
-        for pos in range(64):
-            lane, h, u = pos // 16, pos // 8 % 2, pos % 8
-            full.append(((4 * lane + u // 2) % 8) * 16 + 8 * ld + 4 * h + 2 * (lane // 2) + u % 2)
-    tail = [(t // 2) * 16 + 2 * k + t % 2 for k in range(8) for t in range(4)]
-    return torch.tensor(full), torch.tensor(tail)
-
-
 def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF Q4_1 rows [N, K / 32 * 20] uint8 (per block of 32: fp16 d, fp16 m, 16 bytes of nibbles) -> the
-    kernels' packed rows [N, K * 11 / 16] uint8 (cpu_ops.cpp, "Q4_1 products"): groups of 8 blocks, then
-    of 2, each its nibble bytes reordered and its fp16 scales; then m - 128 d per block as fp32. The
-    same weights (K must be a multiple of 64)."""
+    kernels' packed rows [N, K / 32 * 20] uint8 (cpu_ops.cpp, "Q4_1 products"): tiles of 8 rows, per block
+    the 8 rows' nibble bytes 4 at a time (4 units of 32 bytes), then their 8 d, then their 8 m. The same
+    weights and bytes, reordered; N must be a multiple of 8."""
     n, row = blocks.shape
-    if blocks.dtype != torch.uint8 or row % (2 * Q4_1_BLOCK_BYTES):
-        raise ValueError(f"Q4_1 rows must be uint8 with a whole number of 64-column groups; got {tuple(blocks.shape)} "
-                         f"{blocks.dtype}")
+    if blocks.dtype != torch.uint8 or row % Q4_1_BLOCK_BYTES or n % 8:
+        raise ValueError(f"Q4_1 products need uint8 rows of whole blocks, in a multiple of 8 rows; got "
+                         f"{tuple(blocks.shape)} {blocks.dtype}")
     nb = row // Q4_1_BLOCK_BYTES
-    b = blocks.contiguous().view(n, nb, Q4_1_BLOCK_BYTES)
-    nibbles, scales = b[..., 4:], b[..., 0:2]  # [N, nb, 16], [N, nb, 2]
-    d = scales.contiguous().view(torch.float16).reshape(n, nb).float()
-    m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, nb).float()
-    full_order, tail_order = _q4_1_byte_order()
-    parts, full = [], nb // 8 * 8
-    for start, size, order in [(g, 8, full_order) for g in range(0, full, 8)] + \
-                              [(g, 2, tail_order) for g in range(full, nb, 2)]:
-        parts.append(nibbles[:, start:start + size].reshape(n, size * 16)[:, order])
-        parts.append(scales[:, start:start + size].reshape(n, size * 2))
-    parts.append((m - 128 * d).contiguous().view(torch.uint8))  # exact: d * 128 scales by a power of two
-    return torch.cat(parts, 1).contiguous()
+    b = blocks.contiguous().view(n // 8, 8, nb, Q4_1_BLOCK_BYTES)  # [tiles, rows, blocks, 20]
+    nibbles = b[..., 4:].reshape(n // 8, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, nb, 128)
+    d = b[..., 0:2].permute(0, 2, 1, 3).reshape(n // 8, nb, 16)
+    m = b[..., 2:4].permute(0, 2, 1, 3).reshape(n // 8, nb, 16)
+    return torch.cat([nibbles, d, m], -1).reshape(n, row).contiguous()
 
 
 def q4_1_packed_cols(packed: torch.Tensor) -> int:
-    """K (input columns) of a packed Q4_1 matrix [N, K * 11 / 16]."""
-    return packed.shape[1] // 44 * 64
+    """K (input columns) of a packed Q4_1 matrix [N, K / 32 * 20]."""
+    return packed.shape[1] // Q4_1_BLOCK_BYTES * 32
+
+
+def q8_1_dequantized(x: torch.Tensor) -> torch.Tensor:
+    """The input of a Q4_1 product as the kernels see it: each row's blocks of 32 quantized as llama.cpp's
+    Q8_1 (e = max |x| / 127, p = round(x / e) to nearest even, in fp32) and given back as p * e — the torch
+    twin of `q4_prepare` (the products with it: x @ w^T in any exact-enough summation)."""
+    shape = x.shape
+    blocks = x.reshape(-1, shape[-1] // 32, 32).float()  # [rows, K / 32, 32]
+    e = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(e != 0, 1.0 / torch.where(e != 0, e, torch.ones_like(e)), torch.zeros_like(e))
+    p = torch.round(blocks * inv)
+    return (p * e).reshape(shape).to(x.dtype)
 
 
 Q8_0_BLOCK_BYTES = 34  # llama.cpp Q8_0: fp16 d, 32 int8 weights

@@ -4,7 +4,8 @@
 // rows rounded to bf16 first, VDPBF16PS: exact products, fp32 sums — twice the FMA's arithmetic per
 // instruction and half the weight bytes) — on AVX2 bf16 weights widened to fp32 against the fp32 input
 // (BF16W: the bf16 model's exact fp32 product, half the weight bytes) — or, with AVX2 + FMA + F16C, a
-// GGUF's own Q4_1 blocks (input rounded to bf16) and Q8_0 blocks (fp32 input), repacked by
+// GGUF's own Q4_1 blocks (input quantized to Q8_1 blocks: integer dot products, as llama.cpp) and Q8_0
+// blocks (fp32 input), repacked by
 // dspark.kernels ("Q4_1 products", "Q8_0 products" below):
 //
 //   small_mm(x, w)                 x[M, K] @ w[N, K]^T for M <= 128: passes of up to 12 rows (R rows x M
@@ -315,220 +316,129 @@ class SpinBarrier {
 
 
 // ---------------------------------------------------------------------------------------- Q4_1 products
-// Weights kept in llama.cpp's Q4_1 blocks (32 weights: w_i = d * q_i + m, q_i in 0..15, d and m fp16),
-// repacked per weight row (dspark.kernels.pack_q4_1) into groups of 8 blocks (256 input columns), then
-// groups of 2 blocks (64 columns) for the rest of K, then the blocks' offsets as fp32:
-//   8-block group: 128 bytes of nibbles, then the 8 scales d as fp16. Byte u of 128-bit lane l of 64-byte
-//     half `ld`, at offset 64 ld + 16 l + u, holds in its low nibble the weight paired with input word
-//     8 l + u % 8 of word vector 4 ld + u / 8 and in its high nibble the one of vector 4 ld + 2 + u / 8
-//     (32 words a vector; Q4Order says which input column each word is). Word s takes block
-//     (4 (s / 8) + s % 8 / 2) % 8: the 8 words of one 8-byte run (one AVX2 vector) hold blocks 0-3, two
-//     words each, for even l and blocks 4-7 for odd l, so two sums per group, each scaled once by its
-//     lanes' d.
-//   2-block group: 32 nibble bytes (byte s: word s, low nibble vector 0, high vector 1; block s % 4 / 2),
-//     then the 2 fp16 scales.
-//   offsets: m - 128 d per block (fp32; exact for SmolLM2's blocks: m comes back as offset + 128 d).
-// Row bytes = K * 11 / 16 (GGUF: K * 10 / 16). A product is sum_b d_b * sum_i q_i x_i + m_b * sum_i x_i
-// over the blocks b of a row, with x rounded to bf16 (as in bf16 products): exact products (q x: 12
-// bits), fp32 sums in a fixed order. The input rows are rearranged once per product into the words'
-// order (q4_prepare), with their per-block sums. AVX2 + FMA + F16C; the Python side checks has_q4_1.
+// Weights kept in llama.cpp's Q4_1 blocks (32 weights: w_i = d * q_i + m, q_i in 0..15, d and m fp16) against
+// the input quantized as llama.cpp's Q8_1 blocks (32 inputs: x_i ~ e * p_i, p_i = round(x_i / e) to nearest
+// even in -127..127, e = max |x_i| / 127, fp32): the product of llama.cpp's Q4_1 x Q8_1 dot,
+//   sum_b (d_b e_b) * (sum_i q_i p_i) + m_b * (e_b sum_i p_i)
+// over the blocks b of a row, the integer sums exact (VPMADDUBSW, int16 sums of at most 16 products
+// |15 * 127| each, then VPMADDWD), the fp32 sums over the blocks in order whatever the batch.
+// Packed (dspark.kernels.pack_q4_1) in tiles of 8 weight rows, so that a vector's lanes are 8 output rows
+// and no horizontal sum is needed: tile t (rows 8 t .. 8 t + 7) is 8 row-lengths of bytes, per block b
+// 160 bytes: 4 units of 32 bytes (unit u: bytes 4 u .. 4 u + 3 of each of the 8 rows' 16 GGUF nibble bytes,
+// row after row; byte j holds q_j low and q_{j+16} high), then the 8 rows' d, then their m (fp16).
+// K * 10 / 16 bytes a row as in the GGUF; N a multiple of 8. An input row is quantized once per product
+// (q4_prepare): its p in order and per block [e, e sum p]. AVX2 + FMA + F16C; the Python side checks
+// has_q4_1 and keeps the torch twin (kernels.q8_1_dequantized: the input as its Q8_1 values).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define DSPARK_Q4_AVX2 1
 constexpr bool kHasQ4 = true;
 #else
 constexpr bool kHasQ4 = false;
 #endif
-constexpr int64_t kQ4Full = 256, kQ4FullBytes = 144, kQ4Tail = 64, kQ4TailBytes = 36;
-inline int64_t q4_row_bytes(int64_t K) { return K / kQ4Tail * kQ4TailBytes + K / 32 * 4; }
-// K from a packed row's byte count (0 when no multiple of 64 gives it)
-inline int64_t q4_cols(int64_t row_bytes) { return row_bytes % 44 == 0 ? row_bytes / 44 * kQ4Tail : 0; }
-
-// Input column (within its group) of word s of word vector v: 8-block groups (v < 8), 2-block (v < 2).
-struct Q4Order {
-  uint16_t full[8][32], tail[2][32];
-  Q4Order() {
-    for (int v = 0; v < 8; ++v) {  // v = load * 4 + nibble * 2 + unpack half
-      const int load = v / 4, nib = v / 2 % 2, half = v % 2;
-      for (int s = 0; s < 32; ++s) {
-        const int l = s / 8, u = s % 8;  // 128-bit lane, byte within its unpacked half
-        const int block = (4 * l + u / 2) % 8, j = 8 * load + 4 * half + 2 * (l / 2) + u % 2;
-        full[v][s] = static_cast<uint16_t>(block * 32 + 16 * nib + j);
-      }
-    }
-    for (int v = 0; v < 2; ++v)  // v = nibble
-      for (int s = 0; s < 32; ++s) {
-        const int k = s / 4, t = s % 4;
-        tail[v][s] = static_cast<uint16_t>((t >> 1) * 32 + 2 * k + (t & 1) + 16 * v);
-      }
-  }
-};
-const Q4Order kQ4Order;
+constexpr int64_t kQ4BlockBytes = 20, kQ4TileRows = 8;
+inline int64_t q4_row_bytes(int64_t K) { return K / 32 * kQ4BlockBytes; }
+// K from a packed row's byte count (0 when no multiple of 32 gives it)
+inline int64_t q4_cols(int64_t row_bytes) { return row_bytes % kQ4BlockBytes == 0 ? row_bytes / kQ4BlockBytes * 32 : 0; }
 
 #if defined(DSPARK_Q4_AVX2)
-// AVX2: the same packed rows; each 8 nibbles widened to fp32 q and multiplied by the input with FMAs into
-// two sums per (row, input) and 8-block group (lanes on blocks 0-3 and 4-7, as the words' order places
-// them), scaled by the blocks' d at the group's end; the offsets' m = stored offset + 128 d times the
-// input's block sums. The input rows are rounded to bf16 (kept as fp32), rearranged into the words' order.
-inline __m256 round_bf16(__m256 v) {  // round to nearest even at bf16 precision, as torch's .bfloat16()
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// x [M, K] rows [m0, m1) -> xq [M, K] (bf16-rounded fp32, words' order) and sums [M, K / 32] (per block of
-// 32, of the rounded values); `scratch` holds K floats.
-inline void q4_prepare(const float* x, int64_t m0, int64_t m1, int64_t K, float* xq, float* sums, float* scratch) {
-  const int64_t full = K / kQ4Full * kQ4Full;
-  for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t i = 0; i < K; i += 8) _mm256_storeu_ps(scratch + i, round_bf16(_mm256_loadu_ps(x + m * K + i)));
+// x [M, K] rows [m0, m1) -> xq [M, K] int8 p and meta [M, K / 16]: per block e, e sum p.
+inline void q4_prepare(const float* x, int64_t m0, int64_t m1, int64_t K, int8_t* xq, float* meta) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t b = 0; b < K / 32; ++b) {
-      const float* v = scratch + 32 * b;
-      sums[m * (K / 32) + b] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
-                                                   _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24))));
-    }
-    float* q = xq + m * K;
-    for (int64_t c = 0; c < full; c += kQ4Full)
-      for (int v = 0; v < 8; ++v)
-        for (int s = 0; s < 32; ++s) q[c + 32 * v + s] = scratch[c + kQ4Order.full[v][s]];
-    for (int64_t c = full; c < K; c += kQ4Tail)
-      for (int v = 0; v < 2; ++v)
-        for (int s = 0; s < 32; ++s) q[c + 32 * v + s] = scratch[c + kQ4Order.tail[v][s]];
-  }
-}
-
-inline __m256i q4_bytes8(const uint8_t* p) {  // 8 nibble bytes widened to int32 lanes
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-// Output rows [n, n + R) for all M prepared input rows; a row's sums run in one fixed order whatever R, M.
-template <int M, int R>
-inline void q4_block(const float* xq, const float* sums, const uint8_t* w, int64_t rb, float* out, int64_t K,
-                     int64_t N, int64_t n) {
-  const int64_t F = K / kQ4Full, T = K % kQ4Full / kQ4Tail, B = K / 32;
-  // word s of a group's vector takes block (4 (s / 8) + s % 8 / 2) % 8 (8-block groups) or s % 4 / 2 (2-block)
-  const __m256i lanes_a = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), lanes_b = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-  const __m256i lanes_t = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1), low4 = _mm256_set1_epi32(0x0F);
-  const __m256 c128 = _mm256_set1_ps(128.f);
-  const uint8_t* row[R];
-  const float* offs[R];
-  for (int r = 0; r < R; ++r) {
-    row[r] = w + (n + r) * rb;
-    offs[r] = reinterpret_cast<const float*>(row[r] + K / kQ4Tail * kQ4TailBytes);
-  }
-  __m256 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < F; ++g) {
-    __m256 t[2][R][M];  // lanes on blocks 0-3 (128-bit lanes 0, 2 of a load) and 4-7 (lanes 1, 3)
-    for (int a = 0; a < 2; ++a)
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < M; ++m) t[a][r][m] = _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(row[r] + (g + 16) * kQ4FullBytes, 0, 1);
-      __builtin_prefetch(row[r] + (g + 16) * kQ4FullBytes + 64, 0, 1);
-    }
-#pragma GCC unroll 2
-    for (int ld = 0; ld < 2; ++ld)
-#pragma GCC unroll 2
-      for (int half = 0; half < 2; ++half)
-#pragma GCC unroll 4
-        for (int l = 0; l < 4; ++l) {  // 8 bytes of 128-bit lane l: words 8 l .. 8 l + 7 of vector 4 ld + half
-          const int64_t off = g * kQ4FullBytes + 64 * ld + 16 * l + 8 * half;
-          const int64_t xo = g * kQ4Full + 32 * (4 * ld + half) + 8 * l;  // the high nibbles: vector + 2
-          __m256i b[R];
-          for (int r = 0; r < R; ++r) b[r] = q4_bytes8(row[r] + off);
-#pragma GCC unroll 2
-          for (int nib = 0; nib < 2; ++nib) {
-            __m256 xv[M];
-            for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(xq + m * K + xo + 64 * nib);
-            for (int r = 0; r < R; ++r) {
-              const __m256 q = _mm256_cvtepi32_ps(nib ? _mm256_srli_epi32(b[r], 4) : _mm256_and_si256(b[r], low4));
-              for (int m = 0; m < M; ++m) t[l % 2][r][m] = _mm256_fmadd_ps(q, xv[m], t[l % 2][r][m]);
-            }
-          }
-        }
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* p = row[r] + g * kQ4FullBytes;
-      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 128)));
-      const __m256 m8 = _mm256_fmadd_ps(d8, c128, _mm256_loadu_ps(offs[r] + 8 * g));
-      const __m256 da = _mm256_permutevar8x32_ps(d8, lanes_a), db = _mm256_permutevar8x32_ps(d8, lanes_b);
-      for (int m = 0; m < M; ++m) {
-        acc[r][m] = _mm256_fmadd_ps(t[0][r][m], da, acc[r][m]);
-        acc[r][m] = _mm256_fmadd_ps(t[1][r][m], db, acc[r][m]);
-        acc[r][m] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sums + m * B + 8 * g), acc[r][m]);
-      }
-    }
-  }
-  for (int64_t g = 0; g < T; ++g) {
-    const int64_t blk = 8 * F + 2 * g;
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* p = row[r] + F * kQ4FullBytes + g * kQ4TailBytes;
-      __m256 t[M];
-      for (int m = 0; m < M; ++m) t[m] = _mm256_setzero_ps();
-#pragma GCC unroll 4
+      const float* v = x + m * K + 32 * b;
+      __m256 xs[4];
+      __m256 amax = _mm256_setzero_ps();
       for (int c = 0; c < 4; ++c) {
-        const __m256i b = q4_bytes8(p + 8 * c);
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-        const int64_t xo = F * kQ4Full + g * kQ4Tail + 8 * c;
-        for (int m = 0; m < M; ++m) {
-          t[m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xq + m * K + xo), t[m]);
-          t[m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xq + m * K + xo + 32), t[m]);
-        }
+        xs[c] = _mm256_loadu_ps(v + 8 * c);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, xs[c]));
       }
-      int32_t scales;  // dA | dB << 16
-      std::memcpy(&scales, p + 32, 4);
-      const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));  // [dA, dB, 0, 0]
-      const __m128 o2 = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(offs[r] + blk)));
-      const __m256 m2 = _mm256_zextps128_ps256(_mm_fmadd_ps(d2, _mm_set1_ps(128.f), o2));  // [mA, mB, 0 ...]
-      const __m256 dt = _mm256_permutevar8x32_ps(_mm256_zextps128_ps256(d2), lanes_t);
-      for (int m = 0; m < M; ++m) {
-        const __m256 s2 = _mm256_castsi256_ps(_mm256_zextsi128_si256(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sums + m * B + blk))));
-        acc[r][m] = _mm256_fmadd_ps(t[m], dt, acc[r][m]);
-        acc[r][m] = _mm256_fmadd_ps(m2, s2, acc[r][m]);
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float e = _mm_cvtss_f32(h) / 127.0f, inv = e != 0.0f ? 1.0f / e : 0.0f;
+      const __m256 iv = _mm256_set1_ps(inv);
+      __m256i p[4];
+      for (int c = 0; c < 4; ++c)
+        p[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(xs[c], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      s4 = _mm_hadd_epi32(s4, s4);
+      const __m256i q = _mm256_permutevar8x32_epi32(  // p_0 .. p_31 in order
+          _mm256_packs_epi16(_mm256_packs_epi32(p[0], p[1]), _mm256_packs_epi32(p[2], p[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + 32 * b), q);
+      meta[m * (K / 16) + 2 * b] = e;
+      meta[m * (K / 16) + 2 * b + 1] = e * static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+}
+
+// Tile of 8 output rows [n, n + 8) for M prepared input rows.
+template <int M>
+inline void q4_tile(const int8_t* xq, const float* meta, const uint8_t* tile, float* out, int64_t K, int64_t N,
+                    int64_t n) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* p = tile + b * kQ4TileRows * kQ4BlockBytes;
+    __builtin_prefetch(p + 4 * kQ4TileRows * kQ4BlockBytes, 0, 1);
+    __builtin_prefetch(p + 4 * kQ4TileRows * kQ4BlockBytes + 64, 0, 1);
+    __builtin_prefetch(p + 4 * kQ4TileRows * kQ4BlockBytes + 128, 0, 1);
+    __m256i lo[4], hi[4];  // unit u: q_{4u .. 4u+3} and q_{16+4u .. 16+4u+3} of the 8 rows
+    for (int u = 0; u < 4; ++u) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * u));
+      lo[u] = _mm256_and_si256(w, low4);
+      hi[u] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+    }
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 128)));
+    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 144)));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xb = xq + m * K + 32 * b;
+      const auto bcast = [&](int j) {  // p_j .. p_{j+3} in every 32-bit lane
+        int32_t v;
+        std::memcpy(&v, xb + j, 4);
+        return _mm256_set1_epi32(v);
+      };
+      __m256i s = _mm256_maddubs_epi16(lo[0], bcast(0));
+      s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast(16)));
+      for (int u = 1; u < 4; ++u) {
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[u], bcast(4 * u)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[u], bcast(16 + 4 * u)));
       }
+      const float* em = meta + m * (K / 16) + 2 * b;
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));  // the 8 rows' sum_i q_i p_i
+      acc[m] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d8, _mm256_set1_ps(em[0])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(m8, _mm256_set1_ps(em[1]), acc[m]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) out[m * N + n + r] = hsum8(acc[r][m]);
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * N + n, acc[m]);
 }
 #else
-inline void q4_prepare(const float*, int64_t, int64_t, int64_t, float*, float*, float*) {}
-template <int M, int R>
-inline void q4_block(const float*, const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t) {}
+inline void q4_prepare(const float*, int64_t, int64_t, int64_t, int8_t*, float*) {}
+template <int M>
+inline void q4_tile(const int8_t*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t) {}
 #endif
 
-template <int M>
-constexpr int q4_rows_per_block() {
-  for (int r : {2})  // 2 R x M group sums + R weight bytes + M inputs + 1 fit the 16 registers; at most
-    // 2 rows: 4 measured 1.4-1.9x slower at one input row
-    if (2 * r * M + r + M + 1 <= 16) return r;
-  return 1;
-}
+#ifndef Q4_PASS_ROWS
+#define Q4_PASS_ROWS 4
+#endif
+using Q4TileFn = void (*)(const int8_t*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
+// Input rows a pass serves: 8 unpacked weight vectors + the scales + one accumulator per input row fill the
+// 16 registers at 4.
+constexpr int64_t kQ4PassRows = Q4_PASS_ROWS;
+constexpr Q4TileFn kQ4Tiles[8] = {q4_tile<1>, q4_tile<2>, q4_tile<3>, q4_tile<4>,
+                                  q4_tile<5>, q4_tile<6>, q4_tile<7>, q4_tile<8>};
 
-template <int M>
-void q4_rows(const float* xq, const float* sums, const uint8_t* w, int64_t rb, float* out, int64_t K, int64_t N,
-             int64_t n0, int64_t n1) {
-  constexpr int R = q4_rows_per_block<M>();
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) q4_block<M, R>(xq, sums, w, rb, out, K, N, n);
-  for (; n < n1; ++n) q4_block<M, 1>(xq, sums, w, rb, out, K, N, n);
-}
-
-using Q4RowsFn = void (*)(const float*, const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t,
-                          int64_t);
-// Input rows a pass serves: two group sums per (row, input) fill the 16 registers at 4.
-constexpr int64_t kQ4PassRows = 4;
-constexpr Q4RowsFn kQ4Rows[kQ4PassRows] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>};
-
-// Output columns [n0, n1) of out[M, N] for prepared inputs: the passes and L2 tiles of mm_cols.
-void q4_mm_cols(const float* xq, const float* sums, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* op,
+// Output columns [n0, n1) of out[M, N] (multiples of 8) for prepared inputs: tile by tile, every pass of
+// <= kQ4PassRows input rows over a tile while it is in L1 (a tile is 8 rows: K * 5 / 4 bytes).
+void q4_mm_cols(const int8_t* xq, const float* meta, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* op,
                 int64_t n0, int64_t n1) {
-  const int64_t rb = q4_row_bytes(K);
-  passes_over_tiles(M, kQ4PassRows, rb, n0, n1, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
-    kQ4Rows[rows - 1](xq + m0 * K, sums + m0 * (K / 32), w, rb, op + m0 * N, K, N, t0, t1);
-  });
+  const int64_t rb = q4_row_bytes(K), passes = (M + kQ4PassRows - 1) / kQ4PassRows, per_pass = (M + passes - 1) / passes;
+  for (int64_t n = n0; n < n1; n += kQ4TileRows)
+    for (int64_t m0 = 0; m0 < M; m0 += per_pass)
+      kQ4Tiles[std::min(per_pass, M - m0) - 1](xq + m0 * K, meta + m0 * (K / 16), w + n * rb, op + m0 * N, K, N, n);
 }
 
 
@@ -613,24 +523,27 @@ void q8_mm_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, int64_t
 namespace {
 // out[M, N] for x [M, K] fp32 and Q4_1-packed w [N, q4_row_bytes(K)]; parallel over N.
 void q4_mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* op, const at::TensorOptions& opts) {
-  torch::Tensor xq = torch::empty({(M + 1) * K}, opts), sums = torch::empty({M * (K / 32)}, opts);
-  float* xqp = xq.data_ptr<float>();
-  float* sp = sums.data_ptr<float>();
-  q4_prepare(xp, 0, M, K, xqp, sp, xqp + M * K);
-  at::parallel_for(0, N, even_grain(N), [&](int64_t n0, int64_t n1) { q4_mm_cols(xqp, sp, M, K, wp, N, op, n0, n1); });
+  torch::Tensor xq = torch::empty({M * K}, opts.dtype(at::kChar)), meta = torch::empty({M * (K / 16)}, opts);
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  float* mp = meta.data_ptr<float>();
+  q4_prepare(xp, 0, M, K, xqp, mp);
+  const int64_t tiles = N / kQ4TileRows, threads = std::max(1, at::get_num_threads());
+  at::parallel_for(0, tiles, std::max<int64_t>(1, (tiles + threads - 1) / threads), [&](int64_t t0, int64_t t1) {
+    q4_mm_cols(xqp, mp, M, K, wp, N, op, t0 * kQ4TileRows, t1 * kQ4TileRows);
+  });
 }
 }  // namespace
 
-// x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 or bf16, or uint8 [N, K * 11 / 16] Q4_1-packed
-// (see "Q4_1 products"; K a multiple of 64) -> [M, N] fp32. With Q4_1 weights, and bf16 ones on AVX512-BF16,
-// x is rounded to bf16 first (round to nearest even); with bf16 weights on AVX2 (BF16W) x stays fp32. The
-// products accumulate in fp32.
+// x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 or bf16, or uint8 [N, q4_row_bytes(K)] Q4_1-packed
+// (see "Q4_1 products"; K a multiple of 64) -> [M, N] fp32. With Q4_1 weights x is quantized to Q8_1 blocks;
+// with bf16 ones on AVX512-BF16 x is rounded to bf16 first (round to nearest even); with bf16 weights on AVX2
+// (BF16W) x stays fp32. The products accumulate in fp32.
 torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
   const bool bf = w.scalar_type() == at::kBFloat16, q4 = w.scalar_type() == at::kByte, q8 = w.scalar_type() == at::kChar;
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (q4 ? w.size(1) == q4_row_bytes(x.size(1)) && x.size(1) % kQ4Tail == 0
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (q4 ? w.size(1) == q4_row_bytes(x.size(1)) && x.size(1) % 32 == 0 && w.size(0) % kQ4TileRows == 0
                                                : q8 ? w.size(1) == x.size(1) + x.size(1) / 8 && x.size(1) % 32 == 0
                                                     : x.size(1) == w.size(1)),
-              "small_mm: shapes ", x.sizes(), " and ", w.sizes(), q4 ? " (Q4_1: K a multiple of 64, K * 11 / 16 bytes a row)"
+              "small_mm: shapes ", x.sizes(), " and ", w.sizes(), q4 ?  " (Q4_1: K a multiple of 32, K * 10 / 16 bytes a row, rows a multiple of 8: kernels.pack_q4_1)"
                                                                  : q8 ? " (Q8_0: K a multiple of 32, K * 9 / 8 bytes a row)" : "");
   TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || bf || q4 || q8),
               "small_mm: fp32 input and fp32, bf16, Q4_1-packed uint8 or Q8_0-packed int8 weights only");
@@ -926,8 +839,8 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
     any_bf |= bf;
     any_q4 |= q4;
     TORCH_CHECK(!bf || kHasBf16 || kHasBf16W, "decoder_layers_: bf16 weights need a CPU with AVX512-BF16, or AVX2 + FMA");
-    TORCH_CHECK(!q4 || (kHasQ4 && w.dim() == 2 && q4_cols(w.size(1)) > 0),
-                "decoder_layers_: Q4_1-packed weights need a CPU with AVX2, FMA and F16C, [N, K * 11 / 16]");
+    TORCH_CHECK(!q4 || (kHasQ4 && w.dim() == 2 && q4_cols(w.size(1)) > 0 && w.size(0) % kQ4TileRows == 0),
+                "decoder_layers_: Q4_1-packed weights need a CPU with AVX2, FMA and F16C, [N, K * 10 / 16], N a multiple of 8");
     TORCH_CHECK(!w.defined() || w.numel() == 0 || ((w.scalar_type() == at::kFloat || bf || q4) && w.is_contiguous() &&
                                                   w.device().is_cpu()),
                 "decoder_layers_: weights must be contiguous CPU tensors, fp32 (matrices: fp32, bf16 or Q4_1)");
@@ -953,10 +866,10 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   const int64_t threads = std::max(1, at::get_num_threads());
   torch::Tensor xbf = torch::empty({any_bf && kHasBf16 ? T * widest : 0}, opts.dtype(at::kBFloat16));
   // Q4_1: the prepared input rows (+ per thread one row of scratch) and their block sums
-  torch::Tensor xq4 = torch::empty({any_q4 ? (T + threads) * widest : 0}, opts);
-  torch::Tensor xsums = torch::empty({any_q4 ? T * widest / 32 : 0}, opts);
+  torch::Tensor xq4 = torch::empty({any_q4 ? T * widest : 0}, opts.dtype(at::kChar));
+  torch::Tensor xsums = torch::empty({any_q4 ? T * widest / 16 : 0}, opts);
   bf16* xbp = xbf.data_ptr<bf16>();
-  float* xqp = xq4.data_ptr<float>();
+  int8_t* xqp = xq4.data_ptr<int8_t>();
   float* xsp = xsums.data_ptr<float>();
   float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *ap = attn.data_ptr<float>(), *opp = o.data_ptr<float>();
@@ -1002,7 +915,7 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
       const auto [n0, n1] = share(N, tid, nt, 16);
       if (wt.scalar_type() == at::kByte) {  // Q4_1: prepare the input rows (split by rows), then multiply
         const auto [r0, r1] = share(T, tid, nt, 1);
-        if (r0 < r1) q4_prepare(in, r0, r1, K, xqp, xsp, xqp + (T + tid) * widest);
+        if (r0 < r1) q4_prepare(in, r0, r1, K, xqp, xsp);
         sync();
         if (n0 < n1) q4_mm_cols(xqp, xsp, T, K, wt.data_ptr<uint8_t>(), N, out, n0, n1);
       } else if (wt.scalar_type() == at::kBFloat16 && !kHasBf16) {  // AVX2: widen the weights, fp32 input

@@ -167,9 +167,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = kernels.linear(x, weight_q8)
         out = F.linear(x, weight) if out is None else out
         return out if bias is None else out + bias
-    lowp = weight_q4 if weight_q4 is not None else weight_bf16
-    if lowp is not None:
-        out = kernels.linear(x, lowp)
+    if weight_q4 is not None:
+        out = kernels.linear(x, weight_q4)
+        if out is None:
+            out = F.linear(kernels.q8_1_dequantized(x), weight)
+        return out if bias is None else out + bias
+    if weight_bf16 is not None:
+        out = kernels.linear(x, weight_bf16)
         if out is None:
             out = F.linear(x.to(torch.bfloat16).to(x.dtype), weight)
         return out if bias is None else out + bias
@@ -283,9 +287,10 @@ def add_decode_layout(model: nn.Module) -> int:
 
 def use_q4_1_products(model: nn.Module, packed: dict[str, torch.Tensor], *, head_bf16: bool) -> int:
     """Make the products of the Linear layers of `model` Q4_1 products: `packed` maps each Linear's
-    module name to its weight in the kernels' packed Q4_1 layout ([out, in * 11 / 16] uint8,
+    module name to its weight in the kernels' packed Q4_1 layout ([out, in * 10 / 16] uint8,
     `kernels.pack_q4_1`), kept as `weight_q4`; the weight itself must already hold those blocks' exact
-    values (the torch twin multiplies by it). Inputs are rounded to bf16 per product, sums stay fp32.
+    values (the torch twin multiplies by it). Inputs are quantized to Q8_1 blocks per product (integer
+    dot products, as llama.cpp), sums stay fp32.
     `head_bf16`: the LM head takes bf16 products (`use_bf16_products` for it alone: where the kernels
     multiply bf16, half the head's bytes), else it stays fp32. Every Linear must be covered (a missing
     one raises ValueError naming it). Returns the bytes added."""

@@ -150,7 +150,7 @@ def gguf_q8_0_head(path: Path) -> torch.Tensor | None:
 
 def gguf_q4_1_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The packed Q4_1 weight of every Linear of `model` from the GGUF at `path` ({module name: [out,
-    in * 11 / 16] uint8}); merged projections (qkv, gate_up) are stacked in their shard order."""
+    in * 10 / 16] uint8}); merged projections (qkv, gate_up) are stacked in their shard order."""
     reader = gguf_reader(path)
     config = gguf_model_config(reader)
     permute = config.architecture == "LlamaForCausalLM"
