@@ -9,7 +9,8 @@ memory, as in serving, not from the cache of the previous proposal); medians ove
 Paths: `current` (the defaults: `draft_matmul_dtype` auto — bf16 copies, widened against the fp32
 input on AVX2 — and the block forward through the fused decoder stack), `module-bf16` (the same
 products, the block forward through the per-layer modules) and `module-fp32` (fp32 products and the
-modules: the drafter path before session 12). The target is the default model at `auto` (q4_1 on AVX2
+modules: the drafter path before session 12), and `q4_1` (`draft_matmul_dtype` "q4_1": the backbone and
+the reduced-vocab head quantized to Q4_1 blocks, the fused stack; session 13). The target is the default model at `auto` (q4_1 on AVX2
 CPUs), context 256 positions per request (`dspark profile`'s `StepProfiler`).
 """
 
@@ -22,7 +23,8 @@ import time
 from dspark.bench.report import run_info, write_result_file
 
 DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
-PATHS = {"current": {}, "module-bf16": {"fused": False}, "module-fp32": {"fused": False, "draft_matmul_dtype": "float32"}}
+PATHS = {"current": {}, "module-bf16": {"fused": False}, "module-fp32": {"fused": False, "draft_matmul_dtype": "float32"},
+         "q4_1": {"draft_matmul_dtype": "q4_1"}}
 
 
 def main(argv: list[str] | None = None) -> dict:

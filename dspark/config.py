@@ -76,7 +76,10 @@ class SpecConfig:
     # weights keep the engine dtype, a copy is kept in this one). "auto": bfloat16 for a float32 engine
     # on a CPU with bf16 dot products (AVX512-BF16 / AMX; the input rounded to bf16) or with AVX2 (the
     # kernels widen the bf16 weights against the fp32 input: a bf16 checkpoint's exact fp32 products in
-    # half the bytes), else the engine dtype. Drafts only propose, so this never changes the output (the
+    # half the bytes), else the engine dtype. "q4_1": the backbone's matrices (and a reduced-vocabulary
+    # LM head) quantized to Q4_1 blocks at load (llama.cpp's quantizer, as gguf implements it) and
+    # multiplied as the target's q4_1 products (CPU kernels with AVX2: input widths in multiples of 32,
+    # output rows in multiples of 8). Drafts only propose, so this never changes the output (the
     # target verifies).
     draft_matmul_dtype: str = "auto"
 
@@ -96,8 +99,8 @@ class SpecConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if self.draft_matmul_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"draft_matmul_dtype must be auto, float32, bfloat16 or float16, "
+        if self.draft_matmul_dtype not in ("auto", "float32", "bfloat16", "float16", "q4_1"):
+            raise ValueError(f"draft_matmul_dtype must be auto, float32, bfloat16, float16 or q4_1, "
                              f"got {self.draft_matmul_dtype!r}")
         if self.lookup_cache_entries < 0:
             raise ValueError(f"lookup_cache_entries must be >= 0, got {self.lookup_cache_entries}")

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -442,8 +443,59 @@ def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, 
     assert (conf16 - conf32).abs().max() <= 0.03
 
 
+def q4_cfg(**overrides) -> DSparkConfig:
+    """tiny_cfg with an MLP width the Q4_1 products take (input widths in multiples of 32)."""
+    return dataclasses.replace(tiny_cfg(**overrides), intermediate_size=64)
+
+
+@pytest.mark.skipif(not kernels.has_q4_1_kernels(), reason="no Q4_1 CPU kernels (AVX2/FMA/F16C)")
+def test_draft_matmul_dtype_q4_1_quantizes_the_backbone_and_keeps_heads(tmp_path, monkeypatch):
+    """"q4_1": the backbone's matrices and a reduced-vocab head become Q4_1 blocks (gguf's quantizer), the
+    weights their values; the heads keep theirs; each product is the kernels' Q4_1 x Q8_1 product (the
+    twin: the input's Q8_1 values times the blocks' values), and the whole proposal equals the drafter run
+    through those twins. A width the kernels cannot take is refused, naming the layer."""
+    import gguf
+    cfg = q4_cfg(enable_confidence_head=True, draft_vocab_size=48)
+    target = random_target()
+    model = random_model(cfg, seed=2)
+    model.reset_buffers(d2t=torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:48])
+    save_dspark(model, cfg, tmp_path / "d", dtype="float32")
+    kw = dict(target_config=TARGET, target_model=target, dtype=torch.float32, device="cpu")
+    f32 = build(spec(tmp_path / "d", draft_matmul_dtype="float32"), **kw)
+    q4 = build(spec(tmp_path / "d", draft_matmul_dtype="q4_1"), **kw)
+    m = q4.model
+    backbone = [m.fc, m.layers[0].self_attn.q_proj, m.layers[1].self_attn.o_proj, m.layers[0].mlp.down_proj, m.lm_head]
+    assert all(lin.lowp_weight.dtype == torch.uint8 for lin in backbone)
+    heads = [*m.markov_head.modules(), *m.confidence_head.modules()]
+    assert not any(hasattr(lin, "lowp_weight") for lin in heads), "the heads keep their products"
+    fp32_down = f32.model.layers[0].mlp.down_proj.weight
+    raw = gguf.quantize(fp32_down.detach().numpy(), gguf.GGMLQuantizationType.Q4_1)
+    assert torch.equal(m.layers[0].mlp.down_proj.weight,
+                       torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).copy()))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    down = m.layers[0].mlp.down_proj
+    ref = (kernels.q8_1_dequantized(x).double() @ down.weight.double().t()).float()
+    with torch.inference_mode():  # (with autograd the module trains on the blocks' values in fp32)
+        torch.testing.assert_close(down(x), ref, rtol=1e-5, atol=1e-5)
+    logits32, _ = _drafts_on_shared_context(f32)
+    logits4, conf4 = _drafts_on_shared_context(q4)
+    assert not torch.equal(logits4, logits32), "the Q4_1 products were not used"
+    # the slow twin: every product through torch (the input's Q8_1 values times the blocks' values)
+    original = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda x, w, **k: None if w.dtype == torch.uint8 else original(x, w, **k))
+    monkeypatch.setattr(m, "fused_backbone", lambda *a, **k: None)
+    twin_logits, twin_conf = _drafts_on_shared_context(q4)
+    torch.testing.assert_close(logits4, twin_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conf4, twin_conf, rtol=1e-4, atol=1e-5)
+    monkeypatch.undo()
+    narrow = tiny_cfg()  # intermediate 48: down_proj's input is no multiple of 32
+    save_dspark(random_model(narrow), narrow, tmp_path / "n", dtype="float32")
+    with pytest.raises(ValueError, match="down_proj is .*multiples of 32"):
+        build(spec(tmp_path / "n", draft_matmul_dtype="q4_1"), **kw)
+
+
 @pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels unavailable")
-@pytest.mark.parametrize("draft_matmul_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("draft_matmul_dtype", ["float32", "bfloat16", "q4_1"])
 def test_fused_block_forward_matches_the_module_path(tmp_path, monkeypatch, draft_matmul_dtype):
     """The block forward in one fused-stack call (`DSparkModel.fused_backbone`: the block's K/V stored
     past each context, key limits instead of a mask) against the module path over the gathered context,
@@ -453,7 +505,9 @@ def test_fused_block_forward_matches_the_module_path(tmp_path, monkeypatch, draf
     more block rows than a kernel call takes run as several calls of whole blocks."""
     if draft_matmul_dtype == "bfloat16" and not (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()):
         pytest.skip("no bf16 products on this CPU")
-    cfg = tiny_cfg(enable_confidence_head=True)
+    if draft_matmul_dtype == "q4_1" and not kernels.has_q4_1_kernels():
+        pytest.skip("no Q4_1 products on this CPU")
+    cfg = (q4_cfg if draft_matmul_dtype == "q4_1" else tiny_cfg)(enable_confidence_head=True)
     save_dspark(random_model(cfg, seed=4), cfg, tmp_path / "d", dtype="bfloat16")
     drafter = build(spec(tmp_path / "d", draft_matmul_dtype=draft_matmul_dtype), target_config=TARGET,
                     target_model=random_target(), dtype=torch.float32, device="cpu")
@@ -510,6 +564,8 @@ def test_draft_matmul_dtype_auto_and_validation(monkeypatch):
     assert resolve("float32", dtype=torch.bfloat16, device="cpu") == torch.float32
     with pytest.raises(ValueError, match="draft_matmul_dtype"):
         SpecConfig(method="dspark", model="x", draft_matmul_dtype="int8")
+    assert SpecConfig(method="dspark", model="x", draft_matmul_dtype="q4_1").draft_matmul_dtype == "q4_1"
+    assert resolve("q4_1", dtype=torch.float32, device="cpu") == torch.uint8  # Q4_1 blocks
 
 
 # -- end to end

@@ -34,7 +34,7 @@ from dspark.drafters.checkpoint import (DTYPE_NAMES, check_tensors, load_tensors
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
 from dspark import kernels
-from dspark.kernels import cpu_has_bf16_dot, has_bf16w_kernels, set_matmul_dtype
+from dspark.kernels import cpu_has_bf16_dot, has_bf16w_kernels, set_matmul_dtype, set_q4_1_products
 from dspark.models.attention import SeqSpec, build_attn_metadata, slots_for
 from dspark.sampling import GREEDY_EPS, logits_to_probs
 
@@ -248,7 +248,10 @@ class DSparkDrafter(Drafter):
 
 
 def resolve_matmul_dtype(name: str, *, dtype: torch.dtype, device) -> torch.dtype:
-    """The drafter's product dtype for spec "draft_matmul_dtype" (see SpecConfig)."""
+    """The drafter's product dtype for spec "draft_matmul_dtype" (see SpecConfig); torch.uint8 stands for
+    Q4_1 blocks (`kernels.set_q4_1_products`)."""
+    if name == "q4_1":
+        return torch.uint8
     if name != "auto":
         return DTYPE_NAMES[name]
     on_cpu = torch.device(device).type == "cpu"
@@ -407,7 +410,11 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
     if matmul_dtype != dtype:  # the backbone's products; the heads (and their calibration) stay as loaded,
         # and so does a full-vocabulary LM head (it is the target's own weight, not copied)
         shared_head = model.lm_head if model.cfg.draft_vocab_size is None else None
-        set_matmul_dtype(model, matmul_dtype, skip=(model.markov_head, model.confidence_head, shared_head))
+        skip = (model.markov_head, model.confidence_head, shared_head)
+        if matmul_dtype == torch.uint8:
+            set_q4_1_products(model, skip=skip)
+        else:
+            set_matmul_dtype(model, matmul_dtype, skip=skip)
     return DSparkDrafter(model, num_draft_tokens=spec.num_speculative_tokens,
                          confidence_temperatures=temps.get("temperatures"),
                          greedy_confidence_temperatures=temps.get("greedy_temperatures"),

@@ -288,10 +288,11 @@ class DSparkModel(nn.Module):
                         a.q_norm.weight.detach(), a.k_norm.weight.detach(), product(a.o_proj),
                         layer.post_attention_layernorm.weight.detach(), product(mlp.gate_proj, mlp.up_proj),
                         product(mlp.down_proj)]
-        bf16_ok = kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()
+        takes = {torch.float32: True, torch.bfloat16: kernels.has_bf16_kernels() or kernels.has_bf16w_kernels(),
+                 torch.uint8: kernels.has_q4_1_kernels()}  # uint8: Q4_1 blocks (`set_q4_1_products`)
         matrices = [w for i, w in enumerate(weights) if i % 8 in (1, 4, 6, 7)]
         if (any(w.device.type != "cpu" for w in weights) or self.norm.weight.dtype != torch.float32
-                or any(w.dtype != torch.float32 and not (w.dtype == torch.bfloat16 and bf16_ok) for w in matrices)):
+                or not all(takes.get(w.dtype, False) for w in matrices)):
             weights = None
         self._fused_cache = (key, weights)
         return weights

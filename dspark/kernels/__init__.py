@@ -136,6 +136,11 @@ class Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lowp = getattr(self, "lowp_weight", None)
         inference = lowp is not None and not (torch.is_grad_enabled() and self.weight.requires_grad)
+        if inference and lowp.dtype == torch.uint8:  # Q4_1 blocks (`set_q4_1_products`): any number of rows
+            out = linear(x, lowp)
+            if out is None:  # the twin: the input's Q8_1 values times the blocks' values (`weight`)
+                out = F.linear(q8_1_dequantized(x), self.weight)
+            return out if self.bias is None else out + self.bias
         widened = inference and lowp.dtype == torch.bfloat16 and has_bf16w_kernels()
         if inference and lowp.dtype == torch.bfloat16 and x.numel() <= MAX_ROWS * x.shape[-1]:
             out = linear(x, lowp, fp32_input=widened)
@@ -148,6 +153,40 @@ class Linear(torch.nn.Linear):
         if out is None:
             return F.linear(x, self.weight, self.bias)
         return out if self.bias is None else out + self.bias
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [N, K] -> (packed Q4_1 rows [N, K * 10 / 16] uint8 for the kernels, the blocks' values [N, K]
+    fp32): gguf's (llama.cpp's reference) Q4_1 quantizer on the weight's values."""
+    import gguf
+    import numpy as np
+    w = weight.detach().float().cpu().numpy()
+    raw = gguf.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    values = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).copy()).reshape(weight.shape)
+    return pack_q4_1(torch.from_numpy(np.ascontiguousarray(raw))), values
+
+
+def set_q4_1_products(module: torch.nn.Module, *, skip: tuple = ()) -> int:
+    """Quantize every `Linear` under `module` (except under the modules in `skip`) to Q4_1 blocks for its
+    inference products: `lowp_weight` holds the packed blocks (the kernels' Q4_1 x Q8_1 product, as the
+    target's `--matmul-dtype q4_1`) and the weight itself becomes the blocks' values (what the torch twin
+    multiplies; the module is then the quantized model, not the checkpoint's). Needs the Q4_1 kernels,
+    input widths in multiples of 32 and output rows in multiples of 8 (a ValueError names the first
+    layer that is not). Returns how many."""
+    if not has_q4_1_kernels():
+        raise ValueError("Q4_1 products need the CPU kernels with AVX2, FMA and F16C")
+    skipped = {id(m) for s in skip if s is not None for m in s.modules()}
+    layers = [(name, m) for name, m in module.named_modules() if isinstance(m, Linear) and id(m) not in skipped]
+    for name, m in layers:
+        if m.in_features % 32 or m.out_features % 8:
+            raise ValueError(f"Q4_1 products: {name} is [{m.out_features}, {m.in_features}]; they need input "
+                             "widths in multiples of 32 and output rows in multiples of 8")
+    for _, m in layers:
+        packed, values = quantize_q4_1(m.weight)
+        with torch.no_grad():
+            m.weight.copy_(values.to(m.weight.dtype))
+        m.register_buffer("lowp_weight", packed, persistent=False)
+    return len(layers)
 
 
 def set_matmul_dtype(module: torch.nn.Module, dtype: torch.dtype, *, skip: tuple = ()) -> int:

@@ -1,0 +1,120 @@
+"""Q4_1 products side by side in one process: the kernels (and packer) of a git revision against the working
+tree's, on the four matrix products of a SmolLM2-135M decoder layer (qkv 576→960, o 576→576, gate_up
+576→3072, down 1536→576) at the row counts of decode, verification and prompt steps, in rounds (every
+row count with both kernels once per round; medians over rounds), so a slow phase of the machine hits
+both alike.
+
+    python benchmarks/bench_q4_kernel.py --base fb92dc4 --out benchmarks/results/q4_kernel_s13.json
+
+The revision's `cpu_ops.cpp` is built under another module name (cached beside the working tree's
+build) and its `pack_q4_1` is read from its own `dspark/kernels/__init__.py`, so the two may pack
+differently. The weights are the same random matrix quantized by gguf; each kernel multiplies its own
+packing of those blocks. Reported: ms for the four products (one layer) and the 30 layers of a step,
+and base ÷ new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from dspark.bench.report import run_info, write_result_file
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+NUM_LAYERS = 30
+
+
+def _git_show(rev: str, path: str) -> str:
+    return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+
+
+def base_kernels(rev: str):
+    """(ops module, pack_q4_1) of git revision `rev`."""
+    from torch.utils.cpp_extension import load
+
+    from dspark import kernels
+    source = _git_show(rev, "dspark/kernels/cpu_ops.cpp")
+    digest = hashlib.sha256(source.encode() + torch.__version__.encode()).hexdigest()[:16]
+    root = kernels.build_dir().parent / f"ab_{digest}"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cpu_ops_base.cpp").write_text(source)
+    ops = load(name=f"dspark_cpu_ops_base_{digest}", sources=[str(root / "cpu_ops_base.cpp")],
+               build_directory=str(root), extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+               extra_ldflags=["-fopenmp"])
+    with tempfile.TemporaryDirectory() as tmp:  # the revision's packer (its module is never built)
+        path = Path(tmp) / "dspark_kernels_base.py"
+        path.write_text(_git_show(rev, "dspark/kernels/__init__.py"))
+        spec = importlib.util.spec_from_file_location("dspark_kernels_base", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return ops, module.pack_q4_1
+
+
+def time_layer(ops, packed: dict, xs: dict, *, reps: int) -> float:
+    """Seconds for the four products of one layer at one row count (mean of `reps`, after one warm call)."""
+    total = 0.0
+    for name, w in packed.items():
+        x = xs[name]
+        ops.small_mm(x, w)
+        start = time.perf_counter()
+        for _ in range(reps):
+            ops.small_mm(x, w)
+        total += (time.perf_counter() - start) / reps
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git revision whose Q4_1 kernels to compare against")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from dspark import kernels
+    if not kernels.has_q4_1_kernels():
+        raise SystemExit("this CPU has no Q4_1 kernels (AVX2 + FMA + F16C)")
+    base_ops, base_pack = base_kernels(args.base)
+    raw = {}
+    for i, (name, (n, k)) in enumerate(SHAPES.items()):
+        w = np.random.default_rng(i).standard_normal((n, k)).astype(np.float32) * 0.05
+        raw[name] = torch.from_numpy(np.ascontiguousarray(gguf.quantize(w, gguf.GGMLQuantizationType.Q4_1)))
+    variants = {"base": (base_ops, {n: base_pack(r) for n, r in raw.items()}),
+                "new": (kernels.ops(), {n: kernels.pack_q4_1(r) for n, r in raw.items()})}
+    gen = torch.Generator().manual_seed(0)
+    inputs = {rows: {n: torch.randn(rows, k, generator=gen) for n, (_, k) in SHAPES.items()} for rows in ROWS}
+    seconds = {(v, rows): [] for v in variants for rows in ROWS}
+    for r in range(args.rounds):
+        for rows in ROWS:
+            order = list(variants) if r % 2 == 0 else list(variants)[::-1]
+            for v in order:
+                ops, packed = variants[v]
+                seconds[(v, rows)].append(time_layer(ops, packed, inputs[rows], reps=max(2, 64 // rows)))
+    table = []
+    for rows in ROWS:
+        base = statistics.median(seconds[("base", rows)])
+        new = statistics.median(seconds[("new", rows)])
+        table.append({"rows": rows, "base_layer_ms": round(base * 1e3, 4), "new_layer_ms": round(new * 1e3, 4),
+                      "base_step_ms": round(base * NUM_LAYERS * 1e3, 2), "new_step_ms": round(new * NUM_LAYERS * 1e3, 2),
+                      "base_over_new": round(base / new, 3)})
+        print(f"{rows:4d} rows: base {base * 1e3:7.3f} ms  new {new * 1e3:7.3f} ms a layer  ({base / new:.2f}x)")
+    result = {"bench": "q4_kernel", "base": args.base, "rounds": args.rounds, "threads": torch.get_num_threads(),
+              "shapes": SHAPES, "num_layers": NUM_LAYERS, "table": table, **run_info()}
+    if args.out:
+        write_result_file(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
