@@ -405,17 +405,23 @@ def _drafts_on_shared_context(drafter: DSparkDrafter, num_reqs: int = 6) -> tupl
     return drafter.forward_blocks(batch)[0], drafter.propose(batch).confidence
 
 
+def _built_in_dtypes(tmp_path, cfg: DSparkConfig, dtypes: list[str]):
+    """(random target, [the same random drafter built with each draft_matmul_dtype]); a reduced vocabulary
+    gets a random d2t."""
+    target = random_target()
+    model = random_model(cfg, seed=2)
+    if cfg.draft_vocab_size:
+        perm = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+        model.reset_buffers(d2t=perm[:cfg.draft_vocab_size])
+    save_dspark(model, cfg, tmp_path / "d", dtype="float32")
+    kw = dict(target_config=TARGET, target_model=target, dtype=torch.float32, device="cpu")
+    return target, [build(spec(tmp_path / "d", draft_matmul_dtype=d), **kw) for d in dtypes]
+
+
 @pytest.mark.parametrize("draft_vocab_size", [None, 48])
 def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, draft_vocab_size):
     cfg = tiny_cfg(enable_confidence_head=True, draft_vocab_size=draft_vocab_size)
-    target = random_target()
-    model = random_model(cfg, seed=2)
-    if draft_vocab_size:
-        model.reset_buffers(d2t=torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:48])
-    save_dspark(model, cfg, tmp_path / "d", dtype="float32")
-    kw = dict(target_config=TARGET, target_model=target, dtype=torch.float32, device="cpu")
-    f32 = build(spec(tmp_path / "d", draft_matmul_dtype="float32"), **kw)
-    b16 = build(spec(tmp_path / "d", draft_matmul_dtype="bfloat16"), **kw)
+    target, (f32, b16) = _built_in_dtypes(tmp_path, cfg, ["float32", "bfloat16"])
     m = b16.model
     backbone = [m.fc, m.layers[0].self_attn.q_proj, m.layers[1].self_attn.o_proj, m.layers[0].mlp.down_proj]
     assert all(lin.lowp_weight.dtype == torch.bfloat16 for lin in backbone)
@@ -456,13 +462,8 @@ def test_draft_matmul_dtype_q4_1_quantizes_the_backbone_and_keeps_heads(tmp_path
     through those twins. A width the kernels cannot take is refused, naming the layer."""
     import gguf
     cfg = q4_cfg(enable_confidence_head=True, draft_vocab_size=48)
-    target = random_target()
-    model = random_model(cfg, seed=2)
-    model.reset_buffers(d2t=torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:48])
-    save_dspark(model, cfg, tmp_path / "d", dtype="float32")
+    target, (f32, q4) = _built_in_dtypes(tmp_path, cfg, ["float32", "q4_1"])
     kw = dict(target_config=TARGET, target_model=target, dtype=torch.float32, device="cpu")
-    f32 = build(spec(tmp_path / "d", draft_matmul_dtype="float32"), **kw)
-    q4 = build(spec(tmp_path / "d", draft_matmul_dtype="q4_1"), **kw)
     m = q4.model
     backbone = [m.fc, m.layers[0].self_attn.q_proj, m.layers[1].self_attn.o_proj, m.layers[0].mlp.down_proj, m.lm_head]
     assert all(lin.lowp_weight.dtype == torch.uint8 for lin in backbone)
