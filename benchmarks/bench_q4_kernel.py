@@ -78,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision whose Q4_1 kernels to compare against")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="input row counts, comma list")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -94,16 +95,17 @@ def main() -> None:
     variants = {"base": (base_ops, {n: base_pack(r) for n, r in raw.items()}),
                 "new": (kernels.ops(), {n: kernels.pack_q4_1(r) for n, r in raw.items()})}
     gen = torch.Generator().manual_seed(0)
-    inputs = {rows: {n: torch.randn(rows, k, generator=gen) for n, (_, k) in SHAPES.items()} for rows in ROWS}
-    seconds = {(v, rows): [] for v in variants for rows in ROWS}
+    row_counts = [int(r) for r in args.rows.split(",")]
+    inputs = {rows: {n: torch.randn(rows, k, generator=gen) for n, (_, k) in SHAPES.items()} for rows in row_counts}
+    seconds = {(v, rows): [] for v in variants for rows in row_counts}
     for r in range(args.rounds):
-        for rows in ROWS:
+        for rows in row_counts:
             order = list(variants) if r % 2 == 0 else list(variants)[::-1]
             for v in order:
                 ops, packed = variants[v]
                 seconds[(v, rows)].append(time_layer(ops, packed, inputs[rows], reps=max(2, 64 // rows)))
     table = []
-    for rows in ROWS:
+    for rows in row_counts:
         base = statistics.median(seconds[("base", rows)])
         new = statistics.median(seconds[("new", rows)])
         table.append({"rows": rows, "base_layer_ms": round(base * 1e3, 4), "new_layer_ms": round(new * 1e3, 4),

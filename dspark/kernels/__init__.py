@@ -96,8 +96,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, fp32_input: bool = False) -
     """x [..., in] @ weight[out, in]^T through the kernel when it applies (fp32 CPU input, no autograd;
     fp32 weights up to MAX_ROWS rows in all; any number of rows for bf16 weights on a CPU with bf16 dot
     products — the input then rounded to bf16, the products accumulated in fp32 — Q4_1-packed uint8 ones
-    [out, in * 10 / 16] (`pack_q4_1`; the input quantized to Q8_1 blocks, `q8_1_dequantized`) or Q8_0-packed int8 ones [out, in * 9 / 8] (`pack_q8_0`, fp32
-    input); None otherwise, so the caller uses torch. `fp32_input` with bf16 weights: the unrounded input
+    [out, in * 10 / 16] (`pack_q4_1`; the input quantized to Q8_1 blocks, `q8_1_dequantized`) or
+    Q8_0-packed int8 ones [out, in * 9 / 8] (`pack_q8_0`, fp32 input); None otherwise, so the caller uses torch. `fp32_input` with bf16 weights: the unrounded input
     times the widened weights — the fp32 product of the bf16 values, bitwise the fp32 kernel's on them —
     where the kernels have that path (`has_bf16w_kernels`: AVX2 without bf16 dot products), else None."""
     rows = x.numel() // max(1, x.shape[-1])
@@ -234,7 +234,7 @@ def q8_1_dequantized(x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     blocks = x.reshape(-1, shape[-1] // 32, 32).float()  # [rows, K / 32, 32]
     e = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
-    inv = torch.where(e != 0, 1.0 / torch.where(e != 0, e, torch.ones_like(e)), torch.zeros_like(e))
+    inv = torch.where(e != 0, 1.0 / e, 0.0)  # (1 / 0 = inf is not taken)
     p = torch.round(blocks * inv)
     return (p * e).reshape(shape).to(x.dtype)
 

@@ -279,11 +279,12 @@ void mm_into(const typename T::xelem* xp, int64_t M, int64_t K, const typename T
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { mm_cols<T>(xp, M, K, wp, N, op, n0, n1); });
 }
 
-// A parallel_for grain that gives each thread one even share of n items (at least 16): for the quantized
+// A parallel_for grain that gives each thread one even share of n items (at least `at_least`: 16 weight rows,
+// or 1 tile of 8 for Q4_1): for the quantized
 // products, whose short rows would make a byte-sized grain leave a thread idle on 576-row matrices.
-inline int64_t even_grain(int64_t n) {
+inline int64_t even_grain(int64_t n, int64_t at_least = 16) {
   const int64_t threads = std::max(1, at::get_num_threads());
-  return std::max<int64_t>(16, (n + threads - 1) / threads);
+  return std::max<int64_t>(at_least, (n + threads - 1) / threads);
 }
 
 // [begin, end) of thread `tid`'s share of n items, boundaries on multiples of `align`.
@@ -421,15 +422,12 @@ template <int M>
 inline void q4_tile(const int8_t*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t) {}
 #endif
 
-#ifndef Q4_PASS_ROWS
-#define Q4_PASS_ROWS 8
-#endif
 using Q4TileFn = void (*)(const int8_t*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
 // Input rows a pass serves: 8 (8 unpacked weight vectors + the scales + an accumulator per input row spill a
-// few registers, but one pass of 5-8 rows beats two: SmolLM2's layer products at 5 rows 0.225 vs 0.262 ms
-// against passes of <= 4, equal at 1-4 and 12-16 rows, side by side).
-constexpr int64_t kQ4PassRows = Q4_PASS_ROWS;
-constexpr Q4TileFn kQ4Tiles[8] = {q4_tile<1>, q4_tile<2>, q4_tile<3>, q4_tile<4>,
+// few registers, but one pass of 5-8 rows beats two: SmolLM2's layer products at 5 / 6 rows 1.09 / 1.20x
+// faster than passes of <= 4, equal at 4, 8 and 16 rows; benchmarks/bench_q4_kernel.py --base 932a229).
+constexpr int64_t kQ4PassRows = 8;
+constexpr Q4TileFn kQ4Tiles[kQ4PassRows] = {q4_tile<1>, q4_tile<2>, q4_tile<3>, q4_tile<4>,
                                   q4_tile<5>, q4_tile<6>, q4_tile<7>, q4_tile<8>};
 
 // Output columns [n0, n1) of out[M, N] (multiples of 8) for prepared inputs: tile by tile, every pass of
@@ -528,15 +526,15 @@ void q4_mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* mp = meta.data_ptr<float>();
   q4_prepare(xp, 0, M, K, xqp, mp);
-  const int64_t tiles = N / kQ4TileRows, threads = std::max(1, at::get_num_threads());
-  at::parallel_for(0, tiles, std::max<int64_t>(1, (tiles + threads - 1) / threads), [&](int64_t t0, int64_t t1) {
+  const int64_t tiles = N / kQ4TileRows;
+  at::parallel_for(0, tiles, even_grain(tiles, 1), [&](int64_t t0, int64_t t1) {
     q4_mm_cols(xqp, mp, M, K, wp, N, op, t0 * kQ4TileRows, t1 * kQ4TileRows);
   });
 }
 }  // namespace
 
 // x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 or bf16, or uint8 [N, q4_row_bytes(K)] Q4_1-packed
-// (see "Q4_1 products"; K a multiple of 64) -> [M, N] fp32. With Q4_1 weights x is quantized to Q8_1 blocks;
+// (see "Q4_1 products"; K a multiple of 32, N of 8) -> [M, N] fp32. With Q4_1 weights x is quantized to Q8_1 blocks;
 // with bf16 ones on AVX512-BF16 x is rounded to bf16 first (round to nearest even); with bf16 weights on AVX2
 // (BF16W) x stays fp32. The products accumulate in fp32.
 torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
@@ -866,7 +864,7 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   const int64_t widest = std::max({D, H * hd, inter});
   const int64_t threads = std::max(1, at::get_num_threads());
   torch::Tensor xbf = torch::empty({any_bf && kHasBf16 ? T * widest : 0}, opts.dtype(at::kBFloat16));
-  // Q4_1: the prepared input rows (+ per thread one row of scratch) and their block sums
+  // Q4_1: the prepared input rows (int8) and their per-block [e, e sum p]
   torch::Tensor xq4 = torch::empty({any_q4 ? T * widest : 0}, opts.dtype(at::kChar));
   torch::Tensor xsums = torch::empty({any_q4 ? T * widest / 16 : 0}, opts);
   bf16* xbp = xbf.data_ptr<bf16>();
