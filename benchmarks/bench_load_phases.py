@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 from dspark.bench.report import run_info, write_result_file
 
@@ -63,11 +64,11 @@ def variant_matmul_dtype(name: str) -> str:
 
 def variant_spec(name: str) -> dict | None:
     """The variant's speculative config, its cost table the shipped one of its matmul dtype."""
-    from dspark.drafters.shipped import COST_TABLES
+    from dspark.drafters.shipped import shipped_cost_table
     spec = VARIANTS[name.removesuffix("-fp32")]
     if spec is None or "cost_table" not in spec:
         return spec
-    return {**spec, "cost_table": f"{DRAFTER}/{COST_TABLES[variant_matmul_dtype(name)]}"}
+    return {**spec, "cost_table": str(shipped_cost_table(Path(DRAFTER), variant_matmul_dtype(name)))}
 
 
 # (object attribute, method) timed on each engine: "runner" / "scheduler" / "drafter" / "engine"

@@ -97,6 +97,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     row_counts = [int(r) for r in args.rows.split(",")]
     inputs = {rows: {n: torch.randn(rows, k, generator=gen) for n, (_, k) in SHAPES.items()} for rows in row_counts}
+    # the same blocks and inputs: are the two kernels' products bit for bit the same? (they are where only the
+    # instructions differ, e.g. VNNI against AVX2 integer sums; not where the product's model changed)
+    bitwise = {rows: all(torch.equal(base_ops.small_mm(inputs[rows][n], variants["base"][1][n]),
+                                     kernels.ops().small_mm(inputs[rows][n], variants["new"][1][n])) for n in SHAPES)
+               for rows in row_counts}
     seconds = {(v, rows): [] for v in variants for rows in row_counts}
     for r in range(args.rounds):
         for rows in row_counts:
@@ -110,9 +115,12 @@ def main() -> None:
         new = statistics.median(seconds[("new", rows)])
         table.append({"rows": rows, "base_layer_ms": round(base * 1e3, 4), "new_layer_ms": round(new * 1e3, 4),
                       "base_step_ms": round(base * NUM_LAYERS * 1e3, 2), "new_step_ms": round(new * NUM_LAYERS * 1e3, 2),
-                      "base_over_new": round(base / new, 3)})
-        print(f"{rows:4d} rows: base {base * 1e3:7.3f} ms  new {new * 1e3:7.3f} ms a layer  ({base / new:.2f}x)")
+                      "base_over_new": round(base / new, 3), "bitwise_equal": bitwise[rows]})
+        print(f"{rows:4d} rows: base {base * 1e3:7.3f} ms  new {new * 1e3:7.3f} ms a layer  ({base / new:.2f}x)"
+              f"  {'bitwise equal' if bitwise[rows] else 'products differ'}")
     result = {"bench": "q4_kernel", "base": args.base, "rounds": args.rounds, "threads": torch.get_num_threads(),
+              "q4_1_vnni": {"base": bool(getattr(base_ops, "q4_1_vnni", False)),
+                            "new": bool(getattr(kernels.ops(), "q4_1_vnni", False))},
               "shapes": SHAPES, "num_layers": NUM_LAYERS, "table": table, **run_info()}
     if args.out:
         write_result_file(args.out, result)

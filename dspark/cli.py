@@ -43,8 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = True
     p.add_argument("--matmul-dtype", default=EngineConfig.matmul_dtype, choices=list(MATMUL_DTYPES),
                    help="the target's matrix products with --dtype float32: bfloat16 rounds weights and inputs "
                         "to bf16 and sums in fp32 (CPU kernels with AVX512-BF16); q4_1 multiplies a Q4_1 "
-                        "GGUF's own blocks (CPU kernels with AVX2); auto: bfloat16 where the kernels support "
-                        "it, else q4_1 for a Q4_1 GGUF where they support that, else float32")
+                        "GGUF's own blocks (CPU kernels with AVX2); auto: q4_1 for a Q4_1 GGUF where the kernels "
+                        "support it, else bfloat16 where they support that, else float32")
     p.add_argument("--seed", type=int, default=EngineConfig.seed)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)

@@ -134,9 +134,9 @@ class EngineConfig:
     dtype: str = "float32"
     # dtype of the target's matrix products when dtype is float32: "bfloat16" rounds weights and each
     # product's input to bf16 and sums in fp32 (CPU kernels with AVX512-BF16: ~2x the arithmetic, half the
-    # weight bytes); norms, attention, residual stream and KV cache stay fp32. "auto": bfloat16 where the
-    # CPU kernels multiply bf16, else q4_1 for a Q4_1 GGUF where they multiply Q4_1 (AVX2), else float32
-    # (dspark.engine.build.resolve_matmul_dtype). "q4_1": the
+    # weight bytes); norms, attention, residual stream and KV cache stay fp32. "auto": q4_1 for a Q4_1
+    # GGUF where the CPU kernels multiply Q4_1 (AVX2 and up), else bfloat16 where they multiply bf16, else
+    # float32 (dspark.engine.build.resolve_matmul_dtype). "q4_1": the
     # decoder layers multiply the GGUF's own Q4_1 blocks (a Q4_1 GGUF model only; exact weights, 0.63
     # bytes a weight, each product's input quantized to Q8_1 blocks, integer dot products and fp32 sums
     # over the blocks: llama.cpp's Q4_1 product), the LM head in bf16 where the kernels multiply

@@ -42,5 +42,9 @@ python -m dspark profile --speculative-config '{"method": "dspark", "model": "ds
     --matmul-dtype float32 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table.json
 python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \
     --matmul-dtype bfloat16 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table_bf16.json
+#    q4_1 per kind of kernels: cost_table_q4_1.json on AVX2 (session 13), cost_table_q4_1_avx512.json on AVX-512
+#    (bf16 LM head, VNNI pairs of Q4_1 tiles; session 14): dspark.drafters.shipped.shipped_cost_table
+KIND=$(python -c 'from dspark.kernels import kernel_kind; print(kernel_kind())')
+Q4_TABLE=cost_table_q4_1$([ "$KIND" = avx512 ] && echo _avx512).json
 python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \
-    --matmul-dtype q4_1 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table_q4_1.json
+    --matmul-dtype q4_1 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/$Q4_TABLE

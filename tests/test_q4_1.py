@@ -24,6 +24,7 @@ import torch
 
 from dspark import kernels
 from dspark.models.config import ModelConfig
+from dspark.verify.cost_table import CostTable
 
 from conftest import PagedKV, TINY_LLAMA, TINY_QWEN3, hf_twin
 
@@ -101,6 +102,21 @@ def test_q4_1_row_results_do_not_depend_on_the_batch():
     alone = torch.cat([kernels.linear(x[i:i + 1], packed) for i in range(x.shape[0])])
     for rows in (2, 4, 5, 12, 13, 61, kernels.MAX_ROWS, x.shape[0]):
         assert torch.equal(kernels.linear(x[:rows], packed), alone[:rows]), rows
+
+
+@needs_q4
+@pytest.mark.skipif(not getattr(kernels.ops(), "q4_1_vnni", False), reason="no AVX512-VNNI: one Q4_1 path only")
+def test_q4_1_vnni_sums_are_bitwise_the_avx2_ones():
+    """On a VNNI CPU the integer sums come from VPDPBUSD; the AVX2 path (VPMADDUBSW + VPMADDWD, built beside
+    it with DSPARK_Q4_NO_VNNI) computes the same exact sums, so every product is bit for bit the same."""
+    avx2 = kernels.ops_variant("DSPARK_Q4_NO_VNNI")
+    assert avx2.has_q4_1 and not avx2.q4_1_vnni
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((40, 96), (960, 576), (576, 1536)):
+        packed = kernels.pack_q4_1(q4_blocks(n, k, seed=n + k)[0])
+        for rows in (1, 3, 8, 13, kernels.MAX_ROWS):
+            x = torch.randn(rows, k, generator=gen) * 3
+            assert torch.equal(kernels.ops().small_mm(x, packed), avx2.small_mm(x, packed)), (n, k, rows)
 
 
 @needs_q4
@@ -316,7 +332,7 @@ def test_smollm2_q4_1_shipped_default_greedy_equals_plain(smollm2_q4):
 
     plain = _generate(engine(None, 48), prompts)
     spec = default_spec_config("SmolLM2-135M-Instruct", matmul_dtype="q4_1")
-    assert spec.cost_table.endswith("cost_table_q4_1.json")
+    assert spec.cost_table.endswith(f"cost_table_q4_1{'_avx512' if kernels.kernel_kind() == 'avx512' else ''}.json")
     spec_engine = engine(spec, 40)
     outs = _generate(spec_engine, prompts)
     mismatches = [i for i, (a, b) in enumerate(zip(outs, plain)) if a != b]
@@ -325,18 +341,37 @@ def test_smollm2_q4_1_shipped_default_greedy_equals_plain(smollm2_q4):
     assert spec_engine.block_manager.num_free_blocks == 40
 
 
-def test_auto_takes_q4_1_for_a_q4_1_gguf_where_the_kernels_have_no_bf16(smollm2, monkeypatch, tmp_path):
-    """`--matmul-dtype auto`: bf16 products where the kernels multiply bf16, else the GGUF's own Q4_1
-    blocks where they multiply Q4_1 and the model is a Q4_1 GGUF, else fp32."""
+@pytest.mark.parametrize("bf16", [False, True], ids=["avx2", "avx512-bf16"])
+def test_auto_takes_q4_1_for_a_q4_1_gguf_where_the_kernels_have_it(smollm2, monkeypatch, tmp_path, bf16):
+    """`--matmul-dtype auto`: the GGUF's own Q4_1 blocks where the kernels multiply Q4_1 and the model is a
+    Q4_1 GGUF (with or without bf16 products beside them), else bf16 products where the kernels multiply
+    bf16, else fp32."""
     from dspark.engine.build import resolve_matmul_dtype
     from dspark.models.loader import DEFAULT_MODEL
-    monkeypatch.setattr(kernels, "has_bf16_kernels", lambda: False)
+    monkeypatch.setattr(kernels, "has_bf16_kernels", lambda: bf16)
     monkeypatch.setattr(kernels, "has_q4_1_kernels", lambda: True)
+    other = "bfloat16" if bf16 else "float32"
     assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL) == "q4_1"
-    assert resolve_matmul_dtype("auto", model=str(tmp_path)) == "float32"  # not a GGUF
+    assert resolve_matmul_dtype("auto", model=str(tmp_path)) == other  # not a GGUF
     assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL, dtype="bfloat16") == "float32"
     assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL, device="cuda") == "float32"
     monkeypatch.setattr(kernels, "has_q4_1_kernels", lambda: False)
-    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL) == "float32"
-    monkeypatch.setattr(kernels, "has_bf16_kernels", lambda: True)
-    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL) == "bfloat16"
+    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL) == other
+
+
+def test_the_shipped_cost_table_is_the_one_of_this_kind_of_kernels(tmp_path):
+    """`shipped_cost_table`: the table profiled with this machine's kind of kernels where one is shipped, else
+    the dtype's own table, else none; the shipped folder has both q4_1 kinds."""
+    from dspark.drafters.shipped import drafter_dir, shipped_cost_table
+    (tmp_path / "cost_table_q4_1.json").write_text("{}")
+    assert shipped_cost_table(tmp_path, "q4_1", kind="avx512") == tmp_path / "cost_table_q4_1.json"
+    (tmp_path / "cost_table_q4_1_avx512.json").write_text("{}")
+    assert shipped_cost_table(tmp_path, "q4_1", kind="avx512") == tmp_path / "cost_table_q4_1_avx512.json"
+    assert shipped_cost_table(tmp_path, "q4_1", kind="avx2") == tmp_path / "cost_table_q4_1.json"
+    assert shipped_cost_table(tmp_path, "bfloat16", kind="avx512") is None
+    assert shipped_cost_table(tmp_path, "float16") is None
+    shipped = drafter_dir("SmolLM2-135M-Instruct")
+    for kind in ("avx2", "avx512"):
+        table = CostTable.load(shipped_cost_table(shipped, "q4_1", kind=kind))
+        assert table.meta["matmul_dtype"] == "q4_1"
+        assert table.meta.get("kernels", "avx2") == kind  # the AVX2 table predates the "kernels" entry

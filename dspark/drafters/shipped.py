@@ -33,20 +33,37 @@ def drafter_dir(model: str, method: str = "dspark") -> Path | None:
     return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None
 
 
-# the shipped cost table for each matmul dtype of the target (EngineConfig.matmul_dtype, resolved)
+# the shipped cost table for each matmul dtype of the target (EngineConfig.matmul_dtype, resolved); a
+# table for one kind of kernels (dspark.kernels.kernel_kind) sits beside it as cost_table_q4_1_avx512.json
 COST_TABLES = {"float32": "cost_table.json", "bfloat16": "cost_table_bf16.json", "q4_1": "cost_table_q4_1.json"}
+
+
+def shipped_cost_table(folder: Path, matmul_dtype: str, kind: str | None = None) -> Path | None:
+    """The shipped cost table in `folder` for `matmul_dtype`: the one profiled with this machine's kind of
+    kernels (`kind`, default `kernel_kind()`) where there is one, else the dtype's; None without either."""
+    name = COST_TABLES.get(matmul_dtype)
+    if name is None:
+        return None
+    if kind is None:
+        from dspark.kernels import kernel_kind
+        kind = kernel_kind()
+    for candidate in (folder / name.replace(".json", f"_{kind}.json"), folder / name):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def default_spec_config(model: str, matmul_dtype: str = "float32") -> SpecConfig | None:
     """DSpark with prompt lookup first (`ngram_first`) and the prefix scheduler (Algorithm 1) on the cost
-    table profiled on this project's machines (2 CPU cores) with the engine's matmul dtype; on other
-    hardware run `dspark profile` or pass "cost_table": "auto". Lookup first: 1.28-1.54x the tok/s of
-    DSpark alone at batch 1 on gsm8k and humaneval (docs/benchmarks.md, sweep_lookup_r3)."""
+    table profiled on this project's machines (2 CPU cores) with the engine's matmul dtype and, where one
+    was profiled, this machine's kind of kernels (`shipped_cost_table`); on other hardware run `dspark
+    profile` or pass "cost_table": "auto". Lookup first: 1.28-1.54x the tok/s of DSpark alone at batch 1
+    on gsm8k and humaneval (docs/benchmarks.md, sweep_lookup_r3)."""
     path = drafter_dir(model, "dspark")
     if path is None:
         return None
-    cost = path / COST_TABLES.get(matmul_dtype, "")
-    if not cost.is_file():
+    cost = shipped_cost_table(path, matmul_dtype)
+    if cost is None:
         return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS,
                           ngram_first=True)
     return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS,

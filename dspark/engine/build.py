@@ -51,18 +51,16 @@ def build_engine(config: EngineConfig):
 def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: str = "cpu",
                          model: str | None = None) -> str:
     """The target's matrix-product dtype (EngineConfig.matmul_dtype), "auto" resolved for a float32 CPU
-    engine: bfloat16 where the kernels multiply bf16 (AVX512-BF16); else q4_1 for a Q4_1 GGUF `model`
-    (the default model) where the kernels multiply Q4_1 (AVX2: 2.3x the fp32 batch-1 decode, the same
-    step time from 8 tokens up, docs/benchmarks.md session 11); else float32. An explicit bfloat16 or
-    q4_1 without such kernels still runs (torch multiplies the same values in fp32), slower: said in the
-    log."""
+    engine: q4_1 for a Q4_1 GGUF `model` (the default model) where the kernels multiply Q4_1 (AVX2 + FMA
+    + F16C): the file's own 4-bit weights, 3.1-3.3x the fp32 batch-1 decode on AVX2 and on AVX-512, where
+    it is also 2.2x bf16's (docs/benchmarks.md, sessions 13-14); else bfloat16 where the kernels multiply
+    bf16 (AVX512-BF16); else float32. An explicit bfloat16 or q4_1 without such kernels still runs (torch
+    multiplies the same values in fp32), slower: said in the log."""
     from dspark import kernels
     bf16_kernels = device == "cpu" and kernels.has_bf16_kernels()
     if matmul_dtype == "auto":
         if dtype != "float32":
             return "float32"
-        if bf16_kernels:
-            return "bfloat16"
         if model is not None and device == "cpu" and kernels.has_q4_1_kernels():
             from dspark.models.loader import q4_1_problem
             try:
@@ -70,7 +68,7 @@ def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: s
                     return "q4_1"
             except (FileNotFoundError, ValueError):
                 pass  # an unknown model fails where it loads, with its own message
-        return "float32"
+        return "bfloat16" if bf16_kernels else "float32"
     if matmul_dtype == "q4_1" and not (device == "cpu" and kernels.has_q4_1_kernels()):
         log.warning("matmul_dtype=q4_1 without Q4_1 CPU kernels (no AVX2/FMA/F16C, kernels off or not a CPU): "
                     "torch multiplies the same weights in fp32, much slower")

@@ -49,18 +49,23 @@ def build_dir() -> Path:
     return root / "kernels" / digest
 
 
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+
+
+def _build(name: str, path: Path, defines: tuple[str, ...] = ()) -> ModuleType:
+    from torch.utils.cpp_extension import load
+    path.mkdir(parents=True, exist_ok=True)
+    return load(name=name, sources=[str(SOURCE)], build_directory=str(path),
+                extra_cflags=[*CFLAGS, *(f"-D{d}" for d in defines)], extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @cache
 def _load() -> ModuleType | None:
     mode = _mode()
     if mode == "0":
         return None
-    from torch.utils.cpp_extension import load
-    path = build_dir()
-    path.mkdir(parents=True, exist_ok=True)
     try:
-        return load(name="dspark_cpu_ops", sources=[str(SOURCE)], build_directory=str(path),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        return _build("dspark_cpu_ops", build_dir())
     except Exception as e:  # no compiler / ninja, or a compile error: the torch path still works
         if mode == "require":
             raise RuntimeError(f"DSPARK_CPU_KERNELS=require but the CPU kernels failed to build: {e}") from e
@@ -71,6 +76,14 @@ def _load() -> ModuleType | None:
 def ops() -> ModuleType | None:
     """The compiled kernels, or None when they are off or failed to build."""
     return _load()
+
+
+@cache
+def ops_variant(*defines: str) -> ModuleType:
+    """The same kernels built with preprocessor `defines` (e.g. "DSPARK_Q4_NO_VNNI": the AVX2 integer sums on
+    a VNNI CPU), under another module name beside the main build: for tests that compare a build's paths."""
+    tag = "_".join(d.lower() for d in defines)
+    return _build(f"dspark_cpu_ops_{tag}", build_dir() / tag, defines)
 
 
 def enabled() -> bool:
@@ -277,6 +290,16 @@ def has_bf16_kernels() -> bool:
     """Do the built kernels multiply bf16 weights (the CPU has AVX512-BF16)?"""
     k = ops()
     return k is not None and bool(getattr(k, "has_bf16", False))
+
+
+def kernel_kind() -> str:
+    """Which of the kernels' instruction paths this machine runs, the part of the hardware a profiled step
+    cost depends on beyond the dtype: "avx512" (bf16 dot products; VNNI integer sums in pairs of Q4_1 tiles
+    where the CPU has them), "avx2" (Q4_1/Q8_0 integer and BF16W products), "torch" (no kernels)."""
+    k = ops()
+    if k is None:
+        return "torch"
+    return "avx512" if getattr(k, "has_bf16", False) else ("avx2" if getattr(k, "has_q4_1", False) else "torch")
 
 
 @cache

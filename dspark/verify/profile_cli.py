@@ -29,6 +29,8 @@ import platform
 
 import torch
 
+from dspark.kernels import kernel_kind
+
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 DEFAULT_DRAFT_NUM_REQS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -162,6 +164,7 @@ def _device_meta(engine) -> dict:
     return {"model": engine.config.model, "dtype": engine.config.dtype,
             "matmul_dtype": getattr(engine.runner.model, "matmul_dtype", "float32"), "device": device,
             "device_name": name, "num_threads": torch.get_num_threads(),
+            "kernels": kernel_kind() if device == "cpu" else None,
             "speculative_method": engine.config.spec.method if engine.config.spec else None,
             "torch": torch.__version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
