@@ -7,7 +7,8 @@ One engine (with the drafter) runs every prompt twice at temperature 0: first wi
 switched off per request (`SamplingParams.speculation=False`, the plain-decoding twin), then with it
 on. Prints one line per mismatch (prompt index, first divergent output position, the two tokens
 there), then, as the last line, one JSON object: num_prompts, num_exact, num_mismatch, acceptance
-length, and the mismatches. Exit code 1 on any mismatch.
+length, and the mismatches (`--out PATH`: also a result file for docs/benchmarks.md). Exit code 1 on any
+mismatch.
 
 From Python: `check_parity(llm, conversations, max_tokens=128) -> ParityReport`.
 """
@@ -90,6 +91,8 @@ def register(sub) -> None:
     p.add_argument("--dataset", default="gsm8k", help="eval set name or JSONL path")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--out", default=None, help="also write the report as a result file (command, date, "
+                                               "machine, matmul dtype and kernels beside it)")
     p.set_defaults(func=run_cli)
 
 
@@ -115,4 +118,10 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"{report.num_exact}/{report.num_prompts} exact, acceptance length "
           f"{report.acceptance_length:.2f}", file=sys.stderr)
     print(json.dumps(report.to_dict()))
+    if args.out:
+        from dspark.bench.report import run_info, write_result_file
+        from dspark.kernels import kernel_kind
+        write_result_file(args.out, {"bench": "greedy_parity", **run_info(), "dataset": args.dataset,
+                                     "max_tokens": args.max_tokens, "matmul_dtype": getattr(llm.engine.runner.model, "matmul_dtype", "float32"),
+                                     "kernels": kernel_kind(), **report.to_dict()})
     return 0 if report.ok else 1

@@ -228,18 +228,22 @@ def test_parity_ngram_exact_and_broken_verifier_detected(monkeypatch):
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_parity_cli_exit_code(monkeypatch, capsys, broken):
+def test_parity_cli_exit_code(monkeypatch, capsys, tmp_path, broken):
     from dspark import parity
     llm = tiny_llm()
     monkeypatch.setattr("dspark.llm.LLM", lambda **kw: llm)
     monkeypatch.setattr("dspark.bench.datasets.load_prompts", lambda name, n, seed: prompts(n))
     if broken:
         _break_verifier(monkeypatch)
+    out = tmp_path / "parity.json"
     args = _parse(parity.register, ["parity", "--speculative-config", '{"method": "ngram"}',
-                                    "--num-prompts", "4", "--max-tokens", "24"])
+                                    "--num-prompts", "4", "--max-tokens", "24", "--out", str(out)])
     rc = args.func(args)
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == (1 if broken else 0) and (last["num_mismatch"] > 0) == broken
+    written = json.loads(out.read_text())  # the result file: the report with its provenance
+    assert written["num_mismatch"] == last["num_mismatch"] and written["num_prompts"] == 4
+    assert {"command", "date", "machine", "matmul_dtype", "kernels"} <= set(written)
 
 
 # -- calibrate ---------------------------------------------------------------------------------------

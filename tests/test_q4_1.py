@@ -107,8 +107,9 @@ def test_q4_1_row_results_do_not_depend_on_the_batch():
 @needs_q4
 @pytest.mark.skipif(not getattr(kernels.ops(), "q4_1_vnni", False), reason="no AVX512-VNNI: one Q4_1 path only")
 def test_q4_1_vnni_sums_are_bitwise_the_avx2_ones():
-    """On a VNNI CPU the integer sums come from VPDPBUSD; the AVX2 path (VPMADDUBSW + VPMADDWD, built beside
-    it with DSPARK_Q4_NO_VNNI) computes the same exact sums, so every product is bit for bit the same."""
+    """On a VNNI CPU steps of 2+ rows take pairs of tiles whose integer sums come from VPDPBUSD; the AVX2 path
+    (single tiles, VPMADDUBSW + VPMADDWD; built beside it with DSPARK_Q4_NO_VNNI) computes the same exact sums
+    and the same fp32 operations, so every product is bit for bit the same (odd tile counts mix both)."""
     avx2 = kernels.ops_variant("DSPARK_Q4_NO_VNNI")
     assert avx2.has_q4_1 and not avx2.q4_1_vnni
     gen = torch.Generator().manual_seed(5)

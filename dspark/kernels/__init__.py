@@ -32,7 +32,9 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+# the kernels' source; DSPARK_KERNELS_SOURCE points a process at another revision's file (side-by-side
+# benchmarks: benchmarks/bench_decode_kernels.py); each source builds in a folder of its own hash
+SOURCE = Path(os.environ.get("DSPARK_KERNELS_SOURCE") or Path(__file__).with_name("cpu_ops.cpp"))
 MAX_ROWS = 128  # small_mm and the one-call decoder stack serve up to this many rows (more: BLAS; cpu_ops.cpp)
 
 

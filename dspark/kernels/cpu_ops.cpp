@@ -328,12 +328,13 @@ class SpinBarrier {
 // 160 bytes: 4 units of 32 bytes (unit u: bytes 4 u .. 4 u + 3 of each of the 8 rows' 16 GGUF nibble bytes,
 // row after row; byte j holds q_j low and q_{j+16} high), then the 8 rows' d, then their m (fp16).
 // K * 10 / 16 bytes a row as in the GGUF; N a multiple of 8. An input row is quantized once per product
-// (q4_prepare): its p in order and per block [e, e sum p]. AVX2 + FMA + F16C; the Python side checks
+// (q4_prepare): its p in order and per block [e, e sum p]. AVX2 + FMA + F16C; with AVX512-VNNI steps of 2+
+// input rows take two tiles at once (q4_tile_pair: the same sums bit for bit). The Python side checks
 // has_q4_1 and keeps the torch twin (kernels.q8_1_dequantized: the input as its Q8_1 values).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define DSPARK_Q4_AVX2 1
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(DSPARK_Q4_NO_VNNI)
-#define DSPARK_Q4_VNNI 1  // the integer sums by VPDPBUSD: the same exact sums in fewer instructions
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(DSPARK_Q4_NO_VNNI)
+#define DSPARK_Q4_VNNI 1  // pairs of tiles in 512-bit vectors, the integer sums by VPDPBUSD (q4_tile_pair)
 constexpr bool kQ4Vnni = true;
 #else
 constexpr bool kQ4Vnni = false;
@@ -385,7 +386,7 @@ inline void q4_prepare(const float* x, int64_t m0, int64_t m1, int64_t K, int8_t
 template <int M>
 inline void q4_tile(const int8_t* xq, const float* meta, const uint8_t* tile, float* out, int64_t K, int64_t N,
                     int64_t n) {
-  [[maybe_unused]] const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / 32; ++b) {
@@ -408,23 +409,14 @@ inline void q4_tile(const int8_t* xq, const float* meta, const uint8_t* tile, fl
         std::memcpy(&v, xb + j, 4);
         return _mm256_set1_epi32(v);
       };
-#if defined(DSPARK_Q4_VNNI)
-      __m256i s = _mm256_setzero_si256();  // VPDPBUSD: 4 products a lane straight into int32 (exact)
-      for (int u = 0; u < 4; ++u) {
-        s = _mm256_dpbusd_epi32(s, lo[u], bcast(4 * u));
-        s = _mm256_dpbusd_epi32(s, hi[u], bcast(16 + 4 * u));
-      }
-      const __m256 sums = _mm256_cvtepi32_ps(s);  // the 8 rows' sum_i q_i p_i
-#else
       __m256i s = _mm256_maddubs_epi16(lo[0], bcast(0));
       s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast(16)));
       for (int u = 1; u < 4; ++u) {
         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[u], bcast(4 * u)));
         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[u], bcast(16 + 4 * u)));
       }
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));  // the 8 rows' sum_i q_i p_i
-#endif
       const float* em = meta + m * (K / 16) + 2 * b;
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));  // the 8 rows' sum_i q_i p_i
       acc[m] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d8, _mm256_set1_ps(em[0])), acc[m]);
       acc[m] = _mm256_fmadd_ps(m8, _mm256_set1_ps(em[1]), acc[m]);
     }
@@ -437,8 +429,7 @@ template <int M>
 inline void q4_tile(const int8_t*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t) {}
 #endif
 
-#if defined(DSPARK_Q4_VNNI) && defined(__AVX512F__)
-#define DSPARK_Q4_PAIRS 1
+#if defined(DSPARK_Q4_VNNI)
 // Two neighbouring tiles, 16 output rows [n, n + 16), in the halves of 512-bit vectors: each broadcast input
 // and per-block scale serves 16 rows. Lane for lane the same operations as q4_tile (the same results, bit for
 // bit); out's rows n .. n + 15 are contiguous, so one store per input row.
@@ -479,13 +470,20 @@ inline void q4_tile_pair(const int8_t* xq, const float* meta, const uint8_t* til
         std::memcpy(&v, xb + j, 4);
         return _mm512_set1_epi32(v);
       };
-      __m512i s = _mm512_setzero_si512();
-      for (int u = 0; u < 4; ++u) {
-        s = _mm512_dpbusd_epi32(s, lo[u], bcast(4 * u));
-        s = _mm512_dpbusd_epi32(s, hi[u], bcast(16 + 4 * u));
+      // VPDPBUSD: 4 products a lane straight into int32 (exact), in 4 independent chains of 2 (one chain of 8
+      // waits on its latency), then summed: integers, so the very sums of q4_tile's VPMADDUBSW + VPMADDWD
+      __m512i s[4];
+      for (int c = 0; c < 4; ++c) {
+        const int u = c >> 1;
+        s[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c & 1 ? hi[u] : lo[u], bcast((c & 1) * 16 + 4 * u));
       }
+      for (int c = 0; c < 4; ++c) {
+        const int u = 2 + (c >> 1);
+        s[c] = _mm512_dpbusd_epi32(s[c], c & 1 ? hi[u] : lo[u], bcast((c & 1) * 16 + 4 * u));
+      }
+      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]));
       const float* em = meta + m * (K / 16) + 2 * b;
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d16, _mm512_set1_ps(em[0])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d16, _mm512_set1_ps(em[0])), acc[m]);
       acc[m] = _mm512_fmadd_ps(m16, _mm512_set1_ps(em[1]), acc[m]);
     }
   }
@@ -505,11 +503,6 @@ constexpr Q4TileFn kQ4Tiles[kQ4PassRows] = {q4_tile<1>, q4_tile<2>, q4_tile<3>, 
                                   q4_tile<5>, q4_tile<6>, q4_tile<7>, q4_tile<8>};
 constexpr Q4TileFn kQ4Pairs[kQ4PassRows] = {q4_tile_pair<1>, q4_tile_pair<2>, q4_tile_pair<3>, q4_tile_pair<4>,
                                   q4_tile_pair<5>, q4_tile_pair<6>, q4_tile_pair<7>, q4_tile_pair<8>};
-#if defined(DSPARK_Q4_PAIRS)
-constexpr bool kQ4Pairs512 = true;
-#else
-constexpr bool kQ4Pairs512 = false;
-#endif
 
 // Output columns [n0, n1) of out[M, N] (multiples of 8) for prepared inputs: tile by tile, every pass of
 // <= kQ4PassRows input rows over a tile while it is in L1 (a tile is 8 rows: K * 5 / 4 bytes).
@@ -517,7 +510,9 @@ void q4_mm_cols(const int8_t* xq, const float* meta, int64_t M, int64_t K, const
                 int64_t n0, int64_t n1) {
   const int64_t rb = q4_row_bytes(K), passes = (M + kQ4PassRows - 1) / kQ4PassRows, per_pass = (M + passes - 1) / passes;
   for (int64_t n = n0; n < n1;) {
-    const bool pair = kQ4Pairs512 && n + 2 * kQ4TileRows <= n1;  // two tiles at once (AVX-512 VNNI)
+    // two tiles at once (AVX-512 VNNI) for 2+ input rows; one input row streams the weights from memory, and
+    // single tiles with AVX2's sums decode faster there (pairs: 0.87x batch-1 decode tok/s side by side)
+    const bool pair = kQ4Vnni && M >= 2 && n + 2 * kQ4TileRows <= n1;
     const Q4TileFn* fns = pair ? kQ4Pairs : kQ4Tiles;
     for (int64_t m0 = 0; m0 < M; m0 += per_pass)
       fns[std::min(per_pass, M - m0) - 1](xq + m0 * K, meta + m0 * (K / 16), w + n * rb, op + m0 * N, K, N, n);
@@ -1081,6 +1076,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_bf16") = kHasBf16;
   m.attr("has_bf16w") = kHasBf16W;  // small_mm multiplies bf16 weights by the unrounded fp32 input (AVX2)
   m.attr("has_q4_1") = kHasQ4;
-  m.attr("q4_1_vnni") = kQ4Vnni;  // the Q4_1 integer sums by AVX512-VNNI (else AVX2's VPMADDUBSW + VPMADDWD)
+  m.attr("q4_1_vnni") = kQ4Vnni;  // Q4_1 steps of 2+ rows in pairs of tiles by AVX512-VNNI (q4_tile_pair)
   m.attr("has_q8_0") = kHasQ8;
 }

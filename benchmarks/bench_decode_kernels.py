@@ -1,0 +1,92 @@
+"""Batch-1 greedy decode with the kernels of a git revision against the working tree's, side by side: each
+round runs one child process per kernel source (`DSPARK_KERNELS_SOURCE`), in alternating order, decoding
+the same chat prompts (128 new tokens, EOS ignored) with the same matmul dtype and, with --spec, the shipped
+speculative default. A kernel change that speeds up multi-row products can still slow the one-row steps
+that stream the weights from memory; this measures the whole decode, where a microbenchmark keeps the
+weights in cache.
+
+    python benchmarks/bench_decode_kernels.py --base 539f52d --rounds 3 --out benchmarks/results/decode_kernels_s14.json
+
+Reported: per kernel source the median over rounds of the per-round median decode tok/s, every
+per-prompt rate, and new ÷ base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from dspark.bench.report import run_info, write_result_file
+
+CHILD = """
+import json, sys, dataclasses, torch
+torch.set_num_threads({threads})
+from dspark import LLM, SamplingParams
+from dspark.bench.datasets import load_prompts
+from dspark.drafters.shipped import default_spec_config
+from dspark.engine.build import resolve_matmul_dtype
+dtype = resolve_matmul_dtype({dtype!r}, model="SmolLM2-135M-Instruct")
+spec = default_spec_config("default", matmul_dtype=dtype) if {spec} else None
+llm = LLM(max_num_seqs=1, matmul_dtype=dtype, speculative_config=None if spec is None else dataclasses.asdict(spec))
+ids = [llm.tokenizer.apply_chat_template([{{"role": "user", "content": p.prompt}}])
+       for name in {datasets!r}.split(",") for p in load_prompts(name, num_prompts={num_prompts}, seed=0)]
+llm.generate([ids[0]], SamplingParams(temperature=0, max_tokens=8))
+rates = []
+for x in ids:
+    out = llm.generate([x], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))[0]
+    rates.append((len(out.token_ids) - 1) / (out.e2e_s - out.ttft_s))
+print(json.dumps(rates))
+"""
+
+
+def decode_rates(source: Path, args: argparse.Namespace) -> list[float]:
+    code = CHILD.format(threads=args.threads, dtype=args.matmul_dtype, spec=bool(args.spec),
+                        datasets=args.datasets, num_prompts=args.num_prompts)
+    env = {**os.environ, "DSPARK_KERNELS_SOURCE": str(source), "DSPARK_CPU_KERNELS": "require"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git revision whose dspark/kernels/cpu_ops.cpp to compare against")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=2, help="prompts per dataset")
+    ap.add_argument("--datasets", default="gsm8k,humaneval")
+    ap.add_argument("--matmul-dtype", default="auto")
+    ap.add_argument("--spec", action="store_true", help="the shipped speculative default instead of plain decoding")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "cpu_ops.cpp"
+        base.write_text(subprocess.run(["git", "show", f"{args.base}:dspark/kernels/cpu_ops.cpp"], cwd=repo,
+                                       capture_output=True, text=True, check=True).stdout)
+        sources = {"base": base, "new": repo / "dspark" / "kernels" / "cpu_ops.cpp"}
+        for source in sources.values():  # build both before timing
+            env = {**os.environ, "DSPARK_KERNELS_SOURCE": str(source), "DSPARK_CPU_KERNELS": "require"}
+            subprocess.run([sys.executable, "-m", "dspark.kernels"], env=env, check=True, capture_output=True)
+        rates: dict[str, list[list[float]]] = {name: [] for name in sources}
+        for r in range(args.rounds):
+            for name in (list(sources) if r % 2 == 0 else list(sources)[::-1]):
+                rates[name].append(decode_rates(sources[name], args))
+                print(f"round {r} {name}: {statistics.median(rates[name][-1]):.1f} tok/s", flush=True)
+    medians = {name: statistics.median(statistics.median(rr) for rr in runs) for name, runs in rates.items()}
+    result = {"bench": "decode_kernels", **run_info(), "base": args.base, "matmul_dtype": args.matmul_dtype,
+              "spec": bool(args.spec), "rounds": args.rounds,
+              "decode_tok_s_median": {k: round(v, 1) for k, v in medians.items()},
+              "new_over_base": round(medians["new"] / medians["base"], 3), "per_prompt": rates}
+    print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}))
+    if args.out:
+        write_result_file(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
