@@ -26,8 +26,6 @@ SHAPES = [(1, 1), (1, 8), (8, 1), (8, 8), (16, 1), (16, 2), (16, 8), (32, 1), (3
 
 def build_revision(rev: str):
     """The kernels of git revision `rev`, compiled as their own module."""
-    from torch.utils.cpp_extension import load
-
     from dspark import kernels
     source = subprocess.run(["git", "show", f"{rev}:dspark/kernels/cpu_ops.cpp"], capture_output=True,
                             text=True, check=True).stdout
@@ -36,9 +34,7 @@ def build_revision(rev: str):
     root.mkdir(parents=True, exist_ok=True)
     path = root / "cpu_ops_base.cpp"
     path.write_text(source)
-    return load(name=f"dspark_cpu_ops_base_{digest}", sources=[str(path)], build_directory=str(root),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    return kernels.build(f"dspark_cpu_ops_base_{digest}", root, source=path)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -24,32 +24,31 @@ from pathlib import Path
 
 from dspark.bench.report import run_info, write_result_file
 
+# one pass of bench_decode.py's dspark engine (the same prompts, warm-up and rates) in a child process
 CHILD = """
-import json, sys, dataclasses, torch
+import json, sys, torch
+sys.path.insert(0, {bench_dir!r})
 torch.set_num_threads({threads})
-from dspark import LLM, SamplingParams
-from dspark.bench.datasets import load_prompts
-from dspark.drafters.shipped import default_spec_config
+from bench_decode import bench_dspark, prompts
 from dspark.engine.build import resolve_matmul_dtype
+from dspark.models.loader import resolve_model_path
+from dspark.models.tokenizer import load_tokenizer
+tok = load_tokenizer(resolve_model_path("default"))
+chat_ids = [tok.apply_chat_template([{{"role": "user", "content": p}}]) for p in prompts({num_prompts}, {datasets!r})]
 dtype = resolve_matmul_dtype({dtype!r}, model="SmolLM2-135M-Instruct")
-spec = default_spec_config("default", matmul_dtype=dtype) if {spec} else None
-llm = LLM(max_num_seqs=1, matmul_dtype=dtype, speculative_config=None if spec is None else dataclasses.asdict(spec))
-ids = [llm.tokenizer.apply_chat_template([{{"role": "user", "content": p.prompt}}])
-       for name in {datasets!r}.split(",") for p in load_prompts(name, num_prompts={num_prompts}, seed=0)]
-llm.generate([ids[0]], SamplingParams(temperature=0, max_tokens=8))
-rates = []
-for x in ids:
-    out = llm.generate([x], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))[0]
-    rates.append((len(out.token_ids) - 1) / (out.e2e_s - out.ttft_s))
-print(json.dumps(rates))
+print(json.dumps(bench_dspark(chat_ids, dtype, spec={spec})))
 """
 
 
+def _env(source: Path) -> dict:
+    """This process's environment with the kernels built from `source` (and required to build)."""
+    return {**os.environ, "DSPARK_KERNELS_SOURCE": str(source), "DSPARK_CPU_KERNELS": "require"}
+
+
 def decode_rates(source: Path, args: argparse.Namespace) -> list[float]:
-    code = CHILD.format(threads=args.threads, dtype=args.matmul_dtype, spec=bool(args.spec),
-                        datasets=args.datasets, num_prompts=args.num_prompts)
-    env = {**os.environ, "DSPARK_KERNELS_SOURCE": str(source), "DSPARK_CPU_KERNELS": "require"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    code = CHILD.format(bench_dir=str(Path(__file__).resolve().parent), threads=args.threads, dtype=args.matmul_dtype,
+                        spec=bool(args.spec), datasets=args.datasets, num_prompts=args.num_prompts)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(source), check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -71,8 +70,7 @@ def main() -> None:
                                        capture_output=True, text=True, check=True).stdout)
         sources = {"base": base, "new": repo / "dspark" / "kernels" / "cpu_ops.cpp"}
         for source in sources.values():  # build both before timing
-            env = {**os.environ, "DSPARK_KERNELS_SOURCE": str(source), "DSPARK_CPU_KERNELS": "require"}
-            subprocess.run([sys.executable, "-m", "dspark.kernels"], env=env, check=True, capture_output=True)
+            subprocess.run([sys.executable, "-m", "dspark.kernels"], env=_env(source), check=True, capture_output=True)
         rates: dict[str, list[list[float]]] = {name: [] for name in sources}
         for r in range(args.rounds):
             for name in (list(sources) if r % 2 == 0 else list(sources)[::-1]):

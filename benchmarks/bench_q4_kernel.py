@@ -41,17 +41,13 @@ def _git_show(rev: str, path: str) -> str:
 
 def base_kernels(rev: str):
     """(ops module, pack_q4_1) of git revision `rev`."""
-    from torch.utils.cpp_extension import load
-
     from dspark import kernels
     source = _git_show(rev, "dspark/kernels/cpu_ops.cpp")
     digest = hashlib.sha256(source.encode() + torch.__version__.encode()).hexdigest()[:16]
     root = kernels.build_dir().parent / f"ab_{digest}"
     root.mkdir(parents=True, exist_ok=True)
     (root / "cpu_ops_base.cpp").write_text(source)
-    ops = load(name=f"dspark_cpu_ops_base_{digest}", sources=[str(root / "cpu_ops_base.cpp")],
-               build_directory=str(root), extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-               extra_ldflags=["-fopenmp"])
+    ops = kernels.build(f"dspark_cpu_ops_base_{digest}", root, source=root / "cpu_ops_base.cpp")
     with tempfile.TemporaryDirectory() as tmp:  # the revision's packer (its module is never built)
         path = Path(tmp) / "dspark_kernels_base.py"
         path.write_text(_git_show(rev, "dspark/kernels/__init__.py"))

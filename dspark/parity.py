@@ -121,7 +121,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.out:
         from dspark.bench.report import run_info, write_result_file
         from dspark.kernels import kernel_kind
+        matmul_dtype = getattr(llm.engine.runner.model, "matmul_dtype", "float32")
         write_result_file(args.out, {"bench": "greedy_parity", **run_info(), "dataset": args.dataset,
-                                     "max_tokens": args.max_tokens, "matmul_dtype": getattr(llm.engine.runner.model, "matmul_dtype", "float32"),
+                                     "max_tokens": args.max_tokens, "matmul_dtype": matmul_dtype,
                                      "kernels": kernel_kind(), **report.to_dict()})
     return 0 if report.ok else 1

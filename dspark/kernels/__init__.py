@@ -54,10 +54,12 @@ def build_dir() -> Path:
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 
 
-def _build(name: str, path: Path, defines: tuple[str, ...] = ()) -> ModuleType:
+def build(name: str, path: Path, *, source: Path = SOURCE, defines: tuple[str, ...] = ()) -> ModuleType:
+    """Compile `source` (default: these kernels) as module `name` in folder `path` with the kernels' flags and
+    preprocessor `defines`: the main build, `ops_variant`, and the benchmarks' builds of another revision."""
     from torch.utils.cpp_extension import load
     path.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(SOURCE)], build_directory=str(path),
+    return load(name=name, sources=[str(source)], build_directory=str(path),
                 extra_cflags=[*CFLAGS, *(f"-D{d}" for d in defines)], extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -67,7 +69,7 @@ def _load() -> ModuleType | None:
     if mode == "0":
         return None
     try:
-        return _build("dspark_cpu_ops", build_dir())
+        return build("dspark_cpu_ops", build_dir())
     except Exception as e:  # no compiler / ninja, or a compile error: the torch path still works
         if mode == "require":
             raise RuntimeError(f"DSPARK_CPU_KERNELS=require but the CPU kernels failed to build: {e}") from e
@@ -85,7 +87,7 @@ def ops_variant(*defines: str) -> ModuleType:
     """The same kernels built with preprocessor `defines` (e.g. "DSPARK_Q4_NO_VNNI": the AVX2 integer sums on
     a VNNI CPU), under another module name beside the main build: for tests that compare a build's paths."""
     tag = "_".join(d.lower() for d in defines)
-    return _build(f"dspark_cpu_ops_{tag}", build_dir() / tag, defines)
+    return build(f"dspark_cpu_ops_{tag}", build_dir() / tag, defines=defines)
 
 
 def enabled() -> bool:
