@@ -9,15 +9,20 @@ both alike.
 The revision's `cpu_ops.cpp` is built under another module name (cached beside the working tree's
 build) and its `pack_q4_1` is read from its own `dspark/kernels/__init__.py`, so the two may pack
 differently. The weights are the same random matrix quantized by gguf; each kernel multiplies its own
-packing of those blocks. Reported: ms for the four products (one layer) and the 30 layers of a step,
-and base ÷ new.
+packing of those blocks. By default each of the 30 layers has its own copy, so a step streams its ~66 MB
+of weights from memory as a decode step does; `--in-cache` times one layer's products repeated (its 2 MB
+stay in cache: session 14 measured its tile pairs that way, 1.16-1.45x faster at 2-8 rows, while the whole
+decoder stack ran them 1.3-1.6x slower than single tiles). Reported: ms for the 30 layers of a step (and a
+layer's share), and base ÷ new.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.util
+import inspect
 import statistics
 import subprocess
 import tempfile
@@ -40,7 +45,7 @@ def _git_show(rev: str, path: str) -> str:
 
 
 def base_kernels(rev: str):
-    """(ops module, pack_q4_1) of git revision `rev`."""
+    """(ops module, its packer) of git revision `rev`."""
     from dspark import kernels
     source = _git_show(rev, "dspark/kernels/cpu_ops.cpp")
     digest = hashlib.sha256(source.encode() + torch.__version__.encode()).hexdigest()[:16]
@@ -54,20 +59,24 @@ def base_kernels(rev: str):
         spec = importlib.util.spec_from_file_location("dspark_kernels_base", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    return ops, module.pack_q4_1
+    if "group_rows" not in inspect.signature(module.pack_q4_1).parameters:  # before the 16-row groups
+        return ops, module.pack_q4_1
+    # the layout that revision's kernels read (its packer would ask its own, never built, module)
+    return ops, functools.partial(module.pack_q4_1, group_rows=int(getattr(ops, "q4_1_group_rows", 8)))
 
 
-def time_layer(ops, packed: dict, xs: dict, *, reps: int) -> float:
-    """Seconds for the four products of one layer at one row count (mean of `reps`, after one warm call)."""
-    total = 0.0
-    for name, w in packed.items():
-        x = xs[name]
-        ops.small_mm(x, w)
-        start = time.perf_counter()
-        for _ in range(reps):
-            ops.small_mm(x, w)
-        total += (time.perf_counter() - start) / reps
-    return total
+def time_step(ops, layers: list[dict], xs: dict, *, reps: int) -> float:
+    """Seconds for the four products of every layer in `layers` at one row count, layer after layer as a
+    step runs them (mean of `reps`, after one warm pass)."""
+    def step():
+        for packed in layers:
+            for name, w in packed.items():
+                ops.small_mm(xs[name], w)
+    step()
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    return (time.perf_counter() - start) / reps
 
 
 def main() -> None:
@@ -76,6 +85,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="input row counts, comma list")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--in-cache", action="store_true",
+                    help="repeat one layer's weights (they stay in cache) instead of 30 layers' own copies")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -88,15 +99,17 @@ def main() -> None:
     for i, (name, (n, k)) in enumerate(SHAPES.items()):
         w = np.random.default_rng(i).standard_normal((n, k)).astype(np.float32) * 0.05
         raw[name] = torch.from_numpy(np.ascontiguousarray(gguf.quantize(w, gguf.GGMLQuantizationType.Q4_1)))
-    variants = {"base": (base_ops, {n: base_pack(r) for n, r in raw.items()}),
-                "new": (kernels.ops(), {n: kernels.pack_q4_1(r) for n, r in raw.items()})}
+    def layers(pack) -> list[dict]:  # NUM_LAYERS layers: one packing repeated (--in-cache) or each its own copy
+        one = {n: pack(r) for n, r in raw.items()}
+        return [one if args.in_cache or i == 0 else {n: w.clone() for n, w in one.items()} for i in range(NUM_LAYERS)]
+    variants = {"base": (base_ops, layers(base_pack)), "new": (kernels.ops(), layers(kernels.pack_q4_1))}
     gen = torch.Generator().manual_seed(0)
     row_counts = [int(r) for r in args.rows.split(",")]
     inputs = {rows: {n: torch.randn(rows, k, generator=gen) for n, (_, k) in SHAPES.items()} for rows in row_counts}
     # the same blocks and inputs: are the two kernels' products bit for bit the same? (they are where only the
     # instructions differ, e.g. VNNI against AVX2 integer sums; not where the product's model changed)
-    bitwise = {rows: all(torch.equal(base_ops.small_mm(inputs[rows][n], variants["base"][1][n]),
-                                     kernels.ops().small_mm(inputs[rows][n], variants["new"][1][n])) for n in SHAPES)
+    bitwise = {rows: all(torch.equal(base_ops.small_mm(inputs[rows][n], variants["base"][1][0][n]),
+                                     kernels.ops().small_mm(inputs[rows][n], variants["new"][1][0][n])) for n in SHAPES)
                for rows in row_counts}
     seconds = {(v, rows): [] for v in variants for rows in row_counts}
     for r in range(args.rounds):
@@ -104,19 +117,21 @@ def main() -> None:
             order = list(variants) if r % 2 == 0 else list(variants)[::-1]
             for v in order:
                 ops, packed = variants[v]
-                seconds[(v, rows)].append(time_layer(ops, packed, inputs[rows], reps=max(2, 64 // rows)))
+                seconds[(v, rows)].append(time_step(ops, packed, inputs[rows], reps=max(2, 16 // rows)))
     table = []
     for rows in row_counts:
         base = statistics.median(seconds[("base", rows)])
         new = statistics.median(seconds[("new", rows)])
-        table.append({"rows": rows, "base_layer_ms": round(base * 1e3, 4), "new_layer_ms": round(new * 1e3, 4),
-                      "base_step_ms": round(base * NUM_LAYERS * 1e3, 2), "new_step_ms": round(new * NUM_LAYERS * 1e3, 2),
-                      "base_over_new": round(base / new, 3), "bitwise_equal": bitwise[rows]})
-        print(f"{rows:4d} rows: base {base * 1e3:7.3f} ms  new {new * 1e3:7.3f} ms a layer  ({base / new:.2f}x)"
+        table.append({"rows": rows, "base_layer_ms": round(base / NUM_LAYERS * 1e3, 4),
+                      "new_layer_ms": round(new / NUM_LAYERS * 1e3, 4), "base_step_ms": round(base * 1e3, 2),
+                      "new_step_ms": round(new * 1e3, 2), "base_over_new": round(base / new, 3),
+                      "bitwise_equal": bitwise[rows]})
+        print(f"{rows:4d} rows: base {base * 1e3:7.2f} ms  new {new * 1e3:7.2f} ms a step  ({base / new:.2f}x)"
               f"  {'bitwise equal' if bitwise[rows] else 'products differ'}")
     result = {"bench": "q4_kernel", "base": args.base, "rounds": args.rounds, "threads": torch.get_num_threads(),
               "q4_1_vnni": {"base": bool(getattr(base_ops, "q4_1_vnni", False)),
                             "new": bool(getattr(kernels.ops(), "q4_1_vnni", False))},
+              "weights": "one layer repeated (in cache)" if args.in_cache else "each layer its own copy (streamed)",
               "shapes": SHAPES, "num_layers": NUM_LAYERS, "table": table, **run_info()}
     if args.out:
         write_result_file(args.out, result)

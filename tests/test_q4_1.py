@@ -44,16 +44,39 @@ def q4_blocks(n: int, k: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return gguf_blocks(n, k, seed=seed, kind=Q4_1)
 
 
+def _tile_block(rows: torch.Tensor, block: torch.Tensor) -> bool:
+    """Whether 160 packed bytes are one block of 8 GGUF rows [8, 20] (d, m, 16 nibble bytes): 4 units of 8 rows
+    x 4 nibble bytes, then the 8 d, then the 8 m."""
+    return (torch.equal(block[:128].view(4, 8, 4), rows[:, 4:].reshape(8, 4, 4).transpose(0, 1))
+            and torch.equal(block[128:144].view(8, 2), rows[:, 0:2]) and torch.equal(block[144:].view(8, 2), rows[:, 2:4]))
+
+
 def test_pack_q4_1_reorders_the_gguf_bytes_into_tiles_of_8_rows():
     raw, _ = q4_blocks(16, 96, seed=1)
-    packed = kernels.pack_q4_1(raw)
+    packed = kernels.pack_q4_1(raw, group_rows=8)
     assert packed.shape == raw.shape and kernels.q4_1_packed_cols(packed) == 96
     assert torch.equal(packed.flatten().sort().values, raw.flatten().sort().values)  # the same bytes
     tile = packed[8:16].reshape(-1)  # the second tile: rows 8-15
-    block = tile[160:320]  # its block 1: 4 units of 8 rows x 4 nibble bytes, then 8 d, then 8 m
-    rows = raw[8:16].view(8, 3, 20)[:, 1]  # [rows, 20]: d, m, 16 nibble bytes
-    assert torch.equal(block[:128].view(4, 8, 4), rows[:, 4:].reshape(8, 4, 4).transpose(0, 1))
-    assert torch.equal(block[128:144].view(8, 2), rows[:, 0:2]) and torch.equal(block[144:].view(8, 2), rows[:, 2:4])
+    assert _tile_block(raw[8:16].view(8, 3, 20)[:, 1], tile[160:320])  # its block 1
+
+
+def test_pack_q4_1_in_groups_of_16_interleaves_the_pair_of_tiles():
+    """The AVX512-VNNI kernels' layout: rows 16 g .. 16 g + 15 hold, per block, unit u of the first tile then
+    unit u of the second (u = 0..3, 32 bytes each), then both tiles' d, then their m; an odd last tile keeps
+    the 8-row layout."""
+    raw, _ = q4_blocks(40, 96, seed=1)  # 2 groups + 1 tile, 3 blocks a row
+    packed = kernels.pack_q4_1(raw, group_rows=16)
+    assert torch.equal(packed.flatten().sort().values, raw.flatten().sort().values)
+    group = packed[16:32].reshape(3, 320)  # the second group (rows 16-31), block by block
+    for b in range(3):
+        for half in range(2):  # the tile's block as the 8-row layout would hold it
+            units = group[b, :256].view(4, 2, 32)[:, half].reshape(128)
+            d, m = group[b, 256:288].view(2, 16)[half], group[b, 288:].view(2, 16)[half]
+            rows = raw[16 + 8 * half:24 + 8 * half].view(8, 3, 20)[:, b]
+            assert _tile_block(rows, torch.cat([units, d, m])), (b, half)
+    assert torch.equal(packed[32:], kernels.pack_q4_1(raw[32:], group_rows=8))
+    with pytest.raises(ValueError, match="8 or 16"):
+        kernels.pack_q4_1(raw, group_rows=32)
 
 
 def test_pack_q4_1_rejects_what_it_cannot_pack():
@@ -107,17 +130,19 @@ def test_q4_1_row_results_do_not_depend_on_the_batch():
 @needs_q4
 @pytest.mark.skipif(not getattr(kernels.ops(), "q4_1_vnni", False), reason="no AVX512-VNNI: one Q4_1 path only")
 def test_q4_1_vnni_sums_are_bitwise_the_avx2_ones():
-    """On a VNNI CPU steps of 2+ rows take pairs of tiles whose integer sums come from VPDPBUSD; the AVX2 path
-    (single tiles, VPMADDUBSW + VPMADDWD; built beside it with DSPARK_Q4_NO_VNNI) computes the same exact sums
-    and the same fp32 operations, so every product is bit for bit the same (odd tile counts mix both)."""
+    """On a VNNI CPU the products take pairs of tiles (packed in groups of 16 rows) whose integer sums come from
+    VPDPBUSD; the AVX2 path (single tiles of 8 rows, VPMADDUBSW + VPMADDWD; built beside it with
+    DSPARK_Q4_NO_VNNI) computes the same exact sums and the same fp32 operations, so every product is bit for
+    bit the same (odd tile counts mix both)."""
     avx2 = kernels.ops_variant("DSPARK_Q4_NO_VNNI")
-    assert avx2.has_q4_1 and not avx2.q4_1_vnni
+    assert avx2.has_q4_1 and not avx2.q4_1_vnni and (avx2.q4_1_group_rows, kernels.ops().q4_1_group_rows) == (8, 16)
     gen = torch.Generator().manual_seed(5)
     for n, k in ((40, 96), (960, 576), (576, 1536)):
-        packed = kernels.pack_q4_1(q4_blocks(n, k, seed=n + k)[0])
+        raw = q4_blocks(n, k, seed=n + k)[0]
+        packed, packed_avx2 = kernels.pack_q4_1(raw), kernels.pack_q4_1(raw, group_rows=8)
         for rows in (1, 3, 8, 13, kernels.MAX_ROWS):
             x = torch.randn(rows, k, generator=gen) * 3
-            assert torch.equal(kernels.ops().small_mm(x, packed), avx2.small_mm(x, packed)), (n, k, rows)
+            assert torch.equal(kernels.ops().small_mm(x, packed), avx2.small_mm(x, packed_avx2)), (n, k, rows)
 
 
 @needs_q4

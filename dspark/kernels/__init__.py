@@ -222,21 +222,40 @@ def set_matmul_dtype(module: torch.nn.Module, dtype: torch.dtype, *, skip: tuple
 Q4_1_BLOCK_BYTES = 20  # llama.cpp Q4_1: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
 
 
-def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+def q4_1_group_rows() -> int:
+    """Rows per packing group the built kernels read (cpu_ops.cpp, "Q4_1 products"): 16 with AVX512-VNNI (a
+    pair of 8-row tiles, their blocks interleaved), else 8."""
+    k = ops()
+    return int(getattr(k, "q4_1_group_rows", 8)) if k is not None else 8
+
+
+def pack_q4_1(blocks: torch.Tensor, group_rows: int | None = None) -> torch.Tensor:
     """GGUF Q4_1 rows [N, K / 32 * 20] uint8 (per block of 32: fp16 d, fp16 m, 16 bytes of nibbles) -> the
     kernels' packed rows [N, K / 32 * 20] uint8 (cpu_ops.cpp, "Q4_1 products"): tiles of 8 rows, per block
-    the 8 rows' nibble bytes 4 at a time (4 units of 32 bytes), then their 8 d, then their 8 m. The same
-    weights and bytes, reordered; N must be a multiple of 8."""
+    the 8 rows' nibble bytes 4 at a time (4 units of 32 bytes), then their 8 d, then their 8 m; with
+    `group_rows` 16 (default: what the built kernels read, `q4_1_group_rows`) each pair of tiles interleaved,
+    per block: unit by unit the first tile's then the second's, then the 16 d, then the 16 m (an odd last
+    tile stays as it is). The same weights and bytes, reordered; N must be a multiple of 8."""
     n, row = blocks.shape
     if blocks.dtype != torch.uint8 or row % Q4_1_BLOCK_BYTES or n % 8:
         raise ValueError(f"Q4_1 products need uint8 rows of whole blocks, in a multiple of 8 rows; got "
                          f"{tuple(blocks.shape)} {blocks.dtype}")
+    group_rows = q4_1_group_rows() if group_rows is None else group_rows
+    if group_rows not in (8, 16):
+        raise ValueError(f"Q4_1 packing groups are 8 or 16 rows, got {group_rows}")
     nb = row // Q4_1_BLOCK_BYTES
     b = blocks.contiguous().view(n // 8, 8, nb, Q4_1_BLOCK_BYTES)  # [tiles, rows, blocks, 20]
     nibbles = b[..., 4:].reshape(n // 8, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, nb, 128)
     d = b[..., 0:2].permute(0, 2, 1, 3).reshape(n // 8, nb, 16)
     m = b[..., 2:4].permute(0, 2, 1, 3).reshape(n // 8, nb, 16)
-    return torch.cat([nibbles, d, m], -1).reshape(n, row).contiguous()
+    tiles = torch.cat([nibbles, d, m], -1)  # [tiles, blocks, 160]
+    if group_rows == 16:  # per group and block: units [4, 2 tiles, 32], d [2, 16], m [2, 16]; odd last tile as is
+        g = n // 16
+        pair = tiles[:2 * g].view(g, 2, nb, 160).transpose(1, 2)  # [groups, blocks, 2, 160]
+        units = pair[..., :128].reshape(g, nb, 2, 4, 32).transpose(2, 3).reshape(g, nb, 256)
+        grouped = torch.cat([units, pair[..., 128:144].reshape(g, nb, 32), pair[..., 144:].reshape(g, nb, 32)], -1)
+        tiles = torch.cat([grouped.reshape(2 * g, nb, 160), tiles[2 * g:]])
+    return tiles.reshape(n, row).contiguous()
 
 
 def q4_1_packed_cols(packed: torch.Tensor) -> int:

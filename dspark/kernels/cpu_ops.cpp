@@ -324,12 +324,18 @@ class SpinBarrier {
 // over the blocks b of a row, the integer sums exact (VPMADDUBSW, int16 sums of at most 16 products
 // |15 * 127| each, then VPMADDWD), the fp32 sums over the blocks in order whatever the batch.
 // Packed (dspark.kernels.pack_q4_1) in tiles of 8 weight rows, so that a vector's lanes are 8 output rows
-// and no horizontal sum is needed: tile t (rows 8 t .. 8 t + 7) is 8 row-lengths of bytes, per block b
-// 160 bytes: 4 units of 32 bytes (unit u: bytes 4 u .. 4 u + 3 of each of the 8 rows' 16 GGUF nibble bytes,
-// row after row; byte j holds q_j low and q_{j+16} high), then the 8 rows' d, then their m (fp16).
+// and no horizontal sum is needed: a tile's block b is 160 bytes: 4 units of 32 bytes (unit u: bytes
+// 4 u .. 4 u + 3 of each of the 8 rows' 16 GGUF nibble bytes, row after row; byte j holds q_j low and q_{j+16}
+// high), then the 8 rows' d, then their m (fp16). AVX2 builds (q4_1_group_rows 8): tile t (rows 8 t .. 8 t + 7)
+// is 8 row-lengths of bytes, its blocks in order. AVX512-VNNI builds (q4_1_group_rows 16): groups of 16 rows,
+// the two tiles of a group interleaved: per block b 320 bytes, each unit of the first tile then the same unit of
+// the second (one 64-byte vector), then the 16 rows' d, then their m; so a pair of tiles multiplied together
+// streams its bytes in order (two tiles read side by side from two places made steps of 2-8 rows 1.3-1.6x slower
+// than single tiles: the prefetchers follow one stream) and loads each unit pair whole. An odd last tile
+// (N = 16 g + 8) keeps the plain layout.
 // K * 10 / 16 bytes a row as in the GGUF; N a multiple of 8. An input row is quantized once per product
-// (q4_prepare): its p in order and per block [e, e sum p]. AVX2 + FMA + F16C; with AVX512-VNNI steps of 2+
-// input rows take two tiles at once (q4_tile_pair: the same sums bit for bit). The Python side checks
+// (q4_prepare): its p in order and per block [e, e sum p]. AVX2 + FMA + F16C; with AVX512-VNNI a group's two
+// tiles are multiplied at once (q4_tile_pair: the same sums bit for bit). The Python side checks
 // has_q4_1 and keeps the torch twin (kernels.q8_1_dequantized: the input as its Q8_1 values).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define DSPARK_Q4_AVX2 1
@@ -341,9 +347,12 @@ constexpr bool kQ4Vnni = false;
 #endif
 constexpr bool kHasQ4 = true;
 #else
+constexpr bool kQ4Vnni = false;
 constexpr bool kHasQ4 = false;
 #endif
+constexpr int64_t kQ4GroupRows = kQ4Vnni ? 16 : 8;  // rows a packing group holds (see above)
 constexpr int64_t kQ4BlockBytes = 20, kQ4TileRows = 8;
+constexpr int64_t kQ4GroupBlockBytes = 2 * kQ4TileRows * kQ4BlockBytes;  // a block of a 16-row group
 inline int64_t q4_row_bytes(int64_t K) { return K / 32 * kQ4BlockBytes; }
 // K from a packed row's byte count (0 when no multiple of 32 gives it)
 inline int64_t q4_cols(int64_t row_bytes) { return row_bytes % kQ4BlockBytes == 0 ? row_bytes / kQ4BlockBytes * 32 : 0; }
@@ -430,39 +439,27 @@ inline void q4_tile(const int8_t*, const float*, const uint8_t*, float*, int64_t
 #endif
 
 #if defined(DSPARK_Q4_VNNI)
-// Two neighbouring tiles, 16 output rows [n, n + 16), in the halves of 512-bit vectors: each broadcast input
+// A group's two tiles, 16 output rows [n, n + 16), in the halves of 512-bit vectors: each broadcast input
 // and per-block scale serves 16 rows. Lane for lane the same operations as q4_tile (the same results, bit for
 // bit); out's rows n .. n + 15 are contiguous, so one store per input row.
 template <int M>
-inline void q4_tile_pair(const int8_t* xq, const float* meta, const uint8_t* tile, float* out, int64_t K, int64_t N,
+inline void q4_tile_pair(const int8_t* xq, const float* meta, const uint8_t* group, float* out, int64_t K, int64_t N,
                          int64_t n) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const uint8_t* next = tile + kQ4TileRows * q4_row_bytes(K);  // the second tile: rows n + 8 .. n + 15
-  const auto pair256 = [](const uint8_t* a, const uint8_t* b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-  };
-  const auto pair_ph = [](const uint8_t* a, const uint8_t* b) {  // 8 + 8 fp16 -> 16 fp32
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-  };
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* p = tile + b * kQ4TileRows * kQ4BlockBytes;
-    const uint8_t* q = next + b * kQ4TileRows * kQ4BlockBytes;
-    for (int64_t ahead = 0; ahead < 3 * 64; ahead += 64) {
-      __builtin_prefetch(p + 4 * kQ4TileRows * kQ4BlockBytes + ahead, 0, 1);
-      __builtin_prefetch(q + 4 * kQ4TileRows * kQ4BlockBytes + ahead, 0, 1);
-    }
-    __m512i lo[4], hi[4];
+    const uint8_t* p = group + b * kQ4GroupBlockBytes;
+    for (int64_t ahead = 0; ahead < kQ4GroupBlockBytes; ahead += 64)
+      __builtin_prefetch(p + 4 * kQ4GroupBlockBytes + ahead, 0, 1);
+    __m512i lo[4], hi[4];  // unit u of both tiles: the first's 32 bytes, then the second's
     for (int u = 0; u < 4; ++u) {
-      const __m512i w = pair256(p + 32 * u, q + 32 * u);
+      const __m512i w = _mm512_loadu_si512(p + 64 * u);
       lo[u] = _mm512_and_si512(w, low4);
       hi[u] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
     }
-    const __m512 d16 = pair_ph(p + 128, q + 128), m16 = pair_ph(p + 144, q + 144);
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
+    const __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
     for (int m = 0; m < M; ++m) {
       const int8_t* xb = xq + m * K + 32 * b;
       const auto bcast = [&](int j) {
@@ -500,26 +497,25 @@ using Q4TileFn = void (*)(const int8_t*, const float*, const uint8_t*, float*, i
 // faster than passes of <= 4, equal at 4, 8 and 16 rows; benchmarks/bench_q4_kernel.py --base 932a229).
 constexpr int64_t kQ4PassRows = 8;
 constexpr Q4TileFn kQ4Tiles[kQ4PassRows] = {q4_tile<1>, q4_tile<2>, q4_tile<3>, q4_tile<4>,
-                                  q4_tile<5>, q4_tile<6>, q4_tile<7>, q4_tile<8>};
+                                            q4_tile<5>, q4_tile<6>, q4_tile<7>, q4_tile<8>};
 constexpr Q4TileFn kQ4Pairs[kQ4PassRows] = {q4_tile_pair<1>, q4_tile_pair<2>, q4_tile_pair<3>, q4_tile_pair<4>,
-                                  q4_tile_pair<5>, q4_tile_pair<6>, q4_tile_pair<7>, q4_tile_pair<8>};
+                                            q4_tile_pair<5>, q4_tile_pair<6>, q4_tile_pair<7>, q4_tile_pair<8>};
 
-// Output columns [n0, n1) of out[M, N] (multiples of 8) for prepared inputs: tile by tile, every pass of
-// <= kQ4PassRows input rows over a tile while it is in L1 (a tile is 8 rows: K * 5 / 4 bytes).
+// Output columns [n0, n1) of out[M, N] (n0 a multiple of kQ4GroupRows, n1 too or N) for prepared inputs:
+// group by group (VNNI builds: both tiles at once, whatever the rows; one input row is as fast as the AVX2
+// single tiles' in-order stream, 1.00x a batch-1 step side by side) or tile by tile (AVX2, and an odd last
+// tile), every pass of <= kQ4PassRows input rows over it while it is in L1 (a tile is 8 rows: K * 5 / 4 bytes).
 void q4_mm_cols(const int8_t* xq, const float* meta, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* op,
                 int64_t n0, int64_t n1) {
   const int64_t rb = q4_row_bytes(K), passes = (M + kQ4PassRows - 1) / kQ4PassRows, per_pass = (M + passes - 1) / passes;
   for (int64_t n = n0; n < n1;) {
-    // two tiles at once (AVX-512 VNNI) for 2+ input rows; one input row streams the weights from memory, and
-    // single tiles with AVX2's sums decode faster there (pairs: 0.87x batch-1 decode tok/s side by side)
-    const bool pair = kQ4Vnni && M >= 2 && n + 2 * kQ4TileRows <= n1;
-    const Q4TileFn* fns = pair ? kQ4Pairs : kQ4Tiles;
+    const bool group = kQ4GroupRows == 2 * kQ4TileRows && n + 2 * kQ4TileRows <= N;
+    const Q4TileFn* fns = group ? kQ4Pairs : kQ4Tiles;
     for (int64_t m0 = 0; m0 < M; m0 += per_pass)
       fns[std::min(per_pass, M - m0) - 1](xq + m0 * K, meta + m0 * (K / 16), w + n * rb, op + m0 * N, K, N, n);
-    n += pair ? 2 * kQ4TileRows : kQ4TileRows;
+    n += group ? 2 * kQ4TileRows : kQ4TileRows;
   }
 }
-
 
 // ---------------------------------------------------------------------------------------- Q8_0 products
 // Weights kept in llama.cpp's Q8_0 blocks (32 weights: w_i = d * q_i, q_i int8, d fp16), repacked per row
@@ -606,9 +602,9 @@ void q4_mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* mp = meta.data_ptr<float>();
   q4_prepare(xp, 0, M, K, xqp, mp);
-  const int64_t tiles = N / kQ4TileRows;
-  at::parallel_for(0, tiles, even_grain(tiles, 1), [&](int64_t t0, int64_t t1) {
-    q4_mm_cols(xqp, mp, M, K, wp, N, op, t0 * kQ4TileRows, t1 * kQ4TileRows);
+  const int64_t groups = (N + kQ4GroupRows - 1) / kQ4GroupRows;
+  at::parallel_for(0, groups, even_grain(groups, 1), [&](int64_t g0, int64_t g1) {
+    q4_mm_cols(xqp, mp, M, K, wp, N, op, g0 * kQ4GroupRows, std::min(g1 * kQ4GroupRows, N));
   });
 }
 }  // namespace
@@ -1076,6 +1072,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_bf16") = kHasBf16;
   m.attr("has_bf16w") = kHasBf16W;  // small_mm multiplies bf16 weights by the unrounded fp32 input (AVX2)
   m.attr("has_q4_1") = kHasQ4;
-  m.attr("q4_1_vnni") = kQ4Vnni;  // Q4_1 steps of 2+ rows in pairs of tiles by AVX512-VNNI (q4_tile_pair)
+  m.attr("q4_1_vnni") = kQ4Vnni;  // Q4_1 products in pairs of tiles by AVX512-VNNI (q4_tile_pair)
+  m.attr("q4_1_group_rows") = kQ4GroupRows;  // the packing kernels.pack_q4_1 must give these kernels
   m.attr("has_q8_0") = kHasQ8;
 }
