@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Reproduces the drafters shipped in dspark/assets/drafters/ for SmolLM2-135M-Instruct on 2 CPU cores,
-# about 2.5 hours: data ~40 + ~25 min, features ~12 min, DSpark / DFlash / EAGLE-3 trained side by side
-# (one thread each) ~75 min, calibration ~10 min. Every step is resumable: rerun after an interruption.
+# about 4.5 hours. Stage 1 (session 4, ~2.5 h): data ~40 + ~25 min, features ~12 min, DSpark / DFlash /
+# EAGLE-3 trained from scratch side by side (one thread each) ~75 min. Stage 2 (session 16, ~2 h): a
+# second data set (q4_1 target, Magpie-style prompts the target writes itself), features, and each
+# drafter warm-started from its stage-1 weights (`init_from`, same draft vocabulary) for the same steps;
+# then calibration ~10 min. Every step is resumable: rerun after an interruption.
 #   bash scripts/train_shipped_drafters.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,17 +27,34 @@ for m in dspark dflash eagle3; do
       --no-progress --resume &
 done
 wait
+# 3b. stage 2: the target (q4_1 products, the served default) answers every train prompt that fits plus
+#     1,500 requests it writes itself (Magpie-style, chat-like; 1,327 kept), ~23 min; features ~18 min; each
+#     stage-1 drafter trains on them from its own weights (init_from: its weights and draft vocabulary),
+#     1,200 steps with the same batch and a warm-up + cosine schedule from lr 3e-4, side by side, ~60 min
+DATA3=data/smollm2_train_v3
+python -m dspark prepare-data --out "$DATA3" --max-tokens 192 --max-prompt-tokens 384 --batch-size 96 \
+    --matmul-dtype q4_1 --num-threads 2 --magpie 1500
+python -m dspark train --config configs/train_dspark_smollm2.json --data "$DATA3" --out runs/features_v3_pass \
+    --precompute-features --set num_threads=2 --set feature_cache='"runs/features_v3"' \
+    --set init_from='"runs/dspark2/export"' --no-progress
+for m in dspark dflash eagle3; do
+  python -m dspark train --config configs/train_${m}_smollm2.json --data "$DATA3" --out runs/${m}3 \
+      --set feature_cache='"runs/features_v3"' --set init_from="\"runs/${m}2/export\"" --set lr=3e-4 \
+      --set max_steps=1200 --no-progress --resume &
+done
+wait
 # 4. Sequential Temperature Scaling on the held-out split of the training data (not eval/): a greedy
 #    fit and a sampling fit (calibration.json "greedy_temperatures" / "temperatures")
-python -m dspark calibrate --drafter runs/dspark2/export --data "$DATA" --num-prompts 0 --max-tokens 192 --matmul-dtype float32 \
+#    (stage 2: with the served default's q4_1 target products, on the stage-2 held-out split)
+python -m dspark calibrate --drafter runs/dspark3/export --data "$DATA3" --num-prompts 0 --max-tokens 192 \
     --temperature 0 --fit-bias --plot docs/img/reliability_dspark_smollm2_greedy.png --num-threads 2
-python -m dspark calibrate --drafter runs/dspark2/export --data "$DATA" --num-prompts 0 --max-tokens 192 --matmul-dtype float32 \
+python -m dspark calibrate --drafter runs/dspark3/export --data "$DATA3" --num-prompts 0 --max-tokens 192 \
     --temperature 1 --fit-bias --plot docs/img/reliability_dspark_smollm2.png --num-threads 2
 # 5. ship
 mkdir -p dspark/assets/drafters
 for m in dspark dflash eagle3; do
   rm -rf dspark/assets/drafters/${m}-smollm2-135m
-  cp -r runs/${m}2/export dspark/assets/drafters/${m}-smollm2-135m
+  cp -r runs/${m}3/export dspark/assets/drafters/${m}-smollm2-135m
 done
 # 6. the step-cost tables the adaptive policies of `dspark serve` read, one per matmul dtype of the target
 #    (machine-specific: re-profile on yours)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,46 @@ def test_prepare_data_shards_resume_and_holdout(tmp_path):
         prepare(PrepareConfig(**{**cfg.__dict__, "prompts": str(tmp_path / "datasets" / "eval")}), llm=llm)
 
 
+class _CharTokenizer:
+    """One token per character; the template adds 3 tokens before and 2 after the content."""
+    eos_token_ids = (2,)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 250 + 3 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i - 3) for i in ids)
+
+    def apply_chat_template(self, conv, add_generation_prompt=True):
+        return [1, 4, 5] + self.encode(conv[-1]["content"]) + [9, 10]
+
+
+def test_prepare_data_truncates_long_prompts_and_redoes_earlier_drops(tmp_path):
+    from dspark.train.prepare_data import PrepareConfig, fit_prompt, prepare
+    tok = _CharTokenizer()
+    long = "A" * 60 + "middle" * 20 + "Z" * 30
+    ids = fit_prompt(tok, long, 64)
+    text = tok.decode(ids[3:-2])
+    assert len(ids) <= 64 and text.startswith("A" * 20) and text.endswith("Z" * 10) and "\n...\n" in text
+    assert fit_prompt(tok, "short", 64) == tok.apply_chat_template([{"content": "short"}])
+    assert fit_prompt(tok, long, 9) is None  # not even the template and the ellipsis fit
+
+    prompts = tmp_path / "train"
+    prompts.mkdir()
+    (prompts / "toy.jsonl").write_text("\n".join(json.dumps({"turns": [f"q{i} " + "x" * (10 if i % 2 else 200)]})
+                                                 for i in range(10)))
+    llm = _StubLLM()
+    llm.tokenizer = tok
+    cfg = PrepareConfig(out=str(tmp_path / "data"), model="stub", prompts=str(prompts), max_prompt_tokens=64,
+                        batch_size=4, holdout=0.0)
+    assert sum(prepare(cfg, llm=llm)["num_samples"].values()) == 5 and llm.calls == 5  # long ones dropped
+    prepare(cfg, llm=llm)
+    assert llm.calls == 5  # drop mode: the drops are done
+    manifest = prepare(PrepareConfig(**{**cfg.__dict__, "long_prompts": "truncate"}), llm=llm)
+    assert manifest["num_samples"]["train"] == 10 and llm.calls == 10  # only the 5 dropped ones, cut to fit
+    assert max(len(s.input_ids) - int(s.loss_mask.sum()) for s in TokenDataset(cfg.out).samples) <= 64
+
+
 # -- training on a tiny random target -------------------------------------------------------------------
 
 def tiny_target(seed: int = 0):
@@ -255,6 +296,36 @@ def test_a_few_steps_reduce_the_loss(tmp_path, method):
         from dspark.drafters.eagle3_model import load_eagle3
         exported = load_eagle3(str(tmp_path / "export"))
         assert exported.config.draft_vocab_size == 64 and torch.equal(exported.d2t, trainer.d2t)
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash", "eagle3"])
+def test_warm_start_from_an_export(tmp_path, method):
+    """init_from: the new run starts from the exported weights (bf16 in the export) and draft vocabulary,
+    whatever vocabulary its own data would build; a different drafter shape is refused by name."""
+    extra = {"dflash": dict(markov_rank=0, loss_ce=1.0, loss_l1=0.0, loss_confidence=0.0),
+             "eagle3": dict(draft_vocab_size=64, ttt_steps=2, tap_layer_ids=(0, 1, 2))}.get(method, {})
+    cfg = tiny_config(method=method, max_steps=6, **extra)
+    first = Trainer(cfg, data_dir=toy_data(tmp_path / "data"), out_dir=tmp_path / "run", target=tiny_target(),
+                    show_progress=False)
+    first.fit()
+    first.export(tmp_path / "export")
+    other_data = toy_data(tmp_path / "other", n=6)
+    warm = Trainer(replace(cfg, init_from=str(tmp_path / "export"), seed=5), data_dir=other_data,
+                   out_dir=tmp_path / "warm", target=tiny_target(), show_progress=False)
+    cold = Trainer(replace(cfg, seed=5), data_dir=other_data, out_dir=tmp_path / "cold", target=tiny_target(),
+                   show_progress=False)
+    assert torch.equal(warm.d2t, first.d2t)
+    trained = dict(first.model.named_parameters())
+    for name, p in warm.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p, trained[name].to(torch.bfloat16).float(), atol=0, rtol=0, msg=name)
+    assert _fixed_loss(warm) < _fixed_loss(cold)
+    bad = dict(tap_layer_ids=(0, 1)) if method == "eagle3" else dict(num_draft_layers=2)
+    with pytest.raises(ValueError, match="init_from .* the config's drafter needs"):
+        Trainer(replace(cfg, init_from=str(tmp_path / "export"), **bad), data_dir=other_data,
+                out_dir=tmp_path / "bad", target=tiny_target(), show_progress=False)
+    for t in (first, warm, cold):
+        t.close()
 
 
 def test_eagle3_trainer_loss_equals_dense_unroll_on_its_chains(tmp_path):

@@ -50,6 +50,9 @@ class TrainConfig:
     beta2: float = 0.999
     grad_clip: float = 1.0
     init_std: float = 0.02
+    # warm start: an exported drafter folder of this method (config.json + model.safetensors); its
+    # weights replace the random init and its draft vocabulary (d2t) replaces the one built from the data
+    init_from: str | None = None
     # losses (reference §4.4)
     loss_ce: float = 0.1
     loss_l1: float = 0.9

@@ -82,15 +82,19 @@ def shard_paths(root: str | Path) -> list[Path]:
     return sorted(Path(root).glob("shard-*.safetensors"))
 
 
-def done_keys(root: str | Path) -> set[str]:
-    """Prompt keys already written (or dropped): prepare-data skips them on resume."""
+def done_keys(root: str | Path, *, redo_dropped: tuple[str, ...] = ()) -> set[str]:
+    """Prompt keys already written (or dropped, unless for a reason in `redo_dropped`): prepare-data
+    skips them on resume."""
     root = Path(root)
     keys: set[str] = set()
     for p in shard_paths(root):
         with safe_open(str(p), "pt") as f:
             keys.update(json.loads(f.metadata()["keys"]))
     if (root / DROPPED).exists():
-        keys.update(line.split("\t")[0] for line in (root / DROPPED).read_text().splitlines() if line)
+        for line in (root / DROPPED).read_text().splitlines():
+            key, _, reason = line.partition("\t")
+            if key and reason not in redo_dropped:
+                keys.add(key)
     return keys
 
 

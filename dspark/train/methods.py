@@ -158,6 +158,33 @@ def export_eagle3(model, ecfg, path: str | Path) -> None:
     save_eagle3(model, ecfg, str(path), dtype=torch.bfloat16)
 
 
+def load_export(cfg, path: str | Path, target) -> nn.Module:
+    """An exported drafter of cfg.method in fp32 (a warm start for `init_from`)."""
+    if not Path(path, "config.json").is_file():
+        raise ValueError(f"init_from {str(path)!r}: no config.json (expected an exported drafter folder)")
+    if cfg.method == "eagle3":
+        from dspark.drafters.eagle3_model import load_eagle3
+        return load_eagle3(str(path))
+    from dspark.drafters.dspark import load_dspark
+    model, _ = load_dspark(path, target_model=target)
+    return model
+
+
+def copy_trainable(source: nn.Module, model: nn.Module, *, where: str) -> None:
+    """Every trainable parameter of `model` from the same-named one of `source` (shapes must agree; a
+    missing or mis-shaped tensor is a ValueError naming it: the warm start must be the same drafter)."""
+    have = dict(source.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            src = have.get(name)
+            if src is None or src.shape != p.shape:
+                got = "missing" if src is None else f"shape {list(src.shape)}"
+                raise ValueError(f"init_from {where!r}: {name} is {got}, the config's drafter needs {list(p.shape)}")
+            p.copy_(src.to(p.dtype))
+
+
 def build(cfg, target, target_cfg, d2t):
     return (build_eagle3 if cfg.method == "eagle3" else build_block_drafter)(cfg, target, target_cfg, d2t)
 

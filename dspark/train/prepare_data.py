@@ -39,7 +39,8 @@ class PrepareConfig:
     prompts: str = DEFAULT_PROMPTS
     max_prompts: int | None = None
     max_tokens: int = 384  # answer tokens per sample
-    max_prompt_tokens: int = 1024  # longer prompts are dropped (CPU training cost)
+    max_prompt_tokens: int = 1024  # longer prompts are dropped (CPU training cost), or cut to fit
+    long_prompts: str = "drop"  # "drop" | "truncate": keep the request's head and tail, "\n...\n" between
     min_answer_tokens: int = 14  # DeepSpec drops samples with fewer supervised tokens
     magpie: int = 0
     temperature: float = 0.0
@@ -74,6 +75,26 @@ def magpie_header(tokenizer) -> list[int]:
     user header included): the target continues it by writing a user request."""
     text = tokenizer.render_chat([{"role": "user", "content": MAGPIE_SENTINEL}], add_generation_prompt=False)
     return tokenizer.encode(text[:text.index(MAGPIE_SENTINEL)], add_special_tokens=False)
+
+
+def fit_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int] | None:
+    """Chat-template ids of the user request `text`, cut to fit `max_prompt_tokens` when it is longer:
+    the first two thirds of the kept content tokens and the last third (task statements lead, format
+    instructions trail), joined by an ellipsis line. None when even the empty request does not fit.
+    The answer is still the target's own answer to the prompt it was given."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    if len(ids) <= max_prompt_tokens:
+        return ids
+    content = tokenizer.encode(text, add_special_tokens=False)
+    budget = max_prompt_tokens - (len(ids) - len(content)) - 8  # template + ellipsis + re-tokenising slack
+    while budget > 0:
+        head = budget * 2 // 3
+        cut = (tokenizer.decode(content[:head]) + "\n...\n" + tokenizer.decode(content[len(content) - (budget - head):]))
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": cut}], add_generation_prompt=True)
+        if len(ids) <= max_prompt_tokens:
+            return ids
+        budget -= 16
+    return None
 
 
 def _params(cfg: PrepareConfig, max_tokens: int, seed: int):
@@ -112,7 +133,7 @@ def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    done = done_keys(out)
+    done = done_keys(out, redo_dropped=("prompt_too_long",) if cfg.long_prompts == "truncate" else ())
     items = load_prompts(cfg.prompts, seed=cfg.seed)
     if cfg.max_prompts is not None:
         items = items[:cfg.max_prompts]
@@ -131,9 +152,12 @@ def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
     for start in range(0, len(todo), cfg.batch_size):
         chunk = todo[start:start + cfg.batch_size]
         tok = llm.tokenizer
-        prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                      for _, p in chunk]
-        keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= cfg.max_prompt_tokens]
+        if cfg.long_prompts == "truncate":
+            prompt_ids = [fit_prompt(tok, p, cfg.max_prompt_tokens) or [] for _, p in chunk]
+        else:
+            prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                          for _, p in chunk]
+        keep = [i for i, ids in enumerate(prompt_ids) if 0 < len(ids) <= cfg.max_prompt_tokens]
         dropped = [f"{chunk[i][0]}\tprompt_too_long\n" for i in range(len(chunk)) if i not in keep]
         params = [_params(cfg, cfg.max_tokens, cfg.seed * 1_000_003 + start + i) for i in keep]
         results = llm.generate([prompt_ids[i] for i in keep], params) if keep else []
@@ -193,6 +217,9 @@ def register(sub) -> None:
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="answer tokens per sample")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    p.add_argument("--long-prompts", default=d.long_prompts, choices=["drop", "truncate"],
+                   help="prompts over --max-prompt-tokens: drop them, or keep their head and tail (a rerun "
+                        "with truncate also takes the prompts an earlier run dropped as too long)")
     p.add_argument("--min-answer-tokens", type=int, default=d.min_answer_tokens)
     p.add_argument("--magpie", type=int, default=0, help="also let the target write this many prompts")
     p.add_argument("--temperature", type=float, default=d.temperature)
@@ -201,7 +228,7 @@ def register(sub) -> None:
     p.add_argument("--holdout", type=float, default=d.holdout, help="validation fraction")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
-    p.add_argument("--matmul-dtype", default=d.matmul_dtype, choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--matmul-dtype", default=d.matmul_dtype, choices=["auto", "float32", "bfloat16", "q4_1"],
                    help="the target's matrix products while generating (default float32: the model the "
                         "trainer's features come from)")
     p.add_argument("--num-threads", type=int, default=None)
@@ -212,6 +239,7 @@ def _main(args: argparse.Namespace) -> int:
     cfg = PrepareConfig(
         out=args.out, model=args.model, prompts=args.prompts, max_prompts=args.max_prompts,
         max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+        long_prompts=args.long_prompts,
         min_answer_tokens=args.min_answer_tokens, magpie=args.magpie, temperature=args.temperature,
         top_p=args.top_p, batch_size=args.batch_size, holdout=args.holdout, seed=args.seed,
         dtype=args.dtype, matmul_dtype=args.matmul_dtype, num_threads=args.num_threads)

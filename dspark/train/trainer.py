@@ -85,9 +85,12 @@ class Trainer:
         self.train_ds = TokenDataset(data_dir, split="train", max_seq_len=cfg.max_seq_len)
         val = TokenDataset(data_dir, split="val", max_seq_len=cfg.max_seq_len)
         self.val_ds = val if len(val) else None
-        self.d2t = self._draft_vocab(eos_ids)
+        init = methods.load_export(cfg, cfg.init_from, self.target) if cfg.init_from else None
+        self.d2t = self._draft_vocab(eos_ids) if init is None else self._init_vocab(init)
         torch.manual_seed(cfg.seed)
         self.model, self.draft_cfg = methods.build(cfg, self.target, self.target_cfg, self.d2t)
+        if init is not None:
+            methods.copy_trainable(init, self.model, where=cfg.init_from)
         self.tap_layer_ids = tuple(self.draft_cfg.tap_layer_ids)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -122,6 +125,21 @@ class Trainer:
         if self.rank == 0:
             log.info("draft vocab: %d of %d tokens cover %.2f%% of the assistant tokens", d2t.numel(), vocab,
                      100 * cov)
+            (self.out_dir / "draft_vocab.json").write_text(json.dumps({"coverage": cov, "d2t": d2t.tolist()}))
+        return d2t
+
+    def _init_vocab(self, init) -> torch.Tensor | None:
+        """The warm start's draft vocabulary (its LM-head rows and Markov/EAGLE-3 heads are indexed by it)."""
+        reduced = self.cfg.draft_vocab_size is not None and self.cfg.draft_vocab_size < self.target_cfg.vocab_size
+        d2t = init.d2t.detach().clone().long() if reduced else None
+        if reduced and d2t.numel() != self.cfg.draft_vocab_size:
+            raise ValueError(f"init_from {self.cfg.init_from!r} has a {d2t.numel()}-token draft vocabulary; the "
+                             f"config asks for draft_vocab_size {self.cfg.draft_vocab_size}")
+        if d2t is not None and self.rank == 0:
+            vocab = self.target_cfg.vocab_size
+            cov = vocab_coverage(token_counts(self.train_ds, vocab_size=vocab, assistant_only=True), d2t)
+            log.info("draft vocab from %s: %d tokens cover %.2f%% of this data's assistant tokens",
+                     self.cfg.init_from, d2t.numel(), 100 * cov)
             (self.out_dir / "draft_vocab.json").write_text(json.dumps({"coverage": cov, "d2t": d2t.tolist()}))
         return d2t
 
