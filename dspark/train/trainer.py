@@ -86,7 +86,7 @@ class Trainer:
         val = TokenDataset(data_dir, split="val", max_seq_len=cfg.max_seq_len)
         self.val_ds = val if len(val) else None
         init = methods.load_export(cfg, cfg.init_from, self.target) if cfg.init_from else None
-        self.d2t = self._draft_vocab(eos_ids) if init is None else self._init_vocab(init)
+        self.d2t = self._draft_vocab(eos_ids, init)
         torch.manual_seed(cfg.seed)
         self.model, self.draft_cfg = methods.build(cfg, self.target, self.target_cfg, self.d2t)
         if init is not None:
@@ -115,31 +115,24 @@ class Trainer:
                      self.world, json.dumps(asdict(cfg)))
 
     # -- draft vocabulary -----------------------------------------------------------------------------
-    def _draft_vocab(self, eos_ids: tuple[int, ...]) -> torch.Tensor | None:
-        vocab = self.target_cfg.vocab_size
-        if self.cfg.draft_vocab_size is None or self.cfg.draft_vocab_size >= vocab:
+    def _draft_vocab(self, eos_ids: tuple[int, ...], init=None) -> torch.Tensor | None:
+        """The draft -> target id map (None: the full vocabulary): a warm start's own (its LM-head rows and
+        heads are indexed by it), else the draft_vocab_size most frequent tokens of the data plus EOS."""
+        vocab, size = self.target_cfg.vocab_size, self.cfg.draft_vocab_size
+        if size is None or size >= vocab:
             return None
-        counts = token_counts(self.train_ds, vocab_size=vocab)
-        d2t = build_draft_vocab(counts, size=self.cfg.draft_vocab_size, always=tuple(eos_ids))
-        cov = vocab_coverage(token_counts(self.train_ds, vocab_size=vocab, assistant_only=True), d2t)
+        if init is not None:
+            d2t, source = init.d2t.detach().clone().long(), f"from {self.cfg.init_from}"
+            if d2t.numel() != size:
+                raise ValueError(f"init_from {self.cfg.init_from!r} has a {d2t.numel()}-token draft vocabulary; "
+                                 f"the config asks for draft_vocab_size {size}")
+        else:
+            counts = token_counts(self.train_ds, vocab_size=vocab)
+            d2t, source = build_draft_vocab(counts, size=size, always=tuple(eos_ids)), "built from the data"
         if self.rank == 0:
-            log.info("draft vocab: %d of %d tokens cover %.2f%% of the assistant tokens", d2t.numel(), vocab,
-                     100 * cov)
-            (self.out_dir / "draft_vocab.json").write_text(json.dumps({"coverage": cov, "d2t": d2t.tolist()}))
-        return d2t
-
-    def _init_vocab(self, init) -> torch.Tensor | None:
-        """The warm start's draft vocabulary (its LM-head rows and Markov/EAGLE-3 heads are indexed by it)."""
-        reduced = self.cfg.draft_vocab_size is not None and self.cfg.draft_vocab_size < self.target_cfg.vocab_size
-        d2t = init.d2t.detach().clone().long() if reduced else None
-        if reduced and d2t.numel() != self.cfg.draft_vocab_size:
-            raise ValueError(f"init_from {self.cfg.init_from!r} has a {d2t.numel()}-token draft vocabulary; the "
-                             f"config asks for draft_vocab_size {self.cfg.draft_vocab_size}")
-        if d2t is not None and self.rank == 0:
-            vocab = self.target_cfg.vocab_size
             cov = vocab_coverage(token_counts(self.train_ds, vocab_size=vocab, assistant_only=True), d2t)
-            log.info("draft vocab from %s: %d tokens cover %.2f%% of this data's assistant tokens",
-                     self.cfg.init_from, d2t.numel(), 100 * cov)
+            log.info("draft vocab %s: %d of %d tokens cover %.2f%% of the assistant tokens", source, d2t.numel(),
+                     vocab, 100 * cov)
             (self.out_dir / "draft_vocab.json").write_text(json.dumps({"coverage": cov, "d2t": d2t.tolist()}))
         return d2t
 
