@@ -9,8 +9,10 @@ memory, as in serving, not from the cache of the previous proposal); medians ove
 Paths: `current` (the defaults: `draft_matmul_dtype` auto — bf16 copies, widened against the fp32
 input on AVX2 — and the block forward through the fused decoder stack), `module-bf16` (the same
 products, the block forward through the per-layer modules) and `module-fp32` (fp32 products and the
-modules: the drafter path before session 12), and `q4_1` (`draft_matmul_dtype` "q4_1": the backbone and
-the reduced-vocab head quantized to Q4_1 blocks, the fused stack; session 13). The target is the default model at `auto` (q4_1 on AVX2
+modules: the drafter path before session 12), `q4_1` (`draft_matmul_dtype` "q4_1": the backbone and
+the reduced-vocab head quantized to Q4_1 blocks, the fused stack; session 13), and `kernel-rows-128` (the
+defaults with bf16 products of up to 128 rows through the kernel, as before session 17, instead of
+`kernels.bf16_kernel_rows()`: 16 on CPUs with AMX, where torch's oneDNN products are faster past that). The target is the default model at `auto` (q4_1 on AVX2
 CPUs), context 256 positions per request (`dspark profile`'s `StepProfiler`).
 """
 
@@ -24,10 +26,11 @@ from dspark.bench.report import run_info, write_result_file
 
 DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
 PATHS = {"current": {}, "module-bf16": {"fused": False}, "module-fp32": {"fused": False, "draft_matmul_dtype": "float32"},
-         "q4_1": {"draft_matmul_dtype": "q4_1"}}
+         "q4_1": {"draft_matmul_dtype": "q4_1"}, "kernel-rows-128": {"bf16_kernel_rows": 128}}
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from dspark import kernels
     from dspark.llm import LLM
     from dspark.verify.profile_cli import StepProfiler
 
@@ -38,10 +41,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     counts = [int(n) for n in args.num_reqs.split(",")]
-    profilers = {}
+    profilers, kernel_rows = {}, {}
     for name in args.paths.split(","):
         opts = dict(PATHS[name])
         fused = opts.pop("fused", True)
+        kernel_rows[name] = opts.pop("bf16_kernel_rows", None)
         llm = LLM(speculative_config={"method": "dspark", "model": DRAFTER, **opts})
         if not fused:
             llm.engine.drafter.model.fused_backbone = lambda *a, **k: None  # the module path
@@ -51,10 +55,12 @@ def main(argv: list[str] | None = None) -> dict:
         for n in counts:
             for name, prof in profilers.items():
                 prof.windows_step([8])  # a target step in between, as in serving
+                kernels.BF16_KERNEL_ROWS = kernel_rows[name]
                 start = time.perf_counter()
                 prof.draft_step(n)
                 if r:
                     times[(name, n)].append(time.perf_counter() - start)
+    kernels.BF16_KERNEL_ROWS = None
     ms = {f"{name}_r{n}_ms": round(statistics.median(t) * 1e3, 2) for (name, n), t in times.items()}
     base = next(iter(profilers))
     ratios = {f"{name}_over_{base}_r{n}": round(ms[f"{name}_r{n}_ms"] / ms[f"{base}_r{n}_ms"], 2)

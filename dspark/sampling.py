@@ -17,6 +17,13 @@ import torch
 GREEDY_EPS = 1e-5
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[..., vocab] → [...] long: the index of each row's maximum, the first on ties (torch.argmax's
+    answer). Through `max(dim).indices`, which the CPU computes ~2.5x faster than `argmax` (32 rows of
+    SmolLM2's 49,152 logits: 0.43 vs 1.10 ms; session 17)."""
+    return logits.max(dim=-1).indices
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters (OpenAI / vLLM names and defaults)."""
@@ -71,7 +78,7 @@ def logits_to_probs(
     probs = torch.softmax(scaled, dim=-1)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs)
-        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot.scatter_(1, greedy_ids(logits).unsqueeze(1), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
     return probs
 

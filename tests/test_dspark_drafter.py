@@ -454,6 +454,37 @@ def q4_cfg(**overrides) -> DSparkConfig:
     return dataclasses.replace(tiny_cfg(**overrides), intermediate_size=64)
 
 
+@pytest.mark.skipif(kernels.has_bf16w_kernels(), reason="AVX2 builds multiply many rows with the fp32 weight")
+def test_many_row_bf16_products_take_bucketed_shapes(monkeypatch):
+    """Products past the kernels (torch's bf16, whose oneDNN builds a primitive for every new shape) pad
+    their rows to a few sizes: at most four an octave, padding <= 25% from 64 rows on; each output row is
+    its own row's product."""
+    sizes = {kernels.row_bucket(r) for r in range(1, 4097)}
+    assert all(kernels.row_bucket(r) >= r for r in range(1, 4097))
+    assert all(kernels.row_bucket(r) <= 1.25 * r for r in range(64, 4097))
+    assert len(sizes) <= 4 * 7, sorted(sizes)  # 16 .. 4096: four an octave
+    lin = kernels.Linear(96, 40, bias=True)
+    kernels.set_matmul_dtype(lin, torch.bfloat16)
+    seen = []
+    real = kernels.F.linear
+    monkeypatch.setattr(kernels.F, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or real(x, w, b))
+    g = torch.Generator().manual_seed(4)
+    for rows in (kernels.MAX_ROWS + 1, 251, 298, 300):
+        x = torch.randn(rows, 96, generator=g)
+        with torch.inference_mode():
+            out = lin(x)
+        ref = (x.bfloat16().double() @ lin.lowp_weight.double().t() + lin.bias.bfloat16().double()).float()
+        assert out.shape == (rows, 40) and out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)  # bf16 output rounding
+    assert seen == [160, 256, 320, 320], seen
+    if kernels.has_bf16_kernels():  # where oneDNN's AMX tiles win (`bf16_kernel_rows`): torch past 16 rows
+        monkeypatch.setattr(kernels, "BF16_KERNEL_ROWS", 16)
+        seen.clear()
+        with torch.inference_mode():
+            lin(torch.randn(16, 96, generator=g)), lin(torch.randn(17, 96, generator=g))
+        assert seen == [32], seen
+
+
 @pytest.mark.skipif(not kernels.has_q4_1_kernels(), reason="no Q4_1 CPU kernels (AVX2/FMA/F16C)")
 def test_draft_matmul_dtype_q4_1_quantizes_the_backbone_and_keeps_heads(tmp_path, monkeypatch):
     """"q4_1": the backbone's matrices and a reduced-vocab head become Q4_1 blocks (gguf's quantizer), the

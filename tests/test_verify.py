@@ -299,3 +299,15 @@ def test_per_request_path_matches_batched_core():
             draft_probs=draft_probs.unsqueeze(0), generator=torch.Generator().manual_seed(seed))
         expected = draft_ids[0, :int(num_accepted)].tolist() + [int(final_ids)]
         assert result.output_ids == [expected]
+
+
+def test_greedy_ids_is_argmax_first_on_ties():
+    """The fast greedy pick (`max(dim).indices`) is torch.argmax, ties to the first maximum included."""
+    from dspark.sampling import greedy_ids
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 5, 1000, generator=g)
+    assert torch.equal(greedy_ids(x), x.argmax(dim=-1))
+    ties = torch.randint(0, 3, (64, 97), generator=g).float()  # many equal maxima per row
+    assert torch.equal(greedy_ids(ties), ties.argmax(dim=-1))
+    first = (ties == ties.max(dim=-1, keepdim=True).values).float().argmax(dim=-1)
+    assert torch.equal(greedy_ids(ties), first)

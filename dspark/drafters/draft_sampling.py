@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from dspark.drafters.base import DraftProposal, ProposeRequest
-from dspark.sampling import logits_to_probs
+from dspark.sampling import greedy_ids, logits_to_probs
 
 
 class DraftAccumulator:
@@ -35,7 +35,7 @@ class DraftAccumulator:
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [num_reqs, vocab_size] → drafts [num_reqs] long on the logits' device."""
-        ids = logits.argmax(dim=-1).cpu()  # [num_reqs]
+        ids = greedy_ids(logits).cpu()  # [num_reqs]
         if self.keep_probs:
             dev = logits.device
             probs = logits_to_probs(logits, temperature=self.temperature.to(dev),

@@ -36,7 +36,7 @@ from dspark.drafters.dspark_model import DSparkModel
 from dspark import kernels
 from dspark.kernels import cpu_has_bf16_dot, has_bf16w_kernels, set_matmul_dtype, set_q4_1_products
 from dspark.models.attention import SeqSpec, build_attn_metadata, slots_for
-from dspark.sampling import GREEDY_EPS, logits_to_probs
+from dspark.sampling import GREEDY_EPS, greedy_ids, logits_to_probs
 
 CALIBRATION_NAME = "calibration.json"
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")
@@ -208,7 +208,7 @@ class DSparkDrafter(Drafter):
                     for i, r in enumerate(reqs)])  # [num_reqs] draft-vocab ids
                 draft_probs.append(probs)
             else:
-                tokens = logits.argmax(dim=-1)  # [num_reqs]
+                tokens = greedy_ids(logits)  # [num_reqs]
             prev = model.d2t[tokens]  # target ids; the next position's predecessor
             draft_ids.append(prev)
         # the confidences read each position's predecessor, not its logits: all positions in one call

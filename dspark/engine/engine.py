@@ -23,7 +23,7 @@ from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate
                                         kv_bytes_per_block)
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.request import PendingContext, Request, SpecStats
-from dspark.sampling import SamplingParams, logits_to_probs
+from dspark.sampling import SamplingParams, greedy_ids, logits_to_probs
 from dspark.verify.rejection import VerifyResult, verify, verify_greedy_argmax
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class Engine:
         if not items:
             return StepVerify({}, {})
         if all(s.request.params.is_greedy for s in items):  # compare-only: one argmax, no distributions
-            argmax = logits.argmax(dim=-1).tolist()  # [num_logits]
+            argmax = greedy_ids(logits).tolist()  # [num_logits]
             bounds = list(itertools.accumulate((s.num_logits for s in items), initial=0))
             result = verify_greedy_argmax(
                 target_argmax=[argmax[a:b] for a, b in zip(bounds, bounds[1:])],

@@ -135,13 +135,60 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, fp32_input: bool = False) -
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+@cache
+def cpu_has_amx_bf16() -> bool:
+    """Does this CPU have AMX tiles for bf16 (Linux /proc/cpuinfo)? torch's bf16 products (oneDNN) use them."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def bf16_kernel_rows() -> int:
+    """Up to how many input rows `Linear`'s bf16 copies multiply through the kernel (beyond: torch's bf16
+    product). With AMX, oneDNN's tiles beat the kernel's dot products past ~16 rows (576 x 8192 at 32
+    rows: 0.70 vs 1.54 ms, at 128: 1.13 vs 6.05 ms; session 17); else up to MAX_ROWS."""
+    if BF16_KERNEL_ROWS is not None:
+        return BF16_KERNEL_ROWS
+    return Linear.LOWP_MIN_ROWS if cpu_has_amx_bf16() else MAX_ROWS
+
+
+BF16_KERNEL_ROWS: int | None = None  # overrides bf16_kernel_rows() (side-by-side benchmarks)
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a many-row torch product is padded to: a multiple of a quarter of the power of two
+    at or below `rows` (at least 16), so at most 25% padding past 64 rows and four sizes an octave."""
+    step = max(16, (1 << (rows.bit_length() - 1)) // 4)
+    return -(-rows // step) * step
+
+
+def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x in weight's dtype, weight, bias) [..., out] with the rows zero-padded to `row_bucket`.
+    oneDNN (torch's CPU bf16 products) builds a primitive for every new input shape, 8-30 ms each here
+    (a 300-row product then takes ~1 ms), so products whose row count follows the load (prompt chunks
+    through the drafter's context, proposals for a changing number of requests) would pay that on most
+    calls; the buckets bound the shapes. Each output row is its own row's product (padding rows are
+    dropped)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    padded = row_bucket(rows) if rows else 0
+    x2 = x.reshape(rows, x.shape[-1])
+    if padded != rows:
+        buf = x2.new_zeros(padded, x2.shape[1], dtype=weight.dtype)  # [padded, in]
+        buf[:rows] = x2
+        x2 = buf
+    out = F.linear(x2.to(weight.dtype), weight, bias)[:rows]  # [rows, out]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class Linear(torch.nn.Linear):
     """`nn.Linear` (trainable, autograd as usual) whose few-row fp32 inference products take the kernel.
 
     With a low-precision copy of the weight (`set_matmul_dtype`: bf16 for a drafter on a CPU with bf16
     dot products), inference products multiply in that dtype: a bf16 copy through the kernel's bf16
-    products up to MAX_ROWS rows (fp32 input rounded per product, fp32 out), torch's bf16 product
-    above (input and output in bf16; faster there than the kernel in chunks); other low-precision
+    products up to `bf16_kernel_rows()` rows (MAX_ROWS; 16 with AMX) (fp32 input rounded per product,
+    fp32 out), torch's bf16 product above (input and output in bf16, rows padded to `row_bucket`; faster
+    there than the kernel in chunks); other low-precision
     copies through torch beyond `LOWP_MIN_ROWS` rows, fewer rows keeping the fp32 kernel. On AVX2 (no
     bf16 dot products) a bf16 copy takes the kernel's widening path up to MAX_ROWS rows (`linear`,
     fp32_input: the fp32 product of the same values, half the bytes) and the fp32 weight above. The DSpark
@@ -159,13 +206,13 @@ class Linear(torch.nn.Linear):
                 out = F.linear(q8_1_dequantized(x), self.weight)
             return out if self.bias is None else out + self.bias
         widened = inference and lowp.dtype == torch.bfloat16 and has_bf16w_kernels()
-        if inference and lowp.dtype == torch.bfloat16 and x.numel() <= MAX_ROWS * x.shape[-1]:
+        if inference and lowp.dtype == torch.bfloat16 and x.numel() <= bf16_kernel_rows() * x.shape[-1]:
             out = linear(x, lowp, fp32_input=widened)
             if out is not None:
                 return out if self.bias is None else out + self.bias
         if inference and not widened and x.numel() > self.LOWP_MIN_ROWS * x.shape[-1]:
             bias = None if self.bias is None else self.bias.to(lowp.dtype)
-            return F.linear(x.to(lowp.dtype), lowp, bias).to(x.dtype)
+            return bucketed_linear(x, lowp, bias).to(x.dtype)
         out = linear(x, self.weight)
         if out is None:
             return F.linear(x, self.weight, self.bias)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.sampling import greedy_ids
+
 __all__ = ["VerifyResult", "verify", "verify_greedy", "verify_rejection",
            "rejection_sample_batched"]
 
@@ -185,7 +187,7 @@ def _verify_one_greedy(
     draft_ids: list[int],  # [verify_len]
 ) -> tuple[int, list[int], bool]:
     _check_target_rows(target_probs, len(draft_ids))
-    return _accept_greedy(target_probs.argmax(dim=-1).tolist(), draft_ids)
+    return _accept_greedy(greedy_ids(target_probs).tolist(), draft_ids)
 
 
 def verify_greedy_argmax(
