@@ -19,10 +19,11 @@ import torch.multiprocessing as mp
 from conftest import TINY_LLAMA
 from dspark.models import build_model
 from dspark.train import methods
-from dspark.train.anchors import block_eval_mask, block_labels, sample_anchors, valid_anchor_mask
+from dspark.train.anchors import (block_eval_mask, block_labels, process_rounds, sample_anchors,
+                                  valid_anchor_mask)
 from dspark.train.config import TrainConfig, load_train_config
 from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, collate, done_keys,
-                               write_shard)
+                               t2d_labels, write_shard)
 from dspark.train.features import target_features
 from dspark.train.losses import LossWeights, dspark_loss, eagle3_loss, eagle3_step_masks, summarise
 from dspark.train.trainer import Trainer
@@ -125,6 +126,27 @@ def test_anchors_on_a_toy_sequence():
     assert mask[1, 2].tolist() == [True, False, False]  # position 8 is past the end
     labels = block_labels(input_ids=ids, anchors=toy, eval_mask=mask)
     assert labels[0, 0].tolist() == [13, 14, 15] and labels[0, 1].tolist() == [15, 16, -100]
+
+
+def test_process_rounds_replays_greedy_decoding():
+    """Rounds along each answer: anchor at its first position, emit accepted + 1, re-anchor at the last token
+    emitted; a round near the end emits only what is left. Hand-worked on two rows (the second a two-turn
+    conversation: two answers)."""
+    valid = torch.zeros(2, 12, dtype=torch.bool)
+    valid[0, 2:10] = True  # anchors 2 .. 9 emit tokens 3 .. 10
+    valid[1, 1:3] = True
+    valid[1, 5:8] = True
+    accepted = torch.zeros(2, 12, dtype=torch.long)
+    accepted[0, 2], accepted[0, 7], accepted[0, 3] = 3, 7, 5  # anchor 3 is skipped by the round from 2
+    accepted[1, 1], accepted[1, 6] = 1, 5
+    # row 0: 2 (+4) → 6 (+1) → 7 (+3, all that is left) = 8 tokens in 3 rounds
+    # row 1: 1 (+2) | 5 (+1) → 6 (+2) = 5 tokens in 3 rounds
+    assert process_rounds(accepted=accepted, valid=valid) == (13, 6)
+    assert process_rounds(accepted=accepted[:1], valid=valid[:1]) == (8, 3)
+    # every answer token is emitted exactly once, whatever the drafts keep
+    g = torch.Generator().manual_seed(0)
+    acc = torch.randint(0, 8, (2, 12), generator=g)
+    assert process_rounds(accepted=acc, valid=valid)[0] == int(valid.sum())
 
 
 def test_draft_vocab_and_batch_sampler():
@@ -296,6 +318,77 @@ def test_a_few_steps_reduce_the_loss(tmp_path, method):
         from dspark.drafters.eagle3_model import load_eagle3
         exported = load_eagle3(str(tmp_path / "export"))
         assert exported.config.draft_vocab_size == 64 and torch.equal(exported.d2t, trainer.d2t)
+
+
+def test_process_tau_in_validation_uses_the_losses_block_acceptance(tmp_path):
+    """The dense acceptance behind tau_process (a block at every anchor, in chunks) is, at the loss's random
+    anchors, the loss's own top-1 acceptance (its tau_sum); validation reports tau_process for the block
+    drafters only."""
+    trainer = Trainer(tiny_config(max_steps=4), data_dir=toy_data(tmp_path / "data"), out_dir=tmp_path / "run",
+                      target=tiny_target(), show_progress=False)
+    trainer.fit()
+    batch = collate([trainer.train_ds[i] for i in range(4)])
+    feats = target_features(trainer.target, input_ids=batch.input_ids, lengths=batch.lengths,
+                            tap_layer_ids=trainer.tap_layer_ids)
+    seeds = [1, 2, 3, 4]
+    with torch.no_grad():
+        out = methods.batch_loss(trainer.cfg, trainer.model, trainer.target, batch, feats, d2t=trainer.d2t,
+                                 seeds=seeds, all_reduce=lambda t: t)
+    accepted = methods.block_accepted(trainer.model, batch, feats, chunk=3)
+    anchors = sample_anchors(loss_mask=batch.loss_mask, lengths=batch.lengths, num_anchors=trainer.cfg.num_anchors,
+                             seeds=seeds)
+    rows = torch.arange(4).unsqueeze(1).expand_as(anchors)
+    keep = anchors >= 0
+    assert float(out.stats["tau_sum"]) == float((1 + accepted[rows[keep], anchors[keep]]).sum())
+    assert bool(accepted.max() > 0), "the trained toy drafter keeps some drafts"
+    record = trainer.evaluate()
+    assert 1.0 <= record["tau_process"] <= trainer.cfg.block_size
+    trainer.close()
+
+
+def test_eagle3_process_acceptance_follows_its_chains(tmp_path, monkeypatch):
+    """EAGLE-3's drafts after position a come from its TTT chain of row a - 1, step j predicting token
+    a + j + 1: with an oracle head (right unless (row + step) % 3 == 2) the acceptance per anchor is what a
+    plain loop over the rows counts, across chunks; validation reports tau_process for EAGLE-3 too."""
+    cfg = tiny_config(method="eagle3", draft_vocab_size=64, ttt_steps=3, tap_layer_ids=(0, 1, 2), max_steps=2)
+    trainer = Trainer(cfg, data_dir=toy_data(tmp_path / "data"), out_dir=tmp_path / "eagle", target=tiny_target(),
+                      show_progress=False)
+    trainer.fit()
+    assert 1.0 <= trainer.evaluate()["tau_process"] <= 4.0
+    batch = collate([trainer.train_ds[i] for i in range(4)])
+    feats = target_features(trainer.target, input_ids=batch.input_ids, lengths=batch.lengths,
+                            tap_layer_ids=trainer.tap_layer_ids)
+    model, seq_len = trainer.model, batch.input_ids.shape[1]
+    labels = t2d_labels(batch.input_ids, trainer.d2t, vocab_size=model.config.vocab_size)
+
+    def chains(*, taps, input_ids, anchors, ttt_steps):  # each row's "hidden": (sequence, chain row, step)
+        seq = torch.arange(anchors.shape[0]).unsqueeze(1).expand_as(anchors)
+        return [torch.stack([seq, anchors, torch.full_like(anchors, j)], -1).float() for j in range(ttt_steps)]
+
+    def oracle(h):  # [rows, 3] → [rows, 64]: the label of token row + step + 2, wrong every third
+        out = torch.zeros(h.shape[0], 64)
+        for i, (b, p, j) in enumerate(h.long().tolist()):
+            tok = int(labels[b, p + j + 2]) if p >= 0 and p + j + 2 < seq_len else -100
+            out[i, tok if tok >= 0 and (p + j) % 3 != 2 else (tok + 1) % 64] = 1.0
+        return out
+
+    monkeypatch.setattr(model, "training_forward_chains", chains)
+    monkeypatch.setattr(model, "draft_logits", oracle)
+    accepted = methods.eagle3_accepted(model, batch, feats, d2t=trainer.d2t, ttt_steps=3, chunk=5)
+    valid = valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths)
+    supervised = batch.loss_mask.bool() & (torch.arange(seq_len).unsqueeze(0) < batch.lengths.unsqueeze(1))
+    expected = torch.zeros_like(accepted)
+    for b in range(4):
+        for a in range(1, seq_len):
+            if not valid[b, a]:
+                continue
+            for j in range(3):
+                q = a + j + 1
+                if q >= seq_len or not supervised[b, q] or labels[b, q] < 0 or (a - 1 + j) % 3 == 2:
+                    break
+                expected[b, a] += 1
+    assert torch.equal(accepted, expected) and int(expected.max()) == 2  # (the oracle misses every third)
+    trainer.close()
 
 
 @pytest.mark.parametrize("method", ["dspark", "dflash", "eagle3"])

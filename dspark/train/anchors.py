@@ -105,3 +105,31 @@ def block_inputs(
     out = torch.full((*anchors.shape, block_size), mask_token_id, dtype=torch.long)
     out[..., 0] = first
     return out
+
+
+def process_rounds(
+    *,
+    accepted: torch.Tensor,  # [batch, seq_len] long: drafts the block anchored at each position keeps (greedy)
+    valid: torch.Tensor,  # [batch, seq_len] bool: `valid_anchor_mask`
+) -> tuple[int, int]:  # (tokens emitted, rounds)
+    """Greedy speculative decoding replayed along a sequence, as the engine runs it: every contiguous run of
+    anchorable positions is one answer; its first round anchors at the run's first position (the prompt's
+    last token: the first round after prefill), each round emits its accepted drafts plus the target's
+    token, and the next round anchors at the last token emitted. The rounds' mean length is the τ the
+    engine sees: uniform anchors (`tau_top1`) weigh easy stretches as much as hard ones, while the
+    process crosses easy stretches in few rounds and spends most rounds where drafts fail early."""
+    tokens = rounds = 0
+    for row_valid, row_acc in zip(valid.tolist(), accepted.tolist()):
+        pos, seq_len = 0, len(row_valid)
+        while pos < seq_len:
+            if not row_valid[pos]:
+                pos += 1
+                continue
+            end = pos  # the run of anchors pos .. end; it emits tokens pos+1 .. end+1
+            while end + 1 < seq_len and row_valid[end + 1]:
+                end += 1
+            while pos <= end:
+                emitted = min(row_acc[pos] + 1, end + 1 - pos)
+                tokens, rounds, pos = tokens + emitted, rounds + 1, pos + emitted
+            pos = end + 1
+    return tokens, rounds

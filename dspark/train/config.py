@@ -63,6 +63,10 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 200
     eval_batches: int = 8
+    # validation also replays greedy decoding along the held-out answers (block drafters): tau_process, the
+    # engine's tau, beside tau_top1's uniform anchors (costs a block at every answer position, not only at
+    # num_anchors random ones)
+    eval_process_tau: bool = True
     ckpt_every: int = 200
     keep_checkpoints: int = 2
     seed: int = 0

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dspark.train.anchors import block_eval_mask, block_positions, sample_anchors
+from dspark.train.anchors import (block_eval_mask, block_positions, process_rounds, sample_anchors,
+                                  valid_anchor_mask)
 from dspark.train.data import Batch, t2d_labels
 from dspark.train.features import TargetFeatures, target_rows
 from dspark.train.losses import LossOutput, LossWeights, dspark_loss, eagle3_loss
@@ -94,6 +95,75 @@ def block_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: 
     return dspark_loss(draft_logits=out.draft_logits, confidence_logits=out.confidence_logits, labels=labels,
                        eval_mask=eval_mask, target_logits=target_logits, target_lse=target_lse,
                        weights=weights, all_reduce=all_reduce)
+
+
+@torch.no_grad()
+def block_accepted(model, batch: Batch, feats: TargetFeatures, *, chunk: int = 64) -> torch.Tensor:
+    """[batch, seq_len] long: for the block anchored at every position, how many of its drafts greedy
+    verification keeps (leading slots whose top-1, Markov head teacher-forced, is the data token; 0 where
+    the position cannot anchor). Anchors go through `training_forward` `chunk` per sequence at a time."""
+    num_draft = model.cfg.max_draft_tokens
+    valid = valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths)  # [batch, seq_len]
+    accepted = torch.zeros(valid.shape, dtype=torch.long)
+    for start in range(0, valid.shape[1], chunk):
+        pos = torch.arange(start, min(start + chunk, valid.shape[1]))  # [n]
+        anchors = torch.where(valid[:, pos], pos, -1)  # [batch, n]
+        if not bool((anchors >= 0).any()):
+            continue
+        eval_mask = block_eval_mask(loss_mask=batch.loss_mask, lengths=batch.lengths, anchors=anchors,
+                                    block_size=num_draft)  # [batch, n, num_draft]
+        out = model.training_forward(taps=feats.taps, input_ids=batch.input_ids, anchor_positions=anchors)
+        match = (out.draft_logits.argmax(-1) == out.labels) & eval_mask
+        accepted[:, pos] = match.int().cumprod(-1).sum(-1).long()
+    return accepted
+
+
+@torch.no_grad()
+def eagle3_accepted(model, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None, ttt_steps: int,
+                    chunk: int = 64) -> torch.Tensor:
+    """`block_accepted` for EAGLE-3: the drafts after the token at position a come from the TTT chain of row
+    a - 1 (step j predicts token a + j + 1, teacher-forced); chains go through `training_forward_chains`
+    `chunk` per sequence at a time."""
+    valid = valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths)  # [batch, seq_len]
+    valid[:, 0] = False  # (no row before it)
+    batch_size, seq_len = valid.shape
+    labels = batch.input_ids if d2t is None else t2d_labels(batch.input_ids, d2t, vocab_size=model.config.vocab_size)
+    supervised = batch.loss_mask.bool() & (torch.arange(seq_len).unsqueeze(0) < batch.lengths.unsqueeze(1))
+    starts = [row.nonzero().squeeze(1) for row in valid]  # per sequence its anchors a
+    accepted = torch.zeros(valid.shape, dtype=torch.long)
+    for lo in range(0, max(len(a) for a in starts), chunk):
+        anchors = torch.full((batch_size, chunk), -1, dtype=torch.long)  # chain rows a - 1, -1 padding at the end
+        for b, a in enumerate(starts):
+            part = a[lo:lo + chunk]
+            anchors[b, :len(part)] = part - 1
+        live = anchors >= 0
+        steps = model.training_forward_chains(taps=feats.taps, input_ids=batch.input_ids, anchors=anchors,
+                                              ttt_steps=ttt_steps)  # per step [batch, chunk, d]
+        keep = live.clone()
+        count = torch.zeros(anchors.shape, dtype=torch.long)
+        for j, h in enumerate(steps):
+            predicts = anchors + j + 2  # [batch, chunk]
+            inside = predicts < seq_len
+            at = predicts.clamp(0, seq_len - 1)
+            guess = model.draft_logits(h.reshape(-1, h.shape[-1])).argmax(-1).view(anchors.shape)
+            keep &= inside & supervised.gather(1, at) & (guess == labels.gather(1, at))
+            count += keep.long()
+        rows = torch.arange(batch_size).unsqueeze(1).expand_as(anchors)
+        accepted[rows[live], anchors[live] + 1] = count[live]
+    return accepted
+
+
+def process_tau_counts(cfg, model, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None
+                       ) -> tuple[int, int]:
+    """(tokens, rounds) of greedy decoding replayed along the batch's answers (`anchors.process_rounds`),
+    the accepted drafts per anchor from `block_accepted` or, for EAGLE-3, `eagle3_accepted`."""
+    if feats.taps.dtype != torch.float32 and not torch.is_autocast_enabled("cpu"):
+        feats = TargetFeatures(taps=feats.taps.float(), hidden=feats.hidden, lse=feats.lse)
+    if cfg.method == "eagle3":
+        accepted = eagle3_accepted(model, batch, feats, d2t=d2t, ttt_steps=cfg.ttt_steps)
+    else:
+        accepted = block_accepted(model, batch, feats)
+    return process_rounds(accepted=accepted, valid=valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths))
 
 
 def export_block_drafter(model, dcfg, path: str | Path) -> None:

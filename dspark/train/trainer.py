@@ -260,7 +260,7 @@ class Trainer:
         self.model.eval()
         size = min(len(self.val_ds), self.cfg.batch_size)
         sampler = BatchSampler(num_samples=len(self.val_ds), global_batch=size, seed=0)
-        cursor, stats = Cursor(), {}
+        cursor, stats, process = Cursor(), {}, [0, 0]  # process: tokens, rounds (tau_process)
         for _ in range(min(self.cfg.eval_batches, sampler.steps_per_epoch())):
             indices, cursor = sampler.next_batch(cursor)
             batch = collate([self.val_ds[i] for i in indices])
@@ -271,7 +271,14 @@ class Trainer:
                                          seeds=[10_007 * i + 1 for i in batch.indices], all_reduce=lambda t: t,
                                          head_rows=self.head_rows)
             add_stats(stats, out.stats)
+            if self.cfg.eval_process_tau:
+                with self._autocast():
+                    counts = methods.process_tau_counts(self.cfg, self.model, batch, feats, d2t=self.d2t)
+                process[0] += counts[0]
+                process[1] += counts[1]
         record = {"step": self.step, "split": "val", **summarise(stats)}
+        if process[1]:
+            record["tau_process"] = process[0] / process[1]
         log.info("val %s", json.dumps(record))
         with open(self.out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
