@@ -8,6 +8,8 @@ the target's features computed online.
     dspark prepare-data --out data/val_s17 --max-prompts 256 --max-tokens 192 --max-prompt-tokens 384 \
         --batch-size 64 --matmul-dtype q4_1 --holdout 0.5 --num-threads 2
     python benchmarks/bench_process_tau.py --data data/val_s17 --out benchmarks/results/process_tau_s17.json
+
+`--drafter NAME=PATH` adds an exported drafter (e.g. a training run's export) beside the shipped ones.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="a prepare-data folder (its val split is scored)")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS), help="the shipped drafters to score")
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
+                   help="also score an exported drafter (its folder holds train_config.json); repeatable")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     summary = {}
-    for method in args.methods.split(","):
-        folder = f"dspark/assets/drafters/{method}-smollm2-135m"
+    drafters = {m: f"dspark/assets/drafters/{m}-smollm2-135m" for m in args.methods.split(",") if m}
+    drafters.update(dict(d.split("=", 1) for d in args.drafter))
+    for method, folder in drafters.items():
         cfg = replace(load_train_config(f"{folder}/train_config.json"), init_from=folder, feature_cache=None,
                       eval_batches=10_000, eval_process_tau=True, num_threads=args.num_threads)
         with tempfile.TemporaryDirectory() as run_dir:

@@ -149,6 +149,50 @@ def test_process_rounds_replays_greedy_decoding():
     assert process_rounds(accepted=acc, valid=valid)[0] == int(valid.sum())
 
 
+def test_focus_anchors_are_drawn_first_and_the_rest_uniformly():
+    """anchor_focus: round(frac * num_anchors) anchors from the row's focus positions (invalid ones never),
+    the rest uniformly from the other valid positions, sorted, no repeats; without focus the uniform draw is
+    the one earlier runs made."""
+    loss_mask = torch.zeros(2, 40, dtype=torch.long)
+    loss_mask[:, 10:] = 1
+    lengths = torch.tensor([40, 30])
+    focus = [torch.tensor([12, 20, 21, 25, 33]), torch.tensor([3, 15, 29, 35])]  # 3 and 35/29: not anchorable
+    out = sample_anchors(loss_mask=loss_mask, lengths=lengths, num_anchors=8, seeds=[1, 2], focus=focus,
+                         focus_frac=0.5)
+    valid = valid_anchor_mask(loss_mask=loss_mask, lengths=lengths)
+    for row in range(2):
+        got = out[row][out[row] >= 0]
+        assert got.tolist() == sorted(set(got.tolist())) and valid[row, got].all()
+    assert torch.isin(focus[0][:5], out[0]).sum() == 4  # 4 of the 5 focus positions (round(0.5 * 8))
+    assert torch.isin(torch.tensor([15]), out[1]).all() and not torch.isin(torch.tensor([3, 29, 35]), out[1]).any()
+    assert (out >= 0).sum(1).tolist() == [8, 8]
+    plain = sample_anchors(loss_mask=loss_mask, lengths=lengths, num_anchors=8, seeds=[1, 2])
+    assert torch.equal(plain, sample_anchors(loss_mask=loss_mask, lengths=lengths, num_anchors=8, seeds=[1, 2],
+                                             focus=focus, focus_frac=0.0))
+
+
+def test_anchor_focus_mines_once_and_trains(tmp_path):
+    """A run with anchor_focus mines its process anchors with the starting weights, keeps them for a resume,
+    and trains; eagle3 refuses the option."""
+    cfg = tiny_config(anchor_focus=0.5, max_steps=4, ckpt_every=2)
+    run = Trainer(cfg, data_dir=toy_data(tmp_path / "data"), out_dir=tmp_path / "run", target=tiny_target(),
+                  show_progress=False)
+    run.fit(stop_at=2)
+    mined = torch.load(tmp_path / "run" / "focus_anchors.pt")
+    assert len(mined) == len(run.train_ds) and all(m.numel() >= 1 for m in mined)
+    valid = [valid_anchor_mask(loss_mask=s.loss_mask.unsqueeze(0), lengths=torch.tensor([s.input_ids.numel()]))[0]
+             for s in run.train_ds.samples]
+    assert all(bool(v[m].all()) and int(m[0]) == int(v.nonzero()[0]) for v, m in zip(valid, mined))
+    run.close()
+    again = Trainer(cfg, data_dir=toy_data(tmp_path / "data"), out_dir=tmp_path / "run", target=tiny_target(),
+                    show_progress=False)
+    again.fit(resume=True)
+    assert again.step == 4 and all(torch.equal(a, b) for a, b in zip(again.focus, mined))
+    again.close()
+    with pytest.raises(ValueError, match="anchor_focus"):
+        tiny_config(method="eagle3", anchor_focus=0.5)
+
+
 def test_draft_vocab_and_batch_sampler():
     counts = torch.tensor([5, 0, 9, 9, 1, 0])
     assert build_draft_vocab(counts, size=3, always=(5,)).tolist() == [2, 3, 5]

@@ -38,16 +38,25 @@ def sample_anchors(
     lengths: torch.Tensor,  # [batch]
     num_anchors: int,
     seeds: list[int],  # one seed per row: anchors of a sequence do not depend on its batch or rank
+    focus: list[torch.Tensor] | None = None,  # per row: positions to favour (e.g. `process_anchors`)
+    focus_frac: float = 0.0,
 ) -> torch.Tensor:  # [batch, num_anchors] long, sorted ascending, -1 padding at the end
-    """Up to `num_anchors` valid positions per row, uniformly without replacement, then sorted."""
+    """Up to `num_anchors` valid positions per row, without replacement, then sorted: uniformly, or with
+    `focus`, round(focus_frac * num_anchors) of them from the row's focus positions first (uniformly among
+    those) and the rest uniformly from the other valid positions."""
     valid = valid_anchor_mask(loss_mask=loss_mask, lengths=lengths)
     out = torch.full((valid.shape[0], num_anchors), -1, dtype=torch.long)
     for row, seed in enumerate(seeds):
         cand = valid[row].nonzero().squeeze(1)  # [num_valid]
-        if cand.numel() > num_anchors:
-            gen = torch.Generator().manual_seed(int(seed))
-            cand = cand[torch.randperm(cand.numel(), generator=gen)[:num_anchors]]
-        cand = cand.sort().values
+        gen = torch.Generator().manual_seed(int(seed))
+        picked = cand[:0]
+        if focus is not None and focus_frac > 0:
+            mine = focus[row][valid[row][focus[row]]] if focus[row].numel() else focus[row]  # valid ones only
+            picked = mine[torch.randperm(mine.numel(), generator=gen)[:round(focus_frac * num_anchors)]]
+            cand = cand[~torch.isin(cand, picked)]
+        if cand.numel() > num_anchors - picked.numel():
+            cand = cand[torch.randperm(cand.numel(), generator=gen)[:num_anchors - picked.numel()]]
+        cand = torch.cat([picked, cand]).sort().values
         out[row, :cand.numel()] = cand
     return out
 
@@ -107,20 +116,20 @@ def block_inputs(
     return out
 
 
-def process_rounds(
+def process_anchors(
     *,
     accepted: torch.Tensor,  # [batch, seq_len] long: drafts the block anchored at each position keeps (greedy)
     valid: torch.Tensor,  # [batch, seq_len] bool: `valid_anchor_mask`
-) -> tuple[int, int]:  # (tokens emitted, rounds)
+) -> list[list[int]]:  # per row the anchors of its rounds, in order
     """Greedy speculative decoding replayed along a sequence, as the engine runs it: every contiguous run of
     anchorable positions is one answer; its first round anchors at the run's first position (the prompt's
     last token: the first round after prefill), each round emits its accepted drafts plus the target's
-    token, and the next round anchors at the last token emitted. The rounds' mean length is the τ the
-    engine sees: uniform anchors (`tau_top1`) weigh easy stretches as much as hard ones, while the
-    process crosses easy stretches in few rounds and spends most rounds where drafts fail early."""
-    tokens = rounds = 0
+    token, and the next round anchors at the last token emitted (a round near the end emits only what is
+    left). Uniform anchors (`tau_top1`) weigh easy stretches as much as hard ones; the process crosses easy
+    stretches in few rounds and spends most rounds where drafts fail early."""
+    out = []
     for row_valid, row_acc in zip(valid.tolist(), accepted.tolist()):
-        pos, seq_len = 0, len(row_valid)
+        rounds, pos, seq_len = [], 0, len(row_valid)
         while pos < seq_len:
             if not row_valid[pos]:
                 pos += 1
@@ -129,7 +138,14 @@ def process_rounds(
             while end + 1 < seq_len and row_valid[end + 1]:
                 end += 1
             while pos <= end:
-                emitted = min(row_acc[pos] + 1, end + 1 - pos)
-                tokens, rounds, pos = tokens + emitted, rounds + 1, pos + emitted
+                rounds.append(pos)
+                pos += min(row_acc[pos] + 1, end + 1 - pos)
             pos = end + 1
-    return tokens, rounds
+        out.append(rounds)
+    return out
+
+
+def process_rounds(*, accepted: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
+    """(tokens emitted, rounds) of `process_anchors`: every answer token is emitted once, so the tokens are
+    the anchorable positions; their ratio is the τ the engine sees."""
+    return int(valid.sum()), sum(len(r) for r in process_anchors(accepted=accepted, valid=valid))

@@ -53,6 +53,10 @@ class TrainConfig:
     # warm start: an exported drafter folder of this method (config.json + model.safetensors); its
     # weights replace the random init and its draft vocabulary (d2t) replaces the one built from the data
     init_from: str | None = None
+    # block drafters: this fraction of each sequence's anchors is drawn from the anchors greedy decoding
+    # visits (`anchors.process_anchors`), mined once with the starting weights (out_dir/focus_anchors.pt);
+    # the rest uniformly. 0: uniform anchors only
+    anchor_focus: float = 0.0
     # losses (reference §4.4)
     loss_ce: float = 0.1
     loss_l1: float = 0.9
@@ -76,6 +80,9 @@ class TrainConfig:
         if self.tap_layer_ids is not None:
             object.__setattr__(self, "tap_layer_ids", tuple(int(i) for i in self.tap_layer_ids))
         _need(self.method in METHODS, f"method {self.method!r} unknown; choose from {', '.join(METHODS)}")
+        _need(0.0 <= self.anchor_focus <= 1.0, f"anchor_focus must be in [0, 1], got {self.anchor_focus}")
+        _need(not (self.anchor_focus and self.method == "eagle3"),
+              "anchor_focus applies to the block drafters (dspark, dflash), not eagle3")
         _need(self.target_dtype in ("float32", "bfloat16", "float16"), f"target_dtype {self.target_dtype!r}")
         _need(self.drafter_autocast in (None, "bfloat16"), f"drafter_autocast {self.drafter_autocast!r}")
         _need(self.num_draft_layers >= 1, "num_draft_layers must be >= 1")

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dspark.train.anchors import (block_eval_mask, block_positions, process_rounds, sample_anchors,
-                                  valid_anchor_mask)
+from dspark.train.anchors import (block_eval_mask, block_positions, process_anchors, process_rounds,
+                                  sample_anchors, valid_anchor_mask)
 from dspark.train.data import Batch, t2d_labels
 from dspark.train.features import TargetFeatures, target_rows
 from dspark.train.losses import LossOutput, LossWeights, dspark_loss, eagle3_loss
@@ -75,10 +75,11 @@ def build_block_drafter(cfg, target, target_cfg, d2t: torch.Tensor | None):
 
 
 def block_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None,
-               seeds: list[int], all_reduce: Callable, head_rows: torch.Tensor | None = None) -> LossOutput:
+               seeds: list[int], all_reduce: Callable, head_rows: torch.Tensor | None = None,
+               focus: list[torch.Tensor] | None = None) -> LossOutput:
     num_draft = model.cfg.max_draft_tokens
     anchors = sample_anchors(loss_mask=batch.loss_mask, lengths=batch.lengths, num_anchors=cfg.num_anchors,
-                             seeds=seeds)  # [batch, num_anchors]
+                             seeds=seeds, focus=focus, focus_frac=cfg.anchor_focus)  # [batch, num_anchors]
     eval_mask = block_eval_mask(loss_mask=batch.loss_mask, lengths=batch.lengths, anchors=anchors,
                                 block_size=num_draft)  # [batch, num_anchors, num_draft]
     out = model.training_forward(taps=feats.taps, input_ids=batch.input_ids, anchor_positions=anchors)
@@ -153,6 +154,16 @@ def eagle3_accepted(model, batch: Batch, feats: TargetFeatures, *, d2t: torch.Te
     return accepted
 
 
+def focus_anchors(model, batch: Batch, feats: TargetFeatures) -> list[torch.Tensor]:
+    """Per row [num_rounds] long: the anchors greedy decoding with this block drafter visits
+    (`anchors.process_anchors`), for `TrainConfig.anchor_focus`."""
+    if feats.taps.dtype != torch.float32 and not torch.is_autocast_enabled("cpu"):
+        feats = TargetFeatures(taps=feats.taps.float(), hidden=feats.hidden, lse=feats.lse)
+    valid = valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths)
+    rounds = process_anchors(accepted=block_accepted(model, batch, feats), valid=valid)
+    return [torch.tensor(r, dtype=torch.long) for r in rounds]
+
+
 def process_tau_counts(cfg, model, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None
                        ) -> tuple[int, int]:
     """(tokens, rounds) of greedy decoding replayed along the batch's answers (`anchors.process_rounds`),
@@ -190,8 +201,9 @@ def build_eagle3(cfg, target, target_cfg, d2t: torch.Tensor | None):
 
 
 def eagle3_batch_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None,
-                      seeds: list[int], all_reduce: Callable, head_rows: torch.Tensor | None = None
-                      ) -> LossOutput:
+                      seeds: list[int], all_reduce: Callable, head_rows: torch.Tensor | None = None,
+                      focus: list[torch.Tensor] | None = None) -> LossOutput:
+    assert focus is None, "anchor_focus is for the block drafters"
     valid = torch.arange(batch.input_ids.shape[1]).unsqueeze(0) < batch.lengths.unsqueeze(1)
     # up to `num_anchors` random rows per sequence start a TTT chain (as many chains as DSpark has
     # blocks, so the methods spend the same head and backward budget per step)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dspark.train import methods
+from dspark.train.anchors import valid_anchor_mask
 from dspark.train.config import TrainConfig
 from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, collate, token_counts,
                                vocab_coverage)
@@ -108,6 +109,7 @@ class Trainer:
         head = self.target.lm_head.weight.detach()
         self.head_rows = head if self.d2t is None else head[self.d2t.to(head.device)].contiguous()
         self.step, self.cursor = 0, Cursor()
+        self.focus: list[torch.Tensor] | None = None  # anchor_focus: per train sample, mined on first use
         if self.rank == 0:
             n_train = sum(p.numel() for p in self.params)
             log.info("train %s: %d trainable params, %d train / %d val sequences (%d tokens), world %d, "
@@ -147,13 +149,40 @@ class Trainer:
         batch = collate([self.train_ds[i] for i in mine])
         return batch, self._anchor_seeds(batch.indices, micro)
 
+    def _focus_anchors(self) -> list[torch.Tensor]:
+        """anchor_focus: every train sample's process anchors under the starting weights, mined once (every
+        rank the same) and kept in out_dir/focus_anchors.pt, so a resumed run reads the same ones."""
+        path = self.out_dir / "focus_anchors.pt"
+        if path.exists():
+            return torch.load(path)
+        focus: list[torch.Tensor] = []
+        tokens = 0  # answer tokens (each emitted once by the replay)
+        self.model.eval()
+        for start in range(0, len(self.train_ds), self.cfg.batch_size):
+            batch = collate([self.train_ds[i] for i in range(start, min(start + self.cfg.batch_size,
+                                                                        len(self.train_ds)))])
+            feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=self.cache)
+            with self._autocast():
+                focus += methods.focus_anchors(self.model, batch, feats)
+            tokens += int(valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths).sum())
+        self.model.train()
+        rounds = sum(f.numel() for f in focus)
+        if self.rank == 0:
+            log.info("anchor focus: %d process anchors mined over %d sequences (tau_process %.3f)", rounds,
+                     len(focus), tokens / max(rounds, 1))
+            torch.save(focus, path)
+        return focus
+
     def _loss(self, batch, seeds):
+        if self.cfg.anchor_focus and self.focus is None:
+            self.focus = self._focus_anchors()
+        focus = None if self.focus is None else [self.focus[i] for i in batch.indices]
         t0 = time.perf_counter()
         feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=self.cache)
         t1 = time.perf_counter()
         with self._autocast():
             out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t, seeds=seeds,
-                                     all_reduce=_sum_all, head_rows=self.head_rows)
+                                     all_reduce=_sum_all, head_rows=self.head_rows, focus=focus)
         out.stats["t_target_s"] = torch.tensor([t1 - t0])  # target forward (taps), per rank
         return out
 
