@@ -136,12 +136,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, fp32_input: bool = False) -
 
 
 @cache
-def cpu_has_amx_bf16() -> bool:
-    """Does this CPU have AMX tiles for bf16 (Linux /proc/cpuinfo)? torch's bf16 products (oneDNN) use them."""
+def cpu_flags() -> frozenset[str]:
+    """The words of Linux /proc/cpuinfo (its "flags" among them); empty where it cannot be read."""
     try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return frozenset()
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Does this CPU have AMX tiles for bf16? torch's bf16 products (oneDNN) use them."""
+    return "amx_bf16" in cpu_flags()
 
 
 def bf16_kernel_rows() -> int:
@@ -372,14 +377,9 @@ def kernel_kind() -> str:
     return "avx512" if getattr(k, "has_bf16", False) else ("avx2" if getattr(k, "has_q4_1", False) else "torch")
 
 
-@cache
 def cpu_has_bf16_dot() -> bool:
-    """Does this CPU multiply bf16 natively (AVX512-BF16 or AMX-BF16; Linux /proc/cpuinfo)?"""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Does this CPU multiply bf16 natively (AVX512-BF16 or AMX-BF16)?"""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -51,7 +51,7 @@ def sample_anchors(
         gen = torch.Generator().manual_seed(int(seed))
         picked = cand[:0]
         if focus is not None and focus_frac > 0:
-            mine = focus[row][valid[row][focus[row]]] if focus[row].numel() else focus[row]  # valid ones only
+            mine = focus[row][valid[row][focus[row]]]  # the anchorable ones only
             picked = mine[torch.randperm(mine.numel(), generator=gen)[:round(focus_frac * num_anchors)]]
             cand = cand[~torch.isin(cand, picked)]
         if cand.numel() > num_anchors - picked.numel():

@@ -157,8 +157,7 @@ def eagle3_accepted(model, batch: Batch, feats: TargetFeatures, *, d2t: torch.Te
 def focus_anchors(model, batch: Batch, feats: TargetFeatures) -> list[torch.Tensor]:
     """Per row [num_rounds] long: the anchors greedy decoding with this block drafter visits
     (`anchors.process_anchors`), for `TrainConfig.anchor_focus`."""
-    if feats.taps.dtype != torch.float32 and not torch.is_autocast_enabled("cpu"):
-        feats = TargetFeatures(taps=feats.taps.float(), hidden=feats.hidden, lse=feats.lse)
+    feats = _drafter_features(feats)
     valid = valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths)
     rounds = process_anchors(accepted=block_accepted(model, batch, feats), valid=valid)
     return [torch.tensor(r, dtype=torch.long) for r in rounds]
@@ -168,8 +167,7 @@ def process_tau_counts(cfg, model, batch: Batch, feats: TargetFeatures, *, d2t: 
                        ) -> tuple[int, int]:
     """(tokens, rounds) of greedy decoding replayed along the batch's answers (`anchors.process_rounds`),
     the accepted drafts per anchor from `block_accepted` or, for EAGLE-3, `eagle3_accepted`."""
-    if feats.taps.dtype != torch.float32 and not torch.is_autocast_enabled("cpu"):
-        feats = TargetFeatures(taps=feats.taps.float(), hidden=feats.hidden, lse=feats.lse)
+    feats = _drafter_features(feats)
     if cfg.method == "eagle3":
         accepted = eagle3_accepted(model, batch, feats, d2t=d2t, ttt_steps=cfg.ttt_steps)
     else:
@@ -271,10 +269,15 @@ def build(cfg, target, target_cfg, d2t):
     return (build_eagle3 if cfg.method == "eagle3" else build_block_drafter)(cfg, target, target_cfg, d2t)
 
 
-def batch_loss(cfg, model, target, batch, feats, **kwargs) -> LossOutput:
+def _drafter_features(feats: TargetFeatures) -> TargetFeatures:
+    """Taps in fp32 for an fp32 drafter (no bf16 autocast); as they are otherwise."""
     if feats.taps.dtype != torch.float32 and not torch.is_autocast_enabled("cpu"):
-        feats = TargetFeatures(taps=feats.taps.float(), hidden=feats.hidden, lse=feats.lse)  # fp32 drafter
-    args = (model, target, batch, feats)
+        return TargetFeatures(taps=feats.taps.float(), hidden=feats.hidden, lse=feats.lse)
+    return feats
+
+
+def batch_loss(cfg, model, target, batch, feats, **kwargs) -> LossOutput:
+    args = (model, target, batch, _drafter_features(feats))
     return (eagle3_batch_loss if cfg.method == "eagle3" else block_loss)(cfg, *args, **kwargs)
 
 
