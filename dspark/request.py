@@ -52,6 +52,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose target K/V are in the pool (committed)
     num_cached_tokens: int = 0  # of the prompt, served by a prefix-cache hit at admission
     num_draft_computed: int = 0  # positions whose drafter context K/V are in the pool
+    # the model drafter keeps a context for this request (decided at admission: False while the draft gate
+    # is closed, `Scheduler.admit_model_drafting`): without it, prompt lookup is its only drafter
+    model_drafting: bool = True
     # committed positions whose drafter context is deferred while the draft gate skips, contiguous from
     # num_draft_computed (`defer_context`, `take_pending_context`), and how many
     pending_context: list["PendingContext"] = field(default_factory=list)
@@ -100,6 +103,11 @@ class Request:
     @property
     def uses_speculation(self) -> bool:
         return self.params.speculation
+
+    @property
+    def needs_draft_context(self) -> bool:
+        """Does the model drafter keep K/V for this request's positions?"""
+        return self.params.speculation and self.model_drafting
 
     @property
     def is_finished(self) -> bool:

@@ -82,6 +82,39 @@ def test_draft_hit_requires_drafter_kv():
     assert bm.match_prefix(c, need_draft_kv=False) == 12
 
 
+def test_blocks_with_drafter_kv_replace_cached_ones_without():
+    """A prefix first computed by a request without drafter context (cached without drafter K/V), then
+    by one with it: the hashes move to the blocks that carry both, so later requests with a drafter
+    context hit them, and requests without one still do; the old blocks are plain free blocks again."""
+    bm = BlockManager(num_kv_blocks=16, kv_block_size=4)
+    a = _req("a", range(13))
+    bm.allocate(a, 13)
+    a.num_computed_tokens = 12  # no drafter context
+    bm.commit(a)
+    old = list(a.block_table[:3])
+    b = _req("b", range(13))
+    assert bm.match_prefix(b, need_draft_kv=True) == 0  # a target hit, not a draft hit
+    bm.allocate(b, 13)
+    b.num_computed_tokens = 12
+    bm.commit(b)  # target K/V first, drafter context a step later
+    assert bm.match_prefix(_req("x", range(13)), need_draft_kv=True) == 0
+    bm.free_request(_req("x", range(13)))
+    b.num_draft_computed = 8
+    bm.commit(b)
+    bm.free_request(a)
+    c = _req("c", range(13))
+    assert bm.match_prefix(c, need_draft_kv=True) == 8 and c.block_table == b.block_table[:2]
+    d = _req("d", range(13))
+    assert bm.match_prefix(d, need_draft_kv=False) == 12
+    assert d.block_table == b.block_table[:2] + old[2:]  # the third block: still a's, the only one cached
+    assert all(bm.blocks[i].block_hash is None for i in old[:2])
+    bm.check_invariants()
+    for r in (b, c, d):
+        bm.free_request(r)
+    assert bm.num_free_blocks == 16
+    bm.check_invariants()
+
+
 def test_random_workload_keeps_invariants():
     rng = random.Random(0)
     bm = BlockManager(num_kv_blocks=32, kv_block_size=4)

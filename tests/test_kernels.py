@@ -105,9 +105,21 @@ def test_linear_fp32_input_routes_bf16_weights_to_the_widening_path():
     assert out.shape == (2, 3, 40) and torch.equal(out, kernels.linear(x, wb.float()))
 
 
+def test_small_mm_above_max_rows_is_its_chunks_in_one_output():
+    """More than MAX_ROWS rows: chunks of MAX_ROWS rows from the first, each row's result bit for bit the one
+    its chunk gets alone (fp32 and bf16 weights)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2 * kernels.MAX_ROWS + 21, 96, generator=g)
+    for w in (torch.randn(40, 96, generator=g), torch.randn(40, 96, generator=g).bfloat16()):
+        if w.dtype == torch.bfloat16 and not (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()):
+            continue
+        chunks = torch.cat([ops.small_mm(part, w) for part in x.split(kernels.MAX_ROWS)])
+        assert torch.equal(ops.small_mm(x, w), chunks)
+
+
 def test_small_mm_rejects_bad_input():
-    with pytest.raises(RuntimeError, match="rows"):
-        ops.small_mm(torch.randn(kernels.MAX_ROWS + 1, 4), torch.randn(3, 4))
+    with pytest.raises(RuntimeError, match="row"):
+        ops.small_mm(torch.randn(0, 4), torch.randn(3, 4))
     with pytest.raises(RuntimeError, match="fp32"):
         ops.small_mm(torch.randn(1, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
 

@@ -360,6 +360,41 @@ def test_draft_gate_decides_from_cost_and_past_survival():
         DraftGate(probe_every=0)
 
 
+def test_draft_gate_admits_without_drafter_context_only_after_a_closed_streak():
+    """`admits_model_drafting` turns False after CLOSED_ADMIT_STEPS of the gate's own "skip" decisions in a
+    row (probes neither count nor reset it; a skipped proposal counts) and True again at the first decision
+    to draft."""
+    from dspark.verify.length_policy import DraftGate
+    cheap = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 100.0], draft_num_reqs=[1, 16], draft_seconds=[0.001, 0.001])
+    costly = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 50.0], draft_num_reqs=[1, 16], draft_seconds=[0.02, 0.02])
+    gate = DraftGate(probe_every=4)
+    gate.observe(torch.full((2, 4), 0.5))
+    admits, probes = [], 0
+    while len(admits) < 2 * DraftGate.CLOSED_ADMIT_STEPS:
+        before = gate.closed_streak
+        probing = bool(gate._probe_run) or gate.steps_without_draft + 1 >= gate._probe_interval
+        drafted = gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=costly)
+        if probing:  # a probe's two steps leave the streak where it was
+            assert drafted and gate.closed_streak == before
+            probes += 1
+        else:
+            assert not drafted and gate.closed_streak == before + 1
+        admits.append(gate.admits_model_drafting())
+    assert probes > 0
+    assert not admits[-1] and admits[0], admits
+    assert admits.index(False) >= DraftGate.CLOSED_ADMIT_STEPS
+    streak = gate.closed_streak
+    gate.observe_proposal(seconds=0.01, confidence=torch.full((2, 4), 0.01), num_proposed=[1, 0])
+    sizes = list(range(1, 65))
+    linear = CostTable(num_tokens=sizes, steps_per_second=[64.0 / b for b in sizes])
+    assert not gate.proposing_pays(num_reqs=2, num_nondraft_tokens=2, cost=linear)
+    assert gate.closed_streak == streak + 1, "a skipped proposal counts as a closed step"
+    while gate._probe_run or gate.steps_without_draft + 1 >= gate._probe_interval:
+        gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=cheap)  # (let a probe pass)
+    assert gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=cheap)
+    assert gate.closed_streak == 0 and gate.admits_model_drafting()
+
+
 def test_proposing_is_skipped_where_lookup_drafts_cannot_pay_for_it():
     """Proposing without the model (prompt lookup) is worth what the recent free proposals' survivals
     (pooled, resampled to the load) gain at the load, against the measured proposing seconds. On a

@@ -427,6 +427,57 @@ def test_a_closed_gate_extends_prompts_only_and_bounds_the_kept_taps(target, dra
     assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
 
 
+def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(target, drafter_dir, plain_outputs):
+    """Once the gate has said "skip" for CLOSED_ADMIT_STEPS steps in a row, an admitted request gets no
+    drafter context: no extension over its prompt, no taps in steps that carry only such requests, never a
+    model proposal (prompt lookup still drafts for it), and its prefix-cache hits need no drafter K/V.
+    Requests admitted before the gate closed keep theirs. Output equals plain decoding."""
+    engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, coalesce_steps=2, ngram_first=True)
+    gate = engine.draft_gate
+    closed_from = 3  # the first three prompts are admitted while the gate is open
+    engine.draft_gate.drafted_requests = lambda *, num_reqs, **_: []  # the gate never lets the model draft
+    admitted: dict[str, bool] = {}
+    admit = engine.scheduler.admit_model_drafting
+
+    def recording_admit(_f=admit):
+        gate.closed_streak = gate.CLOSED_ADMIT_STEPS if len(admitted) >= closed_from else 0
+        ok = _f()
+        admitted[f"n{len(admitted)}"] = ok
+        return ok
+    engine.scheduler.admit_model_drafting = recording_admit
+    extended: set[str] = set()
+    extend = engine.drafter.extend_context
+
+    def recorded_extend(update, _f=extend):
+        extended.update(s.request_id for s in update.segments)
+        return _f(update)
+    engine.drafter.extend_context = recorded_extend
+    forward, taps_seen = engine.runner.forward, []
+
+    def recorded_forward(batch, *, with_taps=True, _f=forward):
+        logits, taps = _f(batch, with_taps=with_taps)
+        taps_seen.append((with_taps, taps is not None))
+        return logits, taps
+    engine.runner.forward = recorded_forward
+    prompts = _prompts()
+    staged = run_staged(engine, prompts, greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert _mismatches(staged.outputs, plain_outputs) == 0
+    assert list(admitted.values()) == [True] * closed_from + [False] * (len(prompts) - closed_from)
+    early = {f"req-{i}" for i in range(closed_from)}  # (the engine's ids follow the arrival order)
+    assert extended == early, "drafter context for a request admitted while the gate was closed"
+    assert all(w == t for w, t in taps_seen) and (False, False) in taps_seen
+    assert engine.metrics.num_lookup_drafts > 0, "prompt lookup must still draft for them"
+    # the same prompts again, all admitted lookup-only: they take the prefix hits of blocks without drafter
+    # K/V (the later requests' blocks), which a request with a drafter context could not
+    again = engine.add_request(prompts[-2], greedy(MAX_TOKENS))
+    engine.step()
+    assert engine.requests[again].num_cached_tokens > 0 and not engine.requests[again].model_drafting
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.metrics.num_admitted_without_drafter == len(prompts) - closed_from + 1
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
+
+
 # -- fail closed --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def target_dir(target, tmp_path_factory):
@@ -514,6 +565,7 @@ def test_metrics_scrape_scheduled_verification(tmp_path):
     for b, sps in zip(FLAT.num_tokens, FLAT.steps_per_second):
         assert m[("dspark:cost_table_sps", (("num_tokens", str(b)),))] == pytest.approx(sps)
     assert m[("dspark:coalesce_held_steps_count", ())] == 2  # one observation per finished request
+    assert m[("dspark:spec_decode_num_admitted_without_drafter_total", ())] == 0  # flat curve: the gate stays open
 
 
 # -- online upkeep --------------------------------------------------------------------------------

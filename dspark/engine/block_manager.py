@@ -9,7 +9,9 @@ Prefix caching: once a full block holds only committed tokens, its hash — of t
 hash and its own token ids — is registered. A freed block keeps its hash and contents until the pool
 hands it out again, so a later request with the same prefix takes it back (LRU reuse order). Each
 cached block also records whether the drafter's context K/V were written into it: a speculative
-request counts a hit only over blocks that have them (a target hit is not a draft hit).
+request with a drafter context counts a hit only over blocks that have them (a target hit is not a draft
+hit). When a request's block gets its drafter K/V and the block registered under the same hash has none
+(another request without drafter context computed it first), the hash moves to the block that has both.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ class BlockManager:
         # Free blocks in reuse order (oldest first); an OrderedDict gives O(1) removal on a cache hit.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_kv_blocks))
         self.hash_to_block: dict[int, int] = {}
-        # request_id → (leading blocks already hashed, hash of the last of them, leading blocks marked
-        # as holding the drafter's K/V)
-        self.hash_state: dict[str, tuple[int, int | None, int]] = {}
+        # request_id → (the hashes of its leading full committed blocks, how many of those hold the drafter's
+        # K/V as far as commit has seen)
+        self.hash_state: dict[str, tuple[list[int], int]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -66,17 +68,19 @@ class BlockManager:
         ids = req.all_ids
         parent: int | None = None
         matched: list[int] = []
+        hashes: list[int] = []
         for start in range(0, len(ids) - 1 - self.kv_block_size + 1, self.kv_block_size):
             h = block_hash(parent, tuple(ids[start:start + self.kv_block_size]))
             block_id = self.hash_to_block.get(h)
             if block_id is None or (need_draft_kv and not self.blocks[block_id].has_draft_kv):
                 break
             matched.append(block_id)
+            hashes.append(h)
             parent = h
         for block_id in matched:
             self._take(block_id)
         req.block_table = matched
-        self.hash_state[req.request_id] = (len(matched), parent, 0)
+        self.hash_state[req.request_id] = (hashes, 0)
         return len(matched) * self.kv_block_size
 
     # -- allocation ------------------------------------------------------------------------------
@@ -119,20 +123,29 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         ids = req.all_ids
-        done, parent, draft_done = self.hash_state.get(req.request_id, (0, None, 0))
+        hashes, draft_done = self.hash_state.get(req.request_id, ([], 0))
         full = min(req.num_computed_tokens // self.kv_block_size, len(req.block_table))
-        for i in range(done, full):
+        for i in range(len(hashes), full):
             block = self.blocks[req.block_table[i]]
-            h = block_hash(parent, tuple(ids[i * self.kv_block_size:(i + 1) * self.kv_block_size]))
+            h = block_hash(hashes[-1] if hashes else None,
+                           tuple(ids[i * self.kv_block_size:(i + 1) * self.kv_block_size]))
             if h not in self.hash_to_block:
                 block.block_hash = h
                 self.hash_to_block[h] = block.block_id
-            parent = h
+            hashes.append(h)
         draft_full = min(req.num_draft_computed // self.kv_block_size, full)
-        self.hash_state[req.request_id] = (max(done, full), parent, max(draft_done, draft_full))
+        self.hash_state[req.request_id] = (hashes, max(draft_done, draft_full))
         for i in range(draft_done, draft_full):
-            block = self.blocks[req.block_table[i]]
-            if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block.block_id:
+            block, h = self.blocks[req.block_table[i]], hashes[i]
+            owner = self.hash_to_block.get(h)
+            if owner is not None and owner != block.block_id and not self.blocks[owner].has_draft_kv:
+                self.blocks[owner].block_hash = None  # the same tokens without drafter K/V: this block replaces it
+                owner = None
+            if owner is None:
+                block.block_hash = h
+                self.hash_to_block[h] = block.block_id
+                owner = block.block_id
+            if owner == block.block_id:
                 block.has_draft_kv = True
 
     # -- internals -------------------------------------------------------------------------------

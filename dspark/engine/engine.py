@@ -89,6 +89,8 @@ class Engine:
             from dspark.verify.length_policy import DraftGate
             self.draft_gate = DraftGate()
             self.model_verify_observers.append(self.draft_gate.observe_verify)
+            if config.spec.gate_admission:  # while the gate stays closed, admitted requests get no drafter context
+                self.scheduler.admit_model_drafting = self._admit_model_drafting
         self.upkeep = None  # online cost-table / calibration upkeep (spec "online_upkeep")
         if drafter is not None and config.spec is not None and config.spec.online_upkeep:
             from dspark.verify.upkeep import OnlineUpkeep
@@ -97,6 +99,12 @@ class Engine:
             self.model_verify_observers.append(self.upkeep.observe_verify)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def _admit_model_drafting(self) -> bool:
+        ok = self.draft_gate.admits_model_drafting()
+        if not ok:
+            self.metrics.num_admitted_without_drafter += 1
+        return ok
 
     def _is_greedy(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -142,7 +150,8 @@ class Engine:
         if sched.scheduled:
             start = time.perf_counter()
             batch = self.runner.prepare(sched)
-            logits, taps = self.runner.forward(batch)
+            logits, taps = self.runner.forward(  # taps only where the drafter keeps a context
+                batch, with_taps=any(s.request.needs_draft_context for s in sched.scheduled))
             result = self._verify(sched, logits)
             if self.upkeep is not None:  # verify synchronised the device: the timing is complete
                 self.cost_table = self.upkeep.observe_step(
@@ -222,7 +231,7 @@ class Engine:
         deferring = False
         for item, offset in zip(sched.scheduled, batch.token_offsets):
             req = item.request
-            if req.is_finished or not req.uses_speculation:
+            if req.is_finished or not req.needs_draft_context:
                 continue
             rejected = item.num_drafts - result.num_accepted_by_id.get(req.request_id, 0)
             count = item.num_new_tokens - rejected if item.emits else item.num_new_tokens
@@ -286,7 +295,8 @@ class Engine:
         """The requests that draft for the next step, whether the model drafter may draft for each (the
         draft gate's pick among those that emitted; a drafter with free drafts still proposes for the
         others), and the next step's non-draft token counts. Under a cost-aware policy nothing is
-        model-drafted while prompt chunks need the whole next step's budget."""
+        model-drafted while prompt chunks need the whole next step's budget, nor ever for a request admitted
+        without drafter context (`Request.model_drafting`)."""
         reqs = [s.request for s in sched.scheduled
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:
@@ -301,7 +311,6 @@ class Engine:
                 self.metrics.num_proposal_skips += 1
                 self.metrics.verify_lens.extend([0] * len(reqs))
             return [], [], next_step
-        allowed = [True] * len(reqs)
         cost_aware = getattr(self.length_policy, "needs_cost", False)
         if cost_aware and next_step.max_drafts == 0:
             allowed = [False] * len(reqs)  # no draft could be verified: the prompts take the budget
@@ -309,9 +318,11 @@ class Engine:
             drafted = set(self.draft_gate.drafted_requests(
                 num_reqs=len(reqs), num_nondraft_tokens=next_step.num_nondraft,
                 num_prompt_tokens=next_step.num_prompt, cost=self.cost_table,
-                backlog=[r.num_pending_positions for r in reqs]))
-            allowed = [i in drafted for i in range(len(reqs))]
+                backlog=[r.num_pending_positions if r.model_drafting else float("inf") for r in reqs]))
+            allowed = [i in drafted and r.model_drafting for i, r in enumerate(reqs)]
             self.metrics.num_draft_skips += allowed.count(False)
+        else:
+            allowed = [r.model_drafting for r in reqs]
         for r in (r for r, ok in zip(reqs, allowed) if not ok):
             r.clear_drafts()  # plain decoding in the next step for this request (or free drafts)
         if not self.drafter.has_free_drafts:

@@ -79,9 +79,10 @@ class ModelRunner:
             token_offsets=token_offsets, logits_offsets=logits_offsets, input_id_list=input_ids)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (logits [num_logits, vocab_size] float32, taps [num_tokens, num_taps * hidden] | None)."""
+    def forward(self, batch: StepBatch, *, with_taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (logits [num_logits, vocab_size] float32, taps [num_tokens, num_taps * hidden] | None: None
+        without tap layers or `with_taps`)."""
         hidden, taps = self.model(batch.input_ids, batch.positions, batch.attn_meta, self.kv_caches,
-                                  tap_layer_ids=self.tap_layer_ids)
+                                  tap_layer_ids=self.tap_layer_ids if with_taps else ())
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return logits.float(), taps

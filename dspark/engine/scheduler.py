@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dspark.config import SchedulerConfig
@@ -54,6 +55,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_lookahead_slots = num_lookahead_slots  # drafter scratch past the committed end (γ)
         self.drafter_needs_kv = drafter_needs_kv  # prefix hits must carry drafter K/V too
+        # asked at each admission of a speculative request (a preempted one is asked again): may the model
+        # drafter keep a context for it (`Request.model_drafting`)? None: always
+        self.admit_model_drafting: Callable[[], bool] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []  # finished since the last take_finished()
@@ -137,11 +141,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not req.block_table and req.num_computed_tokens == 0:
-                cached = self.block_manager.match_prefix(
-                    req, need_draft_kv=self.drafter_needs_kv and req.uses_speculation)
+                if req.uses_speculation and self.drafter_needs_kv and self.admit_model_drafting is not None:
+                    req.model_drafting = self.admit_model_drafting()
+                need_draft_kv = self.drafter_needs_kv and req.needs_draft_context
+                cached = self.block_manager.match_prefix(req, need_draft_kv=need_draft_kv)
                 req.num_computed_tokens = cached
                 req.num_cached_tokens = cached
-                req.num_draft_computed = cached if self.drafter_needs_kv and req.uses_speculation else 0
+                req.num_draft_computed = cached if need_draft_kv else 0
             item = self._fit(req, budget)
             if not self._allocate(req, item):
                 # pool short: give the prefix hit back (it stays cached) and wait for blocks

@@ -127,12 +127,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, fp32_input: bool = False) -
     if k is None or not weight.is_contiguous() or (lowp and not getattr(k, flag, False)):
         return None
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
-    if rows > MAX_ROWS:  # bf16 / Q4_1: chunks of MAX_ROWS rows (faster than torch's fp32 product of the
-        # rounded values, and a row's result stays the same in a prompt chunk as in a decode step)
-        out = torch.cat([k.small_mm(part, weight) for part in x2.split(MAX_ROWS)])
-    else:
-        out = k.small_mm(x2, weight)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    # bf16 / Q4_1 / Q8_0 past MAX_ROWS rows: the kernel runs chunks of MAX_ROWS rows into one output (faster
+    # than torch's fp32 product of the rounded values, and a row's result stays the same in a prompt chunk as
+    # in a decode step)
+    return k.small_mm(x2, weight).view(*x.shape[:-1], weight.shape[0])
 
 
 @cache

@@ -8,7 +8,7 @@
 // blocks (fp32 input), repacked by
 // dspark.kernels ("Q4_1 products", "Q8_0 products" below):
 //
-//   small_mm(x, w)                 x[M, K] @ w[N, K]^T for M <= 128: passes of up to 12 rows (R rows x M
+//   small_mm(x, w)                 x[M, K] @ w[N, K]^T (chunks of 128 rows): passes of up to 12 rows (R rows x M
 //                                  accumulators in vector registers) over L2-sized tiles of weight rows;
 //                                  parallel over output rows.
 //   rms_norm(x, w, eps)            y = x / rms(x) * w, one pass per row.
@@ -609,10 +609,12 @@ void q4_mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_
 }
 }  // namespace
 
-// x [M, K] fp32 contiguous (M in 1..kMaxRows), w [N, K] fp32 or bf16, or uint8 [N, q4_row_bytes(K)] Q4_1-packed
+// x [M, K] fp32 contiguous (any M >= 1), w [N, K] fp32 or bf16, or uint8 [N, q4_row_bytes(K)] Q4_1-packed
 // (see "Q4_1 products"; K a multiple of 32, N of 8) -> [M, N] fp32. With Q4_1 weights x is quantized to Q8_1 blocks;
 // with bf16 ones on AVX512-BF16 x is rounded to bf16 first (round to nearest even); with bf16 weights on AVX2
-// (BF16W) x stays fp32. The products accumulate in fp32.
+// (BF16W) x stays fp32. The products accumulate in fp32. More than kMaxRows rows run as consecutive chunks of
+// kMaxRows written into the one output (a row's result is the one it gets in a chunk of its own: prompt
+// chunks and decode steps agree), so a long prompt chunk costs no concatenation.
 torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
   const bool bf = w.scalar_type() == at::kBFloat16, q4 = w.scalar_type() == at::kByte, q8 = w.scalar_type() == at::kChar;
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (q4 ? w.size(1) == q4_row_bytes(x.size(1)) && x.size(1) % 32 == 0 && w.size(0) % kQ4TileRows == 0
@@ -627,21 +629,29 @@ torch::Tensor small_mm(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(!q4 || kHasQ4, "small_mm: Q4_1 weights need a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_mm: CPU tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "small_mm: 1..", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(M >= 1, "small_mm: at least one row, got ", M);
   const torch::Tensor xc = x.contiguous(), wc = w.contiguous();
   torch::Tensor out = torch::empty({M, N}, x.options());
-  if (q8) {
-    q8_mm_into(xc.data_ptr<float>(), M, K, wc.data_ptr<int8_t>(), N, out.data_ptr<float>());
-  } else if (q4) {
-    q4_mm_into(xc.data_ptr<float>(), M, K, wc.data_ptr<uint8_t>(), N, out.data_ptr<float>(), x.options());
-  } else if (bf && !kHasBf16) {  // AVX2: the fp32 input times the widened bf16 weights
-    mm_into<BF16W>(xc.data_ptr<float>(), M, K, wc.data_ptr<bf16>(), N, out.data_ptr<float>());
-  } else if (bf) {
-    torch::Tensor xb = torch::empty({M, K}, x.options().dtype(at::kBFloat16));
+  torch::Tensor xb;  // the bf16-rounded input (AVX512-BF16), elementwise: rounded once for every chunk
+  if (bf && kHasBf16) {
+    xb = torch::empty({M, K}, x.options().dtype(at::kBFloat16));
     to_bf16(xc.data_ptr<float>(), xb.data_ptr<bf16>(), M * K);
-    mm_into<BF16>(xb.data_ptr<bf16>(), M, K, wc.data_ptr<bf16>(), N, out.data_ptr<float>());
-  } else {
-    mm_into<F32>(xc.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, out.data_ptr<float>());
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t mc = std::min<int64_t>(kMaxRows, M - m0);
+    const float* xp = xc.data_ptr<float>() + m0 * K;
+    float* op = out.data_ptr<float>() + m0 * N;
+    if (q8) {
+      q8_mm_into(xp, mc, K, wc.data_ptr<int8_t>(), N, op);
+    } else if (q4) {
+      q4_mm_into(xp, mc, K, wc.data_ptr<uint8_t>(), N, op, x.options());
+    } else if (bf && !kHasBf16) {  // AVX2: the fp32 input times the widened bf16 weights
+      mm_into<BF16W>(xp, mc, K, wc.data_ptr<bf16>(), N, op);
+    } else if (bf) {
+      mm_into<BF16>(xb.data_ptr<bf16>() + m0 * K, mc, K, wc.data_ptr<bf16>(), N, op);
+    } else {
+      mm_into<F32>(xp, mc, K, wc.data_ptr<float>(), N, op);
+    }
   }
   return out;
 }

@@ -66,6 +66,9 @@ class _EngineCollector:
         yield counter("spec_decode_num_lookup_drafts",
                       "Request-steps drafted by prompt lookup instead of the model drafter "
                       "(ngram_first).", m.num_lookup_drafts)
+        yield counter("spec_decode_num_admitted_without_drafter",
+                      "Requests admitted while the draft gate stayed closed: no drafter context, prompt "
+                      "lookup only (gate_admission).", m.num_admitted_without_drafter)
         per_pos = CounterMetricFamily("dspark:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted draft tokens by draft position.",
                                       labels=["position"])

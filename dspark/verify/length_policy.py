@@ -235,6 +235,9 @@ class DraftGate:
     LIVE_MIN_GAIN = 1.10
     # lookup-only proposals whose survivals `proposing_pays` pools (16 × the requests of each)
     FREE_HISTORY = 16
+    # admission (`admits_model_drafting`): after this many steps in a row whose own decision (not a probe's) was
+    # "skip", or that skipped proposing altogether, newly admitted requests get no drafter context
+    CLOSED_ADMIT_STEPS = 16
 
     def __init__(self, *, probe_every: int = 8, decay: float = 0.7, min_gain: float = MIN_GAIN,
                  live_min_gain: float = LIVE_MIN_GAIN, plain_probe_every: int = 32,
@@ -271,6 +274,15 @@ class DraftGate:
         self._free_version = 0  # bumped by each observed proposal
         self._pays_cache: tuple[tuple, CostTable, bool] | None = None
         self._steps_without_proposal = 0
+        self.closed_streak = 0  # consecutive steps the gate decided to skip (probes aside)
+
+    def admits_model_drafting(self) -> bool:
+        """May a request admitted now keep a drafter context (`Request.model_drafting`)? Not while the gate
+        has stayed closed for `CLOSED_ADMIT_STEPS` steps: under a load where drafting cannot pay, a new
+        request costs no drafter work (no context over its prompt, no taps, no probes) and may take
+        target-only prefix-cache hits; its drafts, if any, come from prompt lookup. Requests admitted after
+        the gate reopens draft again. Reads past decisions only: lossless."""
+        return self.closed_streak < self.CLOSED_ADMIT_STEPS
 
     def observe_step(self, *, num_tokens: int, seconds: float, drafts_verified: bool, num_proposed_reqs: int,
                      cost: CostTable | None) -> None:
@@ -353,6 +365,8 @@ class DraftGate:
             self._pays_cache = (key, cost, pays)
         if pays:
             self._steps_without_proposal = 0
+        else:
+            self.closed_streak += 1
         return pays
 
     def _free_pays(self, *, num_reqs: int, num_nondraft_tokens: int, num_prompt_tokens: int,
@@ -421,6 +435,7 @@ class DraftGate:
             gain = self.expected_gain(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens, cost=cost,
                                       num_prompt_tokens=num_prompt_tokens)
             decision = gain * (live or 1.0) > margin
+            self.closed_streak = 0 if decision else self.closed_streak + 1
             if decision:
                 self._probe_interval = self.probe_every
             elif self._probed:  # a probe that did not convince: wait longer before the next one
