@@ -67,8 +67,9 @@ class SpecConfig:
     online_upkeep: bool = False  # refresh the cost table and confidence temperatures from live steps
     draft_gate: bool = True  # prefix / async: skip drafting in steps where it cannot pay (DraftGate)
     # with the draft gate: a request admitted while the gate has said "skip" for DraftGate.CLOSED_ADMIT_STEPS
-    # steps in a row gets no drafter context (its drafts, if any, come from prompt lookup; it takes target-only
-    # prefix-cache hits), so speculation held off by the load costs no drafter work
+    # steps in a row, at a load where drafting could not pay, gets no drafter context (its drafts, if any, come
+    # from prompt lookup; it takes target-only prefix-cache hits): speculation held off by the load costs no
+    # drafter work
     gate_admission: bool = True
     prompt_lookup_min: int = 2  # n-gram (and ngram_first)
     prompt_lookup_max: int = 5

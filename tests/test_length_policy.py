@@ -362,8 +362,8 @@ def test_draft_gate_decides_from_cost_and_past_survival():
 
 def test_draft_gate_admits_without_drafter_context_only_after_a_closed_streak():
     """`admits_model_drafting` turns False after CLOSED_ADMIT_STEPS of the gate's own "skip" decisions in a
-    row (probes neither count nor reset it; a skipped proposal counts) and True again at the first decision
-    to draft."""
+    row (probes neither count nor reset it; a skipped proposal counts) where the load keeps the gate closed,
+    and True again at the first decision to draft."""
     from dspark.verify.length_policy import DraftGate
     cheap = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 100.0], draft_num_reqs=[1, 16], draft_seconds=[0.001, 0.001])
     costly = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 50.0], draft_num_reqs=[1, 16], draft_seconds=[0.02, 0.02])
@@ -379,7 +379,7 @@ def test_draft_gate_admits_without_drafter_context_only_after_a_closed_streak():
             probes += 1
         else:
             assert not drafted and gate.closed_streak == before + 1
-        admits.append(gate.admits_model_drafting())
+        admits.append(gate.admits_model_drafting(num_reqs=2, cost=costly))
     assert probes > 0
     assert not admits[-1] and admits[0], admits
     assert admits.index(False) >= DraftGate.CLOSED_ADMIT_STEPS
@@ -392,7 +392,28 @@ def test_draft_gate_admits_without_drafter_context_only_after_a_closed_streak():
     while gate._probe_run or gate.steps_without_draft + 1 >= gate._probe_interval:
         gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=cheap)  # (let a probe pass)
     assert gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=cheap)
-    assert gate.closed_streak == 0 and gate.admits_model_drafting()
+    assert gate.closed_streak == 0 and gate.admits_model_drafting(num_reqs=2, cost=costly)
+
+
+def test_a_gate_closed_by_the_text_still_admits_with_drafter_context_at_a_light_load():
+    """Closed by a run of poor drafts (the recent survival curve) on a load where the long-run curve pays:
+    one request more still gets a drafter context; at a load where even that curve cannot pay, none."""
+    from dspark.verify.length_policy import DraftGate
+    # verified tokens as dear as decoded ones past 128 rows: no curve pays at 64 requests
+    bends = CostTable(num_tokens=[1, 8, 16, 64, 128, 512], steps_per_second=[100.0, 90.0, 50.0, 12.5, 6.25, 1.5625],
+                      draft_num_reqs=[1, 64], draft_seconds=[0.003, 0.02])
+    gate = DraftGate(probe_every=1000)
+    for _ in range(50):
+        gate.observe(torch.full((1, 4), 0.9))
+    assert gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=bends)
+    for _ in range(10):
+        gate.observe(torch.full((1, 4), 0.05))
+    for _ in range(DraftGate.CLOSED_ADMIT_STEPS):
+        assert not gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=bends)
+    assert gate.closed_streak == DraftGate.CLOSED_ADMIT_STEPS
+    assert gate.admits_model_drafting(num_reqs=1, cost=bends), "the text closed it, not the load"
+    assert not gate.admits_model_drafting(num_reqs=64, cost=bends)
+    assert not gate.admits_model_drafting(num_reqs=1, cost=None)
 
 
 def test_proposing_is_skipped_where_lookup_drafts_cannot_pay_for_it():

@@ -439,8 +439,9 @@ def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(ta
     admitted: dict[str, bool] = {}
     admit = engine.scheduler.admit_model_drafting
 
+    gate.admits_model_drafting = lambda **_: len(admitted) < closed_from  # (the gate's rule: test_length_policy)
+
     def recording_admit(_f=admit):
-        gate.closed_streak = gate.CLOSED_ADMIT_STEPS if len(admitted) >= closed_from else 0
         ok = _f()
         admitted[f"n{len(admitted)}"] = ok
         return ok

@@ -101,7 +101,7 @@ class Engine:
         self._ids = itertools.count()
 
     def _admit_model_drafting(self) -> bool:
-        ok = self.draft_gate.admits_model_drafting()
+        ok = self.draft_gate.admits_model_drafting(num_reqs=len(self.scheduler.running) + 1, cost=self.cost_table)
         if not ok:
             self.metrics.num_admitted_without_drafter += 1
         return ok

@@ -36,8 +36,11 @@ verify length cannot beat plain decoding it skips the drafter for that step (a p
 `probe_every` steps so the estimate follows the traffic). With a free drafter beside the model (prompt lookup) it
 also asks whether proposing at all can pay for its own bookkeeping (`proposing_pays`: the recent
 lookup-only proposals' survivals at the current load against the measured proposing seconds), and
-the engine then skips proposing for the step. The decisions read only past steps, so they keep the
-output distribution (and greedy output) unchanged.
+the engine then skips proposing for the step. Once it has stayed closed for a while at a load where
+even its long-run survival curve cannot pay, it also tells the scheduler to admit new requests without
+drafter context (`admits_model_drafting`; spec "gate_admission"): they cost the model drafter nothing
+and draft by prompt lookup only. The decisions read only past steps, so they keep the output
+distribution (and greedy output) unchanged.
 
 Policies that need confidences or a cost table fail closed: `build_length_policy(...,
 confidence_available=False)` or `choose(confidence=None)` raises a ValueError naming what is
@@ -236,8 +239,10 @@ class DraftGate:
     # lookup-only proposals whose survivals `proposing_pays` pools (16 × the requests of each)
     FREE_HISTORY = 16
     # admission (`admits_model_drafting`): after this many steps in a row whose own decision (not a probe's) was
-    # "skip", or that skipped proposing altogether, newly admitted requests get no drafter context
+    # "skip", or that skipped proposing altogether, newly admitted requests get no drafter context where the
+    # load is the reason (drafting could not pay even with the long-run survival curve, LONG_DECAY per proposal)
     CLOSED_ADMIT_STEPS = 16
+    LONG_DECAY = 0.98
 
     def __init__(self, *, probe_every: int = 8, decay: float = 0.7, min_gain: float = MIN_GAIN,
                  live_min_gain: float = LIVE_MIN_GAIN, plain_probe_every: int = 32,
@@ -251,6 +256,7 @@ class DraftGate:
         self.live_min_gain, self.plain_probe_every, self.time_decay = live_min_gain, plain_probe_every, time_decay
         self.probe_reqs = probe_reqs
         self.mean_survival: np.ndarray | None = None  # [γ] ā_j
+        self.long_survival: np.ndarray | None = None  # [γ] the same, averaged over ~50 proposals
         self.steps_without_draft = 0
         self.steps_since_plain = 0
         self._probe_run: list[bool] = []  # the decisions left of a running probe
@@ -276,13 +282,23 @@ class DraftGate:
         self._steps_without_proposal = 0
         self.closed_streak = 0  # consecutive steps the gate decided to skip (probes aside)
 
-    def admits_model_drafting(self) -> bool:
-        """May a request admitted now keep a drafter context (`Request.model_drafting`)? Not while the gate
-        has stayed closed for `CLOSED_ADMIT_STEPS` steps: under a load where drafting cannot pay, a new
-        request costs no drafter work (no context over its prompt, no taps, no probes) and may take
-        target-only prefix-cache hits; its drafts, if any, come from prompt lookup. Requests admitted after
-        the gate reopens draft again. Reads past decisions only: lossless."""
-        return self.closed_streak < self.CLOSED_ADMIT_STEPS
+    def admits_model_drafting(self, *, num_reqs: int, cost: CostTable | None) -> bool:
+        """May a request admitted now, making `num_reqs` running, keep a drafter context
+        (`Request.model_drafting`)? Not while the gate has stayed closed for `CLOSED_ADMIT_STEPS` steps and
+        drafting could not pay at this load even with the long-run survival curve (so the load, not the
+        text of the last few requests, keeps it closed): a new request then costs no drafter work (no
+        context over its prompt, no taps, no probes) and may take target-only prefix-cache hits; its
+        drafts, if any, come from prompt lookup. Requests admitted after the gate reopens, or at a lighter
+        load, draft again. Reads past decisions only: lossless."""
+        if self.closed_streak < self.CLOSED_ADMIT_STEPS:
+            return True
+        if cost is None or self.long_survival is None:
+            return False
+        live = self.live_factor
+        margin = self.min_gain if live is None else self.live_min_gain
+        curve = np.clip(self.long_survival * self.correction, 0.0, 1.0)
+        return _gain(curve, num_reqs=num_reqs, num_nondraft_tokens=num_reqs, num_prompt_tokens=0,
+                     cost=cost) * (live or 1.0) > margin
 
     def observe_step(self, *, num_tokens: int, seconds: float, drafts_verified: bool, num_proposed_reqs: int,
                      cost: CostTable | None) -> None:
@@ -307,6 +323,8 @@ class DraftGate:
         self._curve_version += 1
         old = self.mean_survival
         self.mean_survival = _ema(None if old is None or old.shape != curve.shape else old, curve, self.decay)
+        old = self.long_survival
+        self.long_survival = _ema(None if old is None or old.shape != curve.shape else old, curve, self.LONG_DECAY)
 
     def expected_gain(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable,
                       num_prompt_tokens: int = 0) -> float:
@@ -316,12 +334,8 @@ class DraftGate:
         if self._gain_cache is not None and self._gain_cache[0] == key and self._gain_cache[1] is cost:
             return self._gain_cache[2]
         curve = np.clip(self.mean_survival * self.correction, 0.0, 1.0)
-        candidates = np.sort(np.tile(curve, num_reqs))[::-1].copy()
-        with_drafts = _throughput_curve(candidates, cost=cost, num_reqs=num_reqs,
-                                        num_nondraft_tokens=num_nondraft_tokens,
-                                        num_prompt_tokens=num_prompt_tokens)
-        without = num_reqs * cost.sps(_decode_tokens(num_nondraft_tokens, num_prompt_tokens))
-        gain = float(with_drafts.max() / without)
+        gain = _gain(curve, num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens,
+                     num_prompt_tokens=num_prompt_tokens, cost=cost)
         self._gain_cache = (key, cost, gain)
         return gain
 
@@ -579,6 +593,16 @@ def _throughput_curve(
     drafted = num_reqs if num_drafted_reqs is None else num_drafted_reqs
     draft_seconds = cost.draft_seconds_for(drafted) if drafted > 0 else 0.0
     return expected_tokens / (step_seconds + draft_seconds + extra_seconds)
+
+
+def _gain(curve: np.ndarray, *, num_reqs: int, num_nondraft_tokens: int, num_prompt_tokens: int,
+          cost: CostTable) -> float:
+    """max Θ over admitting the top candidates of `num_reqs` copies of the survival `curve` [γ], with the draft
+    seconds, ÷ Θ of plain decoding."""
+    candidates = np.sort(np.tile(curve, num_reqs))[::-1].copy()
+    with_drafts = _throughput_curve(candidates, cost=cost, num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens,
+                                    num_prompt_tokens=num_prompt_tokens)
+    return float(with_drafts.max() / (num_reqs * cost.sps(_decode_tokens(num_nondraft_tokens, num_prompt_tokens))))
 
 
 def _ema(old, value, decay: float):
