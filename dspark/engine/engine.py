@@ -101,7 +101,12 @@ class Engine:
         self._ids = itertools.count()
 
     def _admit_model_drafting(self) -> bool:
-        ok = self.draft_gate.admits_model_drafting(num_reqs=len(self.scheduler.running) + 1, cost=self.cost_table)
+        """Asked by the scheduler while it admits a waiting request: the load it prices is every running and
+        waiting request (the one being admitted among them) up to max_num_seqs, so the first requests of a
+        burst see the burst's load."""
+        sched = self.scheduler
+        load = min(len(sched.running) + len(sched.waiting), self.config.scheduler.max_num_seqs)
+        ok = self.draft_gate.admits_model_drafting(num_reqs=load, cost=self.cost_table)
         if not ok:
             self.metrics.num_admitted_without_drafter += 1
         return ok
