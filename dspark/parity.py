@@ -38,6 +38,10 @@ class ParityReport:
     mismatches: tuple[Mismatch, ...]
     acceptance_length: float  # τ pooled over every speculative round (1.0 when none)
     num_spec_rounds: int
+    # of the speculative run's requests, admitted without drafter context (the draft gate held drafting off
+    # at their load: prompt lookup only), and request-steps the gate kept from model drafting
+    num_admitted_without_drafter: int = 0
+    num_draft_skips: int = 0
 
     @property
     def ok(self) -> bool:
@@ -47,6 +51,8 @@ class ParityReport:
         return {"num_prompts": self.num_prompts, "num_exact": self.num_exact,
                 "num_mismatch": len(self.mismatches), "acceptance_length": self.acceptance_length,
                 "num_spec_rounds": self.num_spec_rounds,
+                "num_admitted_without_drafter": self.num_admitted_without_drafter,
+                "num_draft_skips": self.num_draft_skips,
                 "mismatches": [asdict(m) for m in self.mismatches]}
 
 
@@ -67,7 +73,10 @@ def check_parity(llm, prompts: list, *, max_tokens: int = 128, chat: bool = True
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculation=speculation)
         return llm.chat(prompts, params) if chat else llm.generate(prompts, params)
 
-    plain, spec = run(False), run(True)
+    plain = run(False)
+    metrics = llm.engine.metrics
+    before = (metrics.num_admitted_without_drafter, metrics.num_draft_skips)
+    spec = run(True)
     mismatches = []
     for i, (p, s) in enumerate(zip(plain, spec)):
         pos = first_divergence(p.token_ids, s.token_ids)
@@ -81,7 +90,9 @@ def check_parity(llm, prompts: list, *, max_tokens: int = 128, chat: bool = True
     num_accepted = sum(o.spec.num_accepted_tokens for o in spec)
     return ParityReport(num_prompts=len(prompts), num_exact=len(prompts) - len(mismatches),
                         mismatches=tuple(mismatches), num_spec_rounds=num_rounds,
-                        acceptance_length=1.0 + num_accepted / num_rounds if num_rounds else 1.0)
+                        acceptance_length=1.0 + num_accepted / num_rounds if num_rounds else 1.0,
+                        num_admitted_without_drafter=metrics.num_admitted_without_drafter - before[0],
+                        num_draft_skips=metrics.num_draft_skips - before[1])
 
 
 def register(sub) -> None:
