@@ -25,6 +25,9 @@ def build_engine(config: EngineConfig):
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    if str(config.device).startswith("cpu"):
+        from dspark.utils.host import tune_malloc
+        tune_malloc()  # fixed glibc thresholds: a step's temporaries do not depend on the allocation history
     target_config = read_model_config(config.model)
     matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device,
                                         model=config.model)
