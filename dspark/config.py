@@ -66,10 +66,10 @@ class SpecConfig:
     cost_table: str | None = None  # JSON from `dspark profile`
     online_upkeep: bool = False  # refresh the cost table and confidence temperatures from live steps
     draft_gate: bool = True  # prefix / async: skip drafting in steps where it cannot pay (DraftGate)
-    # with the draft gate: a request admitted while the gate has said "skip" for DraftGate.CLOSED_ADMIT_STEPS
-    # steps in a row, at a load where drafting could not pay, gets no drafter context (its drafts, if any, come
-    # from prompt lookup; it takes target-only prefix-cache hits): speculation held off by the load costs no
-    # drafter work
+    # with the draft gate: a request joining a load where drafting could not pay even with the drafter's long-run
+    # survival curve (DraftGate.admits_model_drafting) gets no drafter context (its drafts, if any, come from
+    # prompt lookup; it takes target-only prefix-cache hits): speculation held off by the load costs no drafter
+    # work
     gate_admission: bool = True
     prompt_lookup_min: int = 2  # n-gram (and ngram_first)
     prompt_lookup_max: int = 5

@@ -360,60 +360,47 @@ def test_draft_gate_decides_from_cost_and_past_survival():
         DraftGate(probe_every=0)
 
 
-def test_draft_gate_admits_without_drafter_context_only_after_a_closed_streak():
-    """`admits_model_drafting` turns False after CLOSED_ADMIT_STEPS of the gate's own "skip" decisions in a
-    row (probes neither count nor reset it; a skipped proposal counts) where the load keeps the gate closed,
-    and True again at the first decision to draft."""
+def test_draft_gate_admits_without_drafter_context_where_the_load_cannot_pay():
+    """`admits_model_drafting` says no where drafting could not pay at the joining load even with the long-run
+    survival curve: yes before LONG_MIN_PROPOSALS proposals or without a table; a run of poor drafts at a
+    light load (the fast curve) does not turn it; a load where no curve pays does."""
     from dspark.verify.length_policy import DraftGate
-    cheap = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 100.0], draft_num_reqs=[1, 16], draft_seconds=[0.001, 0.001])
-    costly = CostTable(num_tokens=[1, 64], steps_per_second=[100.0, 50.0], draft_num_reqs=[1, 16], draft_seconds=[0.02, 0.02])
-    gate = DraftGate(probe_every=4)
-    gate.observe(torch.full((2, 4), 0.5))
-    admits, probes = [], 0
-    while len(admits) < 2 * DraftGate.CLOSED_ADMIT_STEPS:
-        before = gate.closed_streak
-        probing = bool(gate._probe_run) or gate.steps_without_draft + 1 >= gate._probe_interval
-        drafted = gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=costly)
-        if probing:  # a probe's two steps leave the streak where it was
-            assert drafted and gate.closed_streak == before
-            probes += 1
-        else:
-            assert not drafted and gate.closed_streak == before + 1
-        admits.append(gate.admits_model_drafting(num_reqs=2, cost=costly))
-    assert probes > 0
-    assert not admits[-1] and admits[0], admits
-    assert admits.index(False) >= DraftGate.CLOSED_ADMIT_STEPS
-    streak = gate.closed_streak
-    gate.observe_proposal(seconds=0.01, confidence=torch.full((2, 4), 0.01), num_proposed=[1, 0])
-    sizes = list(range(1, 65))
-    linear = CostTable(num_tokens=sizes, steps_per_second=[64.0 / b for b in sizes])
-    assert not gate.proposing_pays(num_reqs=2, num_nondraft_tokens=2, cost=linear)
-    assert gate.closed_streak == streak + 1, "a skipped proposal counts as a closed step"
-    while gate._probe_run or gate.steps_without_draft + 1 >= gate._probe_interval:
-        gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=cheap)  # (let a probe pass)
-    assert gate.should_draft(num_reqs=2, num_nondraft_tokens=2, cost=cheap)
-    assert gate.closed_streak == 0 and gate.admits_model_drafting(num_reqs=2, cost=costly)
-
-
-def test_a_gate_closed_by_the_text_still_admits_with_drafter_context_at_a_light_load():
-    """Closed by a run of poor drafts (the recent survival curve) on a load where the long-run curve pays:
-    one request more still gets a drafter context; at a load where even that curve cannot pay, none."""
-    from dspark.verify.length_policy import DraftGate
-    # verified tokens as dear as decoded ones past 128 rows: no curve pays at 64 requests
-    bends = CostTable(num_tokens=[1, 8, 16, 64, 128, 512], steps_per_second=[100.0, 90.0, 50.0, 12.5, 6.25, 1.5625],
+    # a step of up to 8 tokens costs one token's time, beyond that time ∝ tokens (every size profiled): drafts
+    # pay at 1 request, and no curve pays at 64, where a verified token costs a decoded one's
+    sizes = list(range(1, 513))
+    bends = CostTable(num_tokens=sizes, steps_per_second=[100.0 / max(1.0, b / 8) for b in sizes],
                       draft_num_reqs=[1, 64], draft_seconds=[0.003, 0.02])
     gate = DraftGate(probe_every=1000)
-    for _ in range(50):
+    for _ in range(DraftGate.LONG_MIN_PROPOSALS):
+        assert gate.admits_model_drafting(num_reqs=64, cost=bends), "too few proposals to judge by"
         gate.observe(torch.full((1, 4), 0.9))
-    assert gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=bends)
-    for _ in range(10):
-        gate.observe(torch.full((1, 4), 0.05))
-    for _ in range(DraftGate.CLOSED_ADMIT_STEPS):
-        assert not gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=bends)
-    assert gate.closed_streak == DraftGate.CLOSED_ADMIT_STEPS
-    assert gate.admits_model_drafting(num_reqs=1, cost=bends), "the text closed it, not the load"
     assert not gate.admits_model_drafting(num_reqs=64, cost=bends)
-    assert not gate.admits_model_drafting(num_reqs=1, cost=None)
+    assert gate.admits_model_drafting(num_reqs=1, cost=bends)
+    assert gate.admits_model_drafting(num_reqs=64, cost=None), "no table: nothing to decide from"
+    for _ in range(34):
+        gate.observe(torch.full((1, 4), 0.9))
+    for _ in range(10):  # the text turns hard: the gate skips at 1 request, admission still says yes there
+        gate.observe(torch.full((1, 4), 0.05))
+    assert not gate.should_draft(num_reqs=1, num_nondraft_tokens=1, cost=bends)
+    assert gate.admits_model_drafting(num_reqs=1, cost=bends), "the text closed the gate, not the load"
+    assert not gate.admits_model_drafting(num_reqs=64, cost=bends)
+    # not even lookup drafts pay (proposing skipped, its probes aside, SKIPPED_PROPOSALS_ADMIT times in a row): no
+    # drafter runs at this load, whatever the curve
+    linear = CostTable(num_tokens=sizes, steps_per_second=[100.0 / b for b in sizes])
+    fresh = DraftGate(probe_every=1000)
+    fresh.observe_proposal(seconds=0.01, confidence=torch.full((2, 4), 0.01), num_proposed=[1, 0])
+    for _ in range(DraftGate.SKIPPED_PROPOSALS_ADMIT):
+        assert fresh.admits_model_drafting(num_reqs=2, cost=linear)
+        assert not fresh.proposing_pays(num_reqs=2, num_nondraft_tokens=2, cost=linear)
+    assert not fresh.admits_model_drafting(num_reqs=2, cost=linear)
+    fresh.observe_proposal(seconds=1e-6, confidence=torch.full((2, 4), 0.99), num_proposed=[4, 4])
+    assert fresh.proposing_pays(num_reqs=2, num_nondraft_tokens=2, cost=bends)
+    assert fresh.admits_model_drafting(num_reqs=2, cost=linear), "proposing pays again: the streak is over"
+    # a drafter whose drafts rarely pass: no load is light enough
+    poor = DraftGate()
+    for _ in range(DraftGate.LONG_MIN_PROPOSALS):
+        poor.observe(torch.full((1, 4), 0.05))
+    assert not poor.admits_model_drafting(num_reqs=1, cost=bends)
 
 
 def test_proposing_is_skipped_where_lookup_drafts_cannot_pay_for_it():

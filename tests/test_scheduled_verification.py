@@ -428,8 +428,8 @@ def test_a_closed_gate_extends_prompts_only_and_bounds_the_kept_taps(target, dra
 
 
 def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(target, drafter_dir, plain_outputs):
-    """Once the gate has said "skip" for CLOSED_ADMIT_STEPS steps in a row, an admitted request gets no
-    drafter context: no extension over its prompt, no taps in steps that carry only such requests, never a
+    """A request admitted where the gate says drafting cannot pay at its load (`admits_model_drafting`, scripted
+    here; its rule is tested in test_length_policy) gets no drafter context: no extension over its prompt, no taps in steps that carry only such requests, never a
     model proposal (prompt lookup still drafts for it), and its prefix-cache hits need no drafter K/V.
     Requests admitted before the gate closed keep theirs. Output equals plain decoding."""
     engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, coalesce_steps=2, ngram_first=True)

@@ -36,9 +36,8 @@ verify length cannot beat plain decoding it skips the drafter for that step (a p
 `probe_every` steps so the estimate follows the traffic). With a free drafter beside the model (prompt lookup) it
 also asks whether proposing at all can pay for its own bookkeeping (`proposing_pays`: the recent
 lookup-only proposals' survivals at the current load against the measured proposing seconds), and
-the engine then skips proposing for the step. Once it has stayed closed for a while at a load where
-even its long-run survival curve cannot pay, it also tells the scheduler to admit new requests without
-drafter context (`admits_model_drafting`; spec "gate_admission"): they cost the model drafter nothing
+the engine then skips proposing for the step. Where the load is such that even the drafter's long-run
+survival curve cannot pay, it also tells the scheduler to admit new requests without drafter context (`admits_model_drafting`; spec "gate_admission"): they cost the model drafter nothing
 and draft by prompt lookup only. The decisions read only past steps, so they keep the output
 distribution (and greedy output) unchanged.
 
@@ -238,11 +237,13 @@ class DraftGate:
     LIVE_MIN_GAIN = 1.10
     # lookup-only proposals whose survivals `proposing_pays` pools (16 × the requests of each)
     FREE_HISTORY = 16
-    # admission (`admits_model_drafting`): after this many steps in a row whose own decision (not a probe's) was
-    # "skip", or that skipped proposing altogether, newly admitted requests get no drafter context where the
-    # load is the reason (drafting could not pay even with the long-run survival curve, LONG_DECAY per proposal)
-    CLOSED_ADMIT_STEPS = 16
+    # admission (`admits_model_drafting`): a request joining a load where drafting could not pay even with the
+    # long-run survival curve (an EMA with LONG_DECAY per proposal, trusted from LONG_MIN_PROPOSALS on), or
+    # while proposing has been skipped for SKIPPED_PROPOSALS_ADMIT steps in a row (no draft could pay: the
+    # model drafter does not run either), gets no drafter context
     LONG_DECAY = 0.98
+    LONG_MIN_PROPOSALS = 16
+    SKIPPED_PROPOSALS_ADMIT = 16
 
     def __init__(self, *, probe_every: int = 8, decay: float = 0.7, min_gain: float = MIN_GAIN,
                  live_min_gain: float = LIVE_MIN_GAIN, plain_probe_every: int = 32,
@@ -257,6 +258,7 @@ class DraftGate:
         self.probe_reqs = probe_reqs
         self.mean_survival: np.ndarray | None = None  # [γ] ā_j
         self.long_survival: np.ndarray | None = None  # [γ] the same, averaged over ~50 proposals
+        self._long_count = 0  # proposals folded into long_survival
         self.steps_without_draft = 0
         self.steps_since_plain = 0
         self._probe_run: list[bool] = []  # the decisions left of a running probe
@@ -280,20 +282,23 @@ class DraftGate:
         self._free_version = 0  # bumped by each observed proposal
         self._pays_cache: tuple[tuple, CostTable, bool] | None = None
         self._steps_without_proposal = 0
-        self.closed_streak = 0  # consecutive steps the gate decided to skip (probes aside)
+        self._proposal_skip_streak = 0  # `proposing_pays` said no this many times in a row (its probes aside)
 
     def admits_model_drafting(self, *, num_reqs: int, cost: CostTable | None) -> bool:
-        """May a request admitted now, making `num_reqs` running, keep a drafter context
-        (`Request.model_drafting`)? Not while the gate has stayed closed for `CLOSED_ADMIT_STEPS` steps and
-        drafting could not pay at this load even with the long-run survival curve (so the load, not the
-        text of the last few requests, keeps it closed): a new request then costs no drafter work (no
-        context over its prompt, no taps, no probes) and may take target-only prefix-cache hits; its
-        drafts, if any, come from prompt lookup. Requests admitted after the gate reopens, or at a lighter
-        load, draft again. Reads past decisions only: lossless."""
-        if self.closed_streak < self.CLOSED_ADMIT_STEPS:
-            return True
-        if cost is None or self.long_survival is None:
+        """May a request joining a load of `num_reqs` requests keep a drafter context
+        (`Request.model_drafting`)? Not where drafting could not pay at that load even with the drafter's
+        long-run survival curve (the gate's fast curve follows the last few requests' text; this one, the
+        drafter's usual acceptance, so a run of poor drafts at a light load does not count): such a request
+        costs no drafter work (no context over its prompt, no taps, no probes) and may take target-only
+        prefix-cache hits; its drafts, if any, come from prompt lookup. Requests joining a lighter load
+        draft again. Also not while `proposing_pays` has said no `SKIPPED_PROPOSALS_ADMIT` times in a row
+        (not even lookup drafts pay at this load, and the engine runs no drafter at all). Otherwise yes
+        until the long-run curve has `LONG_MIN_PROPOSALS` proposals, and without a cost table. Reads past
+        steps only: lossless."""
+        if self._proposal_skip_streak >= self.SKIPPED_PROPOSALS_ADMIT:
             return False
+        if cost is None or self.long_survival is None or self._long_count < self.LONG_MIN_PROPOSALS:
+            return True
         live = self.live_factor
         margin = self.min_gain if live is None else self.live_min_gain
         curve = np.clip(self.long_survival * self.correction, 0.0, 1.0)
@@ -325,6 +330,7 @@ class DraftGate:
         self.mean_survival = _ema(None if old is None or old.shape != curve.shape else old, curve, self.decay)
         old = self.long_survival
         self.long_survival = _ema(None if old is None or old.shape != curve.shape else old, curve, self.LONG_DECAY)
+        self._long_count += 1
 
     def expected_gain(self, *, num_reqs: int, num_nondraft_tokens: int, cost: CostTable,
                       num_prompt_tokens: int = 0) -> float:
@@ -379,8 +385,7 @@ class DraftGate:
             self._pays_cache = (key, cost, pays)
         if pays:
             self._steps_without_proposal = 0
-        else:
-            self.closed_streak += 1
+        self._proposal_skip_streak = 0 if pays else self._proposal_skip_streak + 1
         return pays
 
     def _free_pays(self, *, num_reqs: int, num_nondraft_tokens: int, num_prompt_tokens: int,
@@ -449,7 +454,6 @@ class DraftGate:
             gain = self.expected_gain(num_reqs=num_reqs, num_nondraft_tokens=num_nondraft_tokens, cost=cost,
                                       num_prompt_tokens=num_prompt_tokens)
             decision = gain * (live or 1.0) > margin
-            self.closed_streak = 0 if decision else self.closed_streak + 1
             if decision:
                 self._probe_interval = self.probe_every
             elif self._probed:  # a probe that did not convince: wait longer before the next one
