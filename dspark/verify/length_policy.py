@@ -37,9 +37,10 @@ verify length cannot beat plain decoding it skips the drafter for that step (a p
 also asks whether proposing at all can pay for its own bookkeeping (`proposing_pays`: the recent
 lookup-only proposals' survivals at the current load against the measured proposing seconds), and
 the engine then skips proposing for the step. Where the load is such that even the drafter's long-run
-survival curve cannot pay, it also tells the scheduler to admit new requests without drafter context (`admits_model_drafting`; spec "gate_admission"): they cost the model drafter nothing
-and draft by prompt lookup only. The decisions read only past steps, so they keep the output
-distribution (and greedy output) unchanged.
+survival curve cannot pay, it also tells the scheduler to admit new requests without drafter context
+(`admits_model_drafting`; spec "gate_admission"): they cost the model drafter nothing and draft by
+prompt lookup only. The decisions read only past steps, so they keep the output distribution (and
+greedy output) unchanged.
 
 Policies that need confidences or a cost table fail closed: `build_length_policy(...,
 confidence_available=False)` or `choose(confidence=None)` raises a ValueError naming what is
