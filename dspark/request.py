@@ -52,8 +52,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose target K/V are in the pool (committed)
     num_cached_tokens: int = 0  # of the prompt, served by a prefix-cache hit at admission
     num_draft_computed: int = 0  # positions whose drafter context K/V are in the pool
-    # the model drafter keeps a context for this request (decided at admission: False while the draft gate
-    # is closed, `Scheduler.admit_model_drafting`): without it, prompt lookup is its only drafter
+    # the model drafter keeps a context for this request (decided at admission, `Scheduler.admit_model_drafting`:
+    # False where drafting could not pay at the load it joined): without it, prompt lookup is its only drafter
     model_drafting: bool = True
     # committed positions whose drafter context is deferred while the draft gate skips, contiguous from
     # num_draft_computed (`defer_context`, `take_pending_context`), and how many

@@ -3,6 +3,7 @@ DSPARK_MALLOC_TUNING=0 says so."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -11,8 +12,7 @@ import pytest
 CHECK = ("import dspark.utils.host as h; first = h.tune_malloc(); print(first, h.tune_malloc(), h._done)")
 
 
-def _run(env_extra: dict[str, str]) -> str:
-    import os
+def _run(env_extra: dict[str, str]) -> list[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "DSPARK_MALLOC_TUNING"}
     return subprocess.run([sys.executable, "-c", CHECK], env={**env, **env_extra}, capture_output=True,
                           text=True, check=True).stdout.split()

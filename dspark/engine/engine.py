@@ -89,7 +89,7 @@ class Engine:
             from dspark.verify.length_policy import DraftGate
             self.draft_gate = DraftGate()
             self.model_verify_observers.append(self.draft_gate.observe_verify)
-            if config.spec.gate_admission:  # while the gate stays closed, admitted requests get no drafter context
+            if config.spec.gate_admission:  # requests joining a load where drafting cannot pay: no drafter context
                 self.scheduler.admit_model_drafting = self._admit_model_drafting
         self.upkeep = None  # online cost-table / calibration upkeep (spec "online_upkeep")
         if drafter is not None and config.spec is not None and config.spec.online_upkeep:

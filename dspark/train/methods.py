@@ -154,13 +154,13 @@ def eagle3_accepted(model, batch: Batch, feats: TargetFeatures, *, d2t: torch.Te
     return accepted
 
 
-def focus_anchors(model, batch: Batch, feats: TargetFeatures) -> list[torch.Tensor]:
-    """Per row [num_rounds] long: the anchors greedy decoding with this block drafter visits
-    (`anchors.process_anchors`), for `TrainConfig.anchor_focus`."""
+def focus_anchors(model, batch: Batch, feats: TargetFeatures) -> tuple[list[torch.Tensor], int]:
+    """(per row [num_rounds] long: the anchors greedy decoding with this block drafter visits
+    (`anchors.process_anchors`), for `TrainConfig.anchor_focus`; the answer tokens they emit)."""
     feats = _drafter_features(feats)
     valid = valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths)
     rounds = process_anchors(accepted=block_accepted(model, batch, feats), valid=valid)
-    return [torch.tensor(r, dtype=torch.long) for r in rounds]
+    return [torch.tensor(r, dtype=torch.long) for r in rounds], int(valid.sum())
 
 
 def process_tau_counts(cfg, model, batch: Batch, feats: TargetFeatures, *, d2t: torch.Tensor | None

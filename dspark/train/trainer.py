@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from dspark.train import methods
-from dspark.train.anchors import valid_anchor_mask
 from dspark.train.config import TrainConfig
 from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, collate, token_counts,
                                vocab_coverage)
@@ -163,8 +162,9 @@ class Trainer:
                                                                         len(self.train_ds)))])
             feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=self.cache)
             with self._autocast():
-                focus += methods.focus_anchors(self.model, batch, feats)
-            tokens += int(valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths).sum())
+                anchors, emitted = methods.focus_anchors(self.model, batch, feats)
+            focus += anchors
+            tokens += emitted
         self.model.train()
         rounds = sum(f.numel() for f in focus)
         if self.rank == 0:
