@@ -514,6 +514,37 @@ def test_resume_matches_uninterrupted_training(tmp_path):
         t.close()
 
 
+def test_select_by_tau_process_exports_the_best_validation(tmp_path, monkeypatch):
+    """select_by tau_process: validation at steps 0, 2, 4, 6 scores (scripted) 1.5, 2.5, 2.5, 1.8, so the export
+    holds the step-2 weights (a tie keeps the earlier step), the ones a run stopped at step 2 ends with, and
+    not the last; "last" exports the final weights; selection without tau_process is refused."""
+    data = toy_data(tmp_path / "data")
+    cfg = tiny_config(max_steps=6, eval_every=2, select_by="tau_process")
+    scripted = {0: 1.5, 2: 2.5, 4: 2.5, 6: 1.8}
+    trainers = []
+
+    def counts(cfg, model, batch, feats, d2t):
+        return scripted[trainers[-1].step], 1
+
+    monkeypatch.setattr(methods, "process_tau_counts", counts)
+    for name, kw, stop in (("two", dict(select_by="last"), 2), ("best", {}, None), ("last", dict(select_by="last"), None)):
+        trainers.append(Trainer(replace(cfg, **kw), data_dir=data, out_dir=tmp_path / name, target=tiny_target(),
+                                show_progress=False))
+        trainers[-1].fit(stop_at=stop)
+        trainers[-1].export(tmp_path / name / "export")
+    from safetensors.torch import load_file
+    two, best, last = (load_file(tmp_path / n / "export" / "model.safetensors") for n in ("two", "best", "last"))
+    assert all(torch.equal(two[k], best[k]) for k in two)
+    assert not all(torch.equal(last[k], best[k]) for k in last)
+    exported = json.loads((tmp_path / "best" / "export" / "train_config.json").read_text())
+    assert exported["_exported_step"] == 2 and trainers[1].step == 6
+    assert load_train_config(tmp_path / "best" / "export" / "train_config.json").select_by == "tau_process"
+    with pytest.raises(ValueError, match="select_by tau_process needs eval_process_tau"):
+        replace(cfg, eval_process_tau=False)
+    for t in trainers:
+        t.close()
+
+
 def _ddp_worker(rank: int, world: int, store: str, data: str, out: str, result: str) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)

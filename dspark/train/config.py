@@ -15,6 +15,7 @@ from typing import Any
 from dspark.config import DEFAULT_MODEL
 
 METHODS = ("dspark", "dflash", "eagle3")
+SELECT_BY = ("last", "tau_process")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ class TrainConfig:
     # engine's tau, beside tau_top1's uniform anchors (costs a block at every answer position, not only at
     # num_anchors random ones)
     eval_process_tau: bool = True
+    # which weights `dspark train` exports: "last" (the final step) or "tau_process" (the validation with the
+    # highest tau_process, the starting weights' own validation included; needs eval_process_tau and a
+    # val split; kept in checkpoints/best.pt)
+    select_by: str = "last"
     ckpt_every: int = 200
     keep_checkpoints: int = 2
     seed: int = 0
@@ -83,6 +88,8 @@ class TrainConfig:
         _need(0.0 <= self.anchor_focus <= 1.0, f"anchor_focus must be in [0, 1], got {self.anchor_focus}")
         _need(not (self.anchor_focus and self.method == "eagle3"),
               "anchor_focus applies to the block drafters (dspark, dflash), not eagle3")
+        _need(self.select_by in SELECT_BY, f"select_by {self.select_by!r} unknown; choose from {', '.join(SELECT_BY)}")
+        _need(self.select_by != "tau_process" or self.eval_process_tau, "select_by tau_process needs eval_process_tau")
         _need(self.target_dtype in ("float32", "bfloat16", "float16"), f"target_dtype {self.target_dtype!r}")
         _need(self.drafter_autocast in (None, "bfloat16"), f"drafter_autocast {self.drafter_autocast!r}")
         _need(self.num_draft_layers >= 1, "num_draft_layers must be >= 1")

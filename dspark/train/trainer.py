@@ -12,7 +12,9 @@ not `forward`, and the loss is already globally normalised.)
 
 Checkpoints (every ckpt_every steps, the last keep_checkpoints kept) hold the trainable weights, the
 optimizer, scheduler, RNG states, the data cursor and the draft vocabulary, so `--resume` continues
-bit for bit. Frozen weights (embedding, LM head) come from the target and are not stored.
+bit for bit. Frozen weights (embedding, LM head) come from the target and are not stored. With
+select_by "tau_process" the weights of the best validation by tau_process (the starting weights' own
+validation included) are kept in checkpoints/best.pt, and export writes those instead of the last.
 
     trainer = Trainer(cfg, data_dir="data/smollm2_train", out_dir="runs/dspark1")
     trainer.fit(resume=True); trainer.export("runs/dspark1/export")
@@ -238,6 +240,8 @@ class Trainer:
         if resume:
             self.load_checkpoint()
         self.precompute_features()
+        if self._selects_best() and self.step == 0:
+            self.evaluate()  # the starting weights are a candidate (a warm start may already be the best)
         end = min(self.cfg.max_steps, stop_at or self.cfg.max_steps)
         bar = None
         if self.show_progress:
@@ -311,7 +315,28 @@ class Trainer:
         log.info("val %s", json.dumps(record))
         with open(self.out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._selects_best() and "tau_process" in record:
+            self._keep_if_best(record["tau_process"])
         return record
+
+    # -- selection by tau_process ----------------------------------------------------------------------
+    def _selects_best(self) -> bool:
+        return self.cfg.select_by == "tau_process" and self.val_ds is not None and self.rank == 0
+
+    def _best_path(self) -> Path:
+        return self.out_dir / "checkpoints" / "best.pt"
+
+    def _keep_if_best(self, tau: float) -> None:
+        """Store the current trainable weights as checkpoints/best.pt when tau beats the stored best (a
+        tie keeps the earlier step)."""
+        path = self._best_path()
+        if path.exists() and torch.load(path, map_location="cpu", weights_only=False)["tau_process"] >= tau:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"step": self.step, "tau_process": tau, "model": self._trainable_state()}, tmp)
+        tmp.rename(path)
+        log.info("best tau_process %.4f at step %d", tau, self.step)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def _trainable_state(self) -> dict[str, torch.Tensor]:
@@ -379,8 +404,15 @@ class Trainer:
         config next to it."""
         if self.rank != 0:
             return
+        step = self.step
+        if self._selects_best() and self._best_path().exists():
+            best = torch.load(self._best_path(), map_location="cpu", weights_only=False)
+            self.model.load_state_dict(best["model"], strict=False)  # trainable weights only
+            step = best["step"]
+            log.info("select_by tau_process: exporting step %d (tau_process %.4f) of %d", step,
+                     best["tau_process"], self.step)
         methods.export(self.cfg, self.model, self.draft_cfg, path)
-        Path(path, "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+        Path(path, "train_config.json").write_text(json.dumps({**asdict(self.cfg), "_exported_step": step}, indent=2))
         log.info("exported %s drafter to %s", self.cfg.method, path)
 
     def close(self) -> None:
