@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Reproduces the drafters shipped in dspark/assets/drafters/ for SmolLM2-135M-Instruct on 2 CPU cores,
-# about 4.5 hours. Stage 1 (session 4, ~2.5 h): data ~40 + ~25 min, features ~12 min, DSpark / DFlash /
+# about 5.5 hours. Stage 1 (session 4, ~2.5 h): data ~40 + ~25 min, features ~12 min, DSpark / DFlash /
 # EAGLE-3 trained from scratch side by side (one thread each) ~75 min. Stage 2 (session 16, ~2 h): a
 # second data set (q4_1 target, Magpie-style prompts the target writes itself), features, and each
 # drafter warm-started from its stage-1 weights (`init_from`, same draft vocabulary) for the same steps;
+# Stage 3 (session 19, ~1 h): a third data set (the stage-2 one plus 1,500 more Magpie-style prompts), features,
+# each drafter warm-started from its stage-2 weights for 1,000 steps, the export chosen by held-out tau_process;
 # then calibration ~10 min. Every step is resumable: rerun after an interruption.
 #   bash scripts/train_shipped_drafters.sh
 set -euo pipefail
@@ -27,34 +29,43 @@ for m in dspark dflash eagle3; do
       --no-progress --resume &
 done
 wait
-# 3b. stage 2: the target (q4_1 products, the served default) answers every train prompt that fits plus
-#     1,500 requests it writes itself (Magpie-style, chat-like; 1,327 kept), ~23 min; features ~18 min; each
-#     stage-1 drafter trains on them from its own weights (init_from: its weights and draft vocabulary),
-#     1,200 steps with the same batch and a warm-up + cosine schedule from lr 3e-4, side by side, ~60 min
-DATA3=data/smollm2_train_v3
-python -m dspark prepare-data --out "$DATA3" --max-tokens 192 --max-prompt-tokens 384 --batch-size 96 \
-    --matmul-dtype q4_1 --num-threads 2 --magpie 1500
-python -m dspark train --config configs/train_dspark_smollm2.json --data "$DATA3" --out runs/features_v3_pass \
-    --precompute-features --set num_threads=2 --set feature_cache='"runs/features_v3"' \
-    --set init_from='"runs/dspark2/export"' --no-progress
-for m in dspark dflash eagle3; do
-  python -m dspark train --config configs/train_${m}_smollm2.json --data "$DATA3" --out runs/${m}3 \
-      --set feature_cache='"runs/features_v3"' --set init_from="\"runs/${m}2/export\"" --set lr=3e-4 \
-      --set max_steps=1200 --no-progress --resume &
-done
-wait
+# warm-start stage N: the target (q4_1 products, the served default) answers every train prompt that fits plus
+# MAGPIE requests it writes itself (prepare-data), features once, then each drafter of stage N-1 trains on them
+# from its own weights (init_from: its weights and draft vocabulary), side by side; extra --set overrides follow
+warm_stage() {
+  local n=$1 magpie=$2; shift 2
+  python -m dspark prepare-data --out data/smollm2_train_v$n --max-tokens 192 --max-prompt-tokens 384 \
+      --batch-size 96 --matmul-dtype q4_1 --num-threads 2 --magpie "$magpie"
+  python -m dspark train --config configs/train_dspark_smollm2.json --data data/smollm2_train_v$n \
+      --out runs/features_v${n}_pass --precompute-features --set num_threads=2 \
+      --set feature_cache="\"runs/features_v$n\"" --set init_from="\"runs/dspark$((n - 1))/export\"" --no-progress
+  for m in dspark dflash eagle3; do
+    python -m dspark train --config configs/train_${m}_smollm2.json --data data/smollm2_train_v$n --out runs/$m$n \
+        --set feature_cache="\"runs/features_v$n\"" --set init_from="\"runs/$m$((n - 1))/export\"" "$@" \
+        --no-progress --resume &
+  done
+  wait
+}
+# 3b. stage 2: 1,500 Magpie-style requests (chat-like; 1,327 kept), data ~23 min, features ~18 min; 1,200 steps,
+#     warm-up + cosine from lr 3e-4, ~60 min
+warm_stage 3 1500 --set lr=3e-4 --set max_steps=1200
+# 3c. stage 3: --magpie 3000 asks for stage 2's 1,500 again with the same seeds and 1,500 new ones (2,602 kept),
+#     data ~26 min, features ~13 min; 1,000 steps from lr 2e-4, validated every 250 steps, exporting the validation
+#     with the highest tau_process (select_by; the starting weights included), ~32 min
+warm_stage 4 3000 --set lr=2e-4 --set max_steps=1000 --set eval_every=250 --set select_by='"tau_process"'
+DATA4=data/smollm2_train_v4
 # 4. Sequential Temperature Scaling on the held-out split of the training data (not eval/): a greedy
 #    fit and a sampling fit (calibration.json "greedy_temperatures" / "temperatures")
-#    (stage 2: with the served default's q4_1 target products, on the stage-2 held-out split)
-python -m dspark calibrate --drafter runs/dspark3/export --data "$DATA3" --num-prompts 0 --max-tokens 192 \
+#    (with the served default's q4_1 target products, on the stage-3 held-out split)
+python -m dspark calibrate --drafter runs/dspark4/export --data "$DATA4" --num-prompts 0 --max-tokens 192 \
     --temperature 0 --fit-bias --plot docs/img/reliability_dspark_smollm2_greedy.png --num-threads 2
-python -m dspark calibrate --drafter runs/dspark3/export --data "$DATA3" --num-prompts 0 --max-tokens 192 \
+python -m dspark calibrate --drafter runs/dspark4/export --data "$DATA4" --num-prompts 0 --max-tokens 192 \
     --temperature 1 --fit-bias --plot docs/img/reliability_dspark_smollm2.png --num-threads 2
 # 5. ship
 mkdir -p dspark/assets/drafters
 for m in dspark dflash eagle3; do
   rm -rf dspark/assets/drafters/${m}-smollm2-135m
-  cp -r runs/${m}3/export dspark/assets/drafters/${m}-smollm2-135m
+  cp -r runs/${m}4/export dspark/assets/drafters/${m}-smollm2-135m
 done
 # 6. the step-cost tables the adaptive policies of `dspark serve` read, one per matmul dtype of the target
 #    (machine-specific: re-profile on yours)
