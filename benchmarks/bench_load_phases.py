@@ -54,6 +54,7 @@ VARIANTS = {
     "nogate": {**DEFAULT, "draft_gate": False},
     "nocache": {**DEFAULT, "lookup_cache_entries": 0},
     "upkeep": {**DEFAULT, "online_upkeep": True},
+    "profiled": DEFAULT,  # with --cost-table
 }
 
 
@@ -64,9 +65,12 @@ def variant_matmul_dtype(name: str) -> str:
     return resolve_matmul_dtype("float32" if name.endswith("-fp32") else "auto", model=DEFAULT_MODEL)
 
 
-def variant_spec(name: str) -> dict | None:
-    """The variant's speculative config, its cost table the shipped one of its matmul dtype."""
+def variant_spec(name: str, cost_table: str | None = None) -> dict | None:
+    """The variant's speculative config, its cost table the shipped one of its matmul dtype ("profiled": the
+    default with `cost_table`, e.g. one `dspark profile` wrote on this machine)."""
     from dspark.drafters.shipped import shipped_cost_table
+    if name.removesuffix("-fp32") == "profiled":
+        return {**DEFAULT, "cost_table": cost_table}
     spec = VARIANTS[name.removesuffix("-fp32")]
     if spec is None or "cost_table" not in spec:
         return spec
@@ -170,14 +174,17 @@ def main(argv: list[str] | None = None) -> dict:
                         "cannot")
     p.add_argument("--coalesce-steps", type=int, default=None,
                    help="scheduler coalescing bound for every variant (default: the engine's)")
+    p.add_argument("--cost-table", default=None, help="the variant 'profiled' runs the default with this cost table")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v.removesuffix("-fp32") not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)} (each also as NAME-fp32)")
+    if any(v.removesuffix("-fp32") == "profiled" for v in names) and not args.cost_table:
+        p.error("--variants profiled needs --cost-table")
 
-    llms = {v: LLM(speculative_config=variant_spec(v), matmul_dtype=variant_matmul_dtype(v),
+    llms = {v: LLM(speculative_config=variant_spec(v, args.cost_table), matmul_dtype=variant_matmul_dtype(v),
                    max_num_seqs=max(64, args.concurrency)) for v in names}
     if args.coalesce_steps is not None:
         for llm in llms.values():
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     for v in names:
         medians[v]["tok_s_ratio_vs_" + names[0]] = medians[v]["output_tok_s"] / base
     result = {"bench": "load_phases", "summary": {"median": medians}, "config": vars(args),
-              "variants": {v: {"speculative_config": variant_spec(v), "matmul_dtype": variant_matmul_dtype(v)}
+              "variants": {v: {"speculative_config": variant_spec(v, args.cost_table), "matmul_dtype": variant_matmul_dtype(v)}
                  for v in names},
               "runs": runs, **run_info(None if argv is None else ["benchmarks/bench_load_phases.py", *argv])}
     for v in names:
