@@ -4,7 +4,7 @@
 # EAGLE-3 trained from scratch side by side (one thread each) ~75 min. Stage 2 (session 16, ~2 h): a
 # second data set (q4_1 target, Magpie-style prompts the target writes itself), features, and each
 # drafter warm-started from its stage-1 weights (`init_from`, same draft vocabulary) for the same steps;
-# Stage 3 (session 19, ~1 h): a third data set (the stage-2 one plus 1,500 more Magpie-style prompts), features,
+# stage 3 (session 19, ~1.2 h): a third data set (the stage-2 one plus 1,500 more Magpie-style prompts), features,
 # each drafter warm-started from its stage-2 weights for 1,000 steps, the export chosen by held-out tau_process;
 # then calibration ~10 min. Every step is resumable: rerun after an interruption.
 #   bash scripts/train_shipped_drafters.sh
