@@ -111,6 +111,7 @@ class Trainer:
         self.head_rows = head if self.d2t is None else head[self.d2t.to(head.device)].contiguous()
         self.step, self.cursor = 0, Cursor()
         self.focus: list[torch.Tensor] | None = None  # anchor_focus: per train sample, mined on first use
+        self._best_tau: float | None = None  # select_by tau_process: checkpoints/best.pt's score, read once
         if self.rank == 0:
             n_train = sum(p.numel() for p in self.params)
             log.info("train %s: %d trainable params, %d train / %d val sequences (%d tokens), world %d, "
@@ -330,8 +331,11 @@ class Trainer:
         """Store the current trainable weights as checkpoints/best.pt when tau beats the stored best (a
         tie keeps the earlier step)."""
         path = self._best_path()
-        if path.exists() and torch.load(path, map_location="cpu", weights_only=False)["tau_process"] >= tau:
+        if self._best_tau is None and path.exists():  # a resumed run: the best so far is on disk
+            self._best_tau = torch.load(path, map_location="cpu", weights_only=False)["tau_process"]
+        if self._best_tau is not None and self._best_tau >= tau:
             return
+        self._best_tau = tau
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         torch.save({"step": self.step, "tau_process": tau, "model": self._trainable_state()}, tmp)
