@@ -23,7 +23,8 @@ time ÷ tokens per step, both terms measured. Medians over repeats, and each var
 Variants: plain (no speculation), default (the shipped config: DSpark + lookup first + prefix
 scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), q4-draft (default
 with the drafter's backbone and head quantized to Q4_1 blocks, `draft_matmul_dtype` "q4_1"), nogate
-(default without the draft gate), nocache (default without the lookup's cross-request cache), upkeep (default with online upkeep of
+(default without the draft gate), nocache (default without the lookup's cross-request cache), noswitch (default without the measured
+switch, dspark.verify.switch), upkeep (default with online upkeep of
 the cost table and calibration from live steps); each as NAME-fp32 with fp32 matrix
 products instead of the default (auto: bf16 or q4_1 where the CPU kernels support it; the shipped cost table of the
 variant's dtype). The
@@ -52,6 +53,7 @@ VARIANTS = {
     "fp32-draft": {**DEFAULT, "draft_matmul_dtype": "float32"},
     "q4-draft": {**DEFAULT, "draft_matmul_dtype": "q4_1"},
     "nogate": {**DEFAULT, "draft_gate": False},
+    "noswitch": {**DEFAULT, "measured_switch": False},
     "nocache": {**DEFAULT, "lookup_cache_entries": 0},
     "upkeep": {**DEFAULT, "online_upkeep": True},
     "profiled": DEFAULT,  # with --cost-table

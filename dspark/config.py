@@ -71,6 +71,10 @@ class SpecConfig:
     # prompt lookup; it takes target-only prefix-cache hits): speculation held off by the load costs no drafter
     # work
     gate_admission: bool = True
+    # with the draft gate: speculation on or off per load by the engine's measured seconds per emitted token in
+    # decode steps with and without it (dspark.verify.switch.MeasuredSwitch): off where it does not beat plain
+    # decoding by a margin, whatever the cost table predicts
+    measured_switch: bool = True
     prompt_lookup_min: int = 2  # n-gram (and ngram_first)
     prompt_lookup_max: int = 5
     ngram_first: bool = False  # model drafters: prompt lookup first, the model where it cannot do better

@@ -19,6 +19,7 @@ with a random-weight DSpark drafter (Markov + confidence heads):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -109,6 +110,7 @@ def drafter_dir(tmp_path_factory, plain_outputs):
 
 
 def _spec(drafter_dir, **kw) -> SpecConfig:
+    kw.setdefault("measured_switch", False)  # the clock would decide (tested with scripted decisions)
     return SpecConfig(method="dspark", model=drafter_dir, num_speculative_tokens=GAMMA, **kw)
 
 
@@ -479,6 +481,55 @@ def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(ta
     assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
 
 
+def test_a_load_measured_off_proposes_nothing_and_admits_without_drafter_context(target, drafter_dir, plain_outputs):
+    """Where the measured switch (dspark/verify/switch.py; its rule: tests/test_switch.py) has found
+    speculation slower than plain decoding, scripted here for every load: no proposal at all (lookup
+    included), no drafts verified, every request admitted without drafter context (no extension, no taps),
+    and output equal to plain decoding. Off in the config, the engine has no switch."""
+    engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=FLAT, coalesce_steps=2, ngram_first=True,
+                          measured_switch=True)
+    switch = engine.switch
+    switch.propose = lambda **_: False  # every load measured off, and no speculative probe in this run
+    switch.is_off = lambda **_: True
+    proposed: list[int] = []
+    propose = engine.drafter.propose
+
+    def recorded_propose(batch, _f=propose):
+        proposed.append(len(batch.requests))
+        return _f(batch)
+    engine.drafter.propose = recorded_propose
+    extended: list[str] = []
+    extend = engine.drafter.extend_context
+
+    def recorded_extend(update, _f=extend):
+        extended.extend(s.request_id for s in update.segments)
+        return _f(update)
+    engine.drafter.extend_context = recorded_extend
+    prompts = _prompts()
+    staged = run_staged(engine, prompts, greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert _mismatches(staged.outputs, plain_outputs) == 0
+    assert proposed == [] and extended == []
+    assert engine.metrics.num_draft_tokens == 0 and engine.metrics.num_measured_off_steps > 0
+    assert engine.metrics.num_admitted_without_drafter == len(prompts)
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
+    assert _spec_engine(target, drafter_dir, PrefixScheduler(), cost=FLAT, measured_switch=False).switch is None
+
+
+@pytest.mark.parametrize("policy", ["prefix", "async"])
+def test_a_switch_turning_on_and_off_keeps_greedy_parity(target, drafter_dir, plain_outputs, policy):
+    """Speculation switched off and on again mid-request (scripted: three steps on, two off, over and over):
+    drafts proposed before an "off" step are still verified in it, none are proposed in it, and the output
+    equals plain decoding."""
+    engine = _spec_engine(target, drafter_dir, PrefixScheduler() if policy == "prefix" else AsyncPrefixScheduler(),
+                          cost=FLAT, coalesce_steps=2, ngram_first=True, measured_switch=True)
+    pattern = itertools.cycle([True, True, True, False, False])
+    engine.switch.propose = lambda **_: next(pattern)
+    staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
+    assert _mismatches(staged.outputs, plain_outputs) == 0
+    assert engine.metrics.num_draft_tokens > 0 and engine.metrics.num_measured_off_steps > 0
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
+
+
 # -- fail closed --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def target_dir(target, tmp_path_factory):
@@ -567,6 +618,7 @@ def test_metrics_scrape_scheduled_verification(tmp_path):
         assert m[("dspark:cost_table_sps", (("num_tokens", str(b)),))] == pytest.approx(sps)
     assert m[("dspark:coalesce_held_steps_count", ())] == 2  # one observation per finished request
     assert m[("dspark:spec_decode_num_admitted_without_drafter_total", ())] == 0  # flat curve: the gate stays open
+    assert m[("dspark:spec_decode_num_measured_off_steps_total", ())] == 0  # (no switch in this engine)
 
 
 # -- online upkeep --------------------------------------------------------------------------------

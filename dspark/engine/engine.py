@@ -91,6 +91,10 @@ class Engine:
             self.model_verify_observers.append(self.draft_gate.observe_verify)
             if config.spec.gate_admission:  # requests joining a load where drafting cannot pay: no drafter context
                 self.scheduler.admit_model_drafting = self._admit_model_drafting
+        self.switch = None  # speculation on/off per load by measured seconds per token (spec "measured_switch")
+        if self.draft_gate is not None and config.spec.measured_switch:
+            from dspark.verify.switch import MeasuredSwitch
+            self.switch = MeasuredSwitch()
         self.upkeep = None  # online cost-table / calibration upkeep (spec "online_upkeep")
         if drafter is not None and config.spec is not None and config.spec.online_upkeep:
             from dspark.verify.upkeep import OnlineUpkeep
@@ -106,7 +110,8 @@ class Engine:
         burst see the burst's load."""
         sched = self.scheduler
         load = min(len(sched.running) + len(sched.waiting), self.config.scheduler.max_num_seqs)
-        ok = self.draft_gate.admits_model_drafting(num_reqs=load, cost=self.cost_table)
+        ok = (self.draft_gate.admits_model_drafting(num_reqs=load, cost=self.cost_table)
+              and not (self.switch is not None and self.switch.is_off(num_reqs=load)))
         if not ok:
             self.metrics.num_admitted_without_drafter += 1
         return ok
@@ -170,10 +175,16 @@ class Engine:
             self._record(sched, result)
         outputs = self._outputs(sched, emitted)
         if self.draft_gate is not None and sched.scheduled:  # the whole step, as the gate's live cost
+            seconds = time.perf_counter() - step_start
             self.draft_gate.observe_step(
-                num_tokens=sched.num_batched_tokens, seconds=time.perf_counter() - step_start,
+                num_tokens=sched.num_batched_tokens, seconds=seconds,
                 drafts_verified=any(s.num_drafts for s in sched.scheduled), num_proposed_reqs=num_proposed,
                 cost=self.cost_table)
+            if self.switch is not None:
+                self.switch.observe_step(
+                    seconds=seconds, num_emitted=sum(len(ids) for ids in emitted.values()),
+                    decode_only=not sched.preempted_ids and all(
+                        s.start_pos >= len(s.request.prompt_ids) for s in sched.scheduled))
         return outputs
 
     # -- phases ----------------------------------------------------------------------------------
@@ -306,14 +317,16 @@ class Engine:
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:
             return [], [], NextStep(0, 0, 0)
-        next_step = self._next_step_tokens()
-        if self.draft_gate is not None and not self.draft_gate.proposing_pays(
+        measured_off = self.switch is not None and not self.switch.propose(num_reqs=len(reqs))
+        next_step = NextStep(0, 0, 0) if measured_off else self._next_step_tokens()
+        if measured_off or (self.draft_gate is not None and not self.draft_gate.proposing_pays(
                 num_reqs=len(reqs), num_nondraft_tokens=next_step.num_nondraft,
-                num_prompt_tokens=next_step.num_prompt, cost=self.cost_table):  # lookup cannot pay for itself
+                num_prompt_tokens=next_step.num_prompt, cost=self.cost_table)):  # lookup cannot pay for itself
             for r in reqs:
                 r.clear_drafts()
             with self.metrics.lock:
                 self.metrics.num_proposal_skips += 1
+                self.metrics.num_measured_off_steps += measured_off
                 self.metrics.verify_lens.extend([0] * len(reqs))
             return [], [], next_step
         cost_aware = getattr(self.length_policy, "needs_cost", False)

@@ -21,6 +21,7 @@ class EngineMetrics:
     num_draft_skips: int = 0  # request-steps whose drafting the draft gate skipped (it could not pay)
     num_proposal_skips: int = 0  # steps without any proposal: lookup drafts could not pay for proposing
     num_lookup_drafts: int = 0  # request-steps drafted by prompt lookup instead of the model ("ngram_first")
+    num_measured_off_steps: int = 0  # steps speculation was off because it measured slower than plain ("measured_switch")
     num_admitted_without_drafter: int = 0  # requests admitted while the draft gate stayed closed ("gate_admission")
     coalesce_held_steps: list[int] = field(default_factory=list)  # per finished request (drained)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -63,6 +63,10 @@ class _EngineCollector:
                       "Steps without any proposal (lookup or model): under the load the draft gate "
                       "found that prompt lookup's drafts could not pay for proposing them.",
                       m.num_proposal_skips)
+        yield counter("spec_decode_num_measured_off_steps",
+                      "Steps without any proposal because, at the load, speculative decode steps measured "
+                      "no faster per emitted token than plain ones (measured_switch).",
+                      m.num_measured_off_steps)
         yield counter("spec_decode_num_lookup_drafts",
                       "Request-steps drafted by prompt lookup instead of the model drafter "
                       "(ngram_first).", m.num_lookup_drafts)

@@ -53,6 +53,8 @@ class CostTable:
             raise ValueError("steps_per_second must all be > 0")
         if any(s < 0 for s in self.draft_seconds):
             raise ValueError("draft_seconds must all be >= 0")
+        object.__setattr__(self, "_sps_memo", {})  # num_tokens -> sps: the engine asks every step
+
 
     # ------------------------------------------------------------------------------------------
     # Lookups
@@ -60,7 +62,10 @@ class CostTable:
     def sps(self, num_tokens: int) -> float:
         """Verification steps per second at `num_tokens` tokens (interpolated in SPS inside the
         profiled range; flat below; linear-in-time above)."""
-        return float(self.sps_array(np.asarray([num_tokens]))[0])
+        value = self._sps_memo.get(num_tokens)
+        if value is None:
+            value = self._sps_memo[num_tokens] = float(self.sps_array(np.asarray([num_tokens]))[0])
+        return value
 
     def sps_array(self, num_tokens: np.ndarray) -> np.ndarray:  # [num_sizes] -> [num_sizes] float
         """Vectorised `sps` (the prefix scheduler evaluates every candidate batch size at once)."""

@@ -319,7 +319,7 @@ class DraftGate:
             mode, predicted = "plain", cost.step_seconds(num_tokens)
         else:
             return
-        ratio = float(np.clip(seconds / predicted, 0.2, 5.0))
+        ratio = min(max(seconds / predicted, 0.2), 5.0)
         self.time_ratio[mode] = _ema(self.time_ratio[mode], ratio, self.time_decay)
 
     def observe(self, confidence: torch.Tensor, *, num_proposed: Sequence[int] | None = None) -> None:

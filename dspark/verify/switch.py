@@ -1,0 +1,138 @@
+"""Speculation on or off at a load by the measured cost of a token (spec "measured_switch").
+
+The cost table and the confidence head predict what drafts save; the engine's own clock says what they
+did. For each load (the requests of a step, in half-octave buckets: 1, 2, 3-4, 5, 6-8, 9-11, 12-16, ...) the
+switch keeps two running figures from decode-only steps (no prompt chunk): seconds of the whole engine step
+per emitted token with speculation on (the engine proposed before the step and proposes after it: its
+drafts verified, proposing, choosing, drafter context) and with it off (neither). Until both are known the
+switch leaves speculation on; then at that load it stays on only while its seconds per token beat plain
+decoding's by `min_gain`, a margin for what decode steps do not show (drafts riding prompt steps, the
+drafter's context over prompts, requests that finish out of step). The figures are running sums that
+weigh the last ~30 samples (`decay`), longer than a stretch of text the drafters happen to miss: the switch
+answers for the load (a step-cost curve too steep for drafts to pay for their bookkeeping), while the
+confidence-based policies and the draft gate answer for the text, step by step. Each mode is probed from time to time so
+both figures stay current: `probe_steps` plain steps every `plain_every` speculative ones (every
+`first_plain_every` until plain is known), `probe_steps` speculative steps every `spec_every` plain ones (the
+interval doubling up to `max_spec_every` while probes keep saying "off"). A probe's first step is a
+transition (it verifies the other mode's drafts, or proposes without verifying) and is not counted.
+
+Where the step-cost curve is steep (a compute-bound CPU at 8+ requests: a verified draft costs about
+what a decoded token does) speculation cannot pay for its own bookkeeping, and the table-based gate
+cannot see that bookkeeping; this is the engine's last word on it. The decisions read only past steps'
+wall times, never the drafts being verified: the output (greedy or sampled) is unchanged.
+
+    pytest tests/test_switch.py -q
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class _LoadState:
+    """One load bucket's figures and probe schedule."""
+
+    spec_seconds: float = 0.0  # EMA sums: seconds and emitted tokens of speculative decode steps
+    spec_tokens: float = 0.0
+    plain_seconds: float = 0.0  # ... of plain decode steps
+    plain_tokens: float = 0.0
+    num_spec: int = 0  # samples folded in
+    num_plain: int = 0
+    on: bool = True
+    since: int = 0  # steps in the current mode since the last probe
+    probe_left: int = 0  # steps of a running probe still to take
+    spec_every: int = 0  # the current interval between speculative probes (set when the switch turns off)
+
+
+class MeasuredSwitch:
+    """Per-load on/off for speculation from measured seconds per emitted token (see the module doc)."""
+
+    def __init__(self, *, min_gain: float = 1.03, min_samples: int = 6, decay: float = 0.97,
+                 plain_every: int = 48, first_plain_every: int = 8, spec_every: int = 16,
+                 max_spec_every: int = 64, probe_steps: int = 3) -> None:
+        if (min_gain <= 0 or min_samples < 1 or not 0.0 <= decay < 1.0 or probe_steps < 2
+                or min(plain_every, first_plain_every, spec_every) < 1 or max_spec_every < spec_every):
+            raise ValueError(f"bad MeasuredSwitch settings: min_gain {min_gain}, min_samples {min_samples}, "
+                             f"decay {decay}, probe_steps {probe_steps} (>= 2: the first is a transition), "
+                             f"intervals {plain_every}/{first_plain_every}/{spec_every}/{max_spec_every}")
+        self.min_gain, self.min_samples, self.decay = min_gain, min_samples, decay
+        self.plain_every, self.first_plain_every = plain_every, first_plain_every
+        self.spec_every, self.max_spec_every, self.probe_steps = spec_every, max_spec_every, probe_steps
+        self.loads: dict[int, _LoadState] = {}
+        # the last two decisions (True: propose): a step is a sample of a mode when both were that mode
+        self._decisions: list[bool] = [True, True]
+        self._bucket: int | None = None  # the load bucket of the last decision
+        self.num_off_steps = 0  # decisions "off" (probes of plain included)
+
+    @staticmethod
+    def bucket(num_reqs: int) -> int:
+        """Half-octave load buckets: 1 → 0, 2 → 2, 3-4 → 4, 5 → 5, 6-8 → 6, 9-11 → 7, 12-16 → 8, ..."""
+        return math.ceil(2 * math.log2(max(1, num_reqs)))
+
+    def _state(self, num_reqs: int) -> _LoadState:
+        return self.loads.setdefault(self.bucket(num_reqs), _LoadState())
+
+    def propose(self, *, num_reqs: int) -> bool:
+        """Speculate in the next step of a load of `num_reqs` requests (called once per step, before
+        proposing)? Advances the load's probe schedule."""
+        s = self._state(num_reqs)
+        self._bucket = self.bucket(num_reqs)
+        if s.probe_left > 0:
+            s.probe_left -= 1
+            decision = not s.on  # a probe runs the other mode
+        else:
+            s.since += 1
+            known = s.num_plain >= self.min_samples
+            interval = (self.plain_every if known else self.first_plain_every) if s.on else s.spec_every
+            if s.since >= interval:  # start a probe of the other mode
+                s.since, s.probe_left = 0, self.probe_steps - 1
+                decision = not s.on
+            else:
+                decision = s.on
+        self._decisions = [self._decisions[1], decision]
+        if not decision:
+            self.num_off_steps += 1
+        return decision
+
+    def is_off(self, *, num_reqs: int) -> bool:
+        """Has the switch measured that speculation does not pay at this load (admission: no drafter context)?"""
+        s = self.loads.get(self.bucket(num_reqs))
+        return s is not None and not s.on
+
+    def observe_step(self, *, seconds: float, num_emitted: int, decode_only: bool) -> None:
+        """The last step's wall time and emitted tokens (decode_only: no prompt chunk rode it). A sample of
+        the mode both of its decisions (the one before it and the one in it) were."""
+        prev, cur = self._decisions
+        if self._bucket is None or not decode_only or prev != cur or num_emitted <= 0 or seconds <= 0:
+            return
+        s = self.loads[self._bucket]
+        d = self.decay
+        if cur:
+            s.spec_seconds, s.spec_tokens = d * s.spec_seconds + seconds, d * s.spec_tokens + num_emitted
+            s.num_spec += 1
+        else:
+            s.plain_seconds, s.plain_tokens = d * s.plain_seconds + seconds, d * s.plain_tokens + num_emitted
+            s.num_plain += 1
+        self._settle(s)
+
+    def seconds_per_token(self, *, num_reqs: int) -> tuple[float | None, float | None]:
+        """(speculative, plain) seconds per emitted token measured at this load (None: no sample yet)."""
+        s = self.loads.get(self.bucket(num_reqs))
+        if s is None:
+            return None, None
+        return (s.spec_seconds / s.spec_tokens if s.num_spec else None,
+                s.plain_seconds / s.plain_tokens if s.num_plain else None)
+
+    def _settle(self, s: _LoadState) -> None:
+        """Re-decide the load's mode once both figures have `min_samples` samples."""
+        if s.num_spec < self.min_samples or s.num_plain < self.min_samples:
+            return
+        pays = s.spec_seconds / s.spec_tokens * self.min_gain < s.plain_seconds / s.plain_tokens
+        if pays and not s.on:
+            s.on, s.since, s.probe_left = True, 0, 0
+        elif not pays and s.on:
+            s.on, s.since, s.probe_left, s.spec_every = False, 0, 0, self.spec_every
+        elif not pays and s.probe_left == 0 and s.since == 0:  # a speculative probe that did not convince
+            s.spec_every = min(2 * s.spec_every, self.max_spec_every)

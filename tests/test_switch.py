@@ -1,0 +1,123 @@
+"""The measured switch (dspark/verify/switch.py): speculation on or off per load by the engine's own seconds
+per emitted token, driven here by scripted step times (no clock, so every outcome is exact):
+
+* speculation that measures slower than plain decoding (or within the margin) is switched off once both
+  modes have their samples; faster speculation stays on; loads are decided apart;
+* the probe schedule: plain probes while on, speculative probes while off with a doubling interval; the
+  first step of each probe (a transition) is never counted, nor are steps with a prompt chunk;
+* in the engine: a load measured "off" proposes nothing and admits requests without drafter context, and
+  the output still equals plain decoding.
+
+    pytest tests/test_switch.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.verify.switch import MeasuredSwitch
+
+
+def drive(switch: MeasuredSwitch, *, num_reqs: int, steps: int, spec_ms_per_token: float,
+          plain_ms_per_token: float, decode_only: bool = True) -> list[bool]:
+    """Run `steps` engine steps: each asks the switch, then reports a step whose cost per emitted token is
+    that of the mode the step ran in (the previous decision: drafts proposed then are verified now)."""
+    decisions, previous = [], True
+    for _ in range(steps):
+        decision = switch.propose(num_reqs=num_reqs)
+        ms = spec_ms_per_token if previous else plain_ms_per_token
+        switch.observe_step(seconds=ms * num_reqs / 1000, num_emitted=num_reqs, decode_only=decode_only)
+        decisions.append(decision)
+        previous = decision
+    return decisions
+
+
+def test_buckets_are_half_octaves():
+    assert [MeasuredSwitch.bucket(n) for n in (1, 2, 3, 4, 5, 6, 8, 9, 11, 12, 16, 17)] == \
+        [0, 2, 4, 4, 5, 6, 6, 7, 7, 8, 8, 9]
+
+
+@pytest.mark.parametrize("spec_ms, expect_on", [(1.10, False), (1.00, False), (0.98, False), (0.90, True)])
+def test_speculation_stays_on_only_where_it_measures_faster_by_the_margin(spec_ms, expect_on):
+    """Plain decoding at 1.0 ms a token; the margin is 3%: 0.98 is not enough."""
+    switch = MeasuredSwitch(min_gain=1.03)
+    drive(switch, num_reqs=8, steps=200, spec_ms_per_token=spec_ms, plain_ms_per_token=1.0)
+    assert switch.is_off(num_reqs=8) is not expect_on
+    spec, plain = switch.seconds_per_token(num_reqs=8)
+    assert spec == pytest.approx(spec_ms / 1000) and plain == pytest.approx(1.0 / 1000)
+
+
+def test_loads_are_decided_apart():
+    switch = MeasuredSwitch()
+    drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)  # heavy: off
+    drive(switch, num_reqs=1, steps=200, spec_ms_per_token=0.7, plain_ms_per_token=1.0)  # light: on
+    assert switch.is_off(num_reqs=8) and switch.is_off(num_reqs=7) and not switch.is_off(num_reqs=1)
+    assert not switch.is_off(num_reqs=32)  # never measured: on
+    # back at the heavy load it is still off, probing now and then
+    decisions = drive(switch, num_reqs=8, steps=300, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
+    assert 0 < sum(decisions) < 30
+
+
+def test_unmeasured_loads_speculate_and_probe_plain_early():
+    """Until plain decoding has min_samples samples the switch stays on, with a plain probe of probe_steps
+    every first_plain_every steps; each probe counts probe_steps - 1 samples (its first step is the
+    transition from drafts proposed before it)."""
+    switch = MeasuredSwitch(first_plain_every=8, probe_steps=3, min_samples=4)
+    decisions = drive(switch, num_reqs=4, steps=30, spec_ms_per_token=0.5, plain_ms_per_token=1.0)
+    off = [i for i, d in enumerate(decisions) if not d]
+    assert off == [7, 8, 9, 17, 18, 19, 27, 28, 29][:len(off)] and len(off) >= 6
+    state = switch.loads[MeasuredSwitch.bucket(4)]
+    assert state.num_plain >= 4 and state.on
+    # after that, plain probes every plain_every speculative steps
+    decisions = drive(switch, num_reqs=4, steps=2 * switch.plain_every + 10, spec_ms_per_token=0.5,
+                      plain_ms_per_token=1.0)
+    assert decisions.count(False) == 2 * switch.probe_steps
+
+
+def test_transitions_and_prompt_steps_are_not_samples():
+    switch = MeasuredSwitch()
+    switch.propose(num_reqs=2)
+    switch.observe_step(seconds=1.0, num_emitted=2, decode_only=False)  # a prompt chunk rode the step
+    assert switch.loads[MeasuredSwitch.bucket(2)].num_spec == 0
+    switch.observe_step(seconds=1.0, num_emitted=2, decode_only=True)
+    assert switch.loads[MeasuredSwitch.bucket(2)].num_spec == 1
+    # a spec → plain transition: the step that verifies the last drafts but proposes none
+    s = switch.loads[MeasuredSwitch.bucket(2)]
+    s.since = switch.first_plain_every  # the next decision starts a plain probe
+    assert switch.propose(num_reqs=2) is False
+    switch.observe_step(seconds=5.0, num_emitted=2, decode_only=True)
+    assert s.num_plain == 0 and s.num_spec == 1
+    assert switch.propose(num_reqs=2) is False
+    switch.observe_step(seconds=1.0, num_emitted=2, decode_only=True)
+    assert s.num_plain == 1
+
+
+def test_speculative_probes_back_off_while_they_keep_saying_off():
+    switch = MeasuredSwitch(spec_every=16, max_spec_every=64, decay=0.85)
+    decisions = drive(switch, num_reqs=8, steps=460, spec_ms_per_token=1.5, plain_ms_per_token=1.0)
+    state = switch.loads[MeasuredSwitch.bucket(8)]
+    assert not state.on
+    starts = [i for i in range(1, len(decisions)) if decisions[i] and not decisions[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]  # a probe's steps + the interval before the next
+    assert gaps == sorted(gaps) and gaps[0] < gaps[-1] == 64 + switch.probe_steps - 1, gaps
+    # the traffic changes: speculation now pays, a probe sees it and the load turns back on
+    drive(switch, num_reqs=8, steps=400, spec_ms_per_token=0.5, plain_ms_per_token=1.0)
+    assert state.on
+
+
+def test_a_short_stretch_of_poor_drafts_does_not_switch_a_load_that_pays_off():
+    """The figures average ~30 samples: a few steps of text the drafters miss (the length policies' business)
+    do not turn speculation off where it pays on the whole (the switch answers for the load)."""
+    switch = MeasuredSwitch()
+    drive(switch, num_reqs=1, steps=300, spec_ms_per_token=0.75, plain_ms_per_token=1.0)
+    drive(switch, num_reqs=1, steps=8, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
+    assert not switch.is_off(num_reqs=1)
+    drive(switch, num_reqs=1, steps=120, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
+    assert switch.is_off(num_reqs=1), "a lasting change does"
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="probe_steps"):
+        MeasuredSwitch(probe_steps=1)
+    with pytest.raises(ValueError, match="MeasuredSwitch"):
+        MeasuredSwitch(spec_every=32, max_spec_every=16)
