@@ -42,6 +42,7 @@ class ParityReport:
     # at their load: prompt lookup only), and request-steps the gate kept from model drafting
     num_admitted_without_drafter: int = 0
     num_draft_skips: int = 0
+    num_measured_off_steps: int = 0  # steps the measured switch held speculation off (dspark.verify.switch)
 
     @property
     def ok(self) -> bool:
@@ -53,6 +54,7 @@ class ParityReport:
                 "num_spec_rounds": self.num_spec_rounds,
                 "num_admitted_without_drafter": self.num_admitted_without_drafter,
                 "num_draft_skips": self.num_draft_skips,
+                "num_measured_off_steps": self.num_measured_off_steps,
                 "mismatches": [asdict(m) for m in self.mismatches]}
 
 
@@ -75,7 +77,7 @@ def check_parity(llm, prompts: list, *, max_tokens: int = 128, chat: bool = True
 
     plain = run(False)
     metrics = llm.engine.metrics
-    before = (metrics.num_admitted_without_drafter, metrics.num_draft_skips)
+    before = (metrics.num_admitted_without_drafter, metrics.num_draft_skips, metrics.num_measured_off_steps)
     spec = run(True)
     mismatches = []
     for i, (p, s) in enumerate(zip(plain, spec)):
@@ -92,7 +94,8 @@ def check_parity(llm, prompts: list, *, max_tokens: int = 128, chat: bool = True
                         mismatches=tuple(mismatches), num_spec_rounds=num_rounds,
                         acceptance_length=1.0 + num_accepted / num_rounds if num_rounds else 1.0,
                         num_admitted_without_drafter=metrics.num_admitted_without_drafter - before[0],
-                        num_draft_skips=metrics.num_draft_skips - before[1])
+                        num_draft_skips=metrics.num_draft_skips - before[1],
+                        num_measured_off_steps=metrics.num_measured_off_steps - before[2])
 
 
 def register(sub) -> None:

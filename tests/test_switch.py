@@ -116,8 +116,40 @@ def test_a_short_stretch_of_poor_drafts_does_not_switch_a_load_that_pays_off():
     assert switch.is_off(num_reqs=1), "a lasting change does"
 
 
+def test_snapshot_labels_each_load_by_its_request_counts():
+    assert [MeasuredSwitch.bucket_label(b) for b in (0, 2, 4, 5, 6, 7, 8)] == \
+        ["1", "2", "3-4", "5", "6-8", "9-11", "12-16"]
+    switch = MeasuredSwitch()
+    drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
+    drive(switch, num_reqs=1, steps=6, spec_ms_per_token=0.5, plain_ms_per_token=1.0)  # (no plain probe yet)
+    (light, light_on, light_spec, light_plain), (heavy, heavy_on, spec, plain) = switch.snapshot()
+    assert (light, light_on, light_plain) == ("1", True, None) and light_spec == pytest.approx(0.5e-3)
+    assert (heavy, heavy_on) == ("6-8", False)
+    assert spec == pytest.approx(1.2e-3) and plain == pytest.approx(1.0e-3)
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="probe_steps"):
         MeasuredSwitch(probe_steps=1)
     with pytest.raises(ValueError, match="MeasuredSwitch"):
         MeasuredSwitch(spec_every=32, max_spec_every=16)
+
+
+def test_metrics_expose_each_load_decision_and_figures():
+    from types import SimpleNamespace
+
+    from dspark.engine.metrics import EngineMetrics
+    from dspark.server.metrics import _EngineCollector
+
+    switch = MeasuredSwitch()
+    drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
+    engine = SimpleNamespace(cost_table=None, switch=switch)
+    ae = SimpleNamespace(metrics=EngineMetrics(), engine=engine, kv_usage=0.0, num_waiting=0, num_running=0)
+    families = {f.name: f for f in _EngineCollector(ae).collect()}
+    on = {s.labels["load"]: s.value for s in families["dspark:measured_switch_on"].samples}
+    per_token = {(s.labels["load"], s.labels["mode"]): s.value
+                 for s in families["dspark:measured_switch_seconds_per_token"].samples}
+    assert on == {"6-8": 0.0}
+    assert per_token == pytest.approx({("6-8", "speculative"): 1.2e-3, ("6-8", "plain"): 1.0e-3})
+    engine.switch = None
+    assert "dspark:measured_switch_on" not in {f.name for f in _EngineCollector(ae).collect()}

@@ -91,6 +91,22 @@ class _EngineCollector:
             for num_tokens, value in zip(cost_table.num_tokens, cost_table.steps_per_second):
                 sps.add_metric([str(num_tokens)], value)
             yield sps
+        switch = getattr(ae.engine, "switch", None)
+        if switch is not None:
+            on = GaugeMetricFamily("dspark:measured_switch_on",
+                                   "Speculation on (1) or off (0) at a load (requests in a step), as the "
+                                   "measured switch decided it.", labels=["load"])
+            per_token = GaugeMetricFamily("dspark:measured_switch_seconds_per_token",
+                                          "Seconds of an engine decode step per emitted token at a load, "
+                                          "with speculation and without (measured switch).",
+                                          labels=["load", "mode"])
+            for label, is_on, spec, plain in switch.snapshot():
+                on.add_metric([label], float(is_on))
+                for mode, value in (("speculative", spec), ("plain", plain)):
+                    if value is not None:
+                        per_token.add_metric([label, mode], value)
+            yield on
+            yield per_token
         yield GaugeMetricFamily("dspark:kv_cache_usage_perc", "KV-cache usage (1 = full).",
                                 value=ae.kv_usage)
         yield GaugeMetricFamily("dspark:num_requests_waiting", "Requests waiting for admission.",

@@ -125,6 +125,22 @@ class MeasuredSwitch:
         return (s.spec_seconds / s.spec_tokens if s.num_spec else None,
                 s.plain_seconds / s.plain_tokens if s.num_plain else None)
 
+    @classmethod
+    def bucket_label(cls, bucket: int) -> str:
+        """The request counts a bucket holds, e.g. "6-8"."""
+        counts = [n for n in range(1, 2 ** (bucket // 2 + 1) + 2) if cls.bucket(n) == bucket]
+        return f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+
+    def snapshot(self) -> list[tuple[str, bool, float | None, float | None]]:
+        """(load label, on?, speculative and plain seconds per token) per measured load, lightest first
+        (read by the server's /metrics on another thread: a copy of the table, figures as they stand)."""
+        out = []
+        for bucket, s in sorted(dict(self.loads).items()):
+            out.append((self.bucket_label(bucket), s.on,
+                        s.spec_seconds / s.spec_tokens if s.num_spec else None,
+                        s.plain_seconds / s.plain_tokens if s.num_plain else None))
+        return out
+
     def _settle(self, s: _LoadState) -> None:
         """Re-decide the load's mode once both figures have `min_samples` samples."""
         if s.num_spec < self.min_samples or s.num_plain < self.min_samples:
