@@ -123,9 +123,11 @@ def test_method_table():
     assert not parse_method("dspark-k7").needs_cost_table
     assert method_spec(parse_method("dspark-prefix-lookup"), drafter_dir="d", cost_table_path="c.json") == {
         **prefix, "ngram_first": True}
+    assert method_spec(parse_method("dspark-prefix-lookup-unswitched"), drafter_dir="d", cost_table_path="c.json") == {
+        **prefix, "ngram_first": True, "measured_switch": False}
     with pytest.raises(MethodUnavailable):
         method_spec(parse_method("eagle3"))
-    for bad in ("bogus", "dspark-x", "none-k3", "ngram-prefix", "ngram-lookup", "none-lookup"):
+    for bad in ("bogus", "dspark-x", "none-k3", "ngram-prefix", "ngram-lookup", "none-lookup", "dspark-k3-unswitched"):
         with pytest.raises(ValueError):
             parse_method(bad)
 

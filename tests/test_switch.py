@@ -3,8 +3,9 @@ per emitted token, driven here by scripted step times (no clock, so every outcom
 
 * speculation that measures slower than plain decoding (or within the margin) is switched off once both
   modes have their samples; faster speculation stays on; loads are decided apart;
-* the probe schedule: plain probes while on, speculative probes while off with a doubling interval; the
-  first step of each probe (a transition) is never counted, nor are steps with a prompt chunk;
+* the probe schedule: plain probes while on (rarer where speculation wins widely), speculative probes while
+  off with a doubling interval; the first step of each probe (a transition) is never counted, nor are steps
+  with a prompt chunk;
 * in the engine: a load measured "off" proposes nothing and admits requests without drafter context, and
   the output still equals plain decoding.
 
@@ -16,6 +17,12 @@ from __future__ import annotations
 import pytest
 
 from dspark.verify.switch import MeasuredSwitch
+
+
+def warm(**settings) -> MeasuredSwitch:
+    """A switch that folds every sample from the first (cold_samples=0; the default's pass-over is tested
+    on its own)."""
+    return MeasuredSwitch(**{"cold_samples": 0, **settings})
 
 
 def drive(switch: MeasuredSwitch, *, num_reqs: int, steps: int, spec_ms_per_token: float,
@@ -40,7 +47,7 @@ def test_buckets_are_half_octaves():
 @pytest.mark.parametrize("spec_ms, expect_on", [(1.10, False), (1.00, False), (0.98, False), (0.90, True)])
 def test_speculation_stays_on_only_where_it_measures_faster_by_the_margin(spec_ms, expect_on):
     """Plain decoding at 1.0 ms a token; the margin is 3%: 0.98 is not enough."""
-    switch = MeasuredSwitch(min_gain=1.03)
+    switch = warm(min_gain=1.03)
     drive(switch, num_reqs=8, steps=200, spec_ms_per_token=spec_ms, plain_ms_per_token=1.0)
     assert switch.is_off(num_reqs=8) is not expect_on
     spec, plain = switch.seconds_per_token(num_reqs=8)
@@ -48,7 +55,7 @@ def test_speculation_stays_on_only_where_it_measures_faster_by_the_margin(spec_m
 
 
 def test_loads_are_decided_apart():
-    switch = MeasuredSwitch()
+    switch = warm()
     drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)  # heavy: off
     drive(switch, num_reqs=1, steps=200, spec_ms_per_token=0.7, plain_ms_per_token=1.0)  # light: on
     assert switch.is_off(num_reqs=8) and switch.is_off(num_reqs=7) and not switch.is_off(num_reqs=1)
@@ -62,20 +69,27 @@ def test_unmeasured_loads_speculate_and_probe_plain_early():
     """Until plain decoding has min_samples samples the switch stays on, with a plain probe of probe_steps
     every first_plain_every steps; each probe counts probe_steps - 1 samples (its first step is the
     transition from drafts proposed before it)."""
-    switch = MeasuredSwitch(first_plain_every=8, probe_steps=3, min_samples=4)
+    switch = warm(first_plain_every=8, probe_steps=3, min_samples=4)
     decisions = drive(switch, num_reqs=4, steps=30, spec_ms_per_token=0.5, plain_ms_per_token=1.0)
     off = [i for i, d in enumerate(decisions) if not d]
     assert off == [7, 8, 9, 17, 18, 19, 27, 28, 29][:len(off)] and len(off) >= 6
     state = switch.loads[MeasuredSwitch.bucket(4)]
     assert state.num_plain >= 4 and state.on
-    # after that, plain probes every plain_every speculative steps
-    decisions = drive(switch, num_reqs=4, steps=2 * switch.plain_every + 10, spec_ms_per_token=0.5,
+    # after that, plain probes every wide_plain_every speculative steps while speculation wins by wide_gain
+    # (here 2x) ...
+    decisions = drive(switch, num_reqs=4, steps=2 * switch.wide_plain_every + 10, spec_ms_per_token=0.5,
                       plain_ms_per_token=1.0)
     assert decisions.count(False) == 2 * switch.probe_steps
+    # ... and every plain_every where its lead is narrower
+    narrow = warm()
+    drive(narrow, num_reqs=4, steps=100, spec_ms_per_token=0.9, plain_ms_per_token=1.0)
+    decisions = drive(narrow, num_reqs=4, steps=4 * narrow.plain_every, spec_ms_per_token=0.9,
+                      plain_ms_per_token=1.0)
+    assert not narrow.is_off(num_reqs=4) and decisions.count(False) in (3 * narrow.probe_steps, 4 * narrow.probe_steps)
 
 
 def test_transitions_and_prompt_steps_are_not_samples():
-    switch = MeasuredSwitch()
+    switch = warm()
     switch.propose(num_reqs=2)
     switch.observe_step(seconds=1.0, num_emitted=2, decode_only=False)  # a prompt chunk rode the step
     assert switch.loads[MeasuredSwitch.bucket(2)].num_spec == 0
@@ -93,7 +107,7 @@ def test_transitions_and_prompt_steps_are_not_samples():
 
 
 def test_speculative_probes_back_off_while_they_keep_saying_off():
-    switch = MeasuredSwitch(spec_every=16, max_spec_every=64, decay=0.85)
+    switch = warm(spec_every=16, max_spec_every=64, decay=0.85)
     decisions = drive(switch, num_reqs=8, steps=460, spec_ms_per_token=1.5, plain_ms_per_token=1.0)
     state = switch.loads[MeasuredSwitch.bucket(8)]
     assert not state.on
@@ -108,7 +122,7 @@ def test_speculative_probes_back_off_while_they_keep_saying_off():
 def test_a_short_stretch_of_poor_drafts_does_not_switch_a_load_that_pays_off():
     """The figures average ~30 samples: a few steps of text the drafters miss (the length policies' business)
     do not turn speculation off where it pays on the whole (the switch answers for the load)."""
-    switch = MeasuredSwitch()
+    switch = warm()
     drive(switch, num_reqs=1, steps=300, spec_ms_per_token=0.75, plain_ms_per_token=1.0)
     drive(switch, num_reqs=1, steps=8, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
     assert not switch.is_off(num_reqs=1)
@@ -119,7 +133,7 @@ def test_a_short_stretch_of_poor_drafts_does_not_switch_a_load_that_pays_off():
 def test_snapshot_labels_each_load_by_its_request_counts():
     assert [MeasuredSwitch.bucket_label(b) for b in (0, 2, 4, 5, 6, 7, 8)] == \
         ["1", "2", "3-4", "5", "6-8", "9-11", "12-16"]
-    switch = MeasuredSwitch()
+    switch = warm()
     drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
     drive(switch, num_reqs=1, steps=6, spec_ms_per_token=0.5, plain_ms_per_token=1.0)  # (no plain probe yet)
     (light, light_on, light_spec, light_plain), (heavy, heavy_on, spec, plain) = switch.snapshot()
@@ -128,11 +142,22 @@ def test_snapshot_labels_each_load_by_its_request_counts():
     assert spec == pytest.approx(1.2e-3) and plain == pytest.approx(1.0e-3)
 
 
+def test_the_first_samples_of_each_mode_are_passed_over():
+    """A fresh engine's first steps at a load meet new shapes (the drafter's products at new row counts);
+    the first cold_samples samples of each mode are not folded in."""
+    switch = MeasuredSwitch(cold_samples=3, first_plain_every=4)
+    decisions = drive(switch, num_reqs=2, steps=30, spec_ms_per_token=0.5, plain_ms_per_token=1.0)
+    state = switch.loads[MeasuredSwitch.bucket(2)]
+    assert state.cold_spec == state.cold_plain == 3
+    pairs = list(zip([True] + decisions, decisions))  # (decision before a step, decision in it)
+    assert state.num_spec == pairs.count((True, True)) - 3 and state.num_plain == pairs.count((False, False)) - 3
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="probe_steps"):
-        MeasuredSwitch(probe_steps=1)
+        warm(probe_steps=1)
     with pytest.raises(ValueError, match="MeasuredSwitch"):
-        MeasuredSwitch(spec_every=32, max_spec_every=16)
+        warm(spec_every=32, max_spec_every=16)
 
 
 def test_metrics_expose_each_load_decision_and_figures():
@@ -141,7 +166,7 @@ def test_metrics_expose_each_load_decision_and_figures():
     from dspark.engine.metrics import EngineMetrics
     from dspark.server.metrics import _EngineCollector
 
-    switch = MeasuredSwitch()
+    switch = warm()
     drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
     engine = SimpleNamespace(cost_table=None, switch=switch)
     ae = SimpleNamespace(metrics=EngineMetrics(), engine=engine, kv_usage=0.0, num_waiting=0, num_running=0)

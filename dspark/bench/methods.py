@@ -11,7 +11,9 @@ A name is `BASE[-kN][-POLICY]`, parts separated by "-":
   `fixed` need a confidence head, so dspark only); `prefix` and `async` read the cost table
   that `dspark profile` writes once per sweep (`needs_cost_table`);
 - `lookup`: prompt lookup first, the drafter where lookup cannot do better (`"ngram_first": true`;
-  drafter methods only: `dspark-prefix-lookup`, `dspark-k3-lookup`).
+  drafter methods only: `dspark-prefix-lookup`, `dspark-k3-lookup`);
+- `unswitched`: without the measured switch (`"measured_switch": false`; prefix and async only, the
+  policies with a draft gate: `dspark-prefix-lookup-unswitched`), to measure the switch side by side.
 Plain `ngram` drafts NGRAM_DEFAULT_TOKENS tokens; plain drafter methods use `SpecConfig`'s
 default γ.
 
@@ -32,6 +34,7 @@ COST_TABLE_POLICIES = ("prefix", "async")
 CONFIDENCE_METHODS = ("dspark",)  # adaptive policies need a confidence head (engine/build.py)
 NGRAM_DEFAULT_TOKENS = 4
 LOOKUP_PART = "lookup"
+UNSWITCHED_PART = "unswitched"
 
 
 class MethodUnavailable(Exception):
@@ -47,6 +50,7 @@ class Method:
     num_speculative_tokens: int | None = None  # None: the method's default
     length_policy: str | None = None  # None: SpecConfig's default (fixed)
     ngram_first: bool = False  # the `lookup` part
+    measured_switch: bool = True  # False: the `unswitched` part
 
     @property
     def needs_drafter(self) -> bool:
@@ -63,7 +67,7 @@ def parse_method(name: str) -> Method:
     if base != NO_SPEC and base not in SPEC_METHODS:
         raise ValueError(f"method {name!r}: unknown base {base!r}; "
                          f"choose from {', '.join((NO_SPEC, *SPEC_METHODS))}")
-    num_tokens, policy, lookup = None, None, False
+    num_tokens, policy, lookup, switch = None, None, False, True
     for part in parts:
         if part.startswith("k") and part[1:].isdigit() and int(part[1:]) >= 1:
             num_tokens = int(part[1:])
@@ -71,9 +75,11 @@ def parse_method(name: str) -> Method:
             policy = part
         elif part == LOOKUP_PART:
             lookup = True
+        elif part == UNSWITCHED_PART:
+            switch = False
         else:
-            raise ValueError(f"method {name!r}: part {part!r} is neither kN, {LOOKUP_PART!r} nor a length "
-                             f"policy ({', '.join(LENGTH_POLICY_NAMES)})")
+            raise ValueError(f"method {name!r}: part {part!r} is neither kN, {LOOKUP_PART!r}, {UNSWITCHED_PART!r} "
+                             f"nor a length policy ({', '.join(LENGTH_POLICY_NAMES)})")
     if base == NO_SPEC and parts:
         raise ValueError(f"method {name!r}: 'none' takes no options")
     if lookup and base not in DRAFTER_METHODS:
@@ -83,7 +89,10 @@ def parse_method(name: str) -> Method:
                          f"({', '.join(CONFIDENCE_METHODS)})")
     if num_tokens is not None and policy is None:
         policy = "fixed"
-    return Method(name, base, num_tokens, policy, lookup)
+    if not switch and policy not in COST_TABLE_POLICIES:
+        raise ValueError(f"method {name!r}: {UNSWITCHED_PART!r} needs a policy with a draft gate "
+                         f"({', '.join(COST_TABLE_POLICIES)})")
+    return Method(name, base, num_tokens, policy, lookup, switch)
 
 
 def method_spec(method: Method, *, drafter_dir: str | None = None,
@@ -106,6 +115,8 @@ def method_spec(method: Method, *, drafter_dir: str | None = None,
         spec["length_policy"] = method.length_policy
     if method.ngram_first:
         spec["ngram_first"] = True
+    if not method.measured_switch:
+        spec["measured_switch"] = False
     if method.needs_cost_table:
         if not cost_table_path:
             raise MethodUnavailable(f"{method.name}: length policy {method.length_policy!r} "

@@ -312,7 +312,8 @@ class Engine:
         draft gate's pick among those that emitted; a drafter with free drafts still proposes for the
         others), and the next step's non-draft token counts. Under a cost-aware policy nothing is
         model-drafted while prompt chunks need the whole next step's budget, nor ever for a request admitted
-        without drafter context (`Request.model_drafting`)."""
+        without drafter context (`Request.model_drafting`); nothing is proposed at all where the measured
+        switch has speculation off at this load, or where the gate finds lookup drafts cannot pay."""
         reqs = [s.request for s in sched.scheduled
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:

@@ -40,7 +40,8 @@ the engine then skips proposing for the step. Where the load is such that even t
 survival curve cannot pay, it also tells the scheduler to admit new requests without drafter context
 (`admits_model_drafting`; spec "gate_admission"): they cost the model drafter nothing and draft by
 prompt lookup only. The decisions read only past steps, so they keep the output distribution (and
-greedy output) unchanged.
+greedy output) unchanged. Above the gate the engine's measured switch (`switch.py`) turns speculation off
+at a load where its decode steps, timed whole, do not beat plain decoding's.
 
 Policies that need confidences or a cost table fail closed: `build_length_policy(...,
 confidence_available=False)` or `choose(confidence=None)` raises a ValueError naming what is

@@ -4,7 +4,8 @@ The cost table and the confidence head predict what drafts save; the engine's ow
 did. For each load (the requests of a step, in half-octave buckets: 1, 2, 3-4, 5, 6-8, 9-11, 12-16, ...) the
 switch keeps two running figures from decode-only steps (no prompt chunk): seconds of the whole engine step
 per emitted token with speculation on (the engine proposed before the step and proposes after it: its
-drafts verified, proposing, choosing, drafter context) and with it off (neither). Until both are known the
+drafts verified, proposing, choosing, drafter context) and with it off (neither), the first `cold_samples`
+of each passed over (a fresh engine's first steps at a load meet new shapes: 2x slower for the drafter). Until both are known the
 switch leaves speculation on; then at that load it stays on only while its seconds per token beat plain
 decoding's by `min_gain`, a margin for what decode steps do not show (drafts riding prompt steps, the
 drafter's context over prompts, requests that finish out of step). The figures are running sums that
@@ -12,7 +13,8 @@ weigh the last ~30 samples (`decay`), longer than a stretch of text the drafters
 answers for the load (a step-cost curve too steep for drafts to pay for their bookkeeping), while the
 confidence-based policies and the draft gate answer for the text, step by step. Each mode is probed from time to time so
 both figures stay current: `probe_steps` plain steps every `plain_every` speculative ones (every
-`first_plain_every` until plain is known), `probe_steps` speculative steps every `spec_every` plain ones (the
+`first_plain_every` until plain is known; `wide_plain_every` while speculation wins by `wide_gain` or more,
+where a probe costs most and its answer is least in doubt), `probe_steps` speculative steps every `spec_every` plain ones (the
 interval doubling up to `max_spec_every` while probes keep saying "off"). A probe's first step is a
 transition (it verifies the other mode's drafts, or proposes without verifying) and is not counted.
 
@@ -40,6 +42,8 @@ class _LoadState:
     plain_tokens: float = 0.0
     num_spec: int = 0  # samples folded in
     num_plain: int = 0
+    cold_spec: int = 0  # samples passed over at first (`cold_samples`)
+    cold_plain: int = 0
     on: bool = True
     since: int = 0  # steps in the current mode since the last probe
     probe_left: int = 0  # steps of a running probe still to take
@@ -50,16 +54,20 @@ class MeasuredSwitch:
     """Per-load on/off for speculation from measured seconds per emitted token (see the module doc)."""
 
     def __init__(self, *, min_gain: float = 1.03, min_samples: int = 6, decay: float = 0.97,
-                 plain_every: int = 48, first_plain_every: int = 8, spec_every: int = 16,
-                 max_spec_every: int = 64, probe_steps: int = 3) -> None:
-        if (min_gain <= 0 or min_samples < 1 or not 0.0 <= decay < 1.0 or probe_steps < 2
-                or min(plain_every, first_plain_every, spec_every) < 1 or max_spec_every < spec_every):
+                 plain_every: int = 96, first_plain_every: int = 8, wide_plain_every: int = 192,
+                 wide_gain: float = 1.2, spec_every: int = 16, max_spec_every: int = 64,
+                 probe_steps: int = 3, cold_samples: int = 4) -> None:
+        if (min_gain <= 0 or min_samples < 1 or not 0.0 <= decay < 1.0 or probe_steps < 2 or cold_samples < 0
+                or min(plain_every, first_plain_every, spec_every) < 1 or max_spec_every < spec_every
+                or wide_plain_every < plain_every or wide_gain < min_gain):
             raise ValueError(f"bad MeasuredSwitch settings: min_gain {min_gain}, min_samples {min_samples}, "
                              f"decay {decay}, probe_steps {probe_steps} (>= 2: the first is a transition), "
                              f"intervals {plain_every}/{first_plain_every}/{spec_every}/{max_spec_every}")
         self.min_gain, self.min_samples, self.decay = min_gain, min_samples, decay
         self.plain_every, self.first_plain_every = plain_every, first_plain_every
+        self.wide_plain_every, self.wide_gain = wide_plain_every, wide_gain
         self.spec_every, self.max_spec_every, self.probe_steps = spec_every, max_spec_every, probe_steps
+        self.cold_samples = cold_samples
         self.loads: dict[int, _LoadState] = {}
         # the last two decisions (True: propose): a step is a sample of a mode when both were that mode
         self._decisions: list[bool] = [True, True]
@@ -84,8 +92,7 @@ class MeasuredSwitch:
             decision = not s.on  # a probe runs the other mode
         else:
             s.since += 1
-            known = s.num_plain >= self.min_samples
-            interval = (self.plain_every if known else self.first_plain_every) if s.on else s.spec_every
+            interval = self._plain_interval(s) if s.on else s.spec_every
             if s.since >= interval:  # start a probe of the other mode
                 s.since, s.probe_left = 0, self.probe_steps - 1
                 decision = not s.on
@@ -108,6 +115,12 @@ class MeasuredSwitch:
         if self._bucket is None or not decode_only or prev != cur or num_emitted <= 0 or seconds <= 0:
             return
         s = self.loads[self._bucket]
+        if (s.cold_spec if cur else s.cold_plain) < self.cold_samples:  # first calls meet new shapes
+            if cur:
+                s.cold_spec += 1
+            else:
+                s.cold_plain += 1
+            return
         d = self.decay
         if cur:
             s.spec_seconds, s.spec_tokens = d * s.spec_seconds + seconds, d * s.spec_tokens + num_emitted
@@ -140,6 +153,14 @@ class MeasuredSwitch:
                         s.spec_seconds / s.spec_tokens if s.num_spec else None,
                         s.plain_seconds / s.plain_tokens if s.num_plain else None))
         return out
+
+    def _plain_interval(self, s: _LoadState) -> int:
+        """Speculative steps between plain probes at a load where speculation is on."""
+        if s.num_plain < self.min_samples:
+            return self.first_plain_every
+        wide = s.num_spec >= self.min_samples and (
+            s.spec_seconds / s.spec_tokens * self.wide_gain < s.plain_seconds / s.plain_tokens)
+        return self.wide_plain_every if wide else self.plain_every
 
     def _settle(self, s: _LoadState) -> None:
         """Re-decide the load's mode once both figures have `min_samples` samples."""
