@@ -371,10 +371,12 @@ def test_draft_gate_admits_without_drafter_context_where_the_load_cannot_pay():
     bends = CostTable(num_tokens=sizes, steps_per_second=[100.0 / max(1.0, b / 8) for b in sizes],
                       draft_num_reqs=[1, 64], draft_seconds=[0.003, 0.02])
     gate = DraftGate(probe_every=1000)
+    assert gate.admits_model_drafting(num_reqs=64, cost=bends), "no proposal yet: nothing to judge by"
     for _ in range(DraftGate.LONG_MIN_PROPOSALS):
-        assert gate.admits_model_drafting(num_reqs=64, cost=bends), "too few proposals to judge by"
         gate.observe(torch.full((1, 4), 0.9))
-    assert not gate.admits_model_drafting(num_reqs=64, cost=bends)
+        # (before LONG_MIN_PROPOSALS the fast curve stands in for the long-run one)
+        assert not gate.admits_model_drafting(num_reqs=64, cost=bends)
+        assert gate.admits_model_drafting(num_reqs=1, cost=bends)
     assert gate.admits_model_drafting(num_reqs=1, cost=bends)
     assert gate.admits_model_drafting(num_reqs=64, cost=None), "no table: nothing to decide from"
     for _ in range(34):

@@ -294,16 +294,20 @@ class DraftGate:
         costs no drafter work (no context over its prompt, no taps, no probes) and may take target-only
         prefix-cache hits; its drafts, if any, come from prompt lookup. Requests joining a lighter load
         draft again. Also not while `proposing_pays` has said no `SKIPPED_PROPOSALS_ADMIT` times in a row
-        (not even lookup drafts pay at this load, and the engine runs no drafter at all). Otherwise yes
-        until the long-run curve has `LONG_MIN_PROPOSALS` proposals, and without a cost table. Reads past
+        (not even lookup drafts pay at this load, and the engine runs no drafter at all). Until the long-run curve
+        has `LONG_MIN_PROPOSALS` proposals the fast curve stands in for it; yes before any proposal, and
+        without a cost table. Reads past
         steps only: lossless."""
         if self._proposal_skip_streak >= self.SKIPPED_PROPOSALS_ADMIT:
             return False
-        if cost is None or self.long_survival is None or self._long_count < self.LONG_MIN_PROPOSALS:
+        if cost is None or self.mean_survival is None:
             return True
+        # the long-run curve once it has LONG_MIN_PROPOSALS proposals; before that the fast one (a few probes'
+        # worth: at a light load nearly any curve pays, at a heavy one a probe's drafts rarely change the answer)
+        trusted = self.long_survival is not None and self._long_count >= self.LONG_MIN_PROPOSALS
         live = self.live_factor
         margin = self.min_gain if live is None else self.live_min_gain
-        curve = np.clip(self.long_survival * self.correction, 0.0, 1.0)
+        curve = np.clip((self.long_survival if trusted else self.mean_survival) * self.correction, 0.0, 1.0)
         return _gain(curve, num_reqs=num_reqs, num_nondraft_tokens=num_reqs, num_prompt_tokens=0,
                      cost=cost) * (live or 1.0) > margin
 
