@@ -19,7 +19,7 @@ class EngineMetrics:
     verify_lens: list[int] = field(default_factory=list)  # recent per-request verify budgets (drained by the server)
     num_wasted_verify_tokens: int = 0  # verified drafts that were rejected
     num_draft_skips: int = 0  # request-steps whose drafting the draft gate skipped (it could not pay)
-    num_proposal_skips: int = 0  # steps without any proposal: lookup drafts could not pay for proposing
+    num_proposal_skips: int = 0  # steps without any proposal: lookup drafts could not pay for proposing, or measured off
     num_lookup_drafts: int = 0  # request-steps drafted by prompt lookup instead of the model ("ngram_first")
     num_measured_off_steps: int = 0  # steps speculation was off because it measured slower than plain ("measured_switch")
     num_admitted_without_drafter: int = 0  # requests admitted while the draft gate stayed closed ("gate_admission")

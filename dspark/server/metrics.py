@@ -61,7 +61,8 @@ class _EngineCollector:
                       "could not pay under the load (prompt lookup may still draft them).", m.num_draft_skips)
         yield counter("spec_decode_num_proposal_skips",
                       "Steps without any proposal (lookup or model): under the load the draft gate "
-                      "found that prompt lookup's drafts could not pay for proposing them.",
+                      "found that prompt lookup's drafts could not pay for proposing them, or the measured "
+                      "switch held speculation off (those also in spec_decode_num_measured_off_steps).",
                       m.num_proposal_skips)
         yield counter("spec_decode_num_measured_off_steps",
                       "Steps without any proposal because, at the load, speculative decode steps measured "

@@ -55,7 +55,6 @@ class CostTable:
             raise ValueError("draft_seconds must all be >= 0")
         object.__setattr__(self, "_sps_memo", {})  # num_tokens -> sps: the engine asks every step
 
-
     # ------------------------------------------------------------------------------------------
     # Lookups
 

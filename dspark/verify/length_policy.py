@@ -294,10 +294,9 @@ class DraftGate:
         costs no drafter work (no context over its prompt, no taps, no probes) and may take target-only
         prefix-cache hits; its drafts, if any, come from prompt lookup. Requests joining a lighter load
         draft again. Also not while `proposing_pays` has said no `SKIPPED_PROPOSALS_ADMIT` times in a row
-        (not even lookup drafts pay at this load, and the engine runs no drafter at all). Until the long-run curve
-        has `LONG_MIN_PROPOSALS` proposals the fast curve stands in for it; yes before any proposal, and
-        without a cost table. Reads past
-        steps only: lossless."""
+        (not even lookup drafts pay at this load, and the engine runs no drafter at all). Until the long-run
+        curve has `LONG_MIN_PROPOSALS` proposals the fast curve stands in for it; yes before any proposal,
+        and without a cost table. Reads past steps only: lossless."""
         if self._proposal_skip_streak >= self.SKIPPED_PROPOSALS_ADMIT:
             return False
         if cost is None or self.mean_survival is None:

@@ -5,18 +5,19 @@ did. For each load (the requests of a step, in half-octave buckets: 1, 2, 3-4, 5
 switch keeps two running figures from decode-only steps (no prompt chunk): seconds of the whole engine step
 per emitted token with speculation on (the engine proposed before the step and proposes after it: its
 drafts verified, proposing, choosing, drafter context) and with it off (neither), the first `cold_samples`
-of each passed over (a fresh engine's first steps at a load meet new shapes: 2x slower for the drafter). Until both are known the
-switch leaves speculation on; then at that load it stays on only while its seconds per token beat plain
-decoding's by `min_gain`, a margin for what decode steps do not show (drafts riding prompt steps, the
-drafter's context over prompts, requests that finish out of step). The figures are running sums that
-weigh the last ~30 samples (`decay`), longer than a stretch of text the drafters happen to miss: the switch
-answers for the load (a step-cost curve too steep for drafts to pay for their bookkeeping), while the
-confidence-based policies and the draft gate answer for the text, step by step. Each mode is probed from time to time so
-both figures stay current: `probe_steps` plain steps every `plain_every` speculative ones (every
-`first_plain_every` until plain is known; `wide_plain_every` while speculation wins by `wide_gain` or more,
-where a probe costs most and its answer is least in doubt), `probe_steps` speculative steps every `spec_every` plain ones (the
-interval doubling up to `max_spec_every` while probes keep saying "off"). A probe's first step is a
-transition (it verifies the other mode's drafts, or proposes without verifying) and is not counted.
+of each passed over (a fresh engine's first steps at a load meet new shapes: 2x slower for the drafter).
+Until both are known the switch leaves speculation on; then at that load it stays on only while its
+seconds per token beat plain decoding's by `min_gain`, a margin for what decode steps do not show (drafts
+riding prompt steps, the drafter's context over prompts, requests that finish out of step). The figures
+are running sums that weigh the last ~30 samples (`decay`), longer than a stretch of text the drafters
+happen to miss: the switch answers for the load (a step-cost curve too steep for drafts to pay for their
+bookkeeping), while the confidence-based policies and the draft gate answer for the text, step by step.
+Each mode is probed from time to time so both figures stay current: `probe_steps` plain steps every
+`plain_every` speculative ones (every `first_plain_every` until plain is known; `wide_plain_every` while
+speculation wins by `wide_gain` or more, where a probe costs most and its answer is least in doubt),
+`probe_steps` speculative steps every `spec_every` plain ones (the interval doubling up to
+`max_spec_every` while probes keep saying "off"). A probe's first step is a transition (it verifies the
+other mode's drafts, or proposes without verifying) and is not counted.
 
 Where the step-cost curve is steep (a compute-bound CPU at 8+ requests: a verified draft costs about
 what a decoded token does) speculation cannot pay for its own bookkeeping, and the table-based gate
@@ -49,6 +50,15 @@ class _LoadState:
     probe_left: int = 0  # steps of a running probe still to take
     spec_every: int = 0  # the current interval between speculative probes (set when the switch turns off)
 
+    @property
+    def spec_per_token(self) -> float | None:
+        """Seconds per emitted token of speculative decode steps (None: no sample yet)."""
+        return self.spec_seconds / self.spec_tokens if self.num_spec else None
+
+    @property
+    def plain_per_token(self) -> float | None:
+        return self.plain_seconds / self.plain_tokens if self.num_plain else None
+
 
 class MeasuredSwitch:
     """Per-load on/off for speculation from measured seconds per emitted token (see the module doc)."""
@@ -72,21 +82,17 @@ class MeasuredSwitch:
         # the last two decisions (True: propose): a step is a sample of a mode when both were that mode
         self._decisions: list[bool] = [True, True]
         self._bucket: int | None = None  # the load bucket of the last decision
-        self.num_off_steps = 0  # decisions "off" (probes of plain included)
 
     @staticmethod
     def bucket(num_reqs: int) -> int:
         """Half-octave load buckets: 1 → 0, 2 → 2, 3-4 → 4, 5 → 5, 6-8 → 6, 9-11 → 7, 12-16 → 8, ..."""
         return math.ceil(2 * math.log2(max(1, num_reqs)))
 
-    def _state(self, num_reqs: int) -> _LoadState:
-        return self.loads.setdefault(self.bucket(num_reqs), _LoadState())
-
     def propose(self, *, num_reqs: int) -> bool:
         """Speculate in the next step of a load of `num_reqs` requests (called once per step, before
         proposing)? Advances the load's probe schedule."""
-        s = self._state(num_reqs)
         self._bucket = self.bucket(num_reqs)
+        s = self.loads.setdefault(self._bucket, _LoadState())
         if s.probe_left > 0:
             s.probe_left -= 1
             decision = not s.on  # a probe runs the other mode
@@ -99,8 +105,6 @@ class MeasuredSwitch:
             else:
                 decision = s.on
         self._decisions = [self._decisions[1], decision]
-        if not decision:
-            self.num_off_steps += 1
         return decision
 
     def is_off(self, *, num_reqs: int) -> bool:
@@ -133,10 +137,7 @@ class MeasuredSwitch:
     def seconds_per_token(self, *, num_reqs: int) -> tuple[float | None, float | None]:
         """(speculative, plain) seconds per emitted token measured at this load (None: no sample yet)."""
         s = self.loads.get(self.bucket(num_reqs))
-        if s is None:
-            return None, None
-        return (s.spec_seconds / s.spec_tokens if s.num_spec else None,
-                s.plain_seconds / s.plain_tokens if s.num_plain else None)
+        return (None, None) if s is None else (s.spec_per_token, s.plain_per_token)
 
     @classmethod
     def bucket_label(cls, bucket: int) -> str:
@@ -147,26 +148,21 @@ class MeasuredSwitch:
     def snapshot(self) -> list[tuple[str, bool, float | None, float | None]]:
         """(load label, on?, speculative and plain seconds per token) per measured load, lightest first
         (read by the server's /metrics on another thread: a copy of the table, figures as they stand)."""
-        out = []
-        for bucket, s in sorted(dict(self.loads).items()):
-            out.append((self.bucket_label(bucket), s.on,
-                        s.spec_seconds / s.spec_tokens if s.num_spec else None,
-                        s.plain_seconds / s.plain_tokens if s.num_plain else None))
-        return out
+        return [(self.bucket_label(bucket), s.on, s.spec_per_token, s.plain_per_token)
+                for bucket, s in sorted(dict(self.loads).items())]
 
     def _plain_interval(self, s: _LoadState) -> int:
         """Speculative steps between plain probes at a load where speculation is on."""
         if s.num_plain < self.min_samples:
             return self.first_plain_every
-        wide = s.num_spec >= self.min_samples and (
-            s.spec_seconds / s.spec_tokens * self.wide_gain < s.plain_seconds / s.plain_tokens)
+        wide = s.num_spec >= self.min_samples and s.spec_per_token * self.wide_gain < s.plain_per_token
         return self.wide_plain_every if wide else self.plain_every
 
     def _settle(self, s: _LoadState) -> None:
         """Re-decide the load's mode once both figures have `min_samples` samples."""
         if s.num_spec < self.min_samples or s.num_plain < self.min_samples:
             return
-        pays = s.spec_seconds / s.spec_tokens * self.min_gain < s.plain_seconds / s.plain_tokens
+        pays = s.spec_per_token * self.min_gain < s.plain_per_token
         if pays and not s.on:
             s.on, s.since, s.probe_left = True, 0, 0
         elif not pays and s.on:
