@@ -33,13 +33,23 @@ GROUPS = {
 
 def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
     """Flags shared by every command that builds an engine; defaults come from the dataclasses."""
-    from dspark.config import MATMUL_DTYPES, CacheConfig, DEFAULT_MODEL, EngineConfig, SchedulerConfig
+    from dspark.config import (DTYPE_NAMES, MATMUL_DTYPES, CacheConfig, DEFAULT_MODEL, EngineConfig,
+                               ParallelConfig, SchedulerConfig)
     if positional_model:
         p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                        help="GGUF file, HF folder (config.json + safetensors) or the embedded default")
     else:
         p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default=EngineConfig.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=EngineConfig.dtype, choices=list(DTYPE_NAMES),
+                   help="weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default=EngineConfig.device,
+                   help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=ParallelConfig.tensor_parallel_size,
+                   help="split the target over N processes (heads, MLP columns and vocabulary; gloo on the "
+                        "CPU, NCCL on CUDA); the engine starts the workers itself")
+    p.add_argument("--distributed-timeout-s", type=float, default=ParallelConfig.distributed_timeout_s,
+                   help="a step's collective that does not finish in this many seconds (a rank stuck or gone) "
+                        "stops the engine with an error")
     p.add_argument("--matmul-dtype", default=EngineConfig.matmul_dtype, choices=list(MATMUL_DTYPES),
                    help="the target's matrix products with --dtype float32: bfloat16 rounds weights and inputs "
                         "to bf16 and sums in fp32 (CPU kernels with AVX512-BF16); q4_1 multiplies a Q4_1 "
@@ -61,7 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = True
 
 
 def engine_config_from_args(args: argparse.Namespace, *, default_spec=None):
-    from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+    from dspark.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpecConfig
     spec_arg = args.speculative_config
     if spec_arg is None:
         spec = default_spec
@@ -75,7 +85,9 @@ def engine_config_from_args(args: argparse.Namespace, *, default_spec=None):
     try:
         return EngineConfig(
             model=args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, seed=args.seed,
-            num_threads=args.num_threads,
+            num_threads=args.num_threads, device=args.device,
+            parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                    distributed_timeout_s=args.distributed_timeout_s),
             cache=CacheConfig(kv_block_size=args.kv_block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                               num_kv_blocks=args.num_kv_blocks,
                               enable_prefix_caching=not args.no_prefix_caching),

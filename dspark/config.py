@@ -17,6 +17,28 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 LENGTH_POLICY_NAMES = ("fixed", "threshold", "prefix", "async")
 
 MATMUL_DTYPES = ("auto", "float32", "bfloat16", "q4_1")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_KINDS = ("auto", "cpu", "cuda")  # "cuda:N" names one GPU
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" where torch sees a GPU, else "cpu"; "cpu", "cuda", "cuda:N" as given (ValueError
+    for anything else)."""
+    kind, _, index = str(device).partition(":")
+    if kind not in DEVICE_KINDS or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if kind == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto" -> bfloat16 weights and activations on CUDA, float32 on the CPU (whose matrix products
+    `matmul_dtype` sets); other names as given."""
+    if dtype == "auto":
+        return "bfloat16" if str(device).startswith("cuda") else "float32"
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -51,6 +73,23 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}")
         if self.coalesce_steps < 0:
             raise ValueError(f"coalesce_steps must be >= 0, got {self.coalesce_steps}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism of the target (dspark.distributed): the engine starts `tensor_parallel_size - 1`
+    worker processes itself (gloo on the CPU, NCCL on CUDA, rendezvous on 127.0.0.1)."""
+
+    tensor_parallel_size: int = 1
+    # a collective of a step that does not complete within this many seconds (a rank stuck or gone) is an
+    # error: the engine fails loudly instead of hanging
+    distributed_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -140,7 +179,8 @@ class SpecConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL  # GGUF file, HF folder, or the name of the embedded default
-    dtype: str = "float32"
+    # weights, activations and KV cache; "auto": bfloat16 on CUDA, float32 on the CPU (resolved here)
+    dtype: str = "auto"
     # dtype of the target's matrix products when dtype is float32: "bfloat16" rounds weights and each
     # product's input to bf16 and sums in fp32 (CPU kernels with AVX512-BF16: ~2x the arithmetic, half the
     # weight bytes); norms, attention, residual stream and KV cache stay fp32. "auto": q4_1 for a Q4_1
@@ -151,16 +191,24 @@ class EngineConfig:
     # over the blocks: llama.cpp's Q4_1 product), the LM head in bf16 where the kernels multiply
     # bf16, else in its own Q8_0 blocks when stored so (dspark.models.loader), else fp32.
     matmul_dtype: str = "auto"
-    device: str = "cpu"
+    # "auto": cuda where torch sees a GPU, else cpu (resolved here, so `config.device` is always concrete)
+    device: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.parallel.tensor_parallel_size
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        object.__setattr__(self, "device", resolve_device(self.device))
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be {', '.join(MATMUL_DTYPES)}; got {self.matmul_dtype!r}")
         if self.matmul_dtype in ("bfloat16", "q4_1") and self.dtype != "float32":

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, DEFAULT_MODEL
+from dspark.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpecConfig, DEFAULT_MODEL
 from dspark.detokenizer import Detokenizer, StreamState
 from dspark.request import SpecStats
 from dspark.sampling import SamplingParams
@@ -49,7 +49,8 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, speculative_config: dict | str | None = None,
-                 dtype: str = "float32", matmul_dtype: str = "auto", seed: int = 0,
+                 dtype: str = "auto", matmul_dtype: str = "auto", seed: int = 0, device: str = "auto",
+                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_model_len: int | None = None, kv_cache_memory_gb: float = 1.0,
                  num_kv_blocks: int | None = None, kv_block_size: int = 16,
@@ -61,6 +62,8 @@ class LLM:
             spec = None if speculative_config is None else SpecConfig.from_dict(speculative_config)
             config = config or EngineConfig(
                 model=model, dtype=dtype, matmul_dtype=matmul_dtype, seed=seed, num_threads=num_threads,
+                device=device, parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                                       distributed_timeout_s=distributed_timeout_s),
                 cache=CacheConfig(kv_block_size=kv_block_size, kv_cache_memory_gb=kv_cache_memory_gb,
                                   num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
                 scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,

@@ -381,6 +381,9 @@ def test_auto_takes_q4_1_for_a_q4_1_gguf_where_the_kernels_have_it(smollm2, monk
     assert resolve_matmul_dtype("auto", model=str(tmp_path)) == other  # not a GGUF
     assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL, dtype="bfloat16") == "float32"
     assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL, device="cuda") == "float32"
+    # tensor parallelism: the ranks multiply slices of the dequantized weights, never the packed blocks
+    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL, tensor_parallel_size=2) == other
+    assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL, dtype="auto", device="auto") == "q4_1"
     monkeypatch.setattr(kernels, "has_q4_1_kernels", lambda: False)
     assert resolve_matmul_dtype("auto", model=DEFAULT_MODEL) == other
 

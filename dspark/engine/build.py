@@ -23,6 +23,9 @@ def build_engine(config: EngineConfig):
     """Returns (engine, tokenizer_bundle)."""
     from dspark.models.loader import load_model, read_model_config
 
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not in this "
+                         f"build yet; use 1")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     if str(config.device).startswith("cpu"):
@@ -30,7 +33,7 @@ def build_engine(config: EngineConfig):
         tune_malloc()  # fixed glibc thresholds: a step's temporaries do not depend on the allocation history
     target_config = read_model_config(config.model)
     matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device,
-                                        model=config.model)
+                                        model=config.model, tensor_parallel_size=config.tensor_parallel_size)
     log.info("target matrix products: %s (matmul_dtype=%s)", matmul_dtype, config.matmul_dtype)
     if config.spec is not None:
         check_drafter(config.spec, target_config)
@@ -52,19 +55,24 @@ def build_engine(config: EngineConfig):
 
 
 def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: str = "cpu",
-                         model: str | None = None) -> str:
+                         model: str | None = None, tensor_parallel_size: int = 1) -> str:
     """The target's matrix-product dtype (EngineConfig.matmul_dtype), "auto" resolved for a float32 CPU
     engine: q4_1 for a Q4_1 GGUF `model` (the default model) where the kernels multiply Q4_1 (AVX2 + FMA
     + F16C): the file's own 4-bit weights, 3.1-3.3x the fp32 batch-1 decode on AVX2 and on AVX-512, where
     it is also 2.2x bf16's (docs/benchmarks.md, sessions 13-14); else bfloat16 where the kernels multiply
     bf16 (AVX512-BF16); else float32. An explicit bfloat16 or q4_1 without such kernels still runs (torch
-    multiplies the same values in fp32), slower: said in the log."""
+    multiplies the same values in fp32), slower: said in the log. "auto" device / dtype are resolved first;
+    under tensor parallelism (`tensor_parallel_size` > 1) "auto" never means q4_1 (the ranks multiply
+    their row or column slices of the dequantized weights: dspark.distributed)."""
     from dspark import kernels
+    from dspark.config import resolve_device, resolve_dtype
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     bf16_kernels = device == "cpu" and kernels.has_bf16_kernels()
     if matmul_dtype == "auto":
         if dtype != "float32":
             return "float32"
-        if model is not None and device == "cpu" and kernels.has_q4_1_kernels():
+        if model is not None and device == "cpu" and tensor_parallel_size == 1 and kernels.has_q4_1_kernels():
             from dspark.models.loader import q4_1_problem
             try:
                 if q4_1_problem(model) is None:

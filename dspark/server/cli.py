@@ -39,8 +39,9 @@ def default_spec(args: argparse.Namespace):
     matmul dtype, or None when there is none."""
     from dspark.drafters.shipped import default_spec_config
     from dspark.engine.build import resolve_matmul_dtype
-    return default_spec_config(args.model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype, dtype=args.dtype,
-                                                                             model=args.model))
+    return default_spec_config(args.model, matmul_dtype=resolve_matmul_dtype(
+        args.matmul_dtype, dtype=args.dtype, device=args.device, model=args.model,
+        tensor_parallel_size=args.tensor_parallel_size))
 
 
 def run(args: argparse.Namespace) -> int:
