@@ -130,6 +130,11 @@ class SpecConfig:
     # output rows in multiples of 8). Drafts only propose, so this never changes the output (the
     # target verifies).
     draft_matmul_dtype: str = "auto"
+    # dspark: top-K Markov drafting (vLLM-Metal's `dspark_draft_topk`): at each draft position the K best
+    # base logits are the candidates and the Markov head corrects only those rows; 0 (default) corrects the
+    # whole draft vocabulary. The drafts (and with sampling, the proposal distribution, zero outside the
+    # candidates) change, never the output: the target verifies
+    draft_topk: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -150,6 +155,10 @@ class SpecConfig:
         if self.draft_matmul_dtype not in ("auto", "float32", "bfloat16", "float16", "q4_1"):
             raise ValueError(f"draft_matmul_dtype must be auto, float32, bfloat16, float16 or q4_1, "
                              f"got {self.draft_matmul_dtype!r}")
+        if self.draft_topk < 0:
+            raise ValueError(f"draft_topk must be >= 0 (0: the whole draft vocabulary), got {self.draft_topk}")
+        if self.draft_topk and self.method not in ("dspark",):
+            raise ValueError(f"draft_topk applies to method 'dspark' (its Markov head); {self.method!r} has none")
         if self.lookup_cache_entries < 0:
             raise ValueError(f"lookup_cache_entries must be >= 0, got {self.lookup_cache_entries}")
         if self.ngram_first and self.method == "ngram":

@@ -49,7 +49,7 @@ class DSparkDrafter(Drafter):
                  confidence_temperatures: list[float] | None = None,
                  greedy_confidence_temperatures: list[float] | None = None,
                  confidence_biases: list[float] | None = None,
-                 greedy_confidence_biases: list[float] | None = None):
+                 greedy_confidence_biases: list[float] | None = None, draft_topk: int = 0):
         cfg = model.cfg
         if not 1 <= num_draft_tokens <= cfg.max_draft_tokens:
             raise ValueError(f"num_speculative_tokens {num_draft_tokens} must be in [1, "
@@ -58,6 +58,10 @@ class DSparkDrafter(Drafter):
         self.model = model.eval()
         self.cfg = cfg
         self.num_draft_tokens = num_draft_tokens
+        if draft_topk < 0:
+            raise ValueError(f"draft_topk must be >= 0, got {draft_topk}")
+        # top-K drafting: the Markov head corrects only the K best base logits of each position (0: all)
+        self.draft_topk = draft_topk
         self.tap_layer_ids = cfg.tap_layer_ids
         self.has_confidence = model.confidence_head is not None
         # STS temperatures per regime: requests that sample (temperature > 0) and greedy requests; one
@@ -193,22 +197,34 @@ class DSparkDrafter(Drafter):
         greedy_rows = (temperature < GREEDY_EPS).tolist()
         head = model.markov_head
         state = head.init_state(num_rows=len(reqs), device=dev, dtype=hidden.dtype) if head else None
+        cand = None
+        if head is not None and self.draft_topk > 0:
+            # top-K drafting: each position's K best base logits are its candidates (one call for every
+            # position), in draft-id order (ties and sampling as over the whole row), and the head corrects
+            # only those: [num_reqs, num_draft, K]
+            cand = base_logits.topk(min(self.draft_topk, base_logits.shape[-1]), dim=-1).indices.sort(-1).values
+            base_logits = base_logits.gather(-1, cand)
         draft_ids, draft_probs, prev_ids = [], [], []
         for k in range(self.num_draft_tokens):
             prev_ids.append(prev)
-            logits = base_logits[:, k]  # [num_reqs, draft_vocab] fp32
+            logits = base_logits[:, k]  # [num_reqs, draft_vocab] fp32, or [num_reqs, K] candidates
             if head is not None:
                 logits, state = head.step(base_logits=logits, hidden=hidden[:, k], prev_ids=prev,
-                                          state=state)
+                                          state=state, candidates=None if cand is None else cand[:, k])
             if probabilistic:
                 probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
                 tokens = torch.stack([
                     probs[i].argmax() if greedy_rows[i] else
                     _sample(probs[i], r.generator).to(dev)
-                    for i, r in enumerate(reqs)])  # [num_reqs] draft-vocab ids
+                    for i, r in enumerate(reqs)])  # [num_reqs] draft-vocab ids (candidate indices)
+                if cand is not None:  # the proposal distribution over the whole draft vocabulary
+                    probs = probs.new_zeros(len(reqs), self.cfg.effective_draft_vocab_size).scatter_(
+                        1, cand[:, k], probs)
                 draft_probs.append(probs)
             else:
                 tokens = greedy_ids(logits)  # [num_reqs]
+            if cand is not None:
+                tokens = cand[:, k].gather(1, tokens.view(-1, 1)).squeeze(1)  # candidate index → draft id
             prev = model.d2t[tokens]  # target ids; the next position's predecessor
             draft_ids.append(prev)
         # the confidences read each position's predecessor, not its logits: all positions in one call
@@ -305,6 +321,9 @@ def check_config(cfg: DSparkConfig, *, spec, target_config) -> None:
         raise ValueError(f"num_speculative_tokens {spec.num_speculative_tokens} > the drafter's "
                          f"{cfg.max_draft_tokens} drafts per block (block_size {cfg.block_size}, "
                          f"{cfg.slot_layout} layout)")
+    if spec.draft_topk and (spec.method != "dspark" or cfg.markov_rank == 0):
+        raise ValueError(f"draft_topk {spec.draft_topk} applies to a Markov head (method 'dspark'); "
+                         f"method {spec.method!r} with markov_rank {cfg.markov_rank} has none: set draft_topk 0")
     if spec.method == "dspark" and cfg.markov_rank == 0:
         raise ValueError("method 'dspark' needs a Markov head but the checkpoint has markov_rank 0; "
                          "use method 'dflash'")
@@ -419,4 +438,5 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
                          confidence_temperatures=temps.get("temperatures"),
                          greedy_confidence_temperatures=temps.get("greedy_temperatures"),
                          confidence_biases=temps.get("biases"),
-                         greedy_confidence_biases=temps.get("greedy_biases"))
+                         greedy_confidence_biases=temps.get("greedy_biases"),
+                         draft_topk=spec.draft_topk)

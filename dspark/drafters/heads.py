@@ -9,7 +9,9 @@ Every sequential head has two equivalent paths:
   called left to right with the token actually sampled at the previous position.
 
 `tests/test_dspark_drafter.py` checks that feeding `step` the same predecessors reproduces
-`block_logits`. Predecessor ids are *target* vocabulary ids (the anchor can be any token), so
+`block_logits`. Each head's bias is W2 · u_k for a rank-r vector u_k (vanilla: W1[x_{k-1}]; gated: g ⊙ W1[x_{k-1}];
+RNN: tanh(o_k)), so `step(..., candidates=)` can score only some draft-vocabulary rows (top-K drafting: the
+candidates are the base logits' K best, the correction is the candidates' rows of W2 times u_k). Predecessor ids are *target* vocabulary ids (the anchor can be any token), so
 `markov_w1` has one row per target token; `markov_w2` and the logits use the draft vocabulary (equal to
 the target vocabulary unless the checkpoint has a reduced `draft_vocab_size`).
 
@@ -40,8 +42,20 @@ class MarkovHead(nn.Module):
         """W1[x_{k-1}]: [...] target ids → [..., rank] (also the confidence head's input)."""
         return self.markov_w1(prev_ids)
 
+    def _rank_input(self, prev_embed: torch.Tensor, hidden: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        """u_k [..., rank] (the bias is W2 · u_k) and the next state."""
+        return prev_embed, state
+
     def _bias(self, prev_embed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.markov_w2(prev_embed)  # [..., draft_vocab]
+        return self.markov_w2(self._rank_input(prev_embed, hidden, None)[0])  # [..., draft_vocab]
+
+    def project(self, u: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
+        """W2 · u: u [num_rows, rank] → [num_rows, draft_vocab]; with candidates [num_rows, K] draft ids
+        only those rows of W2: → [num_rows, K]."""
+        if candidates is None:
+            return self.markov_w2(u)
+        rows = torch.nn.functional.embedding(candidates, self.markov_w2.weight)  # [num_rows, K, rank]
+        return (rows @ u.to(rows.dtype).unsqueeze(-1)).squeeze(-1)  # [num_rows, K]
 
     def block_logits(
         self,
@@ -63,9 +77,11 @@ class MarkovHead(nn.Module):
         hidden: torch.Tensor,  # [num_rows, hidden_size]
         prev_ids: torch.Tensor,  # [num_rows] long target ids
         state: Any,
-    ) -> tuple[torch.Tensor, Any]:  # ([num_rows, draft_vocab], next state)
-        bias = self._bias(self.embed_prev(prev_ids), hidden)
-        return base_logits + bias.to(base_logits.dtype), state
+        candidates: torch.Tensor | None = None,  # [num_rows, K] draft ids: score only these
+    ) -> tuple[torch.Tensor, Any]:  # ([num_rows, draft_vocab] or [num_rows, K] with candidates, next state)
+        """base_logits are the full row, or with `candidates` the base logits of those candidates [num_rows, K]."""
+        u, state = self._rank_input(self.embed_prev(prev_ids), hidden, state)
+        return base_logits + self.project(u, candidates).to(base_logits.dtype), state
 
 
 class GatedMarkovHead(MarkovHead):
@@ -76,9 +92,9 @@ class GatedMarkovHead(MarkovHead):
                          hidden_size=hidden_size, rank=rank)
         self.gate_proj = Linear(hidden_size + rank, rank, bias=True)  # weight [rank, hidden + rank]
 
-    def _bias(self, prev_embed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def _rank_input(self, prev_embed, hidden, state):
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden.to(prev_embed.dtype), prev_embed], -1)))
-        return self.markov_w2(gate * prev_embed)  # [..., draft_vocab]
+        return gate * prev_embed, state  # [..., rank]
 
 
 class RNNHead(MarkovHead):
@@ -90,12 +106,17 @@ class RNNHead(MarkovHead):
                          hidden_size=hidden_size, rank=rank)
         self.joint_proj = Linear(2 * rank + hidden_size, 3 * rank, bias=True)
 
-    def _cell(self, state: torch.Tensor, prev_embed: torch.Tensor, hidden: torch.Tensor):
+    def _rank_input(self, prev_embed, hidden, state):
+        """One cell step: (tanh(o_k) [..., rank], s_k [..., rank])."""
         z = torch.cat([state, prev_embed, hidden.to(prev_embed.dtype)], dim=-1)  # [..., 2r + d]
         gate, cand, out = self.joint_proj(z).chunk(3, dim=-1)  # each [..., rank]
         gate = torch.sigmoid(gate)
         new_state = gate * state + (1.0 - gate) * torch.tanh(cand)
-        return new_state, self.markov_w2(torch.tanh(out))  # [..., rank], [..., draft_vocab]
+        return torch.tanh(out), new_state
+
+    def _cell(self, state: torch.Tensor, prev_embed: torch.Tensor, hidden: torch.Tensor):
+        u, new_state = self._rank_input(prev_embed, hidden, state)
+        return new_state, self.markov_w2(u)  # [..., rank], [..., draft_vocab]
 
     def block_logits(self, *, base_logits, hidden, prev_ids):
         prev_embed = self.embed_prev(prev_ids)  # [..., num_slots, rank]
@@ -109,9 +130,6 @@ class RNNHead(MarkovHead):
     def init_state(self, *, num_rows: int, device, dtype) -> torch.Tensor:
         return torch.zeros(num_rows, self.rank, device=device, dtype=dtype)  # [num_rows, rank]
 
-    def step(self, *, base_logits, hidden, prev_ids, state):
-        state, bias = self._cell(state, self.embed_prev(prev_ids), hidden)
-        return base_logits + bias.to(base_logits.dtype), state
 
 
 class ConfidenceHead(nn.Module):
