@@ -40,7 +40,7 @@ def build_revision(rev: str):
 def main(argv: list[str] | None = None) -> dict:
     from dspark import kernels
     from dspark.llm import LLM
-    from dspark.verify.profile_cli import StepProfiler
+    from dspark.verify.step_profiler import StepProfiler
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="git revision whose kernels are the baseline")

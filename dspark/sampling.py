@@ -20,7 +20,7 @@ GREEDY_EPS = 1e-5
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """[..., vocab] → [...] long: the index of each row's maximum, the first on ties (torch.argmax's
     answer). Through `max(dim).indices`, which the CPU computes ~2.5x faster than `argmax` (32 rows of
-    SmolLM2's 49,152 logits: 0.43 vs 1.10 ms; session 17)."""
+    SmolLM2's 49,152 logits: 0.43 vs 1.10 ms on a 2-vCPU Intel Xeon with AMX, 2026-12-02)."""
     return logits.max(dim=-1).indices
 
 
@@ -101,11 +101,3 @@ def _apply_top_k_top_p(
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
-
-
-def sample_from_probs(
-    probs: torch.Tensor,  # [vocab_size] float32
-    generator: torch.Generator | None,
-) -> int:
-    """One token from a processed distribution (argmax of a one-hot is exact)."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -378,7 +378,7 @@ def test_calibration_prompts_refuse_eval_and_read_jsonl(tmp_path, monkeypatch):
 
 def test_profile_writes_valid_cost_table(tmp_path):
     from dspark.verify.cost_table import CostTable
-    from dspark.verify.profile_cli import _split, profile_engine
+    from dspark.verify.step_profiler import _split, profile_engine
     assert _split(1, 5) == [1] and _split(16, 5) == [4, 4, 4, 4] and sum(_split(19, 8)) == 19
     engine = tiny_llm().engine
     free_before = engine.block_manager.num_free_blocks

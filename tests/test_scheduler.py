@@ -104,7 +104,7 @@ def test_abort_frees_blocks():
     s.add(a)
     s.schedule()
     assert bm.num_free_blocks < 64
-    s.abort("a")
+    s.finish_request(a, "abort")
     assert bm.num_free_blocks == 64 and a.finish_reason == "abort"
     assert s.take_finished() == [a] and not s.has_unfinished()
 

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from dspark.bench.peers import hf_peer, llama_cpp_peer
-from dspark.bench.report import json_safe, run_info
+from dspark.bench.report import json_safe, latency_summary, run_info
 
 
 def _int_list(text: str) -> list[int]:
@@ -77,14 +76,6 @@ def batch_throughput(llm, prompt_ids: list[list[int]], params, batch_size: int) 
         num_tokens += sum(len(o.token_ids) for o in outs)
     return {"batch_size": batch_size, "num_prompts": num, "total_output_tokens": num_tokens,
             "wall_s": wall_s, "batch_output_tok_s": num_tokens / wall_s if wall_s else None}
-
-
-def latency_summary(ttft_s: list[float], tpot_s: list[float]) -> dict:
-    """Medians over prompts; TPOT also as decode tok/s."""
-    ttft = statistics.median(ttft_s) * 1000 if ttft_s else None
-    tpot = statistics.median(tpot_s) * 1000 if tpot_s else None
-    return {"median_ttft_ms": ttft, "median_tpot_ms": tpot,
-            "decode_tok_s": 1000.0 / tpot if tpot else None}
 
 
 def batch1_latency(llm, prompt_ids: list[list[int]], params) -> tuple[dict, list[int]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def _summary(ttft_s: list[float], tpot_s: list[float], num_tokens: int) -> dict:
-    from dspark.bench.offline import latency_summary
+    from dspark.bench.report import latency_summary
 
     return latency_summary(ttft_s, tpot_s) | {"tau": None, "total_output_tokens": num_tokens}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,14 @@ from typing import TextIO
 
 _LATENCY_ROWS = (("ttft", "Time to first token"), ("tpot", "Time per output token (excl. 1st)"),
                  ("itl", "Inter-chunk latency"), ("e2el", "End-to-end latency"))
+
+
+def latency_summary(ttft_s: list[float], tpot_s: list[float]) -> dict:
+    """Medians over prompts; TPOT also as decode tok/s."""
+    ttft = statistics.median(ttft_s) * 1000 if ttft_s else None
+    tpot = statistics.median(tpot_s) * 1000 if tpot_s else None
+    return {"median_ttft_ms": ttft, "median_tpot_ms": tpot,
+            "decode_tok_s": 1000.0 / tpot if tpot else None}
 
 
 def json_safe(value):

@@ -98,7 +98,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--interleave", action="store_true",
                    help="all servers up at once; the methods take turns at every grid point")
     p.add_argument("--reuse-prompts", action="store_true",
-                   help="every point draws the same first prompts (before session 7's sweeps); default: "
+                   help="every point draws the same first prompts (the older sweeps' method); default: "
                         "each dataset x concurrency x repeat point (and its warm-up) takes prompts no "
                         "earlier point served, the same for every method, so no server's prefix or "
                         "cross-request lookup cache holds a measured prompt's answer")

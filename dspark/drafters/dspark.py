@@ -40,7 +40,6 @@ from dspark.sampling import GREEDY_EPS, greedy_ids, logits_to_probs
 
 CALIBRATION_NAME = "calibration.json"
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")
-SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
 CONFIDENCE_POLICIES = ("threshold", "prefix", "async")
 
 

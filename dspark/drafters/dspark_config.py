@@ -14,7 +14,6 @@ Slot layouts (reference §7.3, §8):
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -150,9 +149,6 @@ class DSparkConfig:
                 "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False,
                 "tie_word_embeddings": False,
                 "layer_types": ["full_attention"] * self.num_hidden_layers}
-
-    def to_json_str(self) -> str:
-        return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
 
 def default_tap_layer_ids(num_target_layers: int, num_taps: int = 5) -> tuple[int, ...]:

@@ -372,9 +372,6 @@ class DSparkModel(nn.Module):
         prev_embed = self.markov_head.embed_prev(prev_ids) if self.confidence_head.with_markov else None
         return self.confidence_head(hidden=hidden, prev_embed=prev_embed)
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
-
 
 def _gather_pos(input_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """input_ids [batch, seq_len], pos [batch, ...] (clamped into range) → ids [batch, ...]."""

@@ -84,9 +84,6 @@ class BlockManager:
         return len(matched) * self.kv_block_size
 
     # -- allocation ------------------------------------------------------------------------------
-    def can_allocate(self, req: Request, num_slots: int) -> bool:
-        return self.blocks_needed(req, num_slots) <= len(self.free)
-
     def allocate(self, req: Request, num_slots: int) -> bool:
         """Grow `req.block_table` to cover `num_slots` positions; False (and no change) if the pool is
         short."""

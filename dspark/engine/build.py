@@ -48,7 +48,7 @@ def build_engine(config: EngineConfig):
     engine = Engine(config, model=model, model_config=target_config, drafter=drafter,
                     length_policy=policy, cost_table=cost, eos_token_ids=tokenizer.eos_token_ids)
     if config.spec is not None and config.spec.cost_table == "auto":
-        from dspark.verify.profile_cli import profile_engine
+        from dspark.verify.step_profiler import profile_engine
         log.info("profiling the step-cost table at startup (cost_table='auto')")
         engine.cost_table = profile_engine(engine, repeats=3, warmup=1)
     return engine, tokenizer
@@ -59,7 +59,7 @@ def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: s
     """The target's matrix-product dtype (EngineConfig.matmul_dtype), "auto" resolved for a float32 CPU
     engine: q4_1 for a Q4_1 GGUF `model` (the default model) where the kernels multiply Q4_1 (AVX2 + FMA
     + F16C): the file's own 4-bit weights, 3.1-3.3x the fp32 batch-1 decode on AVX2 and on AVX-512, where
-    it is also 2.2x bf16's (docs/benchmarks.md, sessions 13-14); else bfloat16 where the kernels multiply
+    it is also 2.2x bf16's (2-vCPU AMD EPYC machines, 2026-12-02); else bfloat16 where the kernels multiply
     bf16 (AVX512-BF16); else float32. An explicit bfloat16 or q4_1 without such kernels still runs (torch
     multiplies the same values in fp32), slower: said in the log. "auto" device / dtype are resolved first;
     under tensor parallelism (`tensor_parallel_size` > 1) "auto" never means q4_1 (the ranks multiply

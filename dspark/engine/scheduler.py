@@ -66,24 +66,12 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def abort(self, request_id: str) -> Request | None:
-        for queue in (self.running, self.waiting):
-            for req in queue:
-                if req.request_id == request_id:
-                    queue.remove(req)
-                    self._finish(req, "abort")
-                    return req
-        return None
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def take_finished(self) -> list[Request]:
         out, self.finished = self.finished, []
         return out
-
-    def load(self) -> int:
-        return len(self.running)
 
     # -- schedule --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -101,21 +101,6 @@ def block_labels(
     return torch.where(eval_mask, labels, torch.full_like(labels, -100))
 
 
-def block_inputs(
-    *,
-    input_ids: torch.Tensor,  # [batch, seq_len] long
-    anchors: torch.Tensor,  # [batch, num_anchors]
-    block_size: int,
-    mask_token_id: int,
-) -> torch.Tensor:  # [batch, num_anchors, block_size] long: [anchor token, MASK × (γ-1)]; dummy → all MASK
-    """The drafter's block token slots (for drafters whose training_forward wants them prebuilt)."""
-    first = torch.gather(input_ids, 1, anchors.clamp(min=0))  # [batch, num_anchors]
-    first = torch.where(anchors >= 0, first, torch.full_like(first, mask_token_id))
-    out = torch.full((*anchors.shape, block_size), mask_token_id, dtype=torch.long)
-    out[..., 0] = first
-    return out
-
-
 def process_anchors(
     *,
     accepted: torch.Tensor,  # [batch, seq_len] long: drafts the block anchored at each position keeps (greedy)

@@ -10,7 +10,7 @@ k ≤ num_verified.
 * `fit_sts` — the paper's offline STS (reference §5.6): for k = 1..γ in order, grid-search T_k to
   minimise the 20-bin ECE of the *cumulative* product Π_{i<k} σ(z_i/T_i) · σ(z_k/t) against Y_k,
   over rounds where position k was verified, holding T_1..T_{k-1} fixed. Saved as JSON next to the
-  drafter (`STS_FILENAME`). Optionally (`bias_grid`) a shift b_k per position is searched with
+  drafter (`calibration.json`: `dspark.drafters.dspark.CALIBRATION_NAME`). Optionally (`bias_grid`) a shift b_k per position is searched with
   T_k, c_k = σ(z_k/T_k + b_k): our extension, for heads whose error is a bias rather than a scale.
 * `OnlineCalibrator` — vLLM-style online upkeep (reference §7.5): per position, exponentially
   decayed counts of trials/hits of the *conditional* outcome in logit bins; T_k on a log grid
@@ -32,14 +32,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["STS_FILENAME", "STS_BIAS_GRID", "survival", "survival_labels", "verified_mask",
+__all__ = ["STS_BIAS_GRID", "survival", "survival_labels", "verified_mask",
            "expected_calibration_error", "auroc",
            "STSCalibration", "fit_sts", "calibration_report", "plot_reliability",
            "OnlineCalibrationConfig", "OnlineCalibrator"]
 
 logger = logging.getLogger(__name__)
 
-STS_FILENAME = "sts_calibration.json"  # written next to the drafter checkpoint
 # Offline STS grid: 121 log-spaced temperatures in [0.05, 20], symmetric about (and containing) 1.
 STS_GRID = tuple(float(t) for t in torch.logspace(math.log10(0.05), math.log10(20.0), 121,
                                                   dtype=torch.float64))
