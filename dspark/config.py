@@ -63,7 +63,7 @@ class SchedulerConfig:
     # hold arriving prompts up to this many steps (while they fill under half of a step's budget) so
     # several share one mixed step: a ~100-token chunk costs ~2.3 ms a token beside decoding requests,
     # a 512-token one ~1.6 ms (SmolLM2, 2 cores); without it, speculation's uneven finishing times make
-    # replacement prompts arrive one by one (docs/benchmarks.md, session 6). 0: off
+    # replacement prompts arrive one by one (measured 2026-11-30, 2-vCPU AMD EPYC). 0: off
     coalesce_steps: int = 4
 
     def __post_init__(self) -> None:
@@ -106,7 +106,7 @@ class SpecConfig:
     online_upkeep: bool = False  # refresh the cost table and confidence temperatures from live steps
     draft_gate: bool = True  # prefix / async: skip drafting in steps where it cannot pay (DraftGate)
     # with the draft gate: a request joining a load where drafting could not pay even with the drafter's long-run
-    # survival curve (DraftGate.admits_model_drafting) gets no drafter context (its drafts, if any, come from
+    # survival curve (dspark.verify.admission) gets no drafter context (its drafts, if any, come from
     # prompt lookup; it takes target-only prefix-cache hits): speculation held off by the load costs no drafter
     # work
     gate_admission: bool = True

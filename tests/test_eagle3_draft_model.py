@@ -17,6 +17,7 @@ random Llama target:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -394,5 +395,25 @@ def test_engine_greedy_output_unchanged_by_drafter(method):
         drafter = Eagle3Drafter(model, num_draft_tokens=3)
     spec_out, metrics = run_engine(target, spec, drafter, prompts)
     assert spec_out == plain
+    assert metrics.num_drafts > 0 and metrics.num_draft_tokens > 0, "no drafts were proposed and verified"
     if method == "draft_model":  # the drafter is the target: every draft is accepted
-        assert metrics.num_draft_tokens > 0 and metrics.num_accepted_tokens == metrics.num_draft_tokens
+        assert metrics.num_accepted_tokens == metrics.num_draft_tokens
+        return
+    # random EAGLE-3 weights get nothing accepted; with each proposal's first draft set to the plain
+    # continuation (the drafter still runs, and extends its context over what was accepted) the accepting
+    # path is exercised as well
+    propose = drafter.propose
+
+    def first_draft_from_plain(batch):
+        out = propose(batch)
+        ids = out.draft_ids.clone()  # [num_reqs, γ]
+        for row, req in enumerate(batch.requests):
+            for prompt, continuation in zip(prompts, plain):
+                pos = len(req.all_ids) - len(prompt)
+                if tuple(req.all_ids[:len(prompt)]) == tuple(prompt) and pos < len(continuation):
+                    ids[row, 0] = continuation[pos]
+        return dataclasses.replace(out, draft_ids=ids)
+    drafter.propose = first_draft_from_plain
+    spec_out, metrics = run_engine(target, spec, drafter, prompts)
+    assert spec_out == plain
+    assert metrics.num_accepted_tokens > 0, "the plain continuation drafted first was never accepted"

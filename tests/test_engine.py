@@ -97,11 +97,24 @@ def test_per_request_speculation_opt_out_and_mixed_greedy_sampled():
     prompts = repetitive_prompts(4, cfg.vocab_size, seed=6)
     plain = run_one_at_a_time(make_engine(model, cfg), prompts, greedy(20))
     engine = _ngram_engine(model, cfg)
+    drafted = []  # the ids of every request a proposal drafted for
+    propose = engine.drafter.propose
+
+    def recorded_propose(batch):
+        out = propose(batch)
+        num_valid = out.num_valid or [out.draft_ids.shape[1]] * len(batch.requests)
+        drafted.extend(tuple(r.all_ids) for r, n in zip(batch.requests, num_valid) if n > 0)
+        return out
+    engine.drafter.propose = recorded_propose
     params = [greedy(20), greedy(20, speculation=False), greedy(20),
               SamplingParams(temperature=1.0, max_tokens=20, seed=7, ignore_eos=True)]
     outs = run(engine, prompts, params)
     assert outs[:3] == plain[:3]
     assert len(outs[3]) == 20
+    # the opted-out request is never drafted for; the others are
+    drafted_for = [any(ids[:len(p)] == tuple(p) for ids in drafted) for p in prompts]
+    assert not drafted_for[1], "a request with speculation=False was drafted for"
+    assert drafted_for[0] and drafted_for[2]
     # a seeded sampled request is reproducible on its own
     again = run(_ngram_engine(model, cfg), [prompts[3]], params[3])[0]
     assert again == outs[3]

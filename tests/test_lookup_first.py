@@ -30,7 +30,7 @@ from dspark.drafters.lookup_first import LookupAcceptance, LookupFirstDrafter
 from dspark.drafters.ngram import NgramCache, NgramDrafter
 from dspark.sampling import SamplingParams
 from tests.engine_helpers import greedy
-from tests.test_scheduled_verification import (  # noqa: F401  (fixtures)
+from tests.scheduled_helpers import (  # noqa: F401  (fixtures)
     ARRIVAL_STEPS, COSTLY_DRAFTS, GAMMA, MAX_TOKENS, POLICIES, _mismatches, _prompts, _spec_engine,
     drafter_dir, plain_outputs, run_staged, target)
 

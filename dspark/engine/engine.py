@@ -86,7 +86,7 @@ class Engine:
         self.draft_gate = None  # cost-aware policies: skip drafting where it cannot pay (spec "draft_gate")
         if (drafter is not None and config.spec is not None and config.spec.draft_gate
                 and getattr(length_policy, "needs_cost", False)):
-            from dspark.verify.length_policy import DraftGate
+            from dspark.verify.draft_gate import DraftGate
             self.draft_gate = DraftGate()
             self.model_verify_observers.append(self.draft_gate.observe_verify)
             if config.spec.gate_admission:  # requests joining a load where drafting cannot pay: no drafter context

@@ -1,0 +1,270 @@
+"""The DSpark drafter's reduced-precision products (spec "draft_matmul_dtype") and its end-to-end greedy
+parity: bf16 products keep heads, norms and a shared target head untouched, within bf16 rounding of fp32;
+many-row bf16 products take bucketed shapes; q4_1 quantizes the backbone and keeps the heads; the fused
+block forward matches the module path; "auto" only on a CPU with bf16 dot products; greedy output with a
+random DSpark drafter (fp32 or bf16 products) == greedy output without a drafter.
+
+    pytest tests/test_dspark_drafter_dtypes.py -q
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dspark import kernels
+
+from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dspark.drafters.base import ContextSegment, ContextUpdate, ProposeBatch
+from dspark.drafters.dspark import DSparkDrafter, build, save_dspark
+from dspark.drafters.dspark_config import DSparkConfig
+from dspark.sampling import SamplingParams
+from tests.dspark_helpers import (TAPS, TARGET, make_pool, propose_request, random_model, random_target,
+                                  spec, tiny_cfg)
+
+
+# -- reduced-precision products (spec "draft_matmul_dtype")
+
+def _drafts_on_shared_context(drafter: DSparkDrafter, num_reqs: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base logits [num_reqs, γ, draft_vocab], confidences [num_reqs, γ]) after one context extension;
+    6 requests make 36 context rows and 24 block rows, past `Linear.LOWP_MIN_ROWS`."""
+    make_pool(drafter, num_blocks=32, kv_block_size=4)
+    g = torch.Generator().manual_seed(5)
+    taps = torch.randn(6 * num_reqs, len(TAPS) * TARGET.hidden_size, generator=g)
+    ids = [torch.randint(3, 120, (7,), generator=g).tolist() for _ in range(num_reqs)]
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(num_reqs)]
+    drafter.extend_context(ContextUpdate([ContextSegment(f"r{i}", tables[i], 0, ids[i][:6], None,
+                                                         slice(6 * i, 6 * i + 6)) for i in range(num_reqs)], taps))
+    batch = ProposeBatch([propose_request(f"r{i}", ids[i], 6, tables[i]) for i in range(num_reqs)], 4, "greedy")
+    return drafter.forward_blocks(batch)[0], drafter.propose(batch).confidence
+
+
+def _built_in_dtypes(tmp_path, cfg: DSparkConfig, dtypes: list[str]):
+    """(random target, [the same random drafter built with each draft_matmul_dtype]); a reduced vocabulary
+    gets a random d2t."""
+    target = random_target()
+    model = random_model(cfg, seed=2)
+    if cfg.draft_vocab_size:
+        perm = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+        model.reset_buffers(d2t=perm[:cfg.draft_vocab_size])
+    save_dspark(model, cfg, tmp_path / "d", dtype="float32")
+    kw = dict(target_config=TARGET, target_model=target, dtype=torch.float32, device="cpu")
+    return target, [build(spec(tmp_path / "d", draft_matmul_dtype=d), **kw) for d in dtypes]
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 48])
+def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, draft_vocab_size):
+    cfg = tiny_cfg(enable_confidence_head=True, draft_vocab_size=draft_vocab_size)
+    target, (f32, b16) = _built_in_dtypes(tmp_path, cfg, ["float32", "bfloat16"])
+    m = b16.model
+    backbone = [m.fc, m.layers[0].self_attn.q_proj, m.layers[1].self_attn.o_proj, m.layers[0].mlp.down_proj]
+    assert all(lin.lowp_weight.dtype == torch.bfloat16 for lin in backbone)
+    assert all(p.dtype == torch.float32 for p in m.parameters()), "the weights themselves stay fp32"
+    assert not any(hasattr(lin, "lowp_weight") for lin in f32.model.modules())
+    heads = [*m.markov_head.modules(), *m.confidence_head.modules()]
+    assert not any(hasattr(lin, "lowp_weight") for lin in heads), "the heads keep their products"
+    assert "lowp_weight" not in "".join(m.state_dict()), "the copies are not part of the checkpoint"
+    if draft_vocab_size is None:  # the target's own head: aliased, not copied to bf16
+        assert m.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+        assert not hasattr(m.lm_head, "lowp_weight")
+    else:
+        assert m.lm_head.lowp_weight.dtype == torch.bfloat16
+    logits32, conf32 = _drafts_on_shared_context(f32)
+    logits16, conf16 = _drafts_on_shared_context(b16)
+    assert logits16.dtype == torch.float32 and conf16.dtype == torch.float32
+    assert not torch.equal(logits16, logits32), "the bf16 products were not used"
+    # 4 block rows: with bf16 kernels (dot products, or AVX2's widening of the weights) bf16 products too
+    one32, _ = _drafts_on_shared_context(f32, num_reqs=1)
+    one16, _ = _drafts_on_shared_context(b16, num_reqs=1)
+    assert torch.equal(one16, one32) != (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels())
+    assert (one16 - one32).abs().max() <= 0.03 * one32.abs().max()
+    # bf16 keeps 8 mantissa bits (relative rounding 2^-9 per product input, a few products deep)
+    assert (logits16 - logits32).abs().max() <= 0.03 * logits32.abs().max()
+    assert (conf16 - conf32).abs().max() <= 0.03
+
+
+def q4_cfg(**overrides) -> DSparkConfig:
+    """tiny_cfg with an MLP width the Q4_1 products take (input widths in multiples of 32)."""
+    return dataclasses.replace(tiny_cfg(**overrides), intermediate_size=64)
+
+
+@pytest.mark.skipif(kernels.has_bf16w_kernels(), reason="AVX2 builds multiply many rows with the fp32 weight")
+def test_many_row_bf16_products_take_bucketed_shapes(monkeypatch):
+    """Products past the kernels (torch's bf16, whose oneDNN builds a primitive for every new shape) pad
+    their rows to a few sizes: at most four an octave, padding <= 25% from 64 rows on; each output row is
+    its own row's product."""
+    sizes = {kernels.row_bucket(r) for r in range(1, 4097)}
+    assert all(kernels.row_bucket(r) >= r for r in range(1, 4097))
+    assert all(kernels.row_bucket(r) <= 1.25 * r for r in range(64, 4097))
+    assert len(sizes) <= 4 * 7, sorted(sizes)  # 16 .. 4096: four an octave
+    lin = kernels.Linear(96, 40, bias=True)
+    kernels.set_matmul_dtype(lin, torch.bfloat16)
+    seen = []
+    real = kernels.F.linear
+    monkeypatch.setattr(kernels.F, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or real(x, w, b))
+    g = torch.Generator().manual_seed(4)
+    for rows in (kernels.MAX_ROWS + 1, 251, 298, 300):
+        x = torch.randn(rows, 96, generator=g)
+        with torch.inference_mode():
+            out = lin(x)
+        ref = (x.bfloat16().double() @ lin.lowp_weight.double().t() + lin.bias.bfloat16().double()).float()
+        assert out.shape == (rows, 40) and out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)  # bf16 output rounding
+    assert seen == [160, 256, 320, 320], seen
+    if kernels.has_bf16_kernels():  # where oneDNN's AMX tiles win (`bf16_kernel_rows`): torch past 16 rows
+        monkeypatch.setattr(kernels, "BF16_KERNEL_ROWS", 16)
+        seen.clear()
+        with torch.inference_mode():
+            lin(torch.randn(16, 96, generator=g)), lin(torch.randn(17, 96, generator=g))
+        assert seen == [32], seen
+
+
+@pytest.mark.skipif(not kernels.has_q4_1_kernels(), reason="no Q4_1 CPU kernels (AVX2/FMA/F16C)")
+def test_draft_matmul_dtype_q4_1_quantizes_the_backbone_and_keeps_heads(tmp_path, monkeypatch):
+    """"q4_1": the backbone's matrices and a reduced-vocab head become Q4_1 blocks (gguf's quantizer), the
+    weights their values; the heads keep theirs; each product is the kernels' Q4_1 x Q8_1 product (the
+    twin: the input's Q8_1 values times the blocks' values), and the whole proposal equals the drafter run
+    through those twins. A width the kernels cannot take is refused, naming the layer."""
+    import gguf
+    cfg = q4_cfg(enable_confidence_head=True, draft_vocab_size=48)
+    target, (f32, q4) = _built_in_dtypes(tmp_path, cfg, ["float32", "q4_1"])
+    kw = dict(target_config=TARGET, target_model=target, dtype=torch.float32, device="cpu")
+    m = q4.model
+    backbone = [m.fc, m.layers[0].self_attn.q_proj, m.layers[1].self_attn.o_proj, m.layers[0].mlp.down_proj, m.lm_head]
+    assert all(lin.lowp_weight.dtype == torch.uint8 for lin in backbone)
+    heads = [*m.markov_head.modules(), *m.confidence_head.modules()]
+    assert not any(hasattr(lin, "lowp_weight") for lin in heads), "the heads keep their products"
+    fp32_down = f32.model.layers[0].mlp.down_proj.weight
+    raw = gguf.quantize(fp32_down.detach().numpy(), gguf.GGMLQuantizationType.Q4_1)
+    assert torch.equal(m.layers[0].mlp.down_proj.weight,
+                       torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).copy()))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    down = m.layers[0].mlp.down_proj
+    ref = (kernels.q8_1_dequantized(x).double() @ down.weight.double().t()).float()
+    with torch.inference_mode():  # (with autograd the module trains on the blocks' values in fp32)
+        torch.testing.assert_close(down(x), ref, rtol=1e-5, atol=1e-5)
+    logits32, _ = _drafts_on_shared_context(f32)
+    logits4, conf4 = _drafts_on_shared_context(q4)
+    assert not torch.equal(logits4, logits32), "the Q4_1 products were not used"
+    # the slow twin: every product through torch (the input's Q8_1 values times the blocks' values)
+    original = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda x, w, **k: None if w.dtype == torch.uint8 else original(x, w, **k))
+    monkeypatch.setattr(m, "fused_backbone", lambda *a, **k: None)
+    twin_logits, twin_conf = _drafts_on_shared_context(q4)
+    torch.testing.assert_close(logits4, twin_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conf4, twin_conf, rtol=1e-4, atol=1e-5)
+    monkeypatch.undo()
+    narrow = tiny_cfg()  # intermediate 48: down_proj's input is no multiple of 32
+    save_dspark(random_model(narrow), narrow, tmp_path / "n", dtype="float32")
+    with pytest.raises(ValueError, match="down_proj is .*multiples of 32"):
+        build(spec(tmp_path / "n", draft_matmul_dtype="q4_1"), **kw)
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("draft_matmul_dtype", ["float32", "bfloat16", "q4_1"])
+def test_fused_block_forward_matches_the_module_path(tmp_path, monkeypatch, draft_matmul_dtype):
+    """The block forward in one fused-stack call (`DSparkModel.fused_backbone`: the block's K/V stored
+    past each context, key limits instead of a mask) against the module path over the gathered context,
+    for three requests with contexts of 5, 9 and 2 positions: logits and hidden within the kernel's
+    attention / RoPE rounding, the same drafts and confidences; the context slots are untouched. A request
+    whose block table ends before its block's last position takes the module path for the whole batch;
+    more block rows than a kernel call takes run as several calls of whole blocks."""
+    if draft_matmul_dtype == "bfloat16" and not (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()):
+        pytest.skip("no bf16 products on this CPU")
+    if draft_matmul_dtype == "q4_1" and not kernels.has_q4_1_kernels():
+        pytest.skip("no Q4_1 products on this CPU")
+    cfg = (q4_cfg if draft_matmul_dtype == "q4_1" else tiny_cfg)(enable_confidence_head=True)
+    save_dspark(random_model(cfg, seed=4), cfg, tmp_path / "d", dtype="bfloat16")
+    drafter = build(spec(tmp_path / "d", draft_matmul_dtype=draft_matmul_dtype), target_config=TARGET,
+                    target_model=random_target(), dtype=torch.float32, device="cpu")
+    make_pool(drafter, num_blocks=16, kv_block_size=4)
+    g = torch.Generator().manual_seed(6)
+    ctx = [5, 9, 2]
+    ids = [torch.randint(3, 120, (12,), generator=g).tolist() for _ in ctx]
+    tables = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]  # each covers its block (anchor + block_size <= 4 * len)
+    taps = torch.randn(sum(ctx), len(TAPS) * TARGET.hidden_size, generator=g)
+    starts = [0, 5, 14]
+    drafter.extend_context(ContextUpdate([ContextSegment(f"r{i}", tables[i], 0, ids[i][:n], None,
+                                                         slice(starts[i], starts[i] + n)) for i, n in enumerate(ctx)], taps))
+    context = [(k.clone(), v.clone()) for k, v in drafter.kv_caches]
+    batch = ProposeBatch([propose_request(f"r{i}", ids[i], n, tables[i]) for i, n in enumerate(ctx)], 4, "greedy")
+    ran = []
+    original = kernels.decoder_layers
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, **k: ran.append(True) or original(*a, **k))
+    fused_logits, fused_hidden, _ = drafter.forward_blocks(batch)
+    fused = drafter.propose(batch)
+    assert len(ran) == 2, "the fused stack did not run"
+    with monkeypatch.context() as m:  # more block rows than one call takes: calls of whole blocks, same rows
+        m.setattr(kernels, "MAX_ROWS", 2 * cfg.block_size)
+        assert torch.equal(drafter.forward_blocks(batch)[1], fused_hidden) and len(ran) == 4
+    for (k0, v0), (k1, v1) in zip(context, drafter.kv_caches):
+        for i, n in enumerate(ctx):
+            for pos in range(n):
+                slot = (tables[i][pos // 4], pos % 4)
+                assert torch.equal(k0[slot], k1[slot]) and torch.equal(v0[slot], v1[slot])
+    monkeypatch.setattr(drafter.model, "fused_backbone", lambda *a, **k: None)
+    module_logits, module_hidden, _ = drafter.forward_blocks(batch)
+    module = drafter.propose(batch)
+    torch.testing.assert_close(fused_logits, module_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_hidden, module_hidden, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fused.draft_ids, module.draft_ids)
+    torch.testing.assert_close(fused.confidence, module.confidence, rtol=1e-4, atol=1e-5)
+    monkeypatch.undo()
+    short = ProposeBatch([*batch.requests[:2], propose_request("r2", ids[2], 2, tables[2][:1])], 4, "greedy")
+    ran.clear()
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, **k: ran.append(True) or original(*a, **k))
+    assert torch.equal(drafter.propose(short).draft_ids, module.draft_ids) and not ran
+
+
+def test_draft_matmul_dtype_auto_and_validation(monkeypatch):
+    from dspark.drafters import dspark as dspark_mod
+
+    resolve = dspark_mod.resolve_matmul_dtype
+    for has_bf16, widens, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                       (False, False, torch.float32)):
+        monkeypatch.setattr(dspark_mod, "cpu_has_bf16_dot", lambda: has_bf16)
+        monkeypatch.setattr(dspark_mod, "has_bf16w_kernels", lambda: widens)  # AVX2's widening bf16 path
+        assert resolve("auto", dtype=torch.float32, device="cpu") == expected
+    assert resolve("auto", dtype=torch.float32, device="cuda:0") == torch.float32  # no change on CUDA
+    assert resolve("auto", dtype=torch.bfloat16, device="cpu") == torch.bfloat16
+    assert resolve("float32", dtype=torch.bfloat16, device="cpu") == torch.float32
+    with pytest.raises(ValueError, match="draft_matmul_dtype"):
+        SpecConfig(method="dspark", model="x", draft_matmul_dtype="int8")
+    assert SpecConfig(method="dspark", model="x", draft_matmul_dtype="q4_1").draft_matmul_dtype == "q4_1"
+    assert resolve("q4_1", dtype=torch.float32, device="cpu") == torch.uint8  # Q4_1 blocks
+
+
+# -- end to end
+
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_engine_greedy_parity_with_random_dspark(tmp_path, matmul_dtype):
+    from dspark.engine.engine import Engine
+
+    target = random_target(seed=7)
+    cfg = tiny_cfg(enable_confidence_head=True)
+    save_dspark(random_model(cfg, seed=3), cfg, tmp_path / "d", dtype="float32")
+    prompts = [[1, 17, 33, 60, 5, 9, 88, 21, 40], [1, 90, 4], list(range(3, 40))]
+
+    def run(spec_config):
+        config = EngineConfig(spec=spec_config, cache=CacheConfig(kv_block_size=4, num_kv_blocks=96),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=24))
+        drafter = None if spec_config is None else build(spec_config, target_config=TARGET, target_model=target,
+                                                         dtype=torch.float32, device="cpu")
+        engine = Engine(config, model=target, model_config=TARGET, drafter=drafter)
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+               for p in prompts]
+        out = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+        return [out[i] for i in ids], engine
+
+    plain, _ = run(None)
+    spec_out, engine = run(SpecConfig(method="dspark", model=str(tmp_path / "d"), num_speculative_tokens=4,
+                                      draft_matmul_dtype=matmul_dtype))
+    assert spec_out == plain
+    assert engine.metrics.verify_lens, "the drafter never proposed"
+
