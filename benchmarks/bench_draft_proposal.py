@@ -9,9 +9,9 @@ memory, as in serving, not from the cache of the previous proposal); medians ove
 Paths: `current` (the defaults: `draft_matmul_dtype` auto — bf16 copies, widened against the fp32
 input on AVX2 — and the block forward through the fused decoder stack), `module-bf16` (the same
 products, the block forward through the per-layer modules) and `module-fp32` (fp32 products and the
-modules: the drafter path before session 12), `q4_1` (`draft_matmul_dtype` "q4_1": the backbone and
-the reduced-vocab head quantized to Q4_1 blocks, the fused stack; session 13), and `kernel-rows-128` (the
-defaults with bf16 products of up to 128 rows through the kernel, as before session 17, instead of
+modules: the drafter path before the fused stack), `q4_1` (`draft_matmul_dtype` "q4_1": the backbone and
+the reduced-vocab head quantized to Q4_1 blocks, the fused stack), and `kernel-rows-128` (the
+defaults with bf16 products of up to 128 rows through the kernel, the earlier default, instead of
 `kernels.bf16_kernel_rows()`: 16 on CPUs with AMX, where torch's oneDNN products are faster past that). The target is the default model at `auto` (q4_1 on AVX2
 CPUs), context 256 positions per request (`dspark profile`'s `StepProfiler`).
 """
@@ -32,7 +32,7 @@ PATHS = {"current": {}, "module-bf16": {"fused": False}, "module-fp32": {"fused"
 def main(argv: list[str] | None = None) -> dict:
     from dspark import kernels
     from dspark.llm import LLM
-    from dspark.verify.profile_cli import StepProfiler
+    from dspark.verify.step_profiler import StepProfiler
 
     p = argparse.ArgumentParser()
     p.add_argument("--num-reqs", default="1,4,16,32,64")

@@ -1,5 +1,5 @@
 """Held-out acceptance of the shipped drafters two ways, side by side: `tau_top1` (blocks at uniformly random
-answer positions, what training logged until session 17) and `tau_process` (greedy decoding replayed along
+answer positions, what training used to log) and `tau_process` (greedy decoding replayed along
 each answer, the rounds anchored where the engine anchors them; `dspark.train.anchors.process_rounds`).
 Each drafter is loaded through the trainer (`init_from` its shipped folder, its own train_config.json, no
 step taken) and scored by `Trainer.evaluate` on the validation split of a `dspark prepare-data` folder,

@@ -11,7 +11,7 @@ build) and its `pack_q4_1` is read from its own `dspark/kernels/__init__.py`, so
 differently. The weights are the same random matrix quantized by gguf; each kernel multiplies its own
 packing of those blocks. By default each of the 30 layers has its own copy, so a step streams its ~66 MB
 of weights from memory as a decode step does; `--in-cache` times one layer's products repeated (its 2 MB
-stay in cache: session 14 measured its tile pairs that way, 1.16-1.45x faster at 2-8 rows, while the whole
+stay in cache: its tile pairs measured that way on an AVX512-VNNI EPYC, 2026-12-02, ran 1.16-1.45x faster at 2-8 rows, while the whole
 decoder stack ran them 1.3-1.6x slower than single tiles). Reported: ms for the 30 layers of a step (and a
 layer's share), and base ÷ new.
 """

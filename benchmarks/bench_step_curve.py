@@ -5,8 +5,8 @@ round, medians over rounds), so a slow phase of the machine hits all shapes alik
     python benchmarks/bench_step_curve.py --out benchmarks/results/step_curve.json
 
 Shows where a step's cost grows with its tokens (the marginal cost of a verified draft) and where it
-jumps: before session 7 a step above 48 rows left the one-call decoder kernel for the per-layer path
-(a 56-row step cost ~1.5x a 48-row one); `kernels.MAX_ROWS` is 128 since. Times `StepProfiler.windows_step`
+jumps: when `kernels.MAX_ROWS` was 48 a step above 48 rows left the one-call decoder kernel for the per-layer path
+(a 56-row step cost ~1.5x a 48-row one); it is 128 now. Times `StepProfiler.windows_step`
 (`ModelRunner.prepare` + `forward`), as `dspark profile` does. `--matmul-dtypes float32,bfloat16` builds
 one engine per dtype and times them in the same rounds (the ratio per shape is in the summary).
 """
@@ -28,7 +28,7 @@ SHAPES = [(1, w) for w in (1, 2, 4, 8)] + [(8, w) for w in (1, 2, 3, 4, 5, 6, 7,
 def main(argv: list[str] | None = None) -> dict:
     from dspark.engine.build import resolve_matmul_dtype
     from dspark.llm import LLM
-    from dspark.verify.profile_cli import StepProfiler
+    from dspark.verify.step_profiler import StepProfiler
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context-len", type=int, default=200)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Reproduces the drafters shipped in dspark/assets/drafters/ for SmolLM2-135M-Instruct on 2 CPU cores,
-# about 5.5 hours. Stage 1 (session 4, ~2.5 h): data ~40 + ~25 min, features ~12 min, DSpark / DFlash /
-# EAGLE-3 trained from scratch side by side (one thread each) ~75 min. Stage 2 (session 16, ~2 h): a
+# about 5.5 hours. Stage 1 (2026-11-29, ~2.5 h): data ~40 + ~25 min, features ~12 min, DSpark / DFlash /
+# EAGLE-3 trained from scratch side by side (one thread each) ~75 min. Stage 2 (2026-12-02, ~2 h): a
 # second data set (q4_1 target, Magpie-style prompts the target writes itself), features, and each
 # drafter warm-started from its stage-1 weights (`init_from`, same draft vocabulary) for the same steps;
-# stage 3 (session 19, ~1.2 h): a third data set (the stage-2 one plus 1,500 more Magpie-style prompts), features,
+# stage 3 (2026-12-02, ~1.2 h): a third data set (the stage-2 one plus 1,500 more Magpie-style prompts), features,
 # each drafter warm-started from its stage-2 weights for 1,000 steps, the export chosen by held-out tau_process;
 # then calibration ~10 min. Every step is resumable: rerun after an interruption.
 #   bash scripts/train_shipped_drafters.sh
@@ -14,8 +14,8 @@ cd "$(dirname "$0")/.."
 DATA=data/smollm2_train_v2
 
 # 1. the target regenerates answers to ../shared/datasets/train prompts (never eval/), greedy: the first
-#    1,500 shuffled prompts in bf16 (session 1), then the remaining ones in fp32 with the fused kernels
-#    (session 4, 2x faster); prepare-data skips prompts already written
+#    1,500 shuffled prompts in bf16, then the remaining ones in fp32 with the fused kernels
+#    (2x faster); prepare-data skips prompts already written
 python -m dspark prepare-data --out "$DATA" --max-prompts 1500 --max-tokens 192 --max-prompt-tokens 384 \
     --batch-size 128 --dtype bfloat16 --num-threads 2
 python -m dspark prepare-data --out "$DATA" --max-prompts 3130 --max-tokens 192 --max-prompt-tokens 384 \
@@ -73,8 +73,8 @@ python -m dspark profile --speculative-config '{"method": "dspark", "model": "ds
     --matmul-dtype float32 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table.json
 python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \
     --matmul-dtype bfloat16 --repeats 9 --out dspark/assets/drafters/dspark-smollm2-135m/cost_table_bf16.json
-#    q4_1 per kind of kernels: cost_table_q4_1.json on AVX2 (session 13), cost_table_q4_1_avx512.json on AVX-512
-#    (bf16 LM head, VNNI pairs of Q4_1 tiles; session 14): dspark.drafters.shipped.shipped_cost_table
+#    q4_1 per kind of kernels: cost_table_q4_1.json on AVX2, cost_table_q4_1_avx512.json on AVX-512
+#    (bf16 LM head, VNNI pairs of Q4_1 tiles): dspark.drafters.shipped.shipped_cost_table
 KIND=$(python -c 'from dspark.kernels import kernel_kind; print(kernel_kind())')
 Q4_TABLE=cost_table_q4_1$([ "$KIND" = avx512 ] && echo _avx512).json
 python -m dspark profile --speculative-config '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m"}' \

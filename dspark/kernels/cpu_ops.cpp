@@ -380,14 +380,14 @@ inline void q4_prepare(const float* x, int64_t m0, int64_t m1, int64_t K, int8_t
       for (int c = 0; c < 4; ++c)
         p[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(xs[c], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       const __m256i s = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-      s4 = _mm_hadd_epi32(s4, s4);
-      s4 = _mm_hadd_epi32(s4, s4);
+      __m128i psum4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      psum4 = _mm_hadd_epi32(psum4, psum4);
+      psum4 = _mm_hadd_epi32(psum4, psum4);
       const __m256i q = _mm256_permutevar8x32_epi32(  // p_0 .. p_31 in order
           _mm256_packs_epi16(_mm256_packs_epi32(p[0], p[1]), _mm256_packs_epi32(p[2], p[3])), order);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + 32 * b), q);
       meta[m * (K / 16) + 2 * b] = e;
-      meta[m * (K / 16) + 2 * b + 1] = e * static_cast<float>(_mm_cvtsi128_si32(s4));
+      meta[m * (K / 16) + 2 * b + 1] = e * static_cast<float>(_mm_cvtsi128_si32(psum4));
     }
 }
 
@@ -802,9 +802,9 @@ void attend(const float* qv, const float* kp, const float* vp, float* o, const i
     const float* keys[16];
     for (; j + 16 <= limit; j += 16) {
       for (int t = 0; t < 16; ++t) keys[t] = kp + (slots[j + t] * Hkv + kvh) * HD;
-      const __m512 s16 = _mm512_mul_ps(dots16<C>(q, keys), vsc);
-      _mm512_storeu_ps(scores + j, s16);
-      vmax = _mm512_max_ps(vmax, s16);
+      const __m512 scores16 = _mm512_mul_ps(dots16<C>(q, keys), vsc);
+      _mm512_storeu_ps(scores + j, scores16);
+      vmax = _mm512_max_ps(vmax, scores16);
     }
     m = _mm512_reduce_max_ps(vmax);
   }

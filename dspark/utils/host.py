@@ -3,7 +3,7 @@
 glibc's malloc serves large blocks (a prompt step's activations: hundreds of rows × a few thousand
 floats) by mmap, and by default raises its mmap threshold to the size of each such block freed: a
 process's allocation history then decides whether the next step's temporaries come from the heap or from
-fresh pages, which are faulted in on first touch. Measured (session 18, HumanEval at 16 concurrent,
+fresh pages, which are faulted in on first touch. Measured (2026-12-02, 2-vCPU Intel Xeon with AMX, HumanEval at 16 concurrent,
 offline): with speculation on, the elementwise ops of prompt steps ran ~2× slower than in a plain engine
 on the same prompts, the target forward 2–4% slower with speculation all but off; fixed thresholds made
 the two forwards equal and left plain decoding's speed where it was. `tune_malloc` fixes them (256 MiB
