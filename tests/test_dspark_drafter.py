@@ -250,8 +250,11 @@ def write_deepspec_checkpoint(path, *, target=TARGET, taps=TAPS, rank=8, confide
 
 
 def test_deepspec_checkpoint_loads_aliases_and_drafts(tmp_path):
-    ckpt = write_deepspec_checkpoint(tmp_path / "ds")
     target = random_target()
+    # DeepSpec stores bf16 copies of the target's embedding and head: they are the target's, so aliased
+    ckpt = write_deepspec_checkpoint(tmp_path / "ds", tensors_edit=lambda t: t.update({
+        "embed_tokens.weight": target.model.embed_tokens.weight.detach().to(torch.bfloat16),
+        "lm_head.weight": target.lm_head.weight.detach().to(torch.bfloat16)}))
     drafter = build(spec(ckpt, length_policy="prefix"), target_config=TARGET, target_model=target,
                     dtype=torch.float32, device="cpu")
     assert drafter.has_confidence and drafter.tap_layer_ids == TAPS

@@ -67,19 +67,50 @@ def load_tensors(path: str | Path, *, skip: Iterable[str] = (), device: str | to
     return out
 
 
+def header_shapes(path: str | Path) -> dict[str, list[int]]:
+    """Every tensor's shape by name from the safetensors headers of a checkpoint folder (no data read)."""
+    from safetensors import safe_open
+
+    out: dict[str, list[int]] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                out[name] = list(f.get_slice(name).get_shape())
+    return out
+
+
+def check_shapes(expected: dict[str, Any], shapes: dict[str, Any], *, where: str,
+                 optional: dict[str, Any] | None = None) -> None:
+    """Exact key/shape match of `shapes` (name → shape) against `expected`; names in `optional` may be
+    absent but, when present, must have that shape. Raises ValueError naming the first offending key and
+    both shapes."""
+    optional = optional or {}
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise ValueError(f"{where}: checkpoint lacks tensor {name!r} (expected shape {list(shape)})")
+    for name, shape in {**expected, **optional}.items():
+        if name in shapes and tuple(shapes[name]) != tuple(shape):
+            raise ValueError(f"{where}: tensor {name!r} has shape {list(shapes[name])}, "
+                             f"the model expects {list(shape)}")
+    unexpected = sorted(set(shapes) - set(expected) - set(optional))
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} (shape "
+                         f"{list(shapes[unexpected[0]])}); the model has no such parameter")
+
+
 def check_tensors(expected: dict[str, torch.Size], tensors: dict[str, torch.Tensor], *,
                   where: str) -> None:
     """Exact key/shape match; raises ValueError naming the first offending key and both shapes."""
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise ValueError(f"{where}: checkpoint lacks tensor {name!r} (expected shape {list(shape)})")
-        if tuple(tensors[name].shape) != tuple(shape):
-            raise ValueError(f"{where}: tensor {name!r} has shape {list(tensors[name].shape)}, "
-                             f"the model expects {list(shape)}")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} (shape "
-                         f"{list(tensors[unexpected[0]].shape)}); the model has no such parameter")
+    check_shapes(expected, {k: t.shape for k, t in tensors.items()}, where=where)
+
+
+def same_weights(own: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether a checkpoint's copy of a frozen target weight (embedding, LM head) holds the target's values,
+    up to rounding to the checkpoint's dtype (a bf16 file of fp32 weights)."""
+    if tuple(own.shape) != tuple(target.shape):
+        return False
+    eps = torch.finfo(own.dtype).eps if own.is_floating_point() else 0.0
+    return bool(torch.allclose(own.float(), target.detach().to(own.device).float(), rtol=eps, atol=1e-6))
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], file: str | Path, *,

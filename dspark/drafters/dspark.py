@@ -11,36 +11,28 @@ Per step (reference §1.6, §7.2-7.3):
       scratch slot is needed and both slot layouts fit the engine's lookahead. Then the sequential head
       runs left to right over the drafts for all requests at once.
 
-Checkpoints are DeepSpec folders (config.json + safetensors, reference §3) or ours (the same plus
-`draft_vocab_size` / `d2t`, `slot_layout`, and an optional `calibration.json` {"temperatures": [T_k]}
-that divides the confidence logit of position k for requests that sample, optionally "greedy_temperatures"
-[T_k] fitted on greedy decoding for greedy requests, and optional shifts "biases" / "greedy_biases" [b_k]:
-c_k = σ(z_k / T_k + b_k)). `check` reads config.json only and fails before any
-weight is read. method "dflash" on a checkpoint with heads uses it with the heads off (DeepSpec's DFlash is
-exactly that network); method "dspark" on a checkpoint without a Markov head is an error.
+Checkpoints (`dspark_checkpoint.py`, `formats.py`): DeepSpec folders (config.json + safetensors,
+reference §3), ours (the same plus `draft_vocab_size` / `d2t`, `slot_layout`, and an optional
+`calibration.json`: c_k = σ(z_k / T_k + b_k), per regime) or vLLM Speculators' DSpark / DFlash folders.
+`check` reads config.json and the safetensors headers only and fails before any weight is read. method
+"dflash" on a checkpoint with heads uses it with the heads off (DeepSpec's DFlash is exactly that network);
+method "dspark" on a checkpoint without a Markov head is an error.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from pathlib import Path
-
 import torch
 
 from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
-from dspark.drafters.checkpoint import (DTYPE_NAMES, check_tensors, load_tensors, read_config, save_tensors,
-                                        write_json)
-from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.checkpoint import DTYPE_NAMES
+from dspark.drafters.dspark_checkpoint import (CALIBRATION_KEYS, CALIBRATION_NAME, check, check_config,  # noqa: F401
+                                               load_dspark, read_calibration, save_dspark, without_heads)
 from dspark.drafters.dspark_model import DSparkModel
 from dspark import kernels
 from dspark.kernels import cpu_has_bf16_dot, has_bf16w_kernels, set_matmul_dtype, set_q4_1_products
 from dspark.models.attention import SeqSpec, build_attn_metadata, slots_for
 from dspark.sampling import GREEDY_EPS, greedy_ids, logits_to_probs
 
-CALIBRATION_NAME = "calibration.json"
-HEAD_PREFIXES = ("markov_head.", "confidence_head.")
-CONFIDENCE_POLICIES = ("threshold", "prefix", "async")
 
 
 class DSparkDrafter(Drafter):
@@ -294,135 +286,11 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return torch.multinomial(probs, 1, generator=generator).squeeze(0)
 
 
-# -- checkpoints -------------------------------------------------------------------------------------
-def check(spec, target_config) -> None:
-    """Validate the drafter checkpoint's config.json against the target and the spec; reads no weight."""
-    cfg = DSparkConfig.from_deepspec_json(read_config(spec.model))
-    check_config(cfg, spec=spec, target_config=target_config)
-
-
-def check_config(cfg: DSparkConfig, *, spec, target_config) -> None:
-    """Every drafter/target/spec mismatch as a ValueError naming the field and both values."""
-    for name in ("vocab_size", "hidden_size"):
-        mine, theirs = getattr(cfg, name), getattr(target_config, name)
-        if mine != theirs:
-            raise ValueError(f"drafter {name} {mine} != target {name} {theirs}")
-    num_layers = target_config.num_hidden_layers
-    for i in cfg.tap_layer_ids:
-        if not -1 <= i < num_layers - 1:
-            raise ValueError(f"drafter tap layer id {i} (target_layer_ids {list(cfg.tap_layer_ids)}) "
-                             f"out of range [-1, {num_layers - 1}) for the {num_layers}-layer target "
-                             "(the final layer is forbidden)")
-    if cfg.num_target_layers != num_layers:
-        raise ValueError(f"drafter num_target_layers {cfg.num_target_layers} != target "
-                         f"num_hidden_layers {num_layers}")
-    if spec.num_speculative_tokens > cfg.max_draft_tokens:
-        raise ValueError(f"num_speculative_tokens {spec.num_speculative_tokens} > the drafter's "
-                         f"{cfg.max_draft_tokens} drafts per block (block_size {cfg.block_size}, "
-                         f"{cfg.slot_layout} layout)")
-    if spec.draft_topk and (spec.method != "dspark" or cfg.markov_rank == 0):
-        raise ValueError(f"draft_topk {spec.draft_topk} applies to a Markov head (method 'dspark'); "
-                         f"method {spec.method!r} with markov_rank {cfg.markov_rank} has none: set draft_topk 0")
-    if spec.method == "dspark" and cfg.markov_rank == 0:
-        raise ValueError("method 'dspark' needs a Markov head but the checkpoint has markov_rank 0; "
-                         "use method 'dflash'")
-    has_conf = cfg.enable_confidence_head and spec.method == "dspark"
-    if spec.length_policy in CONFIDENCE_POLICIES and not has_conf:
-        raise ValueError(f"length_policy {spec.length_policy!r} needs a confidence head; method "
-                         f"{spec.method!r} with enable_confidence_head={cfg.enable_confidence_head} "
-                         "has none")
-
-
-def without_heads(cfg: DSparkConfig) -> DSparkConfig:
-    """The DFlash view of a DSpark config: Markov and confidence heads off."""
-    return dataclasses.replace(cfg, markov_rank=0, enable_confidence_head=False)
-
-
-def target_shared_weights(target_model) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [vocab, hidden], LM head [vocab, hidden]) of a dspark.models target."""
-    return target_model.model.embed_tokens.weight, target_model.lm_head.weight
-
-
-def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tensor | None = None,
-                lm_head_weight: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", drop_heads: bool = False
-                ) -> tuple[DSparkModel, list[float] | None]:
-    """Build a DSparkModel from a checkpoint folder → (model, confidence temperatures or None).
-
-    The frozen embedding / LM head come from the target (`target_model`, or explicit weights) whenever
-    the checkpoint's copies have the target's shapes (they are dropped) or are absent; otherwise
-    the checkpoint's own tensors are used. `drop_heads` loads a DSpark checkpoint as DFlash."""
-    cfg = DSparkConfig.from_deepspec_json(read_config(path))
-    if drop_heads:
-        cfg = without_heads(cfg)
-    if target_model is not None:
-        embed_weight, lm_head_weight = target_shared_weights(target_model)
-    with torch.device("meta"):
-        model = DSparkModel(cfg).to(dtype)  # no memory until the checkpoint's tensors are assigned
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    tensors = load_tensors(path, skip=HEAD_PREFIXES if drop_heads else (), device=device, dtype=dtype)
-    # The target's copies replace the checkpoint's when shapes agree (vLLM drops them) or fill them in
-    # when absent; a reduced-vocab head in the checkpoint is always its own.
-    share = {}
-    for key, target_w in (("embed_tokens.weight", embed_weight), ("lm_head.weight", lm_head_weight)):
-        in_ckpt = tensors.get(key)
-        own_rows = key == "lm_head.weight" and cfg.draft_vocab_size is not None
-        if target_w is not None and (in_ckpt is None or (
-                not own_rows and tuple(in_ckpt.shape) == tuple(target_w.shape))):
-            tensors.pop(key, None)
-            expected.pop(key)
-            share[key] = target_w
-    check_tensors(expected, tensors, where=f"drafter checkpoint {str(path)!r}")
-    model.load_state_dict(tensors, strict=False, assign=True)
-    model.reset_buffers(d2t=tensors.get("d2t"), device=device)
-    model.share_target_weights(embed_weight=share.get("embed_tokens.weight"),
-                               lm_head_weight=share.get("lm_head.weight"))
-    for p in model.parameters():
-        if p.is_meta:
-            raise ValueError("drafter checkpoint left a parameter unfilled")
-    model.embed_tokens.weight.requires_grad_(False)
-    model.lm_head.weight.requires_grad_(False)
-    calibration = Path(path) / CALIBRATION_NAME
-    temps = read_calibration(calibration) if calibration.is_file() else None
-    return model.to(device=device), temps
-
-
-CALIBRATION_KEYS = ("temperatures", "biases", "greedy_temperatures", "greedy_biases")
-
-
-def read_calibration(path: str | Path) -> dict[str, list[float]]:
-    """calibration.json → {"temperatures": [T_k] (sampling requests), "greedy_temperatures": [T_k]
-    (greedy requests; absent when one fit serves both), and the optional shifts "biases" /
-    "greedy_biases" [b_k]}."""
-    data = json.loads(Path(path).read_text())
-    return {k: [float(t) for t in data[k]] for k in CALIBRATION_KEYS if k in data}
-
-
-def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtype: str = "bfloat16",
-                include_shared: bool = False) -> None:
-    """Write config.json + model.safetensors (float tensors in `dtype`). The frozen embedding and a
-    full-vocab LM head are left out unless `include_shared` (loading takes them from the target); a
-    reduced-vocab LM head and `d2t` are always written."""
-    if cfg != model.cfg:
-        raise ValueError("save_dspark: cfg differs from model.cfg")
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype {dtype!r} unknown; choose from {', '.join(DTYPE_NAMES)}")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict()
-    if not include_shared:
-        state.pop("embed_tokens.weight")
-        if cfg.draft_vocab_size is None:
-            state.pop("lm_head.weight")
-    save_tensors(state, path / "model.safetensors", dtype=DTYPE_NAMES[dtype])
-    write_json({**cfg.to_json(), "dtype": dtype}, path / "config.json")
-
-
 def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
     """Registry entry for "dspark" and "dflash" (dflash = heads off)."""
     check(spec, target_config)
     model, temps = load_dspark(spec.model, target_model=target_model, dtype=dtype, device=device,
-                               drop_heads=spec.method == "dflash")
+                               drop_heads=spec.method == "dflash", num_target_layers=target_config.num_hidden_layers)
     temps = temps if spec.method == "dspark" and temps else {}
     matmul_dtype = resolve_matmul_dtype(spec.draft_matmul_dtype, dtype=dtype, device=device)
     if matmul_dtype != dtype:  # the backbone's products; the heads (and their calibration) stay as loaded,

@@ -27,14 +27,19 @@ puts −inf logits (probability 0) on every other target id.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
-from dspark.drafters.checkpoint import safetensors_files
+from dspark.drafters.checkpoint import check_shapes, header_shapes, read_config, same_weights
+from dspark.drafters.formats import checkpoint_format, header_shapes_speculators
 from dspark.drafters.draft_sampling import DraftAccumulator
 from dspark.drafters.eagle3_model import (Eagle3Config, Eagle3Model, default_tap_layer_ids, load_eagle3,
-                                          read_eagle3_config, save_eagle3, ttt_targets)
+                                          read_eagle3_config, save_eagle3, state_dict_hf, ttt_targets)
 from dspark.models.attention import flat_batch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Model", "bind_to_target", "build", "check",
            "default_tap_layer_ids", "load_eagle3", "save_eagle3", "ttt_targets"]
@@ -144,16 +149,32 @@ class Eagle3Drafter(Drafter):
 
 def bind_to_target(model: Eagle3Model, target_model) -> Eagle3Model:
     """Share the target's input embedding and LM head (frozen, not copied); a reduced draft vocabulary
-    gets a frozen copy of the head's rows `d2t` ([draft_vocab, d], what the drafter scores)."""
+    gets a frozen copy of the head's rows `d2t` ([draft_vocab, d], what the drafter scores). A checkpoint's
+    own embedding / head (`model.own_shared`, DeepSpec and Speculators store them) that holds the target's
+    values is dropped for the target's; one that differs is used (logged): the drafter was trained with it."""
     inner = getattr(target_model, "model", None)
     if inner is None or not hasattr(inner, "embed_tokens"):
         raise TypeError(f"{type(target_model).__name__} exposes no model.embed_tokens to share")
-    head = target_model.compute_logits
-    if model.config.reduced_vocab:
-        weight = target_model.lm_head.weight
-        rows = weight.detach()[model.d2t.to(weight.device)].contiguous()  # [draft_vocab, d]
+    own = getattr(model, "own_shared", {})
+    dtype = model.fc.weight.dtype
+    embed, head = inner.embed_tokens, target_model.compute_logits
+    weight = target_model.lm_head.weight
+    rows = weight.detach()[model.d2t.to(weight.device)].contiguous() if model.config.reduced_vocab else None
+    if rows is not None:
         head = lambda h: torch.nn.functional.linear(h, rows)  # noqa: E731  [n, d] → [n, draft_vocab]
-    return model.bind_target(embed=inner.embed_tokens, lm_head=head)
+    for key, target_w in (("embed_tokens.weight", inner.embed_tokens.weight),
+                          ("lm_head.weight", weight if rows is None else rows)):
+        mine = own.get(key)
+        if mine is None or same_weights(mine, target_w):
+            continue
+        log.warning("EAGLE-3 checkpoint: its %s differs from the target's: the checkpoint's own is used", key)
+        mine = mine.to(device=model.fc.weight.device, dtype=dtype)
+        if key == "embed_tokens.weight":
+            embed = lambda ids, w=mine: torch.nn.functional.embedding(ids, w)  # noqa: E731
+        else:
+            head = lambda h, w=mine: torch.nn.functional.linear(h.to(w.dtype), w)  # noqa: E731
+    model.own_shared = {}
+    return model.bind_target(embed=embed, lm_head=head)
 
 
 # -- registry hooks ----------------------------------------------------------------------------------
@@ -162,7 +183,7 @@ def check(spec, target_config) -> None:
     """Fail before any weight loads: the checkpoint's geometry must fit the target."""
     if spec.draft_num_layers not in (None, 1):
         raise ValueError(f"EAGLE-3 has exactly one draft layer; draft_num_layers={spec.draft_num_layers}")
-    cfg = read_eagle3_config(spec.model)
+    cfg = read_eagle3_config(spec.model, num_target_layers=target_config.num_hidden_layers)
     for field in ("hidden_size", "vocab_size"):
         mine, theirs = getattr(cfg, field), getattr(target_config, field)
         if mine != theirs:
@@ -172,10 +193,23 @@ def check(spec, target_config) -> None:
         raise ValueError(f"EAGLE-3 checkpoint was trained on a target with target_num_hidden_layers="
                          f"{cfg.target_num_hidden_layers}; this target has num_hidden_layers="
                          f"{target_config.num_hidden_layers}")
-    safetensors_files(spec.model)  # raises naming the folder when it holds no weights
+    check_header(spec.model, cfg)
+
+
+def check_header(path: str, cfg: Eagle3Config) -> None:
+    """Every tensor name and shape in the safetensors headers (no data read) against the model `cfg`
+    describes; a stored embedding / LM head is optional."""
+    shapes = header_shapes(path)  # raises naming the folder when it holds no weights
+    if checkpoint_format(read_config(path)).startswith("speculators-"):
+        shapes = header_shapes_speculators(shapes)
+    required = {k: list(v.shape) for k, v in state_dict_hf(Eagle3Model(cfg, device="meta")).items()}
+    d, vocab = cfg.hidden_size, cfg.vocab_size
+    optional = {"embed_tokens.weight": [vocab, d], "lm_head.weight": [cfg.draft_vocab_size or vocab, d]}
+    check_shapes(required, shapes, optional=optional, where=f"EAGLE-3 checkpoint {path!r}")
 
 
 def build(spec, *, target_config, target_model, dtype, device) -> Eagle3Drafter:
     check(spec, target_config)
-    model = bind_to_target(load_eagle3(spec.model, dtype=dtype, device=device), target_model)
+    model = bind_to_target(load_eagle3(spec.model, dtype=dtype, device=device,
+                                       num_target_layers=target_config.num_hidden_layers), target_model)
     return Eagle3Drafter(model.eval(), num_draft_tokens=spec.num_speculative_tokens)

@@ -81,6 +81,7 @@ class Eagle3Config:
     qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3-style targets)
     attention_bias: bool = False
     draft_vocab_size: int | None = None  # None: score the whole target vocabulary
+    norm_before_residual: bool = False  # the attention residual adds hidden_norm(h) instead of h (Speculators)
     format: str = FORMAT
 
     def __post_init__(self) -> None:
@@ -163,14 +164,16 @@ class Eagle3Layer(nn.Module):
                                      bias=cfg.attention_bias, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(d, eps=eps, dtype=dtype, device=device)
         self.mlp = LlamaMLP(lc, dtype=dtype, device=device)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """emb, hidden [..., d] → [..., 2d]."""
         return torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
 
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual over the incoming feature, then the MLP block. [..., d] → [..., d]."""
-        h = hidden + attn_out
+        """Residual over the incoming feature (normed with `norm_before_residual`), then the MLP block.
+        [..., d] → [..., d]."""
+        h = (self.hidden_norm(hidden) if self.norm_before_residual else hidden) + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -409,16 +412,25 @@ def save_eagle3(model: Eagle3Model, cfg: Eagle3Config, path: str, *,
     save_tensors(state_dict_hf(model), os.path.join(path, WEIGHTS_NAME), dtype=dtype)
 
 
-def read_eagle3_config(path: str) -> Eagle3Config:
-    return Eagle3Config.from_dict(read_config(path))
+def read_eagle3_config(path: str, *, num_target_layers: int | None = None) -> Eagle3Config:
+    """Ours, DeepSpec's or vLLM Speculators' config.json (`formats.py`); `num_target_layers` (the target's
+    depth) fills in what a Speculators config does not say."""
+    from dspark.drafters.formats import eagle3_config_dict
+    return Eagle3Config.from_dict(eagle3_config_dict(read_config(path), num_target_layers=num_target_layers,
+                                                     where=str(path)))
 
 
-def load_eagle3(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-                ) -> Eagle3Model:
+def load_eagle3(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                num_target_layers: int | None = None) -> Eagle3Model:
     """Build from `path/config.json` and fill every parameter from its safetensors (a missing, unknown or
-    mis-shaped tensor raises ValueError naming it). Call `bind_target` before use."""
-    model = Eagle3Model(read_eagle3_config(path), dtype=dtype, device=device)
-    tensors = load_tensors(path, device=device, dtype=dtype)
+    mis-shaped tensor raises ValueError naming it). A stored embedding / LM head (DeepSpec, Speculators) is
+    kept aside in `model.own_shared` (native dtype) for `eagle3.bind_to_target`. Call `bind_target` before
+    use."""
+    from dspark.drafters.formats import SHARED_KEYS, eagle3_tensors
+    model = Eagle3Model(read_eagle3_config(path, num_target_layers=num_target_layers), dtype=dtype, device=device)
+    tensors = eagle3_tensors(read_config(path), load_tensors(path, device=device), where=f"EAGLE-3 checkpoint {path!r}")
+    model.own_shared = {k: tensors.pop(k) for k in SHARED_KEYS if k in tensors}
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     check_tensors({k: v.shape for k, v in state_dict_hf(model).items()}, tensors,
                   where=f"EAGLE-3 checkpoint {path!r}")
     params = dict(model.named_parameters())

@@ -1,0 +1,206 @@
+"""DSpark / DFlash checkpoints: read (ours, DeepSpec's, vLLM Speculators'), check against the target before any
+weight loads, load, save.
+
+`check` reads config.json and the safetensors headers only (every tensor name and shape against the model
+the config describes), so `engine/build.py` fails before the target's weights load. The frozen embedding and
+LM head: a checkpoint without them takes the target's (aliased, no copy); a checkpoint whose copies hold the
+target's values (up to its dtype's rounding) takes the target's too; a checkpoint whose copies differ keeps its
+own (logged, with the largest difference): the drafter was trained with them. A reduced-vocabulary LM head is
+always the checkpoint's own. Calibration: an optional `calibration.json` beside the weights
+({"temperatures": [T_k]} and optionally "greedy_temperatures", "biases", "greedy_biases").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from dspark.drafters.checkpoint import (DTYPE_NAMES, check_shapes, header_shapes, load_tensors, read_config,
+                                        same_weights, save_tensors, write_json)
+from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.dspark_model import DSparkModel
+from dspark.drafters.formats import (checkpoint_format, header_shapes_speculators, speculators_dspark_json,
+                                     speculators_tensors)
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_NAME = "calibration.json"
+CALIBRATION_KEYS = ("temperatures", "biases", "greedy_temperatures", "greedy_biases")
+HEAD_PREFIXES = ("markov_head.", "confidence_head.")
+CONFIDENCE_POLICIES = ("threshold", "prefix", "async")
+
+
+def read_dspark_config(path: str | Path, *, num_target_layers: int | None = None) -> DSparkConfig:
+    """The DSparkConfig of a checkpoint folder in any format; `num_target_layers` (the target's depth) fills
+    in what a Speculators config does not say."""
+    d = read_config(path)
+    fmt = checkpoint_format(d)
+    if fmt in ("deepspec-eagle3", "speculators-eagle3"):
+        raise ValueError(f"drafter checkpoint {str(path)!r} is an EAGLE-3 checkpoint ({fmt}): use method 'eagle3'")
+    if fmt.startswith("speculators-"):
+        if num_target_layers is None:
+            raise ValueError(f"drafter checkpoint {str(path)!r} (Speculators) does not name the target's depth; "
+                             "load it against a target")
+        d = speculators_dspark_json(d, num_target_layers=num_target_layers)
+    return DSparkConfig.from_deepspec_json(d)
+
+
+def check(spec, target_config) -> None:
+    """Validate the checkpoint's config.json and safetensors headers against the target and the spec; reads
+    no weight."""
+    cfg = read_dspark_config(spec.model, num_target_layers=target_config.num_hidden_layers)
+    check_config(cfg, spec=spec, target_config=target_config)
+    check_header(spec.model, cfg, drop_heads=spec.method == "dflash")
+
+
+def expected_shapes(cfg: DSparkConfig) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """(required, optional) tensor shapes of a checkpoint of `cfg`: the frozen embedding and a full-vocabulary
+    LM head are optional (the target's are used)."""
+    with torch.device("meta"):
+        state = DSparkModel(cfg).state_dict()
+    shapes = {k: list(v.shape) for k, v in state.items()}
+    optional = {"embed_tokens.weight": shapes.pop("embed_tokens.weight")}
+    if cfg.draft_vocab_size is None:
+        optional["lm_head.weight"] = shapes.pop("lm_head.weight")
+    return shapes, optional
+
+
+def check_header(path: str | Path, cfg: DSparkConfig, *, drop_heads: bool = False) -> None:
+    """Every tensor name and shape in the safetensors headers against the model `cfg` describes."""
+    shapes = header_shapes(path)
+    if checkpoint_format(read_config(path)).startswith("speculators-"):
+        shapes = header_shapes_speculators(shapes)
+    if drop_heads:
+        shapes = {k: v for k, v in shapes.items() if not k.startswith(HEAD_PREFIXES)}
+        cfg = without_heads(cfg)
+    required, optional = expected_shapes(cfg)
+    check_shapes(required, shapes, optional=optional, where=f"drafter checkpoint {str(path)!r}")
+
+
+def check_config(cfg: DSparkConfig, *, spec, target_config) -> None:
+    """Every drafter/target/spec mismatch as a ValueError naming the field and both values."""
+    for name in ("vocab_size", "hidden_size"):
+        mine, theirs = getattr(cfg, name), getattr(target_config, name)
+        if mine != theirs:
+            raise ValueError(f"drafter {name} {mine} != target {name} {theirs}")
+    num_layers = target_config.num_hidden_layers
+    for i in cfg.tap_layer_ids:
+        if not -1 <= i < num_layers - 1:
+            raise ValueError(f"drafter tap layer id {i} (target_layer_ids {list(cfg.tap_layer_ids)}) "
+                             f"out of range [-1, {num_layers - 1}) for the {num_layers}-layer target "
+                             "(the final layer is forbidden)")
+    if cfg.num_target_layers != num_layers:
+        raise ValueError(f"drafter num_target_layers {cfg.num_target_layers} != target "
+                         f"num_hidden_layers {num_layers}")
+    if spec.num_speculative_tokens > cfg.max_draft_tokens:
+        raise ValueError(f"num_speculative_tokens {spec.num_speculative_tokens} > the drafter's "
+                         f"{cfg.max_draft_tokens} drafts per block (block_size {cfg.block_size}, "
+                         f"{cfg.slot_layout} layout)")
+    if spec.draft_topk and (spec.method != "dspark" or cfg.markov_rank == 0):
+        raise ValueError(f"draft_topk {spec.draft_topk} applies to a Markov head (method 'dspark'); "
+                         f"method {spec.method!r} with markov_rank {cfg.markov_rank} has none: set draft_topk 0")
+    if spec.method == "dspark" and cfg.markov_rank == 0:
+        raise ValueError("method 'dspark' needs a Markov head but the checkpoint has markov_rank 0; "
+                         "use method 'dflash'")
+    has_conf = cfg.enable_confidence_head and spec.method == "dspark"
+    if spec.length_policy in CONFIDENCE_POLICIES and not has_conf:
+        raise ValueError(f"length_policy {spec.length_policy!r} needs a confidence head; method "
+                         f"{spec.method!r} with enable_confidence_head={cfg.enable_confidence_head} "
+                         "has none")
+
+
+def without_heads(cfg: DSparkConfig) -> DSparkConfig:
+    """The DFlash view of a DSpark config: Markov and confidence heads off."""
+    return dataclasses.replace(cfg, markov_rank=0, enable_confidence_head=False)
+
+
+def target_shared_weights(target_model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding [vocab, hidden], LM head [vocab, hidden]) of a dspark.models target."""
+    return target_model.model.embed_tokens.weight, target_model.lm_head.weight
+
+
+def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tensor | None = None,
+                lm_head_weight: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", drop_heads: bool = False,
+                num_target_layers: int | None = None) -> tuple[DSparkModel, dict[str, list[float]] | None]:
+    """Build a DSparkModel from a checkpoint folder → (model, calibration or None).
+
+    The frozen embedding / LM head come from the target (`target_model`, or explicit weights) where the
+    checkpoint has none or holds the target's values; a checkpoint's own differing copies are kept (see the
+    module docstring). `drop_heads` loads a DSpark checkpoint as DFlash. `num_target_layers` defaults to the
+    target's depth (Speculators checkpoints do not store it)."""
+    if target_model is not None:
+        embed_weight, lm_head_weight = target_shared_weights(target_model)
+        if num_target_layers is None:
+            num_target_layers = len(target_model.model.layers)
+    cfg = read_dspark_config(path, num_target_layers=num_target_layers)
+    if drop_heads:
+        cfg = without_heads(cfg)
+    with torch.device("meta"):
+        model = DSparkModel(cfg).to(dtype)  # no memory until the checkpoint's tensors are assigned
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    where = f"drafter checkpoint {str(path)!r}"
+    tensors = load_tensors(path, skip=HEAD_PREFIXES if drop_heads else (), device=device)
+    if checkpoint_format(read_config(path)).startswith("speculators-"):
+        tensors = speculators_tensors(tensors, where=where)
+    share = {}
+    for key, target_w in (("embed_tokens.weight", embed_weight), ("lm_head.weight", lm_head_weight)):
+        in_ckpt = tensors.get(key)
+        own_rows = key == "lm_head.weight" and cfg.draft_vocab_size is not None
+        if target_w is None or own_rows:
+            continue
+        if in_ckpt is not None and not same_weights(in_ckpt, target_w):
+            if tuple(in_ckpt.shape) == tuple(target_w.shape):
+                diff = (in_ckpt.float() - target_w.detach().float().to(in_ckpt.device)).abs().max().item()
+                log.warning("%s: its %s differs from the target's (max |diff| %.3g): the checkpoint's own is used",
+                            where, key, diff)
+            continue  # its own (a shape mismatch fails in check_shapes below, naming both shapes)
+        tensors.pop(key, None)
+        expected.pop(key)
+        share[key] = target_w
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    check_shapes(expected, {k: t.shape for k, t in tensors.items()}, where=where)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.reset_buffers(d2t=tensors.get("d2t"), device=device)
+    model.share_target_weights(embed_weight=share.get("embed_tokens.weight"),
+                               lm_head_weight=share.get("lm_head.weight"))
+    for p in model.parameters():
+        if p.is_meta:
+            raise ValueError("drafter checkpoint left a parameter unfilled")
+    model.embed_tokens.weight.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(False)
+    calibration = Path(path) / CALIBRATION_NAME
+    temps = read_calibration(calibration) if calibration.is_file() else None
+    return model.to(device=device), temps
+
+
+def read_calibration(path: str | Path) -> dict[str, list[float]]:
+    """calibration.json → {"temperatures": [T_k] (sampling requests), "greedy_temperatures": [T_k]
+    (greedy requests; absent when one fit serves both), and the optional shifts "biases" /
+    "greedy_biases" [b_k]}."""
+    data = json.loads(Path(path).read_text())
+    return {k: [float(t) for t in data[k]] for k in CALIBRATION_KEYS if k in data}
+
+
+def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtype: str = "bfloat16",
+                include_shared: bool = False) -> None:
+    """Write config.json + model.safetensors (float tensors in `dtype`). The frozen embedding and a
+    full-vocab LM head are left out unless `include_shared` (loading takes them from the target); a
+    reduced-vocab LM head and `d2t` are always written."""
+    if cfg != model.cfg:
+        raise ValueError("save_dspark: cfg differs from model.cfg")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r} unknown; choose from {', '.join(DTYPE_NAMES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    if not include_shared:
+        state.pop("embed_tokens.weight")
+        if cfg.draft_vocab_size is None:
+            state.pop("lm_head.weight")
+    save_tensors(state, path / "model.safetensors", dtype=DTYPE_NAMES[dtype])
+    write_json({**cfg.to_json(), "dtype": dtype}, path / "config.json")
