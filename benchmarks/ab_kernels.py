@@ -4,7 +4,7 @@ kernels once per round, medians over rounds), so a slow phase of the machine hit
 
     python benchmarks/ab_kernels.py --base 734ca1d --out benchmarks/results/ab_kernels_attention.json
 
-The revision's `dspark/kernels/cpu_ops.cpp` is built under another module name (once, cached beside the
+The revision's kernels (`dspark/kernels/cpu_ops.cpp` and its parts: kernel_revision.py) are built under another module name (once, cached beside the
 working tree's build) and swapped in through `dspark.kernels.ops`; the Python side stays the working
 tree's, so the revision's source must keep the same op signatures.
 """
@@ -12,29 +12,15 @@ tree's, so the revision's source must keep the same op signatures.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
-import subprocess
 import time
 
 import torch
 
 from dspark.bench.report import run_info, write_result_file
+from kernel_revision import build_revision
 
 SHAPES = [(1, 1), (1, 8), (8, 1), (8, 8), (16, 1), (16, 2), (16, 8), (32, 1), (32, 4)]
-
-
-def build_revision(rev: str):
-    """The kernels of git revision `rev`, compiled as their own module."""
-    from dspark import kernels
-    source = subprocess.run(["git", "show", f"{rev}:dspark/kernels/cpu_ops.cpp"], capture_output=True,
-                            text=True, check=True).stdout
-    digest = hashlib.sha256(source.encode() + torch.__version__.encode()).hexdigest()[:16]
-    root = kernels.build_dir().parent / f"ab_{digest}"
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / "cpu_ops_base.cpp"
-    path.write_text(source)
-    return kernels.build(f"dspark_cpu_ops_base_{digest}", root, source=path)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from dspark.bench.report import run_info, write_result_file
+from kernel_revision import write_revision
 
 # one pass of bench_decode.py's dspark engine (the same prompts, warm-up and rates) in a child process
 CHILD = """
@@ -54,7 +55,7 @@ def decode_rates(source: Path, args: argparse.Namespace) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="git revision whose dspark/kernels/cpu_ops.cpp to compare against")
+    ap.add_argument("--base", required=True, help="git revision whose CPU kernels (dspark/kernels/cpu_ops*) to compare against")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=2, help="prompts per dataset")
     ap.add_argument("--datasets", default="gsm8k,humaneval")
@@ -65,9 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "cpu_ops.cpp"
-        base.write_text(subprocess.run(["git", "show", f"{args.base}:dspark/kernels/cpu_ops.cpp"], cwd=repo,
-                                       capture_output=True, text=True, check=True).stdout)
+        base = write_revision(args.base, Path(tmp))
         sources = {"base": base, "new": repo / "dspark" / "kernels" / "cpu_ops.cpp"}
         for source in sources.values():  # build both before timing
             subprocess.run([sys.executable, "-m", "dspark.kernels"], env=_env(source), check=True, capture_output=True)

@@ -6,7 +6,7 @@ both alike.
 
     python benchmarks/bench_q4_kernel.py --base fb92dc4 --out benchmarks/results/q4_kernel_s13.json
 
-The revision's `cpu_ops.cpp` is built under another module name (cached beside the working tree's
+The revision's kernels (`cpu_ops.cpp` and its parts: kernel_revision.py) are built under another module name (cached beside the working tree's
 build) and its `pack_q4_1` is read from its own `dspark/kernels/__init__.py`, so the two may pack
 differently. The weights are the same random matrix quantized by gguf; each kernel multiplies its own
 packing of those blocks. By default each of the 30 layers has its own copy, so a step streams its ~66 MB
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import importlib.util
 import inspect
 import statistics
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from dspark.bench.report import run_info, write_result_file
+from kernel_revision import build_revision
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -46,13 +46,7 @@ def _git_show(rev: str, path: str) -> str:
 
 def base_kernels(rev: str):
     """(ops module, its packer) of git revision `rev`."""
-    from dspark import kernels
-    source = _git_show(rev, "dspark/kernels/cpu_ops.cpp")
-    digest = hashlib.sha256(source.encode() + torch.__version__.encode()).hexdigest()[:16]
-    root = kernels.build_dir().parent / f"ab_{digest}"
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "cpu_ops_base.cpp").write_text(source)
-    ops = kernels.build(f"dspark_cpu_ops_base_{digest}", root, source=root / "cpu_ops_base.cpp")
+    ops = build_revision(rev)
     with tempfile.TemporaryDirectory() as tmp:  # the revision's packer (its module is never built)
         path = Path(tmp) / "dspark_kernels_base.py"
         path.write_text(_git_show(rev, "dspark/kernels/__init__.py"))

@@ -6,7 +6,7 @@ or, on CPUs with AVX2 + FMA + F16C, a GGUF's own Q4_1 blocks (`pack_q4_1`; the i
 blocks, integer dot products: llama.cpp's Q4_1 x Q8_1 product) and Q8_0 blocks (`pack_q8_0`; fp32 input)
 — the file's exact weights in 0.63 and 1.1 bytes each.
 
-`cpu_ops.cpp` is compiled once per machine with torch's C++ extension builder (g++ and ninja; ~30 s on two
+`cpu_ops.cpp` (with the parts it includes, `cpu_ops_*.inc`) is compiled once per machine with torch's C++ extension builder (g++ and ninja; ~30 s on two
 cores) into `~/.cache/dspark/kernels/<source hash>/`; `scripts/setup.sh` does it ahead of time with
 `python -m dspark.kernels`. Every op has a pure-torch twin here, used when the kernels are off and by
 the tests as the reference. The kernels are used only for fp32 CPU tensors without autograd; anything
@@ -45,8 +45,14 @@ def _mode() -> str:
     return mode
 
 
+def source_files(source: Path = SOURCE) -> list[Path]:
+    """The kernels' source: `source` and the parts beside it that it includes (cpu_ops_*.inc)."""
+    return [source, *sorted(source.parent.glob("cpu_ops_*.inc"))]
+
+
 def build_dir() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in source_files())
+                            + torch.__version__.encode()).hexdigest()[:16]
     root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
     return root / "kernels" / digest
 

@@ -1,0 +1,48 @@
+"""The CPU kernels' source at a git revision, for the benchmarks that compare a revision's kernels with the
+working tree's (ab_kernels.py, bench_q4_kernel.py, bench_decode_kernels.py): `dspark/kernels/cpu_ops.cpp`
+and the parts it includes (`cpu_ops_*.inc`, where the revision has them), written into one folder.
+
+    from kernel_revision import build_revision
+    ops = build_revision("734ca1d")  # compiled once, cached beside the working tree's build
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+KERNELS = "dspark/kernels"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def revision_sources(rev: str) -> dict[str, str]:
+    """{file name: text} of the kernels' source files at `rev`."""
+    names = [Path(p).name for p in _git("ls-tree", "--name-only", rev, f"{KERNELS}/").split()]
+    wanted = [n for n in names if n == "cpu_ops.cpp" or (n.startswith("cpu_ops_") and n.endswith(".inc"))]
+    return {name: _git("show", f"{rev}:{KERNELS}/{name}") for name in sorted(wanted)}
+
+
+def write_revision(rev: str, dest: Path) -> Path:
+    """The revision's kernel sources written into `dest`; returns the path of its cpu_ops.cpp."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, text in revision_sources(rev).items():
+        (dest / name).write_text(text)
+    return dest / "cpu_ops.cpp"
+
+
+def build_revision(rev: str):
+    """The kernels of revision `rev`, compiled as their own module (in a folder named by their hash)."""
+    import torch
+
+    from dspark import kernels
+    sources = revision_sources(rev)
+    digest = hashlib.sha256("".join(sources[n] for n in sorted(sources)).encode()
+                            + torch.__version__.encode()).hexdigest()[:16]
+    root = kernels.build_dir().parent / f"ab_{digest}"
+    entry = write_revision(rev, root)
+    return kernels.build(f"dspark_cpu_ops_base_{digest}", root, source=entry)
