@@ -213,3 +213,24 @@ def test_dspark_header_mismatch_fails_without_reading_tensors(tmp_path, monkeypa
     with pytest.raises(ValueError, match="is an EAGLE-3 checkpoint"):
         (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3Eagle3Model"], "ttt_length": 7}))
         check_drafter(SpecConfig(method="dspark", model=str(tmp_path), num_speculative_tokens=3), TARGET)
+
+
+# -- target folder ------------------------------------------------------------------------------------
+
+def test_target_folder_without_tokenizer_is_refused_before_weights_load(tmp_path, monkeypatch):
+    from tiny_checkpoint import write_tiny_checkpoint
+
+    from dspark.config import EngineConfig
+    from dspark.engine import build as build_mod
+    from dspark.models import loader
+
+    folder = write_tiny_checkpoint(tmp_path / "tiny")
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    monkeypatch.setattr(build_mod, "check_drafter", None)  # must not be reached either
+    monkeypatch.setattr(loader, "build_model", None)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        build_mod.build_engine(EngineConfig(model=str(folder)))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        loader.load_model(folder)

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 def build_engine(config: EngineConfig):
     """Returns (engine, tokenizer_bundle)."""
-    from dspark.models.loader import load_model, read_model_config
+    from dspark.models.loader import load_model, read_model_config, resolve_model_path
+    from dspark.models.tokenizer import check_tokenizer_files
 
     if config.tensor_parallel_size > 1:
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not in this "
@@ -32,6 +33,7 @@ def build_engine(config: EngineConfig):
         from dspark.utils.host import tune_malloc
         tune_malloc()  # fixed glibc thresholds: a step's temporaries do not depend on the allocation history
     target_config = read_model_config(config.model)
+    check_tokenizer_files(resolve_model_path(config.model))  # before the drafter check and any weight
     matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device,
                                         model=config.model, tensor_parallel_size=config.tensor_parallel_size)
     log.info("target matrix products: %s (matmul_dtype=%s)", matmul_dtype, config.matmul_dtype)

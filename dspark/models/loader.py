@@ -33,7 +33,7 @@ from dspark.models import build_model
 from dspark import kernels
 from dspark.models.layers import Linear, add_decode_layout, use_bf16_products, use_q4_1_products, use_q8_0_head
 from dspark.models.config import ModelConfig
-from dspark.models.tokenizer import TokenizerBundle, gguf_cache_dir, load_tokenizer
+from dspark.models.tokenizer import TokenizerBundle, check_tokenizer_files, gguf_cache_dir, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
     "bfloat16": bf16 matrix products (`use_bf16_products`, a float32 model only); "q4_1": the layers
     multiply the GGUF's Q4_1 blocks (`use_q4_1_products`; a Q4_1 GGUF only, see `q4_1_problem`)."""
     path = resolve_model_path(path_or_name)
+    check_tokenizer_files(path)
     if matmul_dtype == "q4_1":
         problem = q4_1_problem(path)
         if problem:

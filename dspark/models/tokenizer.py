@@ -54,6 +54,19 @@ class TokenizerBundle:
         return self.encode(text, add_special_tokens=False)
 
 
+# files one of which an HF model folder needs for transformers to build its tokenizer offline
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """Refuse an HF model folder without tokenizer files (before any weight loads): the engine would load
+    the weights and then fail, or transformers would reach for the network."""
+    path = Path(path)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's "
+                         "tokenizer files into the folder")
+
+
 def load_tokenizer(path: Path, *, eos_token_ids: tuple[int, ...] = ()) -> TokenizerBundle:
     """From a .gguf file (cached conversion) or an HF model directory."""
     path = Path(path)
