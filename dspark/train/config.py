@@ -54,6 +54,11 @@ class TrainConfig:
     # warm start: an exported drafter folder of this method (config.json + model.safetensors); its
     # weights replace the random init and its draft vocabulary (d2t) replaces the one built from the data
     init_from: str | None = None
+    # block drafters: "target" starts the draft layers as copies of target layers (warm_start_layers; None: the
+    # target's last num_draft_layers) and fc as the identity on the deepest tap (dspark.train.warm_start);
+    # "none": N(0, init_std). A warm start from init_from takes precedence over both
+    warm_start: str = "none"
+    warm_start_layers: tuple[int, ...] | None = None
     # block drafters: this fraction of each sequence's anchors is drawn from the anchors greedy decoding
     # visits (`anchors.process_anchors`), mined once with the starting weights (out_dir/focus_anchors.pt);
     # the rest uniformly. 0: uniform anchors only
@@ -88,6 +93,13 @@ class TrainConfig:
         _need(0.0 <= self.anchor_focus <= 1.0, f"anchor_focus must be in [0, 1], got {self.anchor_focus}")
         _need(not (self.anchor_focus and self.method == "eagle3"),
               "anchor_focus applies to the block drafters (dspark, dflash), not eagle3")
+        if self.warm_start_layers is not None:
+            object.__setattr__(self, "warm_start_layers", tuple(int(i) for i in self.warm_start_layers))
+        _need(self.warm_start in ("none", "target"), f"warm_start {self.warm_start!r} unknown; choose none or target")
+        _need(self.warm_start == "none" or self.method != "eagle3",
+              "warm_start 'target' applies to the block drafters (dspark, dflash), not eagle3")
+        _need(self.warm_start_layers is None or self.warm_start == "target",
+              "warm_start_layers needs warm_start 'target'")
         _need(self.select_by in SELECT_BY, f"select_by {self.select_by!r} unknown; choose from {', '.join(SELECT_BY)}")
         _need(self.select_by != "tau_process" or self.eval_process_tau, "select_by tau_process needs eval_process_tau")
         _need(self.target_dtype in ("float32", "bfloat16", "float16"), f"target_dtype {self.target_dtype!r}")

@@ -71,6 +71,9 @@ def build_block_drafter(cfg, target, target_cfg, d2t: torch.Tensor | None):
     model.share_target_weights(embed_weight=embed, lm_head_weight=head)
     init_trainable(model, std=cfg.init_std, seed=cfg.seed)
     copy_final_norm(model, target)
+    if cfg.warm_start == "target":
+        from dspark.train.warm_start import warm_start_from_target
+        warm_start_from_target(model, target, layer_ids=cfg.warm_start_layers)
     return model, dcfg
 
 
