@@ -134,6 +134,10 @@ class LLM:
                         bar.update(1)
         if bar:
             bar.close()
+        failed = {rid: why for rid, why in engine.take_failed().items() if rid in results}
+        if failed:  # non-finite target logits (dspark.engine.faults): never hand back garbage
+            rid, why = next(iter(failed.items()))
+            raise RuntimeError(f"{len(failed)} of {len(order)} requests failed ({rid}: {why})")
         return [results[rid] for rid in order]
 
 

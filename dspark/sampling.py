@@ -10,6 +10,8 @@ argmax, so rejection sampling against a greedy target reproduces greedy decoding
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -44,16 +46,34 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))  # normalising a user convenience, once
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
-        _check(self.max_tokens is None or self.max_tokens >= 1,
-               f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(_is_real(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+               f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(_is_int(self.top_k) and (self.top_k == -1 or 0 <= self.top_k <= MAX_INT32),
+               f"top_k must be -1, 0 or a positive integer below 2**31, got {self.top_k}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32),
+               f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens}")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+               f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
+        _check(all(0 <= t < 2**63 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+
+MAX_TEMPERATURE = 1e4  # beyond it every distribution is uniform to float32 anyway
+MAX_INT32 = 2**31 - 1
+
+
+def _is_real(x) -> bool:
+    """A finite int or float (not a bool, not NaN or ±inf)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -23,6 +23,7 @@ from dspark.models import build_model
 from dspark.models.config import ModelConfig
 from dspark.server.app import build_app
 from dspark.server.async_engine import AsyncEngine
+from dspark.server.config import ServerConfig
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
@@ -117,9 +118,10 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(engine: Engine, *, api_key: str | None = None):
-    async_engine = AsyncEngine(engine, CharTokenizer())
-    app = build_app(async_engine, model_name=MODEL, api_key=api_key)
+def serve(engine: Engine, *, api_key: str | None = None, config: ServerConfig | None = None,
+          tokenizer=None):
+    async_engine = AsyncEngine(engine, tokenizer or CharTokenizer())
+    app = build_app(async_engine, model_name=MODEL, api_key=api_key, config=config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                            lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)

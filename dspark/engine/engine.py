@@ -18,6 +18,7 @@ import torch
 from dspark.config import EngineConfig
 from dspark.drafters.base import ContextSegment, ContextUpdate, Drafter, ProposeBatch, ProposeRequest
 from dspark.engine.block_manager import BlockManager
+from dspark.engine.faults import checked_proposal, drafter_fault, fail_request, isolate_target_faults
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate_kv_pool,
                                         kv_bytes_per_block)
@@ -102,6 +103,7 @@ class Engine:
                                        is_greedy=self._is_greedy)
             self.model_verify_observers.append(self.upkeep.observe_verify)
         self.requests: dict[str, Request] = {}
+        self.failed: dict[str, str] = {}  # request_id → why this engine failed it (take_failed)
         self._ids = itertools.count()
 
     def _admit_model_drafting(self) -> bool:
@@ -162,11 +164,14 @@ class Engine:
             batch = self.runner.prepare(sched)
             logits, taps = self.runner.forward(  # taps only where the drafter keeps a context
                 batch, with_taps=any(s.request.needs_draft_context for s in sched.scheduled))
+            logits, faults = isolate_target_faults([s for s in sched.scheduled if s.emits], logits)
             result = self._verify(sched, logits)
             if self.upkeep is not None:  # verify synchronised the device: the timing is complete
                 self.cost_table = self.upkeep.observe_step(
                     num_tokens=sched.num_batched_tokens, seconds=time.perf_counter() - start)
             emitted = self.scheduler.commit(sched, result.output_ids_by_id, result.num_accepted_by_id)
+            for rid in faults:  # nothing sampled from faulty logits leaves the engine
+                fail_request(self, rid, faults[rid], emitted)
             if self.drafter is not None:
                 proposing, model_allowed, next_step = self._proposing_requests(sched)
                 self._extend_drafter_context(sched, batch, taps, result,
@@ -274,7 +279,11 @@ class Engine:
                 tap_rows=slice(row, row + len(part.token_ids))))
             row += len(part.token_ids)
         all_taps = None if taps is None else torch.cat([p.taps for _, p in parts])  # [rows, num_taps * hidden]
-        done = self.drafter.extend_context(ContextUpdate(segments=segments, taps=all_taps))
+        try:
+            done = self.drafter.extend_context(ContextUpdate(segments=segments, taps=all_taps))
+        except Exception:  # the drafter's context for these requests is lost: they decode plainly
+            drafter_fault(self, [req for req, _ in parts], "extend_context")
+            return
         for seg in segments:
             req = self.requests[seg.request_id]
             req.num_draft_computed = done.get(seg.request_id, seg.start_pos + len(seg.token_ids))
@@ -363,6 +372,10 @@ class Engine:
     def _propose_and_choose(self, reqs: list[Request], model_allowed: list[bool], next_step: "NextStep") -> int:
         """Drafts and verify lengths for the next step; returns the number of requests the model drafter
         proposed for."""
+        model_allowed = [ok and r.model_drafting for r, ok in zip(reqs, model_allowed)]  # after a fault
+        if not self.drafter.has_free_drafts:
+            reqs = [r for r, ok in zip(reqs, model_allowed) if ok]
+            model_allowed = [True] * len(reqs)
         if not reqs:
             return 0
         start = time.perf_counter()
@@ -373,9 +386,9 @@ class Engine:
                 generator=r.generator, allow_model=ok) for r, ok in zip(reqs, model_allowed)],
             kv_block_size=self.block_manager.kv_block_size,
             draft_sample_method=self.config.spec.draft_sample_method if self.config.spec else "greedy")
-        proposal = self.drafter.propose(batch)
-        num_valid = ([proposal.draft_ids.shape[1]] * len(reqs) if proposal.num_valid is None
-                     else list(proposal.num_valid))
+        proposal, num_valid = checked_proposal(self, reqs, batch)  # drafter faults: plain decoding
+        if proposal is None:
+            return 0
         from_model = [True] * len(reqs) if proposal.from_model is None else list(proposal.from_model)
         if self.length_policy is None:
             verify_lens = list(num_valid)
@@ -408,6 +421,12 @@ class Engine:
                                              num_proposed=num_valid)
         return sum(from_model)
 
+    def take_failed(self) -> dict[str, str]:
+        """request_id → message for requests this engine failed since the last call (their outputs
+        carry finish_reason "abort"; a caller reports them as errors)."""
+        failed, self.failed = self.failed, {}
+        return failed
+
     def _record(self, sched: SchedulerOutput, result: "StepVerify") -> None:
         m = self.metrics
         m.num_steps += 1
@@ -431,7 +450,7 @@ class Engine:
                 spec=req.spec, coalesce_held_steps=req.waiting_steps))
             if req.is_finished:
                 self.metrics.record_finished(coalesce_held_steps=req.waiting_steps)
-                if self.drafter is not None and req.uses_speculation:
+                if self.drafter is not None and req.uses_speculation and rid not in self.failed:
                     self.drafter.observe_finished(req.all_ids, len(req.prompt_ids))  # lookup's cross-request cache
                 del self.requests[rid]
         return outs

@@ -23,6 +23,8 @@ class EngineMetrics:
     num_lookup_drafts: int = 0  # request-steps drafted by prompt lookup instead of the model ("ngram_first")
     num_measured_off_steps: int = 0  # steps speculation was off because it measured slower than plain ("measured_switch")
     num_admitted_without_drafter: int = 0  # requests admitted while the draft gate stayed closed ("gate_admission")
+    num_draft_faults: int = 0  # request-steps decoded plainly after a drafter fault (engine/faults.py)
+    num_failed_requests: int = 0  # requests failed by non-finite target logits (engine/faults.py)
     coalesce_held_steps: list[int] = field(default_factory=list)  # per finished request (drained)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

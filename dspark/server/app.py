@@ -7,13 +7,17 @@
     GET  /metrics              Prometheus text (see `server/metrics.py`)
 
 Every error leaves as OpenAI's body `{"error": {"message", "type", "param", "code"}}`; bad input is
-a 4xx and never stops the server. With an API key, the /v1 routes need `Authorization: Bearer KEY`.
+a 4xx and never stops the server (the edge guards of `server/guard.py`, strict field types in
+`protocol.py`, ranges in `SamplingParams`, the rest in `server/validation.py`); a fault serving one
+request is a 500 with its message. Past `ServerConfig.max_num_waiting` requests get 429, while
+draining 503, both with Retry-After. With an API key, the /v1 routes (and optionally /metrics) need
+`Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
+import logging
 import uuid
 
 from fastapi import APIRouter, FastAPI, Request
@@ -23,14 +27,26 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.server import serving
-from dspark.server.async_engine import AsyncEngine, RequestStream
+from dspark.server.async_engine import AdmissionError, AsyncEngine, RequestFault, RequestStream
+from dspark.server.config import ServerConfig
+from dspark.server.guard import APIKeyGuard, BodyGuard
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                     ModelList)
 from dspark.server.serving import APIError, bad_request
+from dspark.server.validation import check_context, check_fields
+
+log = logging.getLogger(__name__)
 
 
-def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
+              config: ServerConfig | None = None) -> FastAPI:
+    """`api_key` overrides `config.api_key`; the config's admission limits are set on the engine."""
+    config = config or ServerConfig()
+    api_key = api_key or config.api_key
+    async_engine.max_num_waiting = config.max_num_waiting
+    async_engine.request_timeout_s = config.request_timeout_s
+    retry_after = {"Retry-After": str(config.retry_after_s)}
     metrics = ServerMetrics(async_engine)
     async_engine.on_request_end = metrics.on_request_end
     tokenizer = async_engine.tokenizer
@@ -45,10 +61,12 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     _install_error_handlers(app)
-
+    # the last added runs first: the key is checked before the body is read
+    app.add_middleware(BodyGuard, max_body_bytes=config.max_request_body_bytes)
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyGuard, api_key=api_key, protect_metrics=config.api_key_metrics)
     v1 = APIRouter(prefix="/v1")
+    vocab_size = async_engine.engine.model_config.vocab_size
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -56,8 +74,15 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
                            type="not_found_error", param="model")
 
     async def start(prompt_ids: list[int], params) -> RequestStream:
+        check_context(len(prompt_ids), params.max_tokens, max_model_len=async_engine.max_model_len,
+                      vocab_size=vocab_size, prompt_ids=prompt_ids)
         try:
             return await async_engine.add_request(prompt_ids, params, f"cmpl-{uuid.uuid4().hex}")
+        except AdmissionError as e:
+            kind = "rate_limit_error" if e.status_code == 429 else "service_unavailable"
+            raise APIError(e.status_code, str(e), type=kind, headers=retry_after) from None
+        except RequestFault as e:
+            raise APIError(500, str(e), type="internal_error") from None
         except ValueError as e:
             raise bad_request(str(e), param="prompt" if "prompt" in str(e) else None) from None
         except RuntimeError as e:
@@ -97,6 +122,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
+        check_fields(body, vocab_size=vocab_size)
         params = serving.sampling_params(body, body.max_tokens)
         prompt_ids = serving.completion_prompt_ids(body, tokenizer)
         stream = await start(prompt_ids, params)
@@ -105,6 +131,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        check_fields(body, vocab_size=vocab_size)
         params = serving.sampling_params(body, serving.chat_max_tokens(body))
         prompt_ids = serving.chat_prompt_ids(body, tokenizer)
         stream = await start(prompt_ids, params)
@@ -114,30 +141,17 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
     return app
 
 
-class _APIKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware, which would wrap streaming bodies): /v1 routes need
-    `Authorization: Bearer KEY`; checked before the body is read, so a bad key is always a 401."""
-
-    def __init__(self, app, *, api_key: str):
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = dict(scope.get("headers") or ())
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                err = APIError(401, "missing or incorrect API key "
-                               "(send 'Authorization: Bearer KEY')", type="authentication_error")
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # a fault serving this request
+        log.exception("serving %s failed", request.url.path)
+        err = APIError(500, f"internal error serving this request: {type(exc).__name__}: {exc}",
+                       type="internal_error")
+        return JSONResponse(err.body(), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

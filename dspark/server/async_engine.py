@@ -15,6 +15,17 @@ Threading contract:
   and the held-back tail guarantees no text past the stop string is ever sent.
 - A client that goes away calls `RequestStream.close()`; the engine request is aborted and its KV
   blocks are freed at the next loop turn.
+
+Admission and faults:
+- `max_num_waiting` bounds the requests admitted but not yet running (queued commands + the scheduler's
+  waiting list); past it `add_request` raises `AdmissionError(429)`; while draining (`begin_drain`,
+  SIGTERM) `AdmissionError(503)`.
+- `request_timeout_s`: a request still unfinished that long after arrival is aborted, and its stream
+  ends with an error delta (status 504).
+- One request's fault (the engine refusing it, its detokenization failing, a non-finite target
+  logit: `Engine.failed`) ends that request only, with an error delta (500) carrying the message.
+  An exception out of `Engine.step()` itself fails every request and stops the loop (`error` set,
+  /health 503; `dspark serve` then exits non-zero).
 """
 
 from __future__ import annotations
@@ -46,7 +57,8 @@ class RequestDelta:
     num_output_tokens: int  # kept output tokens so far
     num_cached_tokens: int  # prompt tokens served by a prefix-cache hit
     spec: SpecStats  # a snapshot, safe to read on the event loop
-    error: str | None = None  # set when the engine failed; the request is over
+    error: str | None = None  # set when the request failed; the request is over
+    error_status: int = 500  # the HTTP status of that failure (504: past its deadline)
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,7 @@ class _Tracked:
     state: StreamState
     arrival_s: float
     num_prompt_tokens: int
+    deadline_s: float | None = None  # time.perf_counter() past which the request is aborted
     first_token_s: float | None = None
 
 
@@ -84,6 +97,18 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+class RequestFault(Exception):
+    """Serving this one request failed (a 500 with the message); the engine carries on."""
+
+
+class AdmissionError(Exception):
+    """The server does not take the request now: 429 (queue full) or 503 (draining)."""
+
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class RequestStream:
@@ -115,8 +140,11 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine, tokenizer, *,
-                 on_request_end: Callable[[RequestRecord], None] | None = None, own_thread: bool = True):
+                 on_request_end: Callable[[RequestRecord], None] | None = None, own_thread: bool = True,
+                 max_num_waiting: int | None = None, request_timeout_s: float | None = None):
         self.engine = engine
+        self.max_num_waiting = max_num_waiting  # None: unbounded
+        self.request_timeout_s = request_timeout_s
         self.own_thread = own_thread  # False: the caller runs the loop with `run_forever()`
         self.tokenizer = tokenizer  # bundle with .tokenizer (HF) for decoding
         self.detokenizer = Detokenizer(tokenizer.tokenizer)
@@ -129,6 +157,11 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._reap = False  # an abort left a finished request for the next step() to report
         self.error: str | None = None  # set if the engine thread died
+        self.draining = False  # `begin_drain`: new requests get 503
+        self._drain_deadline_s: float | None = None  # the loop ends when drained; aborts past it
+        self._num_queued_adds = 0  # _Add commands not yet applied (event loop increments)
+        self.num_rejected = {429: 0, 503: 0}  # admission refusals, for /metrics
+        self.num_failed = 0  # requests ended by their own fault (500) or deadline (504)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,6 +190,25 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.error is None and self._looping
 
+    def begin_drain(self, timeout_s: float | None = None) -> None:
+        """Stop admitting (503); requests in flight carry on. With `timeout_s` the engine loop ends
+        once every request has finished, aborting those still running `timeout_s` from now.
+        Thread-safe, and signal-handler safe (the condition's lock is re-entrant)."""
+        self.draining = True
+        if timeout_s is not None:
+            self._drain_deadline_s = time.perf_counter() + timeout_s
+        with self._cond:
+            self._cond.notify()
+
+    @property
+    def is_drained(self) -> bool:
+        return not self._tracked and not self._num_queued_adds
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (end of a drain)."""
+        for request_id in list(self._tracked):
+            self.abort(request_id)
+
     # -- read-only views for /metrics and validation (plain reads, benign from any thread) -------
     @property
     def max_model_len(self) -> int:
@@ -180,6 +232,11 @@ class AsyncEngine:
         return self.engine.num_waiting
 
     @property
+    def num_queued(self) -> int:
+        """Requests admitted but not running: commands not yet applied + the scheduler's waiting."""
+        return self._num_queued_adds + self.engine.num_waiting
+
+    @property
     def num_running(self) -> int:
         return self.engine.num_running
 
@@ -190,13 +247,24 @@ class AsyncEngine:
         input the engine rejects (too long, bad token ids, ...), RuntimeError if the engine died."""
         if self.error is not None:
             raise RuntimeError(f"engine is not running: {self.error}")
+        if self.draining:
+            self.num_rejected[503] += 1
+            raise AdmissionError(503, "the server is shutting down and admits no new requests")
+        if self.max_num_waiting is not None and self.num_queued >= self.max_num_waiting:
+            self.num_rejected[429] += 1
+            raise AdmissionError(429, f"the server is overloaded: {self.num_queued} requests are "
+                                      f"waiting (max_num_waiting={self.max_num_waiting}); retry later")
         self.start()
         loop = asyncio.get_running_loop()
         state = StreamState(stop=params.stop,
                             include_stop_str_in_output=params.include_stop_str_in_output)
-        tracked = _Tracked(queue=asyncio.Queue(), loop=loop, state=state,
-                           arrival_s=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
+        arrival_s = time.perf_counter()
+        deadline_s = None if self.request_timeout_s is None else arrival_s + self.request_timeout_s
+        tracked = _Tracked(queue=asyncio.Queue(), loop=loop, state=state, arrival_s=arrival_s,
+                           num_prompt_tokens=len(prompt_ids), deadline_s=deadline_s)
         future = loop.create_future()
+        with self._cond:
+            self._num_queued_adds += 1
         self._submit(_Add(request_id, list(prompt_ids), params, tracked, future))
         try:
             await future
@@ -226,18 +294,32 @@ class AsyncEngine:
         busy = False
         while True:
             with self._cond:
-                while not (self._commands or self._stopping or busy):
+                while not (self._commands or self._stopping or busy
+                           or self._drain_deadline_s is not None):
                     self._cond.wait()
                 if self._stopping:
                     return
                 commands, self._commands = self._commands, []
+            if self._drain_deadline_s is not None and not commands and not busy:
+                if self.is_drained:
+                    return  # every admitted request has finished: the drain is done
+                with self._cond:  # a request's command is on its way: wait for it
+                    self._cond.wait(0.05)
+                continue
+            if self._drain_deadline_s is not None and time.perf_counter() > self._drain_deadline_s:
+                for rid in list(self._tracked):  # past the drain timeout: abort what is left
+                    commands.append(_Abort(rid))
             try:
                 for command in commands:
                     self._apply(command)
+                if self.request_timeout_s is not None:
+                    self._expire(time.perf_counter())
                 if engine.has_unfinished() or self._reap:
                     self._reap = False
-                    for out in engine.step():
-                        self._process(out)
+                    outs = engine.step()
+                    failed = engine.take_failed() if hasattr(engine, "take_failed") else {}
+                    for out in outs:
+                        self._process(out, failed.get(out.request_id))
                 busy = engine.has_unfinished() or self._reap
             except Exception as e:  # a bug or device error: fail every request, refuse new ones
                 log.exception("engine step failed; the server stops accepting requests")
@@ -246,24 +328,71 @@ class AsyncEngine:
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            tracked = self._tracked.pop(command.request_id, None)
-            if tracked is not None:
-                self.engine.abort(command.request_id, "abort")
-                self._reap = True
-                self._record_end(command.request_id, tracked, "abort")
+            self._end(command.request_id)  # its stream (if anyone still reads it) ends "abort"
             return
+        with self._cond:
+            self._num_queued_adds -= 1
         try:
             self.engine.add_request(command.prompt_ids, command.params, command.request_id)
         except ValueError as e:
             _call_soon(command.tracked.loop, _settle, command.future, e)
             return
+        except Exception as e:  # a fault of this request's own (the engine is untouched): a 500
+            log.exception("adding request %s failed", command.request_id)
+            self.engine.abort(command.request_id, "abort")
+            self._reap = True
+            _call_soon(command.tracked.loop, _settle, command.future,
+                       RequestFault(f"{type(e).__name__}: {e}"))
+            return
         self._tracked[command.request_id] = command.tracked
         _call_soon(command.tracked.loop, _settle, command.future, None)
 
-    def _process(self, out) -> None:
-        tracked = self._tracked.get(out.request_id)
+    def _expire(self, now_s: float) -> None:
+        late = [rid for rid, t in self._tracked.items()
+                if t.deadline_s is not None and now_s > t.deadline_s]
+        for rid in late:
+            self._fail(rid, f"request exceeded its deadline of {self.request_timeout_s:g} s "
+                            f"(request_timeout_s)", status=504)
+
+    def _fail(self, request_id: str, message: str, *, status: int = 500) -> None:
+        """End one request with an error delta (`status`: its HTTP status)."""
+        if request_id in self._tracked:
+            self.num_failed += 1
+        self._end(request_id, message, status)
+
+    def _end(self, request_id: str, error: str | None = None, status: int = 500) -> None:
+        """Abort one request in the engine (its blocks are freed at the next step) and end its
+        stream with a finished delta, reason "abort", carrying `error` if given."""
+        tracked = self._tracked.pop(request_id, None)
         if tracked is None:
+            return
+        req = self.engine.requests.get(request_id)
+        self.engine.abort(request_id, "abort")
+        self._reap = True
+        spec = SpecStats() if req is None else _snapshot(req.spec)
+        delta = RequestDelta(
+            request_id=request_id, text="", num_tokens=0, finished=True, finish_reason="abort",
+            num_prompt_tokens=tracked.num_prompt_tokens,
+            num_output_tokens=len(tracked.state.token_ids),
+            num_cached_tokens=0 if req is None else req.num_cached_tokens, spec=spec,
+            error=error, error_status=status)
+        _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
+        self._record_end(request_id, tracked, "abort")
+
+    def _process(self, out, fault: str | None = None) -> None:
+        if out.request_id not in self._tracked:
             return  # aborted by its client, or ended by a stop string in an earlier step
+        if fault is not None:
+            self._fail(out.request_id, fault)
+            return
+        try:
+            self._deliver(out)
+        except Exception as e:  # this request's detokenization failed: it alone ends
+            log.exception("request %s failed after a step", out.request_id)
+            self._fail(out.request_id, f"{type(e).__name__}: {e}")
+
+    def _deliver(self, out) -> None:
+        tracked = self._tracked[out.request_id]
         text, num_kept = self.detokenizer.feed(tracked.state, out.new_token_ids)
         stopped = tracked.state.stopped
         finished = out.finished or stopped
@@ -283,8 +412,7 @@ class AsyncEngine:
             request_id=out.request_id, text=text, num_tokens=num_kept, finished=finished,
             finish_reason=reason, num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=len(tracked.state.token_ids), num_cached_tokens=out.num_cached_tokens,
-            spec=SpecStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                           list(spec.accepted_per_pos)))
+            spec=_snapshot(spec))
         _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
         if finished:
             self._record_end(out.request_id, tracked, reason, end_s=now_s)
@@ -307,6 +435,7 @@ class AsyncEngine:
         self.error = message
         with self._cond:
             pending, self._commands = self._commands, []
+            self._num_queued_adds = 0
         for command in pending:
             if isinstance(command, _Add):
                 _call_soon(command.tracked.loop, _settle, command.future,
@@ -319,6 +448,11 @@ class AsyncEngine:
                 num_cached_tokens=0, spec=SpecStats(), error=f"engine failed: {message}")
             _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
         self._tracked.clear()
+
+
+def _snapshot(spec: SpecStats) -> SpecStats:
+    return SpecStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                     list(spec.accepted_per_pos))
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

@@ -21,16 +21,16 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def register(sub) -> None:
     from dspark.cli import add_engine_args
+    from dspark.server.config import add_server_args
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; use 0.0.0.0 to expose on the network)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the MODEL argument)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_server_args(p)  # admission, deadline, body limit, drain, API key (dspark.server.config)
     p.set_defaults(func=run)
 
 
@@ -45,12 +45,11 @@ def default_spec(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from dspark.cli import engine_config_from_args
     from dspark.engine.build import build_engine
     from dspark.server.app import build_app
     from dspark.server.async_engine import AsyncEngine
+    from dspark.server.config import server_config_from_args
 
     logging.getLogger().setLevel(args.log_level.upper())
     config = engine_config_from_args(args, default_spec=default_spec(args))
@@ -59,26 +58,43 @@ def run(args: argparse.Namespace) -> int:
     spec = config.spec.method if config.spec else "none"
     log.info("serving %s as %r on http://%s:%d (speculation: %s)", config.model, model_name,
              args.host, args.port, spec)
+    server_config = server_config_from_args(args)
     async_engine = AsyncEngine(engine, tokenizer, own_thread=False)
-    app = build_app(async_engine, model_name=model_name, api_key=args.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    # the engine loop runs on the main thread (see dspark.server.async_engine); uvicorn's event loop
-    # runs beside it and installs no signal handlers there, so SIGINT/SIGTERM end the loop here
+    app = build_app(async_engine, model_name=model_name, config=server_config)
+    return serve_app(app, async_engine, host=args.host, port=args.port, log_level=args.log_level,
+                     drain_timeout_s=server_config.drain_timeout_s)
+
+
+def serve_app(app, async_engine, *, host: str, port: int, log_level: str = "info",
+              drain_timeout_s: float = 30.0) -> int:
+    """Serve until SIGTERM / SIGINT or the engine's death. The engine loop runs on the main thread
+    (see dspark.server.async_engine); uvicorn's event loop runs beside it and installs no signal
+    handlers there. SIGTERM drains: no new requests (503), running ones finish within
+    `drain_timeout_s` (the rest are aborted), then exit 0; a second SIGTERM or a SIGINT stops at
+    once. Returns 1 when the engine loop died."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, name="dspark-http", daemon=True)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+    def on_sigterm(signum, frame) -> None:
+        if async_engine.draining:
+            raise KeyboardInterrupt
+        log.info("SIGTERM: draining (no new requests; up to %g s for the running ones)",
+                 drain_timeout_s)
+        async_engine.begin_drain(drain_timeout_s)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     http.start()
     try:
-        async_engine.run_forever()  # returns when the app shuts down or the engine died
-        while http.is_alive():  # a dead engine: keep answering (health fails, requests get 503)
-            http.join(0.5)
+        async_engine.run_forever()  # returns when drained, when the app shuts down, or on death
     except KeyboardInterrupt:
         pass
     finally:
         server.should_exit = True
-        async_engine.shutdown()
         http.join(10.0)
+        async_engine.shutdown()
+    if async_engine.error is not None:
+        log.error("the engine loop died (%s); exiting", async_engine.error)
+        return 1
     return 0
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt

@@ -114,6 +114,25 @@ class _EngineCollector:
                                 value=ae.num_waiting)
         yield GaugeMetricFamily("dspark:num_requests_running", "Requests being scheduled.",
                                 value=ae.num_running)
+        yield from _reliability_families(ae)
+
+
+def _reliability_families(ae):
+    """Admission refusals, requests failed on their own, and the engine's fault fallbacks."""
+    rejected = CounterMetricFamily("dspark:num_requests_rejected",
+                                   "Requests refused at admission: 429 past max_num_waiting, 503 "
+                                   "while draining.", labels=["status"])
+    for status, value in sorted(ae.num_rejected.items()):
+        rejected.add_metric([str(status)], value)
+    yield rejected
+    yield CounterMetricFamily("dspark:num_requests_failed",
+                              "Requests ended by their own fault (500) or their deadline (504).",
+                              value=ae.num_failed)
+    m = ae.metrics
+    yield CounterMetricFamily("dspark:spec_decode_num_draft_faults",
+                              "Request-steps decoded plainly because the drafter raised or returned "
+                              "non-finite or out-of-range drafts.",
+                              value=getattr(m, "num_draft_faults", 0))
 
 
 class ServerMetrics:

@@ -1,7 +1,8 @@
 """Pydantic models for the OpenAI API subset the server speaks: completions, chat completions, their
 stream chunks, usage, the model list and the error body.
 
-Requests ignore unknown fields (clients send many we do not use). Responses carry two dspark
+Requests ignore unknown fields (clients send many we do not use); the fields they know are strict (no
+"2" for 2, no true for 1). Responses carry two dspark
 extensions the bench client reads: `usage.spec` (per-request speculative-decoding counts) and
 `num_tokens` on each stream-chunk choice (one chunk can carry several tokens when drafts are
 accepted).
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _Response(BaseModel):

@@ -9,7 +9,7 @@ response classes, which `_Shape` bundles.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import AsyncIterator, Callable
 
 from dspark.sampling import SamplingParams
@@ -25,12 +25,13 @@ class APIError(Exception):
     """An error with an HTTP status and OpenAI's error body."""
 
     def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None):
+                 param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.type = type
         self.param = param
+        self.headers = headers
 
     def body(self) -> dict:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
@@ -58,8 +59,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
             ignore_eos=bool(req.ignore_eos), seed=req.seed,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             speculation=req.speculation is not False)
-    except ValueError as e:
-        raise bad_request(str(e)) from None
+    except ValueError as e:  # the message starts with the field's name
+        name = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), param=name if name in _PARAM_FIELDS else None) from None
+
+
+_PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
 def completion_prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
@@ -148,8 +153,8 @@ COMPLETION = _Shape(_completion_chunk, _completion_response, None)
 CHAT = _Shape(_chat_chunk, _chat_response, _chat_first_chunk)
 
 
-def _error_event(message: str) -> str:
-    body = APIError(500, message, type="internal_error").body()
+def _error_event(message: str, status: int = 500) -> str:
+    body = APIError(status, message, type="internal_error").body()
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -166,7 +171,7 @@ async def stream_response(stream: RequestStream, shape: _Shape, *, model: str,
         async for delta in stream:
             last = delta
             if delta.error:
-                yield _error_event(delta.error)
+                yield _error_event(delta.error, delta.error_status)
                 break
             if delta.text or delta.num_tokens or delta.finished:
                 usage = usage_of(delta) if continuous_usage else None
@@ -186,7 +191,8 @@ async def collect_response(stream: RequestStream, shape: _Shape, *, model: str,
     try:
         async for delta in stream:
             if delta.error:
-                raise APIError(500, delta.error, type="internal_error")
+                kind = "timeout_error" if delta.error_status == 504 else "internal_error"
+                raise APIError(delta.error_status, delta.error, type=kind)
             parts.append(delta.text)
             if delta.finished:
                 return shape.response(stream.request_id, model, "".join(parts),
