@@ -15,6 +15,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SPEC_METHODS = ("dspark", "dflash", "eagle3", "ngram", "draft_model")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 LENGTH_POLICY_NAMES = ("fixed", "threshold", "prefix", "async")
+# length_policy "threshold": "cumulative" keeps the drafts whose survival Π_{i≤k} c_i stays >= the threshold;
+# "conditional" is DeepSpec's rule, cut at the first position whose own confidence c_k is below it
+THRESHOLD_RULES = ("cumulative", "conditional")
 
 MATMUL_DTYPES = ("auto", "float32", "bfloat16", "q4_1")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -102,6 +105,7 @@ class SpecConfig:
     draft_sample_method: str = "greedy"
     length_policy: str = "fixed"  # fixed | threshold | prefix | async
     confidence_threshold: float = 0.5
+    threshold_rule: str = "cumulative"  # length_policy "threshold": cumulative | conditional (DeepSpec's)
     cost_table: str | None = None  # JSON from `dspark profile`
     online_upkeep: bool = False  # refresh the cost table and confidence temperatures from live steps
     draft_gate: bool = True  # prefix / async: skip drafting in steps where it cannot pay (DraftGate)
@@ -147,6 +151,10 @@ class SpecConfig:
         if self.length_policy not in LENGTH_POLICY_NAMES:
             raise ValueError(f"length_policy {self.length_policy!r} unknown; "
                              f"choose from {', '.join(LENGTH_POLICY_NAMES)}")
+        if self.threshold_rule not in THRESHOLD_RULES:
+            raise ValueError(f"threshold_rule {self.threshold_rule!r} unknown; choose from {', '.join(THRESHOLD_RULES)}")
+        if self.threshold_rule != "cumulative" and self.length_policy != "threshold":
+            raise ValueError(f"threshold_rule applies to length_policy 'threshold', not {self.length_policy!r}")
         if not 0.0 <= self.confidence_threshold <= 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -182,6 +182,7 @@ POLICIES = {
     "fixed3": (lambda: FixedLength(3), None),
     "fixedG": (lambda: FixedLength(GAMMA), None),
     "threshold": (lambda: ConfidenceThreshold(0.3), None),
+    "threshold_conditional": (lambda: ConfidenceThreshold(0.6, cumulative=False), None),
     "prefix": (lambda: PrefixScheduler(), MILD),
     "async": (lambda: AsyncPrefixScheduler(cold_start_len=GAMMA), MILD),
 }

@@ -334,3 +334,33 @@ def test_registry_and_build():
         build_length_policy("prefix", cost_available=False)
     assert build_length_policy("fixed", confidence_available=False, cost_available=False,
                                verify_len=2) == FixedLength(2)
+
+
+def test_threshold_rule_named_in_the_config_and_deepspec_rule_matches_a_loop():
+    from types import SimpleNamespace
+
+    from dspark.config import EngineConfig, SpecConfig
+    from dspark.engine.build import build_policy
+    drafter = SimpleNamespace(has_confidence=True)
+    for rule, cumulative in (("cumulative", True), ("conditional", False)):
+        spec = SpecConfig(method="dspark", model="x", length_policy="threshold", confidence_threshold=0.6,
+                          threshold_rule=rule)
+        policy, _ = build_policy(EngineConfig(spec=spec), drafter)
+        assert isinstance(policy, ConfidenceThreshold) and policy.cumulative is cumulative and policy.threshold == 0.6
+    with pytest.raises(ValueError, match="threshold_rule 'first' unknown"):
+        SpecConfig(method="dspark", model="x", length_policy="threshold", threshold_rule="first")
+    with pytest.raises(ValueError, match="applies to length_policy 'threshold'"):
+        SpecConfig(method="dspark", model="x", threshold_rule="conditional")
+    # DeepSpec's rule, the slow way: walk the positions, stop at the first confidence below the threshold
+    g = torch.Generator().manual_seed(0)
+    confidence = torch.rand(64, 6, generator=g)
+    for t in (0.2, 0.5, 0.8):
+        expect = []
+        for row in confidence.tolist():
+            n = 0
+            while n < len(row) and row[n] >= t:
+                n += 1
+            expect.append(n)
+        got = ConfidenceThreshold(t, cumulative=False).choose(confidence=confidence, num_draft_tokens=6,
+                                                              num_nondraft_tokens=64, cost=None)
+        assert got == expect

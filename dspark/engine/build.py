@@ -124,7 +124,8 @@ def build_policy(config: EngineConfig, drafter):
     # "auto": profiled at startup once the engine exists (see build_engine)
     cost = CostTable.load(spec.cost_table) if spec.cost_table and spec.cost_table != "auto" else None
     kwargs = {"fixed": {"verify_len": spec.num_speculative_tokens},
-              "threshold": {"threshold": spec.confidence_threshold},
+              "threshold": {"threshold": spec.confidence_threshold,
+                            "cumulative": spec.threshold_rule == "cumulative"},
               "prefix": {}, "async": {"cold_start_len": spec.num_speculative_tokens}}[spec.length_policy]
     policy = build_length_policy(spec.length_policy, confidence_available=drafter.has_confidence,
                                  cost_available=cost is not None or spec.cost_table == "auto", **kwargs)

@@ -6,7 +6,8 @@ drafts 1..k-1 were accepted), the step's composition and the step-cost table, an
 
 * `FixedLength(verify_len)` — the classic γ (capped by what was proposed).
 * `ConfidenceThreshold(threshold)` — keep the prefix whose survival a_k = Π_{i≤k} c_i stays
-  ≥ threshold (or, with `cumulative=False`, DeepSpec's rule on the conditional c_k).
+  ≥ threshold (or, with `cumulative=False`, DeepSpec's rule: cut at the first position whose conditional
+  c_k < threshold; spec "threshold_rule": "conditional").
 * `PrefixScheduler` — DSpark Algorithm 1 (reference §6.1): candidates (r, j) ranked by survival
   a_{r,j}; admitted greedily while the expected throughput
       Θ = (num_reqs + Σ admitted a) / (draft_seconds(num_reqs) + step_seconds(nondraft + admitted))
