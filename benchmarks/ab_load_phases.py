@@ -5,7 +5,7 @@ VM's drifts hit both alike. Each side reports default ÷ plain within its own pr
 what the revision changed in speculation's overhead, and the raw tok/s what it changed overall.
 
     python benchmarks/ab_load_phases.py --base 07201a3 --concurrency 8,32 --rounds 3 \
-        --out benchmarks/results/ab_load_phases_s17.json
+        --out benchmarks/results/ab_load_phases.json
 
 The revision is checked out (`git worktree add --detach`) in a temporary folder and imported from there
 (PYTHONPATH); both sides share this venv, its kernel build cache and `../shared/datasets`. Each child:

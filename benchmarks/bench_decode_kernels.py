@@ -5,7 +5,7 @@ speculative default. A kernel change that speeds up multi-row products can still
 that stream the weights from memory; this measures the whole decode, where a microbenchmark keeps the
 weights in cache.
 
-    python benchmarks/bench_decode_kernels.py --base 539f52d --rounds 3 --out benchmarks/results/decode_kernels_s14.json
+    python benchmarks/bench_decode_kernels.py --base 539f52d --rounds 3 --out benchmarks/results/decode_kernels.json
 
 Reported: per kernel source the median over rounds of the per-round median decode tok/s, every
 per-prompt rate, and new ÷ base.

@@ -4,7 +4,7 @@ reports drafted and accepted tokens, the acceptance rate and τ (tokens per veri
 ÷ the first. The target's output is the same for all (lossless); only what the drafter proposes moves.
 
     python benchmarks/bench_draft_accept_dtype.py --dtypes auto,q4_1 --num-prompts 10 \
-        --out benchmarks/results/draft_accept_dtype_s13.json
+        --out benchmarks/results/draft_accept_dtype.json
 
 Prompts: the first `--num-prompts` of eval/ gsm8k and of humaneval (seed 1), `--max-tokens` new tokens
 each (EOS ignored).

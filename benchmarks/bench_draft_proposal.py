@@ -4,7 +4,7 @@ count once, each proposal right after a target verification step (so the drafter
 memory, as in serving, not from the cache of the previous proposal); medians over rounds.
 
     python benchmarks/bench_draft_proposal.py --num-reqs 1,4,16,32,64 --rounds 7 \
-        --out benchmarks/results/draft_proposal_s12.json
+        --out benchmarks/results/draft_proposal.json
 
 Paths: `current` (the defaults: `draft_matmul_dtype` auto — bf16 copies, widened against the fp32
 input on AVX2 — and the block forward through the fused decoder stack), `module-bf16` (the same

@@ -2,7 +2,7 @@
 process: each round runs every prompt length with every dtype once (medians over rounds), so a slow
 phase of the machine hits all alike. No speculation; the prompts are eval/ text cut to each length.
 
-    python benchmarks/bench_prefill.py --matmul-dtypes float32,q4_1 --lengths 128,512 --out benchmarks/results/prefill_s11.json
+    python benchmarks/bench_prefill.py --matmul-dtypes float32,q4_1 --lengths 128,512 --out benchmarks/results/prefill.json
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ Each drafter is loaded through the trainer (`init_from` its shipped folder, its 
 step taken) and scored by `Trainer.evaluate` on the validation split of a `dspark prepare-data` folder,
 the target's features computed online.
 
-    dspark prepare-data --out data/val_s17 --max-prompts 256 --max-tokens 192 --max-prompt-tokens 384 \
+    dspark prepare-data --out data/val_process_tau --max-prompts 256 --max-tokens 192 --max-prompt-tokens 384 \
         --batch-size 64 --matmul-dtype q4_1 --holdout 0.5 --num-threads 2
-    python benchmarks/bench_process_tau.py --data data/val_s17 --out benchmarks/results/process_tau_s17.json
+    python benchmarks/bench_process_tau.py --data data/val_process_tau --out benchmarks/results/process_tau.json
 
 `--drafter NAME=PATH` adds an exported drafter (e.g. a training run's export) beside the shipped ones.
 """

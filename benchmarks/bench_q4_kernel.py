@@ -4,7 +4,7 @@ tree's, on the four matrix products of a SmolLM2-135M decoder layer (qkv 576→9
 row count with both kernels once per round; medians over rounds), so a slow phase of the machine hits
 both alike.
 
-    python benchmarks/bench_q4_kernel.py --base fb92dc4 --out benchmarks/results/q4_kernel_s13.json
+    python benchmarks/bench_q4_kernel.py --base fb92dc4 --out benchmarks/results/q4_kernel.json
 
 The revision's kernels (`cpu_ops.cpp` and its parts: kernel_revision.py) are built under another module name (cached beside the working tree's
 build) and its `pack_q4_1` is read from its own `dspark/kernels/__init__.py`, so the two may pack

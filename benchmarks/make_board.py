@@ -1,7 +1,7 @@
-"""Regenerate the benchmark board in docs/benchmarks.md from the JSON results under
+"""Regenerate the benchmark board, docs/board.md, from the JSON results under
 benchmarks/results/ (searched recursively, in path order).
 
-    python benchmarks/make_board.py [--results-dir benchmarks/results] [--out docs/benchmarks.md]
+    python benchmarks/make_board.py [--results-dir benchmarks/results] [--out docs/board.md]
 
 Only the text between the lines `<!-- board:start -->` and `<!-- board:end -->` (each alone on its
 line) is rewritten; hand-written notes before and after them are kept byte for byte (a file without markers gets them
@@ -31,7 +31,8 @@ from dspark.bench.report import markdown_table  # noqa: E402
 
 START, END = "<!-- board:start -->", "<!-- board:end -->"
 META_KEYS = ("command", "date", "machine")
-SKELETON = ("# Benchmarks\n\nHand-written notes go outside the board markers; "
+SKELETON = ("# Benchmark board\n\nEvery result file under benchmarks/results/, generated; the figures with their "
+            "reading are in docs/benchmarks.md. Hand-written notes go outside the board markers; "
             "`python benchmarks/make_board.py` rewrites only the board.\n\n")
 SWEEP_COLUMNS = (("method", "method"), ("max_concurrency", "concurrency"),
                  ("mean_tpot_ms", "TPOT mean (ms)"), ("output_throughput_tok_s", "total out tok/s"),
@@ -151,7 +152,7 @@ def splice(document: str, board: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results-dir", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
+    ap.add_argument("--out", default=str(REPO / "docs" / "board.md"))
     args = ap.parse_args(argv)
     results_dir, out = Path(args.results_dir), Path(args.out)
     results, ignored = load_results(results_dir) if results_dir.is_dir() else ([], [])

@@ -10,8 +10,8 @@ prompt-lookup-first family, which is compared with its own fixed K, `dspark-kN-l
 
 Writes a JSON with every median and verdict, and prints markdown tables.
 
-    python benchmarks/pareto_check.py benchmarks/results/sweep_smollm2_r3/results.json \
-        --out benchmarks/results/sweep_smollm2_r3/pareto.json
+    python benchmarks/pareto_check.py benchmarks/results/serving_sweep_gsm8k/results.json \
+        --out benchmarks/results/serving_sweep_gsm8k/pareto.json
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def default_spec_config(model: str, matmul_dtype: str = "float32") -> SpecConfig
     table profiled on this project's machines (2 CPU cores) with the engine's matmul dtype and, where one
     was profiled, this machine's kind of kernels (`shipped_cost_table`); on other hardware run `dspark
     profile` or pass "cost_table": "auto". Lookup first: 1.28-1.54x the tok/s of DSpark alone at batch 1
-    on gsm8k and humaneval (docs/benchmarks.md, sweep_lookup_r3)."""
+    on gsm8k and humaneval (a served sweep on a 2-vCPU AMD EPYC, 2026-11-29)."""
     path = drafter_dir(model, "dspark")
     if path is None:
         return None

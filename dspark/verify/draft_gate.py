@@ -56,7 +56,7 @@ class DraftGate:
     # it), so a predicted gain below ~1.15 is not a gain (measured: humaneval at batch 1, τ 1.38,
     # gain 1.10 -> 0.86x). With them, the live ratios carry that difference; the margin left covers what
     # the engine's clock cannot see (the API thread's per-token work on the same cores): 1.03 left
-    # humaneval at batch 1 at 0.82x plain, 1.10 at 0.96x (benchmarks/results/sweep_margin_r3).
+    # humaneval at batch 1 at 0.82x plain, 1.10 at 0.96x (benchmarks/results/serving_gate_margin).
     MIN_GAIN = 1.15
     LIVE_MIN_GAIN = 1.10
     # lookup-only proposals whose survivals `proposing_pays` pools (16 × the requests of each)
