@@ -74,10 +74,11 @@ def build_tiny_model():
     return model
 
 
-def make_engine(model, *, spec: SpecConfig | None = None, num_kv_blocks: int = 96) -> Engine:
+def make_engine(model, *, spec: SpecConfig | None = None, num_kv_blocks: int = 96,
+                max_num_seqs: int = 8, budget: int = 64) -> Engine:
     config = EngineConfig(
         model=MODEL, cache=CacheConfig(kv_block_size=4, num_kv_blocks=num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                   max_model_len=MAX_MODEL_LEN), spec=spec)
     drafter = None if spec is None else build_drafter(spec, target_config=TINY, target_model=model,
                                                       dtype=torch.float32, device="cpu")

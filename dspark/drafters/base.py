@@ -97,6 +97,9 @@ class Drafter(ABC):
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         ...
 
+    def release(self, request_id: str) -> None:
+        """The request ended (finished, aborted or failed): drop whatever this drafter keeps for it."""
+
     def observe_finished(self, all_ids: list[int], num_prompt_tokens: int = 0) -> None:
         """A request finished with these committed tokens (prompt + output, the first
         `num_prompt_tokens` the prompt); drafters that learn from served traffic (the n-gram lookup's

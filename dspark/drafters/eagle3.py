@@ -73,6 +73,10 @@ class Eagle3Drafter(Drafter):
             max=self.model.rotary_emb.max_positions - 1)
         return self.model(torch.tensor(ids, dtype=torch.long, device=dev), pos, hidden, meta, self.kv_cache)
 
+    def release(self, request_id: str) -> None:
+        self._last.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
     @torch.inference_mode()
     def extend_context(self, update: ContextUpdate) -> dict[str, int]:
         self._last = {}

@@ -118,6 +118,10 @@ class LookupFirstDrafter(Drafter):
     def observe_finished(self, all_ids: list[int], num_prompt_tokens: int = 0) -> None:
         self.lookup.observe_finished(all_ids, num_prompt_tokens)
 
+    def release(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self.model_drafter.release(request_id)
+
     # -- proposing -------------------------------------------------------------------------------
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         width = self.num_draft_tokens

@@ -450,8 +450,10 @@ class Engine:
                 spec=req.spec, coalesce_held_steps=req.waiting_steps))
             if req.is_finished:
                 self.metrics.record_finished(coalesce_held_steps=req.waiting_steps)
-                if self.drafter is not None and req.uses_speculation and rid not in self.failed:
-                    self.drafter.observe_finished(req.all_ids, len(req.prompt_ids))  # lookup's cross-request cache
+                if self.drafter is not None:
+                    self.drafter.release(rid)  # per-request drafter state (aborts included)
+                    if req.uses_speculation and rid not in self.failed:
+                        self.drafter.observe_finished(req.all_ids, len(req.prompt_ids))  # lookup's cross-request cache
                 del self.requests[rid]
         return outs
 

@@ -74,7 +74,7 @@ def load_tokenizer(path: Path, *, eos_token_ids: tuple[int, ...] = ()) -> Tokeni
         tok = _load_gguf_tokenizer(path)
     else:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     eos = list(eos_token_ids)
     if tok.eos_token_id is not None:
         eos.append(int(tok.eos_token_id))
@@ -96,10 +96,10 @@ def _load_gguf_tokenizer(path: Path) -> Any:
     cache = gguf_cache_dir(path)
     if (cache / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cache))
+            return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
         except Exception as e:  # a damaged cache entry: convert again
             logger.warning("ignoring tokenizer cache %s: %s", cache, e)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     try:
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))

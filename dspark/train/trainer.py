@@ -156,7 +156,7 @@ class Trainer:
         rank the same) and kept in out_dir/focus_anchors.pt, so a resumed run reads the same ones."""
         path = self.out_dir / "focus_anchors.pt"
         if path.exists():
-            return torch.load(path)
+            return torch.load(path, map_location="cpu", weights_only=True)
         focus: list[torch.Tensor] = []
         tokens = 0  # answer tokens (each emitted once by the replay)
         self.model.eval()
@@ -332,7 +332,7 @@ class Trainer:
         tie keeps the earlier step)."""
         path = self._best_path()
         if self._best_tau is None and path.exists():  # a resumed run: the best so far is on disk
-            self._best_tau = torch.load(path, map_location="cpu", weights_only=False)["tau_process"]
+            self._best_tau = torch.load(path, map_location="cpu", weights_only=True)["tau_process"]
         if self._best_tau is not None and self._best_tau >= tau:
             return
         self._best_tau = tau
@@ -358,7 +358,7 @@ class Trainer:
             "step": self.step, "cursor": asdict(self.cursor), "config": asdict(self.cfg),
             "model": self._trainable_state(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "d2t": self.d2t, "world": self.world,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state()},
         }
         path = ckpt_dir / f"step-{self.step:07d}.pt"
         tmp = path.with_suffix(".tmp")
@@ -378,7 +378,7 @@ class Trainer:
                 log.info("resume: no checkpoint in %s, starting fresh", self.out_dir)
                 return False
             path = found[-1]
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: no pickle
         if state["world"] != self.world:
             raise ValueError(f"checkpoint was written by {state['world']} ranks; resuming with {self.world} "
                              f"changes the global batch and the data order")
@@ -398,7 +398,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        _set_numpy_rng_state(state["rng"]["numpy"])
         self.step, self.cursor = state["step"], Cursor(**state["cursor"])
         log.info("resumed from %s at step %d", path, self.step)
         return True
@@ -410,7 +410,7 @@ class Trainer:
             return
         step = self.step
         if self._selects_best() and self._best_path().exists():
-            best = torch.load(self._best_path(), map_location="cpu", weights_only=False)
+            best = torch.load(self._best_path(), map_location="cpu", weights_only=True)
             self.model.load_state_dict(best["model"], strict=False)  # trainable weights only
             step = best["step"]
             log.info("select_by tau_process: exporting step %d (tau_process %.4f) of %d", step,
@@ -423,3 +423,16 @@ class Trainer:
         if self.rank == 0:
             log.removeHandler(self._log_handler)
             self._log_handler.close()
+
+
+def _numpy_rng_state() -> dict:
+    """numpy's global RNG state as a tensor and plain values (a checkpoint `torch.load(weights_only=True)`
+    reads: no numpy objects, no pickle)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _set_numpy_rng_state(state: dict) -> None:
+    np.random.set_state((state["name"], state["keys"].numpy().astype(np.uint32), state["pos"],
+                         state["has_gauss"], state["cached_gaussian"]))

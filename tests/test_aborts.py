@@ -1,0 +1,194 @@
+"""Aborts at every stage free everything the request held: KV blocks (and their hash-chain state),
+the drafter's per-request state (the lookup wrapper's pending proposals), and the engine's and the
+scheduler's books; the other requests' greedy output is unchanged.
+
+Engine level (each stage reached exactly): waiting, between prefill chunks, with drafts proposed and
+not yet verified (inside a verification window), and after finishing. Served: a stream closed while
+its request waits, one closed mid-prefill, a speculative stream closed mid-way, and a non-streaming
+client that times out; after each, /metrics shows running, waiting and KV usage at 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dspark.drafters import build_drafter
+from dspark.drafters.dspark import save_dspark
+from dspark.engine.engine import Engine
+from dspark.sampling import SamplingParams
+from server_harness import MODEL, build_tiny_model, make_engine, serve
+from tests.dspark_helpers import TARGET, random_model, random_target, tiny_cfg
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+LONG = list(range(3, 43))  # 40 tokens: two prefill chunks at a budget of 24
+OTHERS = [[1, 17, 33, 60, 5, 9, 88, 21, 40], [1, 5, 5, 5, 5, 5]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_target(seed=7)
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    cfg = tiny_cfg(enable_confidence_head=True)
+    path = tmp_path_factory.mktemp("aborts") / "d"
+    save_dspark(random_model(cfg, seed=3), cfg, path, dtype="float32")
+    return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=4,
+                      ngram_first=True, prompt_lookup_min=1)
+
+
+def build(target, spec=None, max_num_seqs=16) -> Engine:
+    config = EngineConfig(spec=spec, cache=CacheConfig(kv_block_size=4, num_kv_blocks=96),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=24,
+                                                    max_num_seqs=max_num_seqs))
+    drafter = None if spec is None else build_drafter(spec, target_config=TARGET,
+                                                      target_model=target, dtype=torch.float32,
+                                                      device="cpu")
+    return Engine(config, model=target, model_config=TARGET, drafter=drafter)
+
+
+def drain(engine: Engine, out: dict[str, list[int]]) -> None:
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+
+def assert_clean(engine: Engine, aborted: str) -> None:
+    bm = engine.block_manager
+    assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
+    assert bm.num_free_blocks == len(bm.blocks) and engine.kv_usage == 0.0
+    assert aborted not in bm.hash_state, "hash-chain bookkeeping of the aborted request"
+    bm.check_invariants()
+    pending = getattr(engine.drafter, "_pending", None)
+    assert not pending, f"lookup bookkeeping left: {pending}"
+
+
+@pytest.fixture(scope="module")
+def plain_others(target):
+    engine = build(target)
+    ids = [engine.add_request(p, GREEDY) for p in OTHERS]
+    out: dict = {}
+    drain(engine, out)
+    return [out[i] for i in ids]
+
+
+def _until(engine: Engine, done, limit: int = 50) -> dict:
+    out: dict = {}
+    for _ in range(limit):
+        if done():
+            return out
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    raise AssertionError("stage never reached")
+
+
+STAGES = {
+    "waiting": lambda r: r.status.value == "waiting" and r.num_computed_tokens == 0,
+    "prefill_chunk": lambda r: 0 < r.num_computed_tokens < len(r.prompt_ids),
+    "verify_window": lambda r: r.verify_len > 0 and bool(r.draft_ids),
+}
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_abort_at_each_stage_frees_everything(target, spec, plain_others, stage, speculative):
+    if stage == "verify_window" and not speculative:
+        pytest.skip("no drafts without a drafter")
+    engine = build(target, spec if speculative else None, max_num_seqs=2)
+    others = [engine.add_request(p, GREEDY) for p in OTHERS]
+    # waiting: max_num_seqs=2 keeps the victim out; else it is admitted and prefilled in chunks
+    victim = engine.add_request(LONG if stage != "verify_window" else [1, 4, 4, 4, 4, 4, 4],
+                                GREEDY)
+    req = engine.requests[victim]
+    out = _until(engine, lambda: STAGES[stage](req), limit=80)
+    engine.abort(victim)
+    for o in engine.step():  # an abort is reported (and dropped) by the next step
+        out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    drain(engine, out)
+    assert [out.get(i, []) for i in others] == plain_others
+    assert len(out.get(victim, [])) < GREEDY.max_tokens
+    assert_clean(engine, victim)
+
+
+def test_abort_after_finish_is_a_no_op(target, spec):
+    engine = build(target, spec)
+    rid = engine.add_request(OTHERS[0], GREEDY)
+    drain(engine, {})
+    engine.abort(rid)
+    assert not engine.has_unfinished() and engine.step() == []
+    assert_clean(engine, rid)
+
+
+# -- served ----------------------------------------------------------------------------------------
+def _slow(engine, sleep_s: float):
+    real = engine.step
+
+    def step():
+        time.sleep(sleep_s)
+        return real()
+
+    engine.step = step
+    return engine
+
+
+def assert_metrics_zero(srv) -> None:
+    srv.wait_idle()
+    m = srv.metrics()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert m[(f"dspark:{name}", ())] == 0, name
+
+
+def _open_and_close(srv, payload: dict, close_after_s: float) -> None:
+    with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=payload,
+                      timeout=30) as resp:
+        assert resp.status_code == 200
+        next(resp.iter_lines())  # the role chunk: the request is in the engine
+        time.sleep(close_after_s)
+
+
+def test_served_aborts_while_waiting_and_mid_prefill():
+    engine = _slow(make_engine(build_tiny_model(), max_num_seqs=1, budget=16), 0.05)
+    with serve(engine) as srv:
+        busy = threading.Thread(target=lambda: srv.post("/v1/completions", json={
+            "model": MODEL, "prompt": "hold the slot", "max_tokens": 30, "ignore_eos": True}))
+        busy.start()
+        time.sleep(0.3)
+        before = engine.metrics.num_prompt_tokens
+        _open_and_close(srv, {"model": MODEL, "stream": True, "max_tokens": 5, "messages": [
+            {"role": "user", "content": "waiting"}]}, 0.1)
+        busy.join()
+        assert_metrics_zero(srv)
+        assert engine.metrics.num_prompt_tokens - before < 30, "the waiting one never prefilled"
+        before = engine.metrics.num_prompt_tokens
+        gen = engine.metrics.num_generation_tokens
+        _open_and_close(srv, {"model": MODEL, "stream": True, "max_tokens": 5, "messages": [
+            {"role": "user", "content": "p" * 100}]}, 0.2)  # ~110 tokens, 16 a step
+        assert_metrics_zero(srv)
+        assert 0 < engine.metrics.num_prompt_tokens - before < 100, "aborted between chunks"
+        assert engine.metrics.num_generation_tokens == gen
+        abort = ("dspark:request_success_total", (("finish_reason", "abort"),))
+        assert srv.metrics()[abort] == 2
+
+
+def test_served_speculative_stream_and_timeout_aborts():
+    spec = SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                      prompt_lookup_max=3)
+    engine = _slow(make_engine(build_tiny_model(), spec=spec), 0.02)
+    with serve(engine) as srv:
+        _open_and_close(srv, {"model": MODEL, "stream": True, "max_tokens": 80,
+                              "ignore_eos": True, "messages": [
+                                  {"role": "user", "content": "ab ab ab ab ab"}]}, 0.3)
+        assert_metrics_zero(srv)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.base_url + "/v1/completions", timeout=0.3, json={
+                "model": MODEL, "prompt": "ab ab ab", "max_tokens": 100, "ignore_eos": True})
+        assert_metrics_zero(srv)
+        assert engine.metrics.num_generation_tokens < 200
+        assert engine.metrics.num_drafts > 0, "the stream was speculative"
