@@ -5,13 +5,17 @@ scheduler's books; the other requests' greedy output is unchanged.
 Engine level (each stage reached exactly): waiting, between prefill chunks, with drafts proposed and
 not yet verified (inside a verification window), and after finishing. Served: a stream closed while
 its request waits, one closed mid-prefill, a speculative stream closed mid-way, and a non-streaming
-client that times out; after each, /metrics shows running, waiting and KV usage at 0.
+client that times out; after each, /metrics shows running, waiting and KV usage at 0. And a soak
+whose per-request usage sums equal the Prometheus counters exactly.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -192,3 +196,41 @@ def test_served_speculative_stream_and_timeout_aborts():
         assert_metrics_zero(srv)
         assert engine.metrics.num_generation_tokens < 200
         assert engine.metrics.num_drafts > 0, "the stream was speculative"
+
+
+# -- accounting ------------------------------------------------------------------------------------
+def test_usage_and_counters_agree_exactly_after_a_soak():
+    """24 requests, 8 at a time, streamed and not, speculative (prompt lookup): the sums of the
+    per-request usage equal the Prometheus counters (prompt tokens computed = prompt - cached)."""
+    spec = SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                      prompt_lookup_max=3)
+    with serve(make_engine(build_tiny_model(), spec=spec)) as srv:
+        before = srv.metrics()
+
+        def one(i: int) -> dict:
+            body = {"model": MODEL, "prompt": f"ab ab {i % 5} ab ab", "max_tokens": 5 + i % 13,
+                    "temperature": 0 if i % 3 else 0.7, "seed": i, "ignore_eos": i % 2 == 0}
+            if i % 2:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+                with httpx.stream("POST", srv.base_url + "/v1/completions", json=body,
+                                  timeout=60) as r:
+                    chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                              if line.startswith("data: {")]
+                return chunks[-1]["usage"]
+            return srv.post("/v1/completions", json=body).json()["usage"]
+
+        with ThreadPoolExecutor(8) as pool:
+            usages = list(pool.map(one, range(24)))
+        srv.wait_idle()
+        after = srv.metrics()
+
+    def delta(name: str) -> float:
+        key = (f"dspark:{name}", ())
+        return after[key] - before.get(key, 0)
+
+    assert delta("generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert delta("prompt_tokens_total") == sum(
+        u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert delta(f"spec_decode_{name}_total") == sum(u["spec"][name] for u in usages), name
+    assert delta("spec_decode_num_drafts_total") > 0
