@@ -1,0 +1,61 @@
+"""House rules that keep the repository legible, checked on the tree: source files under 500 lines, no word
+of the development history (sessions, `_s19_`-style names) in text files, the README and the benchmarks page
+within their length, and CI running exactly the README's test command.
+
+    pytest tests/test_house_rules.py -q
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_SUFFIXES = {".py", ".sh", ".cpp", ".inc", ".h"}
+TEXT_SUFFIXES = SOURCE_SUFFIXES | {".md", ".json", ".toml", ".txt", ".cfg", ".yaml", ".yml"}
+HISTORY_WORDS = re.compile(r"session ?[0-9]|\bs[0-9]{1,2}\b", re.IGNORECASE)
+
+
+def _tracked(*roots: str) -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", *roots], cwd=REPO, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [REPO / p for p in out.decode().split("\0") if p and (REPO / p).is_file()]
+
+
+def test_source_files_are_under_500_lines():
+    long = [(str(p.relative_to(REPO)), n) for p in _tracked("dspark", "tests", "benchmarks", "scripts")
+            if p.suffix in SOURCE_SUFFIXES and (n := len(p.read_text(errors="replace").splitlines())) >= 500]
+    assert not long, f"files of 500 lines or more: {long}"
+
+
+def test_no_development_history_words_in_text_files():
+    hits = []
+    for p in _tracked("README.md", "docs", "dspark", "benchmarks", "scripts"):
+        if p.suffix not in TEXT_SUFFIXES:
+            continue  # weights and images match by chance bytes
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+            if HISTORY_WORDS.search(line):
+                hits.append(f"{p.relative_to(REPO)}:{i}: {line.strip()[:80]}")
+    assert not hits, "say the date and machine instead:\n" + "\n".join(hits[:20])
+
+
+def test_history_pattern_catches_what_it_should():
+    assert HISTORY_WORDS.search("measured in session 19") and HISTORY_WORDS.search("(s17)")
+    assert not HISTORY_WORDS.search("2026-12-02, 2-vCPU Intel Xeon") and not HISTORY_WORDS.search("sps16")
+
+
+def test_readme_and_benchmarks_page_lengths():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 120
+    assert len((REPO / "docs" / "benchmarks.md").read_text().splitlines()) <= 400
+
+
+def test_ci_runs_the_readmes_test_command():
+    readme = (REPO / "README.md").read_text()
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert len(ci) == 1 and ci[0] in readme, ci
