@@ -94,6 +94,23 @@ def test_api_key_from_the_environment():
         ServerConfig(max_num_waiting=0)
 
 
+def test_api_key_guards_every_data_route_and_optionally_metrics(tiny_model):
+    config = ServerConfig(api_key="k3y", api_key_metrics=True)
+    with serve(make_engine(tiny_model, num_kv_blocks=32), config=config) as srv:
+        get = lambda path, **kw: httpx.get(srv.base_url + path, timeout=10, **kw)  # noqa: E731
+        assert get("/health").status_code == 200, "health needs no key"
+        for path in ("/metrics", "/v1/models", "/tokenize", "/anything"):
+            resp = get(path)
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == 401, path
+        for header in ("Bearer wrong", "Basic k3y", "k3y", "Bearer k3y2", "Bearer"):
+            assert get("/v1/models", headers={"authorization": header}).status_code == 401, header
+        good = {"authorization": "Bearer k3y"}
+        assert get("/metrics", headers=good).status_code == 200
+        assert get("/v1/models", headers=good).status_code == 200
+    with serve(make_engine(tiny_model, num_kv_blocks=32), config=ServerConfig(api_key="k")) as srv:
+        assert httpx.get(srv.base_url + "/metrics", timeout=10).status_code == 200, "optional"
+
+
 # -- SIGTERM on a real process -------------------------------------------------------------------
 SERVE_TINY = Path(__file__).parent / "serve_tiny.py"
 

@@ -10,8 +10,8 @@ Every error leaves as OpenAI's body `{"error": {"message", "type", "param", "cod
 a 4xx and never stops the server (the edge guards of `server/guard.py`, strict field types in
 `protocol.py`, ranges in `SamplingParams`, the rest in `server/validation.py`); a fault serving one
 request is a 500 with its message. Past `ServerConfig.max_num_waiting` requests get 429, while
-draining 503, both with Retry-After. With an API key, the /v1 routes (and optionally /metrics) need
-`Authorization: Bearer KEY`.
+draining 503, both with Retry-After. With an API key every route but /health and /version (and
+/metrics unless `api_key_metrics`) needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations

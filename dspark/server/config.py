@@ -22,7 +22,7 @@ class ServerConfig:
     max_request_body_bytes: int = 4 * 2**20  # larger POST bodies get 413
     # on SIGTERM: stop admitting (503), let running requests finish this long, abort the rest, exit 0
     drain_timeout_s: float = 30.0
-    api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1 routes
+    api_key: str | None = None  # required as 'Authorization: Bearer KEY' (all but /health, /version)
     api_key_metrics: bool = False  # also require it on /metrics
     retry_after_s: int = 1  # the Retry-After header of a 429 / 503
 
@@ -43,8 +43,8 @@ HELP = {
     "request_timeout_s": "per-request deadline in seconds from arrival (504 past it); default none",
     "max_request_body_bytes": "largest accepted POST body (413 beyond it)",
     "drain_timeout_s": "on SIGTERM: seconds running requests may finish before they are aborted",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1 routes (default: $DSPARK_API_KEY, "
-               "else $VLLM_API_KEY)",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health and /version "
+               "(default: $DSPARK_API_KEY, else $VLLM_API_KEY)",
     "api_key_metrics": "require the API key on /metrics too",
     "retry_after_s": "Retry-After seconds sent with 429 / 503",
 }

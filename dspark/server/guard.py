@@ -2,8 +2,9 @@
 every check here runs before a route reads a byte of the body, and every refusal is OpenAI's error
 body with a 4xx.
 
-- `APIKeyGuard`: routes that serve or reveal data need `Authorization: Bearer KEY` (compared in
-  constant time, `hmac.compare_digest`); /health never does, /metrics only when asked.
+- `APIKeyGuard`: every route that serves or reveals data needs `Authorization: Bearer KEY` (compared
+  in constant time, `hmac.compare_digest`): all but `PUBLIC_PATHS` (/health, /version, the OpenAPI
+  schema) and /metrics unless asked.
 - `BodyGuard` (POST bodies): at most `max_body_bytes` (413, from Content-Length before reading, or
   while reading), `Content-Type: application/json` (415), UTF-8 (400), JSON with no NaN / Infinity
   literals, nested at most `MAX_JSON_DEPTH` deep (400), and no lone surrogate (`"\\ud800"`) in any
@@ -18,6 +19,7 @@ import json
 
 from fastapi.responses import JSONResponse
 
+PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json"})
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 deep (messages[i].content[j].text); tools schemas more
 
 
@@ -28,8 +30,8 @@ def _error(status: int, message: str, type: str = "invalid_request_error",
 
 
 class APIKeyGuard:
-    """`Authorization: Bearer KEY` on /v1 routes (and /metrics with `protect_metrics`); checked
-    before the body is read, so a bad key is always a 401."""
+    """`Authorization: Bearer KEY` on every route but PUBLIC_PATHS (and /metrics without
+    `protect_metrics`); checked before the body is read, so a bad key is always a 401."""
 
     def __init__(self, app, *, api_key: str, protect_metrics: bool = False):
         self.app = app
@@ -37,7 +39,9 @@ class APIKeyGuard:
         self.protect_metrics = protect_metrics
 
     def _protected(self, path: str) -> bool:
-        return path.startswith("/v1") or (self.protect_metrics and path == "/metrics")
+        if path == "/metrics":
+            return self.protect_metrics
+        return path.rstrip("/") not in PUBLIC_PATHS
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self._protected(scope["path"]):
