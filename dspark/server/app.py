@@ -73,14 +73,26 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
             raise APIError(404, f"The model `{name}` does not exist. Served: `{model_name}`.",
                            type="not_found_error", param="model")
 
+    def refusal(e: AdmissionError) -> APIError:
+        kind = "rate_limit_error" if e.status_code == 429 else "service_unavailable"
+        return APIError(e.status_code, str(e), type=kind, headers=retry_after)
+
+    def admit() -> None:
+        """Refuse before tokenizing when the request could not be admitted anyway."""
+        try:
+            async_engine.check_admission()
+        except AdmissionError as e:
+            raise refusal(e) from None
+        except RuntimeError as e:
+            raise APIError(503, str(e), type="service_unavailable") from None
+
     async def start(prompt_ids: list[int], params) -> RequestStream:
         check_context(len(prompt_ids), params.max_tokens, max_model_len=async_engine.max_model_len,
                       vocab_size=vocab_size, prompt_ids=prompt_ids)
         try:
             return await async_engine.add_request(prompt_ids, params, f"cmpl-{uuid.uuid4().hex}")
         except AdmissionError as e:
-            kind = "rate_limit_error" if e.status_code == 429 else "service_unavailable"
-            raise APIError(e.status_code, str(e), type=kind, headers=retry_after) from None
+            raise refusal(e) from None
         except RequestFault as e:
             raise APIError(500, str(e), type="internal_error") from None
         except ValueError as e:
@@ -124,6 +136,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
         check_model(body.model)
         check_fields(body, vocab_size=vocab_size)
         params = serving.sampling_params(body, body.max_tokens)
+        admit()
         prompt_ids = serving.completion_prompt_ids(body, tokenizer)
         stream = await start(prompt_ids, params)
         return await respond(request, body, stream, serving.COMPLETION)
@@ -133,6 +146,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
         check_model(body.model)
         check_fields(body, vocab_size=vocab_size)
         params = serving.sampling_params(body, serving.chat_max_tokens(body))
+        admit()
         prompt_ids = serving.chat_prompt_ids(body, tokenizer)
         stream = await start(prompt_ids, params)
         return await respond(request, body, stream, serving.CHAT)

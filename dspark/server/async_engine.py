@@ -241,10 +241,10 @@ class AsyncEngine:
         return self.engine.num_running
 
     # -- requests (event loop side) --------------------------------------------------------------
-    async def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                          request_id: str) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it. Raises ValueError for
-        input the engine rejects (too long, bad token ids, ...), RuntimeError if the engine died."""
+    def check_admission(self) -> None:
+        """Raise as `add_request` would refuse a request now (RuntimeError: the engine died;
+        AdmissionError 503 draining, 429 queue full): the server calls it before tokenizing, so a
+        refused request costs no tokenization."""
         if self.error is not None:
             raise RuntimeError(f"engine is not running: {self.error}")
         if self.draining:
@@ -254,6 +254,13 @@ class AsyncEngine:
             self.num_rejected[429] += 1
             raise AdmissionError(429, f"the server is overloaded: {self.num_queued} requests are "
                                       f"waiting (max_num_waiting={self.max_num_waiting}); retry later")
+
+    async def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                          request_id: str) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it. Raises ValueError for
+        input the engine rejects (too long, bad token ids, ...), RuntimeError if the engine died,
+        AdmissionError when it is not admitted (`check_admission`)."""
+        self.check_admission()
         self.start()
         loop = asyncio.get_running_loop()
         state = StreamState(stop=params.stop,
