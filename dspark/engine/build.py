@@ -24,10 +24,13 @@ def build_engine(config: EngineConfig):
     from dspark.models.loader import load_model, read_model_config, resolve_model_path
     from dspark.models.tokenizer import check_tokenizer_files
 
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not in this "
-                         f"build yet; use 1")
-    if config.num_threads:
+    tp_size = config.tensor_parallel_size
+    if tp_size > 1:
+        from dspark.distributed.runner import threads_per_rank
+        threads = threads_per_rank(config)
+        if threads:
+            torch.set_num_threads(threads)
+    elif config.num_threads:
         torch.set_num_threads(config.num_threads)
     if str(config.device).startswith("cpu"):
         from dspark.utils.host import tune_malloc
@@ -40,20 +43,70 @@ def build_engine(config: EngineConfig):
     if config.spec is not None:
         check_drafter(config.spec, target_config)
         _check_length_policy(config, matmul_dtype)
-    model, target_config, tokenizer = load_model(config.model, dtype=DTYPES[config.dtype],
-                                                 device=config.device, matmul_dtype=matmul_dtype)
-    drafter = None
-    if config.spec is not None:
-        drafter = build_drafter(config.spec, target_config=target_config, target_model=model,
-                                dtype=DTYPES[config.dtype], device=config.device)
-    policy, cost = build_policy(config, drafter)
-    engine = Engine(config, model=model, model_config=target_config, drafter=drafter,
-                    length_policy=policy, cost_table=cost, eos_token_ids=tokenizer.eos_token_ids)
+    workers = None
+    if tp_size > 1:
+        _check_tensor_parallel(config, matmul_dtype, target_config)
+        workers, model, target_config, tokenizer, shared = _start_tensor_parallel(config, matmul_dtype)
+    else:
+        model, target_config, tokenizer = load_model(config.model, dtype=DTYPES[config.dtype],
+                                                     device=config.device, matmul_dtype=matmul_dtype)
+        shared = model
+    try:
+        drafter = None
+        if config.spec is not None:  # under tensor parallelism on rank 0, with the whole embedding and head
+            drafter = build_drafter(config.spec, target_config=target_config, target_model=shared,
+                                    dtype=DTYPES[config.dtype], device=config.device)
+        policy, cost = build_policy(config, drafter)
+        engine = Engine(config, model=model, model_config=target_config, drafter=drafter,
+                        length_policy=policy, cost_table=cost, eos_token_ids=tokenizer.eos_token_ids)
+        if workers is not None:
+            from dspark.distributed.runner import TPModelRunner
+            engine.runner = TPModelRunner(engine.runner, workers)
+            engine.workers = workers
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
     if config.spec is not None and config.spec.cost_table == "auto":
         from dspark.verify.step_profiler import profile_engine
         log.info("profiling the step-cost table at startup (cost_table='auto')")
         engine.cost_table = profile_engine(engine, repeats=3, warmup=1)
     return engine, tokenizer
+
+
+def _check_tensor_parallel(config: EngineConfig, matmul_dtype: str, target_config) -> None:
+    """Before any worker starts: what tensor parallelism cannot split fails here."""
+    size = config.tensor_parallel_size
+    if target_config.num_key_value_heads < size:
+        raise ValueError(f"tensor_parallel_size {size} exceeds the model's {target_config.num_key_value_heads} "
+                         f"KV heads (each rank keeps whole KV heads)")
+    if matmul_dtype == "q4_1":
+        raise ValueError(f"matmul_dtype q4_1 runs on one process; with tensor_parallel_size {size} use "
+                         f"--matmul-dtype auto, float32 or bfloat16 (the ranks multiply slices of the "
+                         f"dequantized weights)")
+    if config.spec is not None and config.spec.method == "draft_model":
+        raise ValueError("speculative method 'draft_model' runs the target's own first layers, which tensor "
+                         "parallelism splits over the ranks; with tensor_parallel_size > 1 use dspark, dflash, "
+                         "eagle3 or ngram")
+
+
+def _start_tensor_parallel(config: EngineConfig, matmul_dtype: str):
+    """Rank 0's shard and the started workers -> (workers, model, model config, tokenizer, the whole-vocabulary
+    view the drafter shares). Rank 0 loads first, so a GGUF's converted cache is written once before the
+    workers read it."""
+    from dspark.distributed.runner import Workers, load_full_target, shard_target
+
+    model, target_config, tokenizer = load_full_target(config)
+    workers = Workers(config, matmul_dtype)
+    try:
+        shared = shard_target(model, config, workers.tp, matmul_dtype, keep_full_vocab=True)
+        workers.wait_ready()
+    except BaseException:
+        workers.close()
+        raise
+    log.info("tensor parallelism: %d ranks, rank 0 holds %d of %d KV heads", workers.size, model.kv_spec[0],
+             target_config.num_key_value_heads)
+    return workers, model, target_config, tokenizer, shared
 
 
 def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: str = "cpu",

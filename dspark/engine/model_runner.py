@@ -1,5 +1,8 @@
 """ModelRunner: owns the target model and the paged KV pool, turns a `SchedulerOutput` into one flat
 `StepBatch`, and runs the target forward. The only place that builds step tensors for the target.
+
+A step is first `HostBatch` (Python lists: what the tensor-parallel driver broadcasts to its workers,
+dspark.distributed.runner), then the device tensors of a `StepBatch`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,44 @@ class StepBatch:
     token_offsets: list[int]  # [num_scheduled] first batch row of each scheduled request
     logits_offsets: list[int]  # [num_scheduled] first logits row of each scheduled request
     input_id_list: list[int]  # the same ids as a Python list (drafter context)
+    host: "HostBatch | None" = None  # what the tensors were built from (sent to tensor-parallel workers)
+
+
+@dataclass
+class HostBatch:
+    """A step's flat batch as Python data (picklable: what rank 0 sends the tensor-parallel workers)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    seqs: list[SeqSpec]
+    logits_indices: list[int]
+    token_offsets: list[int]
+    logits_offsets: list[int]
+
+
+def host_batch(sched: SchedulerOutput) -> HostBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    logits_indices: list[int] = []
+    seqs: list[SeqSpec] = []
+    token_offsets: list[int] = []
+    logits_offsets: list[int] = []
+    for item in sched.scheduled:
+        req = item.request
+        start = item.start_pos
+        num_prompt_part = item.num_new_tokens - item.num_drafts
+        ids = req.all_ids[start:start + num_prompt_part] + req.draft_ids[:item.num_drafts]
+        offset = len(input_ids)
+        token_offsets.append(offset)
+        logits_offsets.append(len(logits_indices))
+        seqs.append(SeqSpec(block_table=req.block_table, num_cached=start,
+                            num_query=item.num_new_tokens, token_offset=offset))
+        input_ids.extend(ids)
+        positions.extend(range(start, start + item.num_new_tokens))
+        if item.emits:
+            first = offset + item.num_new_tokens - item.num_logits
+            logits_indices.extend(range(first, offset + item.num_new_tokens))
+    return HostBatch(input_ids, positions, seqs, logits_indices, token_offsets, logits_offsets)
 
 
 def kv_bytes_per_block(layer_specs: list[tuple[int, int]], kv_block_size: int, dtype: torch.dtype) -> int:
@@ -48,35 +89,20 @@ class ModelRunner:
         self.tap_layer_ids = tap_layer_ids
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_indices: list[int] = []
-        seqs: list[SeqSpec] = []
-        token_offsets: list[int] = []
-        logits_offsets: list[int] = []
-        for item in sched.scheduled:
-            req = item.request
-            start = item.start_pos
-            num_prompt_part = item.num_new_tokens - item.num_drafts
-            ids = req.all_ids[start:start + num_prompt_part] + req.draft_ids[:item.num_drafts]
-            offset = len(input_ids)
-            token_offsets.append(offset)
-            logits_offsets.append(len(logits_indices))
-            seqs.append(SeqSpec(block_table=req.block_table, num_cached=start,
-                                num_query=item.num_new_tokens, token_offset=offset))
-            input_ids.extend(ids)
-            positions.extend(range(start, start + item.num_new_tokens))
-            if item.emits:
-                first = offset + item.num_new_tokens - item.num_logits
-                logits_indices.extend(range(first, offset + item.num_new_tokens))
+        return self.to_device(host_batch(sched))
+
+    def to_device(self, host: "HostBatch") -> StepBatch:
+        """The step's tensors on this runner's device (tensor-parallel workers build theirs from the same
+        `HostBatch`, so every rank runs the same metadata)."""
         dev = self.device
         return StepBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            attn_meta=build_attn_metadata(seqs, num_tokens=len(input_ids),
+            input_ids=torch.tensor(host.input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(host.positions, dtype=torch.long, device=dev),
+            attn_meta=build_attn_metadata(host.seqs, num_tokens=len(host.input_ids),
                                           kv_block_size=self.kv_block_size, device=dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            token_offsets=token_offsets, logits_offsets=logits_offsets, input_id_list=input_ids)
+            logits_indices=torch.tensor(host.logits_indices, dtype=torch.long, device=dev),
+            token_offsets=host.token_offsets, logits_offsets=host.logits_offsets, input_id_list=host.input_ids,
+            host=host)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, *, with_taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -138,7 +138,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def kv_spec(self) -> tuple[int, int]:
-        return self.config.num_key_value_heads, self.config.head_dim
+        """(KV heads, head_dim) of one layer's cache on this process (a tensor-parallel rank keeps its own
+        heads: dspark.distributed.shard)."""
+        return getattr(self, "tp_num_kv_heads", self.config.num_key_value_heads), self.config.head_dim
 
     def _tap_slots(self, tap_layer_ids: tuple[int, ...]) -> dict[int, list[int]]:
         slots: dict[int, list[int]] = {}
@@ -188,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         decoder layers in one CPU kernel call (`kernels.decoder_layers`, the same arithmetic as the
         per-layer modules). False when it does not apply: the modules run instead."""
         if (len(meta.groups) != 1 or not meta.all_stored or meta.groups[0].token_index.shape[1] > SHORT_QUERY_MAX
-                or self.config.attention_bias or x.dtype != torch.float32 or x.device.type != "cpu"):
+                or self.config.attention_bias or x.dtype != torch.float32 or x.device.type != "cpu"
+                or getattr(self, "tp", None) is not None):  # tensor parallelism: all-reduces between layers
             return False
         attn = self.model.layers[0].self_attn
         hidden = x.shape[-1]
