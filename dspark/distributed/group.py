@@ -22,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 
+STARTUP_TIMEOUT_S = 600.0
+
+
 @dataclass
 class TPGroup:
     rank: int
@@ -36,10 +39,14 @@ class TPGroup:
     @classmethod
     def join(cls, *, rank: int, size: int, store: dist.Store, backend: str, timeout_s: float) -> "TPGroup":
         """Join the group whose rendezvous is `store` (a TCPStore on 127.0.0.1 held by rank 0)."""
+        # the rendezvous waits for processes still importing torch (a loaded machine: tens of seconds); the
+        # step's groups get the configured timeout
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout_s))
-        ctrl = dist.new_group(list(range(size)), backend="gloo", timeout=timedelta(seconds=timeout_s))
-        return cls(rank=rank, size=size, group=dist.group.WORLD, ctrl=ctrl)
+                                timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
+        ranks = list(range(size))
+        group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout_s))
+        ctrl = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        return cls(rank=rank, size=size, group=group, ctrl=ctrl)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place (the identity at size 1)."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dspark.config import EngineConfig
-from dspark.distributed.group import TPGroup
+from dspark.distributed.group import STARTUP_TIMEOUT_S, TPGroup
 from dspark.engine.model_runner import DTYPES, ModelRunner, StepBatch, allocate_kv_pool
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, 
             torch.set_num_threads(threads)
         if config.device.startswith("cuda"):
             torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
-                              timeout=_timedelta(config.parallel.distributed_timeout_s))
+        events.put(("started", rank, ""))
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=_timedelta(STARTUP_TIMEOUT_S))
         tp = TPGroup.join(rank=rank, size=size, store=store, backend=backend_for(config.device),
                           timeout_s=config.parallel.distributed_timeout_s)
         model = load_full_target(config)[0]
@@ -159,7 +159,7 @@ class Workers:
         self.config, self.size = config, size
         self.timeout_s = config.parallel.distributed_timeout_s
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                              timeout=_timedelta(self.timeout_s))
+                              timeout=_timedelta(STARTUP_TIMEOUT_S))
         ctx = mp.get_context("spawn")
         self.events = ctx.Queue()
         self.procs = [ctx.Process(target=_worker_main, args=(rank, config, matmul_dtype, store.port, self.events),
@@ -167,9 +167,15 @@ class Workers:
         for p in self.procs:
             p.start()
         self._store = store
-        self.tp = TPGroup.join(rank=0, size=size, store=store, backend=backend_for(config.device),
-                               timeout_s=self.timeout_s)
         self.closed = False
+        try:
+            self._wait_for("started", deadline_s=STARTUP_TIMEOUT_S)  # a worker that dies importing fails here
+            self.tp = TPGroup.join(rank=0, size=size, store=store, backend=backend_for(config.device),
+                                   timeout_s=self.timeout_s)
+        except BaseException:
+            for p in self.procs:
+                p.kill()
+            raise
         self.failure: BaseException | None = None  # a heartbeat that could not be sent
         self._send_lock = threading.Lock()
         self._last_send = time.monotonic()
@@ -200,20 +206,24 @@ class Workers:
 
     def wait_ready(self) -> None:
         """Block until every worker has loaded its shard; a worker that fails or dies first raises."""
-        ready: set[int] = set()
-        deadline = time.monotonic() + max(self.timeout_s, 600.0)  # loading a large model takes a while
-        while len(ready) < self.size - 1:
+        self._wait_for("ready", deadline_s=max(self.timeout_s, STARTUP_TIMEOUT_S))
+        threading.Thread(target=self._heartbeat, name="dspark-tp-heartbeat", daemon=True).start()
+
+    def _wait_for(self, what: str, *, deadline_s: float) -> None:
+        done: set[int] = set()
+        deadline = time.monotonic() + deadline_s
+        while len(done) < self.size - 1:
             self.check_alive()
             try:
                 kind, rank, detail = self.events.get(timeout=0.5)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise WorkerFailure("tensor-parallel workers did not finish loading in time") from None
+                    raise WorkerFailure(f"tensor-parallel workers not {what} after {deadline_s:.0f} s") from None
                 continue
             if kind == "error":
                 raise WorkerFailure(f"tensor-parallel rank {rank} failed:\n{detail}")
-            ready.add(rank)
-        threading.Thread(target=self._heartbeat, name="dspark-tp-heartbeat", daemon=True).start()
+            if kind == what:
+                done.add(rank)
 
     def check_alive(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
