@@ -35,9 +35,10 @@ def test_source_files_are_under_500_lines():
 
 def test_no_development_history_words_in_text_files():
     hits = []
-    for p in _tracked("README.md", "docs", "dspark", "benchmarks", "scripts"):
-        if p.suffix not in TEXT_SUFFIXES:
-            continue  # weights and images match by chance bytes
+    for p in _tracked("README.md", "docs", "dspark", "benchmarks", "scripts", "tests", "configs", ".ci",
+                      "pyproject.toml"):
+        if p.suffix not in TEXT_SUFFIXES and p.parent.name != ".ci" or p == Path(__file__).resolve():
+            continue  # weights and images match by chance bytes; this file names the pattern
         for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
             if HISTORY_WORDS.search(line):
                 hits.append(f"{p.relative_to(REPO)}:{i}: {line.strip()[:80]}")
