@@ -7,6 +7,7 @@ SamplingParams, never another exception), and the live HTTP API from its own Ope
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 
 from dspark.sampling import SamplingParams, logits_to_probs
 from dspark.server import serving
+from dspark.server.guard import json_problem
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
 from server_harness import CharTokenizer, build_tiny_model, make_engine, serve
 
@@ -127,3 +129,14 @@ def test_the_server_is_clean_after_the_schema_fuzz(live):
     live.wait_idle()
     ok = live.post("/v1/completions", json={"model": "tiny", "prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+@FUZZ
+@given(body=st.one_of(st.binary(max_size=64), st.text(max_size=32).map(str.encode),
+                      JSON.map(lambda v: json.dumps(v).encode())))
+def test_body_guard_never_raises(body):
+    """Any bytes: a reason to refuse, or None for JSON the routes may parse."""
+    problem = json_problem(body)
+    assert problem is None or isinstance(problem, str)
+    if problem is None:
+        json.loads(body)
