@@ -210,3 +210,22 @@ def test_served_faults_are_500s_and_the_server_keeps_serving():
         ok = srv.post("/v1/completions", json={"model": MODEL, "prompt": "fine", "max_tokens": 3})
         assert ok.status_code == 200
         assert srv.metrics()[("dspark:num_requests_failed_total", ())] == 2
+
+
+def test_nonfinite_and_misshapen_draft_probs_are_dropped(target, drafter_dir):
+    """Probabilistic drafting: NaN, negative or wrongly shaped draft distributions never reach
+    rejection sampling (which would raise on the shape and mis-sample on NaN)."""
+    engine = build(target, drafter_dir, draft_sample_method="probabilistic")
+
+    def bad_probs(n, real, batch):
+        proposal = real(batch)
+        if proposal.draft_probs is not None:
+            probs = [None if p is None else p.clone() for p in proposal.draft_probs]
+            probs[0] = [probs[0][:, :5], -probs[0], probs[0] * float("nan")][n % 3]
+            proposal.draft_probs = probs
+        return proposal
+
+    _plant(engine.drafter, "propose", bad_probs)
+    out = run(engine, SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=2))
+    assert all(len(ids) == 12 for ids in out.values())
+    assert engine.metrics.num_draft_faults > 0

@@ -6,9 +6,9 @@ engine down and never reach an index or a sampler.
   step is emitted, and it ends with reason "abort" and a message in `Engine.failed` (the server's
   500, the offline API's RuntimeError). (-inf entries alone are masks, not faults.)
 - Drafts: a proposal row with a draft id outside the vocabulary, a non-finite or out-of-[0, 1]
-  confidence, or non-finite / negative draft probabilities is dropped: that request decodes plainly
-  in the next step (`EngineMetrics.num_draft_faults`). Plain decoding is speculation with zero
-  drafts, so greedy output is unchanged.
+  confidence, or non-finite / negative / misshapen draft probabilities is dropped: that request
+  decodes plainly in the next step (`EngineMetrics.num_draft_faults`). Plain decoding is
+  speculation with zero drafts, so greedy output is unchanged.
 - A drafter exception (propose or extend_context): the requests of that call lose their drafter
   context (`Request.model_drafting` False, as a request admitted without one) and decode plainly
   from then on; each counts as a draft fault. Prompt lookup (`has_free_drafts`) may still draft.
@@ -73,6 +73,9 @@ def faulty_proposal_rows(proposal, *, vocab_size: int, num_valid: list[int]) -> 
     if proposal.draft_probs is not None:
         for i, p in enumerate(proposal.draft_probs):
             if p is not None and i not in out and num_valid[i]:
+                if p.dim() != 2 or p.shape[0] < num_valid[i] or p.shape[1] != vocab_size:
+                    out.append(i)  # [>= num_valid, vocab] or verification could not use it
+                    continue
                 q = p[:num_valid[i]].float()
                 if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
                     out.append(i)
