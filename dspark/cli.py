@@ -44,6 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = True
                    help="weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default=EngineConfig.device,
                    help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no CUDA graphs (decode and verification steps are captured and replayed by default)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=ParallelConfig.tensor_parallel_size,
                    help="split the target over N processes (heads, MLP columns and vocabulary; gloo on the "
                         "CPU, NCCL on CUDA); the engine starts the workers itself")
@@ -85,7 +87,7 @@ def engine_config_from_args(args: argparse.Namespace, *, default_spec=None):
     try:
         return EngineConfig(
             model=args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, seed=args.seed,
-            num_threads=args.num_threads, device=args.device,
+            num_threads=args.num_threads, device=args.device, enforce_eager=args.enforce_eager,
             parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                     distributed_timeout_s=args.distributed_timeout_s),
             cache=CacheConfig(kv_block_size=args.kv_block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,

@@ -210,6 +210,8 @@ class EngineConfig:
     matmul_dtype: str = "auto"
     # "auto": cuda where torch sees a GPU, else cpu (resolved here, so `config.device` is always concrete)
     device: str = "auto"
+    # CUDA: run every step eager (no CUDA graphs for decode and verification steps: dspark.engine.cuda_graphs)
+    enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -50,7 +50,7 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, speculative_config: dict | str | None = None,
                  dtype: str = "auto", matmul_dtype: str = "auto", seed: int = 0, device: str = "auto",
-                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
+                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0, enforce_eager: bool = False,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_model_len: int | None = None, kv_cache_memory_gb: float = 1.0,
                  num_kv_blocks: int | None = None, kv_block_size: int = 16,
@@ -62,7 +62,7 @@ class LLM:
             spec = None if speculative_config is None else SpecConfig.from_dict(speculative_config)
             config = config or EngineConfig(
                 model=model, dtype=dtype, matmul_dtype=matmul_dtype, seed=seed, num_threads=num_threads,
-                device=device, parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                device=device, enforce_eager=enforce_eager, parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                                        distributed_timeout_s=distributed_timeout_s),
                 cache=CacheConfig(kv_block_size=kv_block_size, kv_cache_memory_gb=kv_cache_memory_gb,
                                   num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),

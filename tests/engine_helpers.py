@@ -23,14 +23,22 @@ def tiny_target(cfg, *, seed: int = 0):
 
 def make_engine(model, cfg, *, drafter=None, spec: SpecConfig | None = None, num_kv_blocks=256,
                 kv_block_size=4, budget=64, max_num_seqs=16, length_policy=None, prefix=True,
-                coalesce_steps=0):
+                coalesce_steps=0, device="cpu", dtype="float32"):
     config = EngineConfig(
+        device=device, dtype=dtype,
         cache=CacheConfig(kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
                           enable_prefix_caching=prefix),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                   coalesce_steps=coalesce_steps),
         spec=spec)
     return Engine(config, model=model, model_config=cfg, drafter=drafter, length_policy=length_policy)
+
+
+def ngram_engine_args() -> dict:
+    """make_engine keywords for a prompt-lookup drafter (4 drafts, n-grams of 1 to 3)."""
+    from dspark.drafters.ngram import NgramDrafter
+    return {"drafter": NgramDrafter(num_draft_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3),
+            "spec": SpecConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)}
 
 
 def run(engine, prompts, params) -> list[list[int]]:

@@ -63,6 +63,10 @@ def build_engine(config: EngineConfig):
             from dspark.distributed.runner import TPModelRunner
             engine.runner = TPModelRunner(engine.runner, workers)
             engine.workers = workers
+        elif config.device.startswith("cuda") and not config.enforce_eager:
+            from dspark.engine.cuda_graphs import CudaGraphBackend, GraphedRunner
+            engine.runner = GraphedRunner(engine.runner, backend=CudaGraphBackend(),
+                                          max_num_seqs=config.scheduler.max_num_seqs)
     except BaseException:
         if workers is not None:
             workers.close()

@@ -62,7 +62,9 @@ class Engine:
         num_kv_blocks = config.cache.num_kv_blocks or max(16, int(
             config.cache.kv_cache_memory_gb * 2**30
             // kv_bytes_per_block(layer_specs + draft_specs, kv_block_size, dtype)))
-        pool = allocate_kv_pool(layer_specs + draft_specs, num_kv_blocks=num_kv_blocks,
+        # one block past the block manager's: the padding rows of a replayed CUDA graph store their K/V
+        # there (dspark.engine.cuda_graphs), no request ever owns it
+        pool = allocate_kv_pool(layer_specs + draft_specs, num_kv_blocks=num_kv_blocks + 1,
                                 kv_block_size=kv_block_size, dtype=dtype, device=config.device)
         if drafter:
             drafter.bind_kv(pool[len(layer_specs):])

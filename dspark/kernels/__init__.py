@@ -388,8 +388,8 @@ def cpu_has_bf16_dot() -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., d] / rms(x) * weight (fp32)."""
-    k = ops()
-    if k is not None and _eligible(x, weight) and x.is_contiguous() and weight.is_contiguous():
+    k = ops() if _eligible(x, weight) else None  # never loaded for CUDA (or other non-CPU) tensors
+    if k is not None and x.is_contiguous() and weight.is_contiguous():
         return k.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -398,8 +398,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, its rms_norm) (fp32). The kernel adds in place into `residual` (outside autograd
     only); the torch twin allocates the sum, so a residual saved for backward is never mutated."""
-    k = ops()
-    if (k is not None and _eligible(x, residual, weight) and x.is_contiguous() and residual.is_contiguous()
+    k = ops() if _eligible(x, residual, weight) else None
+    if (k is not None and x.is_contiguous() and residual.is_contiguous()
             and weight.is_contiguous() and x.shape == residual.shape):
         return residual, k.add_rms_norm_(x, residual, weight, eps)
     residual = residual + x
@@ -417,8 +417,8 @@ def short_attention(
     scale: float,
 ) -> bool:
     """Fill `out` through the kernel; False (nothing written) when it does not apply."""
-    k = ops()
-    if k is None or not _eligible(q, k_flat, v_flat) or not (q.is_contiguous() and k_flat.is_contiguous()
+    k = ops() if _eligible(q, k_flat, v_flat) else None
+    if k is None or not (q.is_contiguous() and k_flat.is_contiguous()
                                                              and v_flat.is_contiguous() and out.is_contiguous()):
         return False
     k.short_attention(q, k_flat, v_flat, token_index, key_limit, kv_slots, out, scale)
@@ -447,8 +447,8 @@ def decoder_layers(
 ) -> bool:
     """Run every decoder layer of a few-row step in one kernel call; False (nothing done) when the kernels
     do not apply, so the caller runs its per-op path, which computes the same numbers."""
-    k = ops()
-    if k is None or x.shape[0] > MAX_ROWS or not _eligible(x, *k_caches[:1]) or not x.is_contiguous():
+    k = ops() if _eligible(x, *k_caches[:1]) else None
+    if k is None or x.shape[0] > MAX_ROWS or not x.is_contiguous():
         return False
     k.decoder_layers_(x, weights, k_caches, v_caches, cos, sin, slot_mapping, token_index, key_limit, kv_slots,
                       num_heads, num_kv_heads, eps, scale, list(tap_layers), list(tap_cols),

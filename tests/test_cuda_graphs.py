@@ -1,0 +1,96 @@
+"""CUDA-graph replay equals eager: the graphed runner's dense layout, padding (scratch-block K/V) and
+read-back, checked on the CPU with the eager stand-in backend through the same code CUDA runs (the torch
+path, CPU kernels off); the real capture on a GPU (`gpu`). Also: the CUDA path's code never loads the CPU
+kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark import kernels
+from dspark.engine.cuda_graphs import EagerBackend, GraphedRunner, batch_buckets, bucket_for
+from dspark.models.attention import build_attn_metadata, SeqSpec
+from tests.conftest import TINY_LLAMA, TINY_QWEN3
+from tests.engine_helpers import ngram_engine_args, greedy, make_engine, repetitive_prompts, run, tiny_target
+
+
+def test_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(1) == [1] and batch_buckets(6) == [1, 2, 4, 6]
+    assert bucket_for(3, [1, 2, 4]) == 4 and bucket_for(5, [1, 2, 4]) is None
+
+
+def _recorded(engine):
+    steps = []
+    forward = engine.runner.forward
+
+    def recording(batch, **kw):
+        logits, taps = forward(batch, **kw)
+        steps.append((logits.clone(), None if taps is None else taps.clone()))
+        return logits, taps
+    engine.runner.forward = recording
+    return steps
+
+
+@pytest.mark.parametrize("cfg", [TINY_LLAMA, TINY_QWEN3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("speculative", [False, True], ids=["decode", "verify"])
+def test_replay_equals_eager(cfg, speculative, monkeypatch):
+    monkeypatch.setattr(kernels, "ops", lambda: None)  # the device-agnostic path CUDA runs
+    model, _ = tiny_target(cfg)
+    prompts = repetitive_prompts(6, cfg.vocab_size, seed=3)
+    kw = ngram_engine_args() if speculative else {}
+    eager = make_engine(model, cfg, **kw)
+    eager_steps = _recorded(eager)
+    expected = run(eager, prompts, greedy(24))
+    graphed = make_engine(model, cfg, **(ngram_engine_args() if speculative else {}))
+    graphed.runner = GraphedRunner(graphed.runner, backend=EagerBackend(), max_num_seqs=16)
+    runner = graphed.runner
+    graphed_steps = _recorded(graphed)
+    assert run(graphed, prompts, greedy(24)) == expected
+    assert runner.num_replays > 10 and runner.num_eager > 0  # decode steps replayed, prompt steps eager
+    if speculative:
+        assert any(key[1] > 1 for key in runner.graphs), "verification widths were graphed"
+    assert len(graphed_steps) == len(eager_steps)
+    for (a, ta), (b, tb) in zip(eager_steps, graphed_steps):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        assert (ta is None) == (tb is None)
+        if ta is not None:
+            torch.testing.assert_close(tb, ta, atol=1e-5, rtol=0)
+    assert graphed.block_manager.num_free_blocks == eager.block_manager.num_free_blocks
+
+
+def test_the_cuda_path_never_loads_the_cpu_kernels(monkeypatch):
+    """A forward whose tensors are not on the CPU (the meta device stands in for CUDA here) never asks for
+    the compiled kernels: no op calls `kernels.ops()` before checking its tensors."""
+    def refuse():
+        raise AssertionError("CPU kernels loaded on a non-CPU device")
+    monkeypatch.setattr(kernels, "ops", refuse)
+    model, _ = tiny_target(TINY_QWEN3)
+    model = model.to("meta")
+    caches = [(torch.empty(8, 4, 2, 32, device="meta"), torch.empty(8, 4, 2, 32, device="meta"))
+              for _ in range(model.num_kv_layers)]
+    meta = build_attn_metadata([SeqSpec(block_table=[0, 1], num_cached=3, num_query=1, token_offset=0)],
+                               num_tokens=1, kv_block_size=4, device="meta")
+    with torch.inference_mode():
+        hidden, _ = model(torch.zeros(1, dtype=torch.long, device="meta"), torch.zeros(1, dtype=torch.long,
+                                                                                        device="meta"),
+                          meta, caches)
+        logits = model.compute_logits(hidden)
+    assert logits.shape == (1, TINY_QWEN3.vocab_size) and logits.device.type == "meta"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_equals_eager_on_gpu():
+    from dspark.engine.cuda_graphs import CudaGraphBackend
+    cfg = TINY_LLAMA
+    model, _ = tiny_target(cfg)
+    model = model.to("cuda", torch.bfloat16)
+    prompts = repetitive_prompts(6, cfg.vocab_size, seed=3)
+    eager = make_engine(model, cfg, device="cuda", dtype="bfloat16")
+    expected = run(eager, prompts, greedy(24))
+    graphed = make_engine(model, cfg, device="cuda", dtype="bfloat16")
+    graphed.runner = GraphedRunner(graphed.runner, backend=CudaGraphBackend(), max_num_seqs=16)
+    assert run(graphed, prompts, greedy(24)) == expected
+    assert graphed.runner.num_replays > 10
