@@ -73,8 +73,9 @@ class Server:
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                key = s.name + ("" if not s.labels else json.dumps(s.labels, sort_keys=True))
-                out[key] = s.value
+                labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+                name = "dspark:" + s.name.split(":", 1)[-1]  # dspark: or vllm: names alike
+                out[name + ("" if not labels else json.dumps(labels, sort_keys=True))] = s.value
         return out
 
     def idle(self, timeout_s: float = 120) -> dict[str, float]:
@@ -158,13 +159,15 @@ def hostile_request(rng: random.Random, model: str, max_model_len: int, body_lim
     return path, rng.choice([b"", b"null", b"[]", b"{", b'{"prompt": NaN}', b"\xff\xfe"]), J
 
 
-async def run_fuzz(server: Server, n: int, seed: int, model: str, body_limit: int) -> dict:
+async def run_fuzz(server: Server, n: int, seed: int, model: str, body_limit: int,
+                   timeout_s: float = 600) -> dict:
     rng = random.Random(seed)
     max_model_len = httpx.get(server.base + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
     statuses: dict[str, int] = {}
     five: list[dict] = []
+    slow: list[dict] = []  # transport errors (a valid request generating past the client timeout)
     sem = asyncio.Semaphore(8)
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=16)) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=16)) as client:
         async def one(i: int):
             path, body, headers = hostile_request(rng, model, max_model_len, body_limit)
             async with sem:
@@ -176,9 +179,11 @@ async def run_fuzz(server: Server, n: int, seed: int, model: str, body_limit: in
                                      "status": r.status_code, "text": r.text[:300]})
                 except httpx.HTTPError as e:
                     code = f"transport:{type(e).__name__}"
+                    slow.append({"path": path, "body": body[:300].decode("latin-1"), "error": code})
             statuses[code] = statuses.get(code, 0) + 1
         await asyncio.gather(*(one(i) for i in range(n)))
-    return {"statuses": dict(sorted(statuses.items())), "num_5xx": len(five), "examples_5xx": five[:10]}
+    return {"statuses": dict(sorted(statuses.items())), "num_5xx": len(five), "examples_5xx": five[:10],
+            "client_timeout_s": timeout_s, "transport_errors": slow[:20]}
 
 
 # -- soak and flood --------------------------------------------------------------------------------
