@@ -74,3 +74,22 @@ def test_a_pickle_checkpoint_folder_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
     with pytest.raises(FileNotFoundError, match="pickle checkpoints are not loaded"):
         SafetensorsSource(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["dspark", "eagle3", "draft_model"])
+def test_hub_names_are_never_fetched(method):
+    """A model or drafter path is a local path: a hub-style name that is no local file or folder is
+    an error naming it, from the path checks (the loaders never call the hub)."""
+    import torch
+
+    from dspark.config import SpecConfig
+    from dspark.drafters import build_drafter
+    from dspark.models.loader import resolve_model_path
+    from server_harness import TINY, build_tiny_model
+
+    with pytest.raises(FileNotFoundError, match="HuggingFaceTB/SmolLM2-135M"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M")
+    with pytest.raises((FileNotFoundError, ValueError), match="org/name"):
+        build_drafter(SpecConfig(method=method, model="org/name", num_speculative_tokens=4),
+                      target_config=TINY, target_model=build_tiny_model(), dtype=torch.float32,
+                      device="cpu")
