@@ -1,4 +1,5 @@
-"""`python tests/serve_tiny.py PORT [--drain-timeout-s S] [--step-sleep-s S] [--fail-at-step N]`:
+"""`python tests/serve_tiny.py PORT [--drain-timeout-s S] [--step-sleep-s S] [--fail-at-step N]
+[--max-connections N]`:
 the tiny test engine served by `dspark.server.cli.serve_app`, the loop `dspark serve` runs (engine
 on the main thread, SIGTERM drains), for tests that need a real process and real signals."""
 
@@ -25,6 +26,7 @@ def main() -> int:
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--step-sleep-s", type=float, default=0.0)
     p.add_argument("--fail-at-step", type=int, default=None)
+    p.add_argument("--max-connections", type=int, default=None)
     args = p.parse_args()
     engine = make_engine(build_tiny_model())
     real_step = engine.step
@@ -40,7 +42,7 @@ def main() -> int:
     config = ServerConfig(drain_timeout_s=args.drain_timeout_s)
     app = build_app(async_engine, model_name=MODEL, config=config)
     return serve_app(app, async_engine, host="127.0.0.1", port=args.port, log_level="warning",
-                     drain_timeout_s=config.drain_timeout_s)
+                     drain_timeout_s=config.drain_timeout_s, max_connections=args.max_connections)
 
 
 if __name__ == "__main__":

@@ -197,3 +197,23 @@ def test_engine_loop_death_exits_nonzero():
         assert proc.wait(60) == 1
     finally:
         proc.kill()
+
+
+def test_connection_limit_refuses_before_reading_a_body():
+    proc, base = _start("--step-sleep-s", "0.05", "--max-connections", "2")
+    try:
+        events: list = []
+        t = threading.Thread(target=_stream, args=(base, 30, events))
+        t.start()
+        while not events:
+            time.sleep(0.01)
+        resp = httpx.post(base + "/v1/completions", timeout=10, json={"model": MODEL, "prompt": "x"})
+        assert resp.status_code == 503
+        t.join(60)
+        assert events[-1] == "[DONE]"
+        ok = httpx.post(base + "/v1/completions", timeout=30,
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

@@ -62,11 +62,12 @@ def run(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine, tokenizer, own_thread=False)
     app = build_app(async_engine, model_name=model_name, config=server_config)
     return serve_app(app, async_engine, host=args.host, port=args.port, log_level=args.log_level,
-                     drain_timeout_s=server_config.drain_timeout_s)
+                     drain_timeout_s=server_config.drain_timeout_s,
+                     max_connections=server_config.max_connections)
 
 
 def serve_app(app, async_engine, *, host: str, port: int, log_level: str = "info",
-              drain_timeout_s: float = 30.0) -> int:
+              drain_timeout_s: float = 30.0, max_connections: int | None = None) -> int:
     """Serve until SIGTERM / SIGINT or the engine's death. The engine loop runs on the main thread
     (see dspark.server.async_engine); uvicorn's event loop runs beside it and installs no signal
     handlers there. SIGTERM drains: no new requests (503), running ones finish within
@@ -74,7 +75,8 @@ def serve_app(app, async_engine, *, host: str, port: int, log_level: str = "info
     once. Returns 1 when the engine loop died."""
     import uvicorn
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5,
+                                           limit_concurrency=max_connections))
     http = threading.Thread(target=server.run, name="dspark-http", daemon=True)
 
     def on_sigterm(signum, frame) -> None:

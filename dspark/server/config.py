@@ -25,11 +25,16 @@ class ServerConfig:
     api_key: str | None = None  # required as 'Authorization: Bearer KEY' (all but /health, /version)
     api_key_metrics: bool = False  # also require it on /metrics
     retry_after_s: int = 1  # the Retry-After header of a 429 / 503
+    # open connections uvicorn serves at once; past it 503 before any body is read (None: no limit):
+    # with max_request_body_bytes it bounds the memory request bodies can take
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_waiting", "max_request_body_bytes", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if not self.drain_timeout_s >= 0:
@@ -47,6 +52,8 @@ HELP = {
                "(default: $DSPARK_API_KEY, else $VLLM_API_KEY)",
     "api_key_metrics": "require the API key on /metrics too",
     "retry_after_s": "Retry-After seconds sent with 429 / 503",
+    "max_connections": "open connections served at once (503 beyond it, before reading a body); "
+                       "default no limit",
 }
 
 
@@ -58,8 +65,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", help=HELP[f.name])
-        elif f.name == "request_timeout_s":
-            p.add_argument(flag, type=float, default=None, help=HELP[f.name])
+        elif f.name in ("request_timeout_s", "max_connections"):
+            kind = float if f.name == "request_timeout_s" else int
+            p.add_argument(flag, type=kind, default=None, help=HELP[f.name])
         elif f.name == "api_key":
             p.add_argument(flag, default=None, help=HELP[f.name])
         else:
