@@ -36,13 +36,13 @@ def build_engine(config: EngineConfig):
         from dspark.utils.host import tune_malloc
         tune_malloc()  # fixed glibc thresholds: a step's temporaries do not depend on the allocation history
     target_config = read_model_config(config.model)
-    check_tokenizer_files(resolve_model_path(config.model))  # before the drafter check and any weight
     matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device,
                                         model=config.model, tensor_parallel_size=config.tensor_parallel_size)
     log.info("target matrix products: %s (matmul_dtype=%s)", matmul_dtype, config.matmul_dtype)
     if config.spec is not None:
         check_drafter(config.spec, target_config)
         _check_length_policy(config, matmul_dtype)
+    check_tokenizer_files(resolve_model_path(config.model))  # after the config checks, before any weight
     workers = None
     if tp_size > 1:
         _check_tensor_parallel(config, matmul_dtype, target_config)

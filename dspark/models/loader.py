@@ -70,11 +70,11 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
     "bfloat16": bf16 matrix products (`use_bf16_products`, a float32 model only); "q4_1": the layers
     multiply the GGUF's Q4_1 blocks (`use_q4_1_products`; a Q4_1 GGUF only, see `q4_1_problem`)."""
     path = resolve_model_path(path_or_name)
-    check_tokenizer_files(path)
     if matmul_dtype == "q4_1":
         problem = q4_1_problem(path)
         if problem:
             raise ValueError(f"matmul_dtype q4_1: {problem}")
+    check_tokenizer_files(path)  # after the format checks, before any weight
     if path.is_file() and path.suffix == ".gguf":
         cache = gguf_cache_dir(path)
         if (cache / "model.safetensors").is_file() and (cache / "config.json").is_file():
