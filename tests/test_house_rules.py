@@ -1,6 +1,7 @@
 """House rules that keep the repository legible, checked on the tree: source files under 500 lines, no word
 of the development history (sessions, `_s19_`-style names) in text files, the README and the benchmarks page
-within their length, and CI running exactly the README's test command.
+within their length, every `--speculative-config` key documented, and CI running exactly the README's test
+command.
 
     pytest tests/test_house_rules.py -q
 """
@@ -53,6 +54,15 @@ def test_history_pattern_catches_what_it_should():
 def test_readme_and_benchmarks_page_lengths():
     assert len((REPO / "README.md").read_text().splitlines()) <= 120
     assert len((REPO / "docs" / "benchmarks.md").read_text().splitlines()) <= 400
+
+
+def test_every_speculative_config_key_is_documented():
+    from dataclasses import fields
+
+    from dspark.config import SpecConfig
+    page = (REPO / "docs" / "speculative-config.md").read_text()
+    missing = [f.name for f in fields(SpecConfig) if f"| `{f.name}`" not in page and f"`, `{f.name}`" not in page]
+    assert not missing, f"add a row to docs/speculative-config.md for: {missing}"
 
 
 def test_ci_runs_the_readmes_test_command():
