@@ -127,5 +127,43 @@ def save_tensors(tensors: dict[str, torch.Tensor], file: str | Path, *,
     save_file(out, str(file), metadata={"format": "pt"})
 
 
+def save_weights(tensors: dict[str, torch.Tensor], folder: str | Path, *, dtype: torch.dtype | None = None,
+                 max_shard_bytes: int | None = None) -> list[Path]:
+    """`folder/model.safetensors`, or with `max_shard_bytes` as many `model-0000i-of-0000n.safetensors` shards
+    as keep each file's tensors within that size plus `model.safetensors.index.json` (HF's sharded layout,
+    which `safetensors_files` reads). A single tensor larger than the limit is an error. Returns the files."""
+    folder = Path(folder)
+    for old in [*folder.glob("model*.safetensors"), folder / INDEX_NAME]:
+        old.unlink(missing_ok=True)  # a re-export with another layout leaves nothing stale behind
+    if max_shard_bytes is None:
+        save_tensors(tensors, folder / WEIGHTS_NAME, dtype=dtype)
+        return [folder / WEIGHTS_NAME]
+
+    def nbytes(t: torch.Tensor) -> int:  # its data plus a generous share of the file's JSON header
+        size = torch.finfo(dtype).bits // 8 if dtype is not None and t.is_floating_point() else t.element_size()
+        return t.numel() * size + 256
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    used = 0
+    for name, t in tensors.items():
+        n = nbytes(t)
+        if n > max_shard_bytes:
+            raise ValueError(f"tensor {name!r} ({n - 256} bytes) exceeds the shard limit of {max_shard_bytes} bytes")
+        if used + n > max_shard_bytes and shards[-1]:
+            shards.append({})
+            used = 0
+        shards[-1][name] = t
+        used += n
+    files, weight_map = [], {}
+    for i, part in enumerate(shards):
+        file = folder / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_tensors(part, file, dtype=dtype)
+        files.append(file)
+        weight_map.update({name: file.name for name in part})
+    write_json({"metadata": {"total_size": sum(nbytes(t) - 256 for t in tensors.values())}, "weight_map": weight_map},
+               folder / INDEX_NAME)
+    return files
+
+
 def write_json(obj: dict[str, Any], file: str | Path) -> None:
     Path(file).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.checkpoint import (DTYPE_NAMES, check_shapes, header_shapes, load_tensors, read_config,
-                                        same_weights, save_tensors, write_json)
+                                        same_weights, save_weights, write_json)
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.formats import (checkpoint_format, header_shapes_speculators, speculators_dspark_json,
@@ -187,10 +187,10 @@ def read_calibration(path: str | Path) -> dict[str, list[float]]:
 
 
 def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtype: str = "bfloat16",
-                include_shared: bool = False) -> None:
-    """Write config.json + model.safetensors (float tensors in `dtype`). The frozen embedding and a
-    full-vocab LM head are left out unless `include_shared` (loading takes them from the target); a
-    reduced-vocab LM head and `d2t` are always written."""
+                include_shared: bool = False, max_shard_bytes: int | None = None) -> None:
+    """Write config.json + model.safetensors (float tensors in `dtype`; with `max_shard_bytes`, shards of at most
+    that size and an index). The frozen embedding and a full-vocab LM head are left out unless `include_shared`
+    (loading takes them from the target); a reduced-vocab LM head and `d2t` are always written."""
     if cfg != model.cfg:
         raise ValueError("save_dspark: cfg differs from model.cfg")
     if dtype not in DTYPE_NAMES:
@@ -202,5 +202,5 @@ def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtyp
         state.pop("embed_tokens.weight")
         if cfg.draft_vocab_size is None:
             state.pop("lm_head.weight")
-    save_tensors(state, path / "model.safetensors", dtype=DTYPE_NAMES[dtype])
+    save_weights(state, path, dtype=DTYPE_NAMES[dtype], max_shard_bytes=max_shard_bytes)
     write_json({**cfg.to_json(), "dtype": dtype}, path / "config.json")

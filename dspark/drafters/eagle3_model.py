@@ -42,8 +42,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dspark.drafters.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, check_tensors, load_tensors, read_config,
-                                       save_tensors, write_json)
+from dspark.drafters.checkpoint import (CONFIG_NAME, check_tensors, load_tensors, read_config, save_weights,
+                                       write_json)
 from dspark.models.attention import AttnMetadata
 from dspark.models.config import ModelConfig
 from dspark.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
@@ -405,11 +405,12 @@ def state_dict_hf(model: Eagle3Model) -> dict[str, torch.Tensor]:
 
 
 def save_eagle3(model: Eagle3Model, cfg: Eagle3Config, path: str, *,
-                dtype: torch.dtype | None = None) -> None:
-    """Write `path/config.json` and `path/model.safetensors` (no shared embedding / LM head)."""
+                dtype: torch.dtype | None = None, max_shard_bytes: int | None = None) -> None:
+    """Write `path/config.json` and `path/model.safetensors` (shards of at most `max_shard_bytes` and an index
+    when given; no shared embedding / LM head)."""
     os.makedirs(path, exist_ok=True)
     write_json(cfg.to_dict(), os.path.join(path, CONFIG_NAME))
-    save_tensors(state_dict_hf(model), os.path.join(path, WEIGHTS_NAME), dtype=dtype)
+    save_weights(state_dict_hf(model), path, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
 def read_eagle3_config(path: str, *, num_target_layers: int | None = None) -> Eagle3Config:

@@ -31,6 +31,7 @@ def register(sub) -> None:
                    help="keep target taps on disk as fp16 (small sets: later epochs skip the target)")
     p.add_argument("--precompute-features", action="store_true",
                    help="only fill the config's feature_cache (target once over every sample), then exit")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (the config's device key; default cpu)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)
 
@@ -48,7 +49,8 @@ def _main(args: argparse.Namespace) -> int:
     from dspark.train.trainer import Trainer
 
     try:
-        cfg = load_train_config(args.config, overrides=args.set, method=args.method)
+        overrides = list(args.set) + ([f"device={args.device}"] if args.device else [])
+        cfg = load_train_config(args.config, overrides=overrides, method=args.method)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     started = _init_distributed()

@@ -26,8 +26,11 @@ class TrainConfig:
     # features: precomputed once into this folder (ShardedFeatureCache); None = target online every step
     feature_cache: str | None = None
     feature_tokens_per_forward: int = 4096  # flat varlen tokens per target forward in the feature pass
-    drafter_autocast: str | None = None  # "bfloat16": drafter forward under CPU autocast (fp32 master
+    drafter_autocast: str | None = None  # "bfloat16": drafter forward under autocast on `device` (fp32 master
     #                                      weights, fp32 losses); None = plain fp32
+    # where the target and the drafter run: "cpu" or "cuda[:N]" (the data pipeline stays on the CPU; batches and
+    # features are moved to the device before the forward)
+    device: str = "cpu"
     # drafter shape
     num_draft_layers: int = 2
     block_size: int = 7  # γ (dspark slot layout: block_size drafts per block)
@@ -81,6 +84,10 @@ class TrainConfig:
     # highest tau_process, the starting weights' own validation included; needs eval_process_tau and a
     # val split; kept in checkpoints/best.pt)
     select_by: str = "last"
+    # stop after this many minutes of training steps (None: run to max_steps; the lr schedule still spans
+    # max_steps) and export; export_shard_mb: the exported weights as safetensors shards of at most that size
+    max_minutes: float | None = None
+    export_shard_mb: float | None = None
     ckpt_every: int = 200
     keep_checkpoints: int = 2
     seed: int = 0
@@ -100,10 +107,13 @@ class TrainConfig:
               "warm_start 'target' applies to the block drafters (dspark, dflash), not eagle3")
         _need(self.warm_start_layers is None or self.warm_start == "target",
               "warm_start_layers needs warm_start 'target'")
+        _need(self.max_minutes is None or self.max_minutes > 0, "max_minutes must be > 0")
+        _need(self.export_shard_mb is None or self.export_shard_mb > 0, "export_shard_mb must be > 0")
         _need(self.select_by in SELECT_BY, f"select_by {self.select_by!r} unknown; choose from {', '.join(SELECT_BY)}")
         _need(self.select_by != "tau_process" or self.eval_process_tau, "select_by tau_process needs eval_process_tau")
         _need(self.target_dtype in ("float32", "bfloat16", "float16"), f"target_dtype {self.target_dtype!r}")
         _need(self.drafter_autocast in (None, "bfloat16"), f"drafter_autocast {self.drafter_autocast!r}")
+        _need(self.device == "cpu" or self.device.startswith("cuda"), f"device {self.device!r}: cpu or cuda[:N]")
         _need(self.num_draft_layers >= 1, "num_draft_layers must be >= 1")
         _need(self.block_size >= 1 and self.ttt_steps >= 1, "block_size and ttt_steps must be >= 1")
         _need(self.num_anchors >= 1 and self.batch_size >= 1 and self.grad_accum >= 1,

@@ -178,9 +178,9 @@ def process_tau_counts(cfg, model, batch: Batch, feats: TargetFeatures, *, d2t: 
     return process_rounds(accepted=accepted, valid=valid_anchor_mask(loss_mask=batch.loss_mask, lengths=batch.lengths))
 
 
-def export_block_drafter(model, dcfg, path: str | Path) -> None:
+def export_block_drafter(model, dcfg, path: str | Path, *, max_shard_bytes: int | None = None) -> None:
     from dspark.drafters.dspark import save_dspark
-    save_dspark(model, dcfg, path)
+    save_dspark(model, dcfg, path, max_shard_bytes=max_shard_bytes)
 
 
 # -- EAGLE-3 ---------------------------------------------------------------------------------------------
@@ -235,10 +235,10 @@ def eagle3_batch_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *
                        shift=1, all_reduce=all_reduce)  # step j at row p predicts token p+j+2
 
 
-def export_eagle3(model, ecfg, path: str | Path) -> None:
+def export_eagle3(model, ecfg, path: str | Path, *, max_shard_bytes: int | None = None) -> None:
     """bf16 weights, like the block drafters' exports (loading casts to the serving dtype)."""
     from dspark.drafters.eagle3_model import save_eagle3
-    save_eagle3(model, ecfg, str(path), dtype=torch.bfloat16)
+    save_eagle3(model, ecfg, str(path), dtype=torch.bfloat16, max_shard_bytes=max_shard_bytes)
 
 
 def load_export(cfg, path: str | Path, target) -> nn.Module:
@@ -285,4 +285,5 @@ def batch_loss(cfg, model, target, batch, feats, **kwargs) -> LossOutput:
 
 
 def export(cfg, model, dcfg, path) -> None:
-    (export_eagle3 if cfg.method == "eagle3" else export_block_drafter)(model, dcfg, path)
+    shard = None if cfg.export_shard_mb is None else int(cfg.export_shard_mb * 2 ** 20)
+    (export_eagle3 if cfg.method == "eagle3" else export_block_drafter)(model, dcfg, path, max_shard_bytes=shard)

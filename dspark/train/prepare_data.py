@@ -9,6 +9,12 @@ template and the dspark engine itself (`LLM.chat`, --batch-size conversations at
 loss_mask 1 on the answer. Optional Magpie-style prompts: the target continues the chat template's user
 header with no content and writes a user request itself; that request is then answered like the others.
 
+Speculation (`--speculative-config`, "default": the shipped drafter with prompt lookup first, else vLLM's JSON):
+the engine verifies every draft, so at temperature 0 the answers are the plain ones (lossless), only faster.
+`--device cuda` generates on a GPU. Prompts are deduplicated before generation: a request whose text (case and
+whitespace folded) was already seen, among the train prompts or the Magpie ones, is dropped as
+"duplicate_prompt".
+
 Resumable: every batch is written as its own shard (data.py layout) before the next starts; a rerun
 skips prompt keys already written or dropped. A hash of the key puts --holdout of the samples in the
 validation split (used for calibration and validation, never for training).
@@ -53,6 +59,8 @@ class PrepareConfig:
     # its features with (dspark.train loads the target in fp32) and the one the shipped drafters saw
     matmul_dtype: str = "float32"
     num_threads: int | None = None
+    speculative_config: str | None = None  # "default" (the shipped drafter) or a --speculative-config JSON
+    device: str = "cpu"
 
 
 def load_prompts(root: str | Path, *, seed: int) -> list[tuple[str, str]]:
@@ -68,6 +76,39 @@ def load_prompts(root: str | Path, *, seed: int) -> list[tuple[str, str]]:
                     items.append((f"{path.stem}:{i}", turns[0]))
     random.Random(seed).shuffle(items)
     return items
+
+
+def normalise_prompt(text: str) -> str:
+    """The dedup key of a request: case folded, whitespace runs collapsed."""
+    return " ".join(text.split()).casefold()
+
+
+def dedupe(items: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[str]]:
+    """(items with the first of each normalised text kept, the keys dropped as duplicates)."""
+    seen: set[str] = set()
+    kept, dropped = [], []
+    for key, text in items:
+        norm = normalise_prompt(text)
+        if norm in seen:
+            dropped.append(key)
+        else:
+            seen.add(norm)
+            kept.append((key, text))
+    return kept, dropped
+
+
+def spec_config(cfg: PrepareConfig):
+    """The SpecConfig the generating engine drafts with (None: plain decoding)."""
+    if cfg.speculative_config is None:
+        return None
+    from dspark.config import SpecConfig
+    if cfg.speculative_config == "default":
+        from dspark.drafters.shipped import default_spec_config
+        spec = default_spec_config(cfg.model, cfg.matmul_dtype)
+        if spec is None:
+            raise ValueError(f"--speculative-config default: no drafter is shipped for {cfg.model!r}")
+        return spec
+    return SpecConfig.from_dict(cfg.speculative_config)
 
 
 def magpie_header(tokenizer) -> list[int]:
@@ -139,9 +180,18 @@ def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
         items = items[:cfg.max_prompts]
     if llm is None:
         from dspark.llm import LLM
+        spec = spec_config(cfg)
         llm = LLM(cfg.model, dtype=cfg.dtype, matmul_dtype=cfg.matmul_dtype, seed=cfg.seed, num_threads=cfg.num_threads,
-                  max_num_seqs=cfg.batch_size, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 8)
+                  max_num_seqs=cfg.batch_size, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 8,
+                  device=cfg.device, speculative_config=None if spec is None else asdict(spec),
+                  max_num_batched_tokens=max(512, cfg.batch_size * (1 + (spec.num_speculative_tokens if spec else 0))))
     items += magpie_prompts(llm, cfg, done=done)
+    items, duplicates = dedupe(items)
+    new_duplicates = [k for k in duplicates if k not in done]
+    if new_duplicates:
+        with open(out / DROPPED, "a") as f:
+            f.writelines(f"{k}\tduplicate_prompt\n" for k in new_duplicates)
+        log.info("prepare-data: %d duplicate prompts dropped", len(new_duplicates))
     todo = [(k, p) for k, p in items if k not in done]
     log.info("prepare-data: %d prompts, %d already done, %d to generate (config %s)",
              len(items), len(items) - len(todo), len(todo), json.dumps(asdict(cfg)))
@@ -232,6 +282,9 @@ def register(sub) -> None:
                    help="the target's matrix products while generating (default float32: the model the "
                         "trainer's features come from)")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--speculative-config", default=None,
+                   help='generate with speculation: "default" (the shipped drafter) or a JSON speculative config')
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.set_defaults(func=_main)
 
 
@@ -242,7 +295,8 @@ def _main(args: argparse.Namespace) -> int:
         long_prompts=args.long_prompts,
         min_answer_tokens=args.min_answer_tokens, magpie=args.magpie, temperature=args.temperature,
         top_p=args.top_p, batch_size=args.batch_size, holdout=args.holdout, seed=args.seed,
-        dtype=args.dtype, matmul_dtype=args.matmul_dtype, num_threads=args.num_threads)
+        dtype=args.dtype, matmul_dtype=args.matmul_dtype, num_threads=args.num_threads,
+        speculative_config=args.speculative_config, device=args.device)
     manifest = prepare(cfg)
     print(json.dumps({"out": cfg.out, **{k: manifest[k] for k in ("num_samples", "num_tokens")}}))
     return 0

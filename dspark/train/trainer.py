@@ -80,7 +80,7 @@ class Trainer:
             log.setLevel(logging.INFO)
         if target is None:
             from dspark.models.loader import load_model
-            model, target_cfg, tok = load_model(cfg.model, dtype=DTYPES[cfg.target_dtype])
+            model, target_cfg, tok = load_model(cfg.model, dtype=DTYPES[cfg.target_dtype], device=cfg.device)
             target = (model, target_cfg, tuple(tok.eos_token_ids))
         self.target, self.target_cfg, eos_ids = target
         self.target.requires_grad_(False)
@@ -93,6 +93,8 @@ class Trainer:
         self.model, self.draft_cfg = methods.build(cfg, self.target, self.target_cfg, self.d2t)
         if init is not None:
             methods.copy_trainable(init, self.model, where=cfg.init_from)
+        self.device = torch.device(cfg.device)
+        self.model.to(self.device)
         self.tap_layer_ids = tuple(self.draft_cfg.tap_layer_ids)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -183,6 +185,7 @@ class Trainer:
         t0 = time.perf_counter()
         feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=self.cache)
         t1 = time.perf_counter()
+        batch, feats = self._on_device(batch, feats)
         with self._autocast():
             out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t, seeds=seeds,
                                      all_reduce=_sum_all, head_rows=self.head_rows, focus=focus)
@@ -190,10 +193,27 @@ class Trainer:
         return out
 
     def _autocast(self):
-        if self.cfg.drafter_autocast == "bfloat16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+        """bf16 autocast on the training device when drafter_autocast asks for it; off the CPU also the device
+        as the default for new tensors (the method code creates its masks and indices without one)."""
         import contextlib
-        return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if self.device.type != "cpu":
+            stack.enter_context(self.device)
+        if self.cfg.drafter_autocast == "bfloat16":
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        return stack
+
+    def _on_device(self, batch, feats):
+        """(batch, features) moved to the training device (unchanged on the CPU)."""
+        if self.device.type == "cpu":
+            return batch, feats
+        from dataclasses import replace
+        dev = self.device
+        batch = replace(batch, input_ids=batch.input_ids.to(dev), loss_mask=batch.loss_mask.to(dev),
+                        lengths=batch.lengths.to(dev))
+        feats = replace(feats, taps=feats.taps.to(dev), hidden=feats.hidden.to(dev),
+                        lse=None if feats.lse is None else feats.lse.to(dev))
+        return batch, feats
 
     def precompute_features(self) -> dict | None:
         """Fill the sharded feature cache (config feature_cache) with every train + val sample, once.
@@ -252,7 +272,11 @@ class Trainer:
         record: dict = {}
         t_window = time.perf_counter()
         steps_in_window = 0
+        deadline = None if self.cfg.max_minutes is None else time.monotonic() + 60 * self.cfg.max_minutes
         while self.step < end:
+            if deadline is not None and time.monotonic() >= deadline:
+                log.info("max_minutes %.1f reached at step %d", self.cfg.max_minutes, self.step)
+                break
             add_stats(window, self.train_step())
             steps_in_window += 1
             if bar:
@@ -300,6 +324,7 @@ class Trainer:
             batch = collate([self.val_ds[i] for i in indices])
             cache = self.cache if isinstance(self.cache, ShardedFeatureCache) else None
             feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=cache)
+            batch, feats = self._on_device(batch, feats)
             with self._autocast():
                 out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t,
                                          seeds=[10_007 * i + 1 for i in batch.indices], all_reduce=lambda t: t,

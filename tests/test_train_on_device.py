@@ -1,0 +1,74 @@
+"""scripts/train_on_device.sh end to end on the CPU with a tiny model (DEVICE=cpu): prepare-data with speculation
+on (prompt lookup), deduplicated train prompts, a time-limited warm-started DSpark run, the weights exported as
+safetensors shards within SHARD_MB (several here), and the export loads and drafts through the registry.
+Also: the sharded writer's layout and limit.
+
+    pytest tests/test_train_on_device.py -q -m slow
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.drafters.checkpoint import INDEX_NAME, load_tensors, save_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_sharded_weights_layout_and_limit(tmp_path):
+    tensors = {f"w{i}": torch.randn(64, 64) for i in range(5)}  # 16 KiB each in fp32
+    files = save_weights(tensors, tmp_path, max_shard_bytes=40_000)
+    assert len(files) == 3 and all(f.stat().st_size <= 40_000 for f in files)
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    back = load_tensors(tmp_path)
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    save_weights(tensors, tmp_path)  # a plain re-export removes the shards and the index
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    with pytest.raises(ValueError, match="exceeds the shard limit"):
+        save_weights({"big": torch.zeros(100, 100)}, tmp_path, max_shard_bytes=1000)
+
+
+@pytest.mark.slow  # ~1 min on an idle 2-core machine (two engine builds, a feature pass, a short run)
+def test_train_on_device_script_end_to_end_on_cpu(tmp_path):
+    from tiny_checkpoint import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "tiny")
+    prompts = tmp_path / "train"
+    prompts.mkdir()
+    words = "the cat dog sat ran on a mat park blue sky why is to".split()
+    lines = [f"{a} {b} sat on the mat" for a in words[:6] for b in words[6:10]]  # 24 distinct prompts
+    lines += [lines[3].upper(), lines[5] + "  ", lines[7]]  # duplicates (case, whitespace): generated once
+    (prompts / "toy.jsonl").write_text("\n".join(json.dumps({"turns": [t]}) for t in lines))
+    out = tmp_path / "run"
+    extra = ["tap_layer_ids=[-1,0]", "num_draft_layers=1", "warm_start=\"target\"", "draft_vocab_size=null",
+             "markov_rank=8", "num_anchors=4", "batch_size=4", "max_seq_len=96", "target_dtype=\"float32\"",
+             "max_steps=4", "eval_every=2", "eval_batches=1", "log_every=1", "ckpt_every=2"]
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "DEVICE": "cpu", "MINUTES": "5",
+           "MODEL": str(model), "PROMPTS": str(prompts), "MAX_TOKENS": "16", "MIN_ANSWER_TOKENS": "4", "MAX_PROMPT_TOKENS": "64",
+           "BATCH": "16", "SPEC": '{"method": "ngram", "num_speculative_tokens": 4}', "HOLDOUT": "0.25",
+           "OUT": str(out), "SHARD_MB": "0.02", "EXTRA": " ".join(extra)}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "train_on_device.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "exported" in proc.stdout
+    dropped = (out / "data" / "dropped.txt").read_text()
+    assert dropped.count("duplicate_prompt") == 3
+    shards = sorted((out / "export").glob("model-*.safetensors"))
+    assert len(shards) > 1 and all(f.stat().st_size <= 0.02 * 2 ** 20 for f in shards)
+    assert json.loads((out / "export" / "train_config.json").read_text())["device"] == "cpu"
+    from dspark.config import EngineConfig, SpecConfig
+    from dspark.llm import LLM
+    llm = LLM(config=EngineConfig(model=str(model), spec=SpecConfig(method="dspark", model=str(out / "export"),
+                                                                      num_speculative_tokens=4)))
+    plain = LLM(str(model))
+    from dspark.sampling import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert llm.generate("the cat sat", params)[0].token_ids == plain.generate("the cat sat", params)[0].token_ids
