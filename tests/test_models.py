@@ -47,8 +47,8 @@ def hf_reference(hf_model, ids: list[int]):
     return out.logits[0].float(), [h[0] for h in out.hidden_states]
 
 
-def test_registry_has_both_families():
-    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "Qwen3ForCausalLM"}
+def test_registry_has_every_family():
+    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
 
 
 @pytest.mark.parametrize("kv_block_size", [4, 16])

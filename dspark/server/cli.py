@@ -31,6 +31,9 @@ def register(sub) -> None:
                    help="the model name clients send (default: the MODEL argument)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     add_server_args(p)  # admission, deadline, body limit, drain, API key (dspark.server.config)
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template (a file or the template text) for a model without one "
+                        "(base models: chat requests get a 400 otherwise)")
     p.set_defaults(func=run)
 
 
@@ -54,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     config = engine_config_from_args(args, default_spec=default_spec(args))
     engine, tokenizer = build_engine(config)
+    if args.chat_template:
+        from dspark.models.tokenizer import with_chat_template
+        tokenizer = with_chat_template(tokenizer, args.chat_template)
     model_name = args.served_model_name or args.model
     spec = config.spec.method if config.spec else "none"
     log.info("serving %s as %r on http://%s:%d (speculation: %s)", config.model, model_name,

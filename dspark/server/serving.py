@@ -90,6 +90,9 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
                                   f"{', '.join(sorted(kinds))}", param=f"messages[{i}].content")
             content = "\n".join(part.text or "" for part in content)
         messages.append({"role": m.role, "content": content or ""})
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
+        raise bad_request("this model has no chat template (a base model): send the text to "
+                          "/v1/completions, or start the server with --chat-template", param="messages")
     try:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     except Exception as e:  # the template rejects the conversation (role order, unknown role, ...)

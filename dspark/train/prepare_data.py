@@ -18,6 +18,10 @@ whitespace folded) was already seen, among the train prompts or the Magpie ones,
 Resumable: every batch is written as its own shard (data.py layout) before the next starts; a rerun
 skips prompt keys already written or dropped. A hash of the key puts --holdout of the samples in the
 validation split (used for calibration and validation, never for training).
+
+A base model (no chat template, e.g. gemma-3-270m) takes the prompts as plain text instead
+(`--prompt-format plain`, the default "auto" picks it when the tokenizer has no template): a sample is
+the prompt's own tokens (with BOS) and the target's continuation of them.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class PrepareConfig:
     max_tokens: int = 384  # answer tokens per sample
     max_prompt_tokens: int = 1024  # longer prompts are dropped (CPU training cost), or cut to fit
     long_prompts: str = "drop"  # "drop" | "truncate": keep the request's head and tail, "\n...\n" between
+    prompt_format: str = "auto"  # "chat" | "plain" (the text itself, continued) | "auto": chat if the model has a template
     min_answer_tokens: int = 14  # DeepSpec drops samples with fewer supervised tokens
     magpie: int = 0
     temperature: float = 0.0
@@ -138,6 +143,16 @@ def fit_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int] | None
     return None
 
 
+def plain_prompt(tokenizer, text: str, max_prompt_tokens: int, long_prompts: str) -> list[int]:
+    """The ids of `text` itself (BOS first) for a base model to continue; a longer one is dropped ([]) or,
+    with "truncate", cut to its last `max_prompt_tokens` - 1 tokens after the BOS (a continuation
+    follows the text's end)."""
+    ids = tokenizer.encode(text)
+    if len(ids) <= max_prompt_tokens:
+        return ids
+    return [] if long_prompts == "drop" else ids[:1] + ids[len(ids) - max_prompt_tokens + 1:]
+
+
 def _params(cfg: PrepareConfig, max_tokens: int, seed: int):
     from dspark.sampling import SamplingParams
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max_tokens,
@@ -185,6 +200,10 @@ def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
                   max_num_seqs=cfg.batch_size, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 8,
                   device=cfg.device, speculative_config=None if spec is None else asdict(spec),
                   max_num_batched_tokens=max(512, cfg.batch_size * (1 + (spec.num_speculative_tokens if spec else 0))))
+    has_template = bool(getattr(llm.tokenizer, "chat_template", True))
+    plain = cfg.prompt_format == "plain" or (cfg.prompt_format == "auto" and not has_template)
+    if plain and cfg.magpie:
+        raise ValueError("--magpie needs a chat template; this model takes plain-text prompts")
     items += magpie_prompts(llm, cfg, done=done)
     items, duplicates = dedupe(items)
     new_duplicates = [k for k in duplicates if k not in done]
@@ -202,7 +221,9 @@ def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
     for start in range(0, len(todo), cfg.batch_size):
         chunk = todo[start:start + cfg.batch_size]
         tok = llm.tokenizer
-        if cfg.long_prompts == "truncate":
+        if plain:
+            prompt_ids = [plain_prompt(tok, p, cfg.max_prompt_tokens, cfg.long_prompts) for _, p in chunk]
+        elif cfg.long_prompts == "truncate":
             prompt_ids = [fit_prompt(tok, p, cfg.max_prompt_tokens) or [] for _, p in chunk]
         else:
             prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
@@ -270,6 +291,9 @@ def register(sub) -> None:
     p.add_argument("--long-prompts", default=d.long_prompts, choices=["drop", "truncate"],
                    help="prompts over --max-prompt-tokens: drop them, or keep their head and tail (a rerun "
                         "with truncate also takes the prompts an earlier run dropped as too long)")
+    p.add_argument("--prompt-format", default=d.prompt_format, choices=["auto", "chat", "plain"],
+                   help="chat: through the chat template; plain: the prompt text itself, continued by the "
+                        "target (base models); auto: chat when the model has a template")
     p.add_argument("--min-answer-tokens", type=int, default=d.min_answer_tokens)
     p.add_argument("--magpie", type=int, default=0, help="also let the target write this many prompts")
     p.add_argument("--temperature", type=float, default=d.temperature)
@@ -292,7 +316,7 @@ def _main(args: argparse.Namespace) -> int:
     cfg = PrepareConfig(
         out=args.out, model=args.model, prompts=args.prompts, max_prompts=args.max_prompts,
         max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
-        long_prompts=args.long_prompts,
+        long_prompts=args.long_prompts, prompt_format=args.prompt_format,
         min_answer_tokens=args.min_answer_tokens, magpie=args.magpie, temperature=args.temperature,
         top_p=args.top_p, batch_size=args.batch_size, holdout=args.holdout, seed=args.seed,
         dtype=args.dtype, matmul_dtype=args.matmul_dtype, num_threads=args.num_threads,

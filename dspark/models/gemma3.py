@@ -1,0 +1,201 @@
+"""Gemma 3 target model (text: `Gemma3ForCausalLM` / `Gemma3TextConfig`, e.g. gemma-3-270m) over the
+paged KV pool, with the same residual-stream taps as `llama.py`.
+
+Differences from Llama, all from the config (`ModelConfig`'s Gemma fields):
+* layers alternate local and global attention (`layer_types`): a sliding layer's query at position p
+  reads keys (p - sliding_window, p] (`attention.sliding_window_metadata`), a full layer every key; each
+  kind has its own RoPE base (`rope_local_theta` / `rope_theta`, scaling on the global layers only);
+* per-head RMSNorm on q and k before RoPE, and the attention scale `query_pre_attn_scalar ** -0.5`;
+* four norms per layer: input, post-attention (on the attention output, before the residual add),
+  pre- and post-feed-forward; the MLP is GELU-tanh gated;
+* RMSNorm multiplies by (1 + weight): the parameter holds the checkpoint's `weight` (HF convention;
+  GGUF files store 1 + weight and the loader subtracts 1) and `scale` = 1 + weight is what the norm uses;
+* the embedding output is multiplied by sqrt(hidden_size) (in the weights' dtype), the head is tied
+  and the logits are soft-capped when `final_logit_softcapping` is set.
+
+Every layer stores the K/V of every position (the pool has one block table per request for all layers),
+so prefix caching, rollback and preemption work as for Llama; local layers only read fewer keys.
+The per-layer modules run (no fused CPU decoder stack for this family); the matrix products, norms and
+attention still go through `dspark.kernels` where they apply.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.attention import AttnMetadata, paged_attention, sliding_window_metadata, store_kv
+from dspark.models.config import ModelConfig
+from dspark.models.layers import (LMHead, Linear, MergedLinear, RMSNorm, VocabEmbedding, apply_rope,
+                                  default_weight_loader, rope_type, ROPE_INIT)
+from dspark.models.llama import KVCache, LlamaForCausalLM
+
+
+class GemmaRMSNorm(RMSNorm):
+    """y = x / rms(x) * (1 + weight); `weight` is the checkpoint's, `scale` the factor applied."""
+
+    def __init__(self, size: int, *, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(size, eps=eps, dtype=dtype, device=device)
+        with torch.no_grad():
+            self.weight.zero_()
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        self.register_buffer("scale", torch.ones(size, dtype=dtype, device=device), persistent=False)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        default_weight_loader(param, loaded, shard_id)
+        with torch.no_grad():  # HF: normed.float() * (1.0 + weight.float()), then cast back
+            self.scale.copy_(1.0 + param.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
+        if x.dtype == torch.float32:
+            from dspark import kernels
+            return kernels.rms_norm(x.contiguous(), self.scale, self.eps)
+        return (F.rms_norm(x.float(), self.shape, None, self.eps) * self.scale.float()).to(x.dtype)
+
+
+class GemmaRotary(nn.Module):
+    """cos/sin of the global and the local RoPE, computed per step from the positions (no tables: at
+    Gemma's 32k-128k contexts and head_dim 256 they would cost 30-130 MB each), rotate-half layout."""
+
+    def __init__(self, cfg: ModelConfig, *, device: torch.device | str) -> None:
+        super().__init__()
+        kind = rope_type(cfg.rope_scaling)
+        if kind not in ROPE_INIT:
+            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_INIT)}")
+        inv_global = ROPE_INIT[kind](cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling or {}))
+        inv_local = ROPE_INIT["default"](cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, {})
+        self.register_buffer("inv_freq_global", inv_global.to(device), persistent=False)  # [hd/2] fp32
+        self.register_buffer("inv_freq_local", inv_local.to(device), persistent=False)
+
+    def lookup(self, positions: torch.Tensor, kind: str, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin) [T, 1, hd], the sign of rotate-half folded into sin."""
+        inv = self.inv_freq_local if kind == "sliding_attention" else self.inv_freq_global
+        freqs = positions.float().unsqueeze(1) * inv  # [T, hd/2], HF's fp32 product
+        cos, sin = freqs.cos(), freqs.sin()
+        return (torch.cat((cos, cos), -1).to(dtype).unsqueeze(1),
+                torch.cat((-sin, sin), -1).to(dtype).unsqueeze(1))
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            cfg.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, (("q", q_size), ("k", kv_size), ("v", kv_size)),
+                                     bias=cfg.attention_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype, device=device)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.q_size, self.qk_size = q_size, q_size + kv_size
+        self.scale = cfg.attention_scale
+        self.layer_type = cfg.layer_type(layer_id)
+        self.window = cfg.sliding_window if self.layer_type == "sliding_attention" else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                kv_cache: KVCache) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * hd]
+        q = self.q_norm(qkv[:, :self.q_size].contiguous().view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(qkv[:, self.q_size:self.qk_size].contiguous().view(-1, self.num_kv_heads, self.head_dim))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, H, hd], [T, Hkv, hd]
+        v = qkv[:, self.qk_size:].view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, hd]
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_stored=meta.all_stored)
+        if self.window is not None:
+            meta = sliding_window_metadata(meta, self.window)
+        out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)  # [T, H, hd]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        if cfg.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"Gemma 3 MLP activation {cfg.hidden_activation!r} is not supported")
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, (("gate", inter), ("up", inter)), bias=False,
+                                         dtype=dtype, device=device)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter] each
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(cfg, layer_id, dtype=dtype, device=device)
+        self.mlp = Gemma3MLP(cfg, dtype=dtype, device=device)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                kv_cache: KVCache) -> torch.Tensor:  # residual stream [T, hidden] -> [T, hidden]
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype=dtype, device=device)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary_emb = GemmaRotary(cfg, device=device)
+        self.embed_scale = float(cfg.hidden_size) ** 0.5
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Loading (`load_weights`, HF names, fused q|k|v and gate|up) and taps as `LlamaForCausalLM`."""
+
+    model_cls = Gemma3Model
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = Gemma3Model(cfg, dtype=dtype, device=device)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
+                              dtype=dtype, device=device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] long
+        positions: torch.Tensor,  # [num_tokens] long
+        attn_meta: AttnMetadata,
+        kv_caches: list[KVCache],
+        tap_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (final-normed hidden [num_tokens, hidden], taps [num_tokens, len(tap_layer_ids) * hidden] or
+        None); tap -1 is the scaled embedding (HF hidden_states[0])."""
+        m = self.model
+        if len(kv_caches) != len(m.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(m.layers)} layers")
+        w = m.embed_tokens.weight
+        x = m.embed_tokens(input_ids) * torch.tensor(m.embed_scale, dtype=w.dtype, device=w.device)  # [T, hidden]
+        tables = {kind: m.rotary_emb.lookup(positions, kind, x.dtype)
+                  for kind in {layer.self_attn.layer_type for layer in m.layers}}
+        tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
+        taps = x.new_empty(x.shape[0], len(tap_layer_ids) * x.shape[1]) if tap_slots else None
+        hidden_size = x.shape[1]
+
+        def capture(layer_id: int, value: torch.Tensor) -> None:
+            for j in tap_slots.get(layer_id, ()):
+                taps[:, j * hidden_size:(j + 1) * hidden_size] = value
+
+        capture(-1, x)
+        for i, (layer, kv_cache) in enumerate(zip(m.layers, kv_caches)):
+            x = layer(x, *tables[layer.self_attn.layer_type], attn_meta, kv_cache)
+            capture(i, x)
+        return m.norm(x), taps
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
