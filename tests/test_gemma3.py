@@ -191,3 +191,21 @@ def test_speculative_greedy_equals_plain_with_prefix_cache_and_preemption(method
     assert again.num_cached_tokens >= 2 * WINDOW and again.token_ids == plain[-1]
     assert engine.block_manager.num_free_blocks == 36
     engine.block_manager.check_invariants()
+
+
+def test_hf_safetensors_folder_loads(tmp_path):
+    """An HF Gemma3ForCausalLM folder (transformers' own save_pretrained: config.json + safetensors)
+    gives the same config and logits."""
+    from dspark.models import build_model
+    from dspark.models.loader import SafetensorsSource, read_model_config
+    hf = hf_twin(TINY_GEMMA3, seed=11)
+    hf.save_pretrained(tmp_path)
+    assert read_model_config(tmp_path) == TINY_GEMMA3
+    source = SafetensorsSource(tmp_path)
+    model = build_model(source.config)
+    with torch.inference_mode():
+        model.load_weights(source.weights())
+    ids = _ids(20, 12)
+    kv = PagedKV.create(model, num_requests=1, max_len=len(ids), kv_block_size=4)
+    hidden, _ = kv.step(model, [(ids, 0)])
+    assert (model.compute_logits(hidden) - _hf_logits(hf, ids)).abs().max().item() < ATOL
