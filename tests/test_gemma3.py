@@ -91,9 +91,16 @@ def test_the_window_matters():
     assert torch.allclose(_hf_logits(hf, ids)[:WINDOW], _hf_logits(wide, ids)[:WINDOW], atol=ATOL)
 
 
-def test_chunked_prefill_verify_windows_and_decode_match_one_shot(cpu_kernels):
+@pytest.mark.parametrize("trim", [True, False], ids=["trimmed", "mask_only"])
+def test_chunked_prefill_verify_windows_and_decode_match_one_shot(cpu_kernels, trim, monkeypatch):
     """Two requests share steps: prompt chunks (one > 16 tokens: a group of its own), 4-token
-    verify-style windows whose positions straddle a window boundary, and decodes."""
+    verify-style windows whose positions straddle a window boundary, and decodes; the local layers'
+    slot rows trimmed to the windows (CPU) or masked only (the form CUDA graphs capture)."""
+    import functools
+
+    from dspark.models import gemma3
+    monkeypatch.setattr(gemma3, "sliding_window_metadata",
+                        functools.partial(sliding_window_metadata, trim=trim))
     hf = hf_twin(TINY_GEMMA3, seed=3)
     model, _ = tiny_target(TINY_GEMMA3, seed=3)
     a, b = _ids(40, 4), _ids(36, 5)
@@ -111,14 +118,15 @@ def test_chunked_prefill_verify_windows_and_decode_match_one_shot(cpu_kernels):
         assert err < ATOL, f"request {name}: chunked logits differ from HF by {err:.2e}"
 
 
-def test_window_metadata_equals_dense_sliding_mask():
+@pytest.mark.parametrize("trim", [True, False], ids=["trimmed", "mask_only"])
+def test_window_metadata_equals_dense_sliding_mask(trim):
     """Every query of a verify window, a prompt chunk and a decode reads exactly keys
     (p - window, p] (as transformers' sliding mask), through both the masked rows and the per-query
-    rows the kernel reads."""
+    rows the kernel reads; the untrimmed form (no host sync, for CUDA graphs) masks the same keys."""
     seqs = [SeqSpec(block_table=[3, 0, 5, 7, 2, 9], num_cached=13, num_query=4, token_offset=0),
             SeqSpec(block_table=[1, 4, 6, 8, 10, 11], num_cached=0, num_query=21, token_offset=4),
             SeqSpec(block_table=[12, 13], num_cached=5, num_query=1, token_offset=25)]
-    meta = sliding_window_metadata(build_attn_metadata(seqs, num_tokens=26, kv_block_size=4), WINDOW)
+    meta = sliding_window_metadata(build_attn_metadata(seqs, num_tokens=26, kv_block_size=4), WINDOW, trim=trim)
     seen: dict[int, list[int]] = {}
     for g in meta.groups:
         mask = g.mask if g.mask is not None else torch.ones(*g.key_limit.shape, g.kv_slots.shape[1], dtype=torch.bool)

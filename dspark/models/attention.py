@@ -22,6 +22,7 @@ windowed group is handed to it as one row per query whose slots start at that qu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -161,24 +162,29 @@ def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
         causal=all(s.causal for s in seqs))
 
 
-def sliding_window_metadata(meta: AttnMetadata, window: int) -> AttnMetadata:
+def sliding_window_metadata(meta: AttnMetadata, window: int, *, trim: bool | None = None) -> AttnMetadata:
     """The metadata of a sliding-window layer over the same step: every causal query at position p
     (key_limit p + 1) reads keys [max(0, p + 1 - window), p + 1). Groups whose queries all lie within
     the window are shared unchanged; the others are cut to their requests' windows (each request's slot
-    row starts at the first key any of its queries reads). Computed once per step and cached on `meta`."""
+    row starts at the first key any of its queries reads). `trim` (default: on the CPU) does the cutting,
+    which reads the limits on the host; without it the slot rows stay as they are and only the mask
+    changes (no host sync: CUDA graphs capture it). Computed once per step and cached on `meta`."""
+    trim = meta.slot_mapping.device.type == "cpu" if trim is None else trim
     cache = meta.__dict__.setdefault("_windows", {})
-    if window not in cache:
-        cache[window] = AttnMetadata(slot_mapping=meta.slot_mapping,
-                                     groups=[_window_group(g, window) for g in meta.groups],
-                                     num_tokens=meta.num_tokens, all_stored=meta.all_stored)
-    return cache[window]
+    if (window, trim) not in cache:
+        cache[window, trim] = AttnMetadata(slot_mapping=meta.slot_mapping,
+                                           groups=[_window_group(g, window, trim) for g in meta.groups],
+                                           num_tokens=meta.num_tokens, all_stored=meta.all_stored)
+    return cache[window, trim]
 
 
-def _window_group(g: AttnGroup, window: int) -> AttnGroup:
+def _window_group(g: AttnGroup, window: int, trim: bool) -> AttnGroup:
     if not g.causal:
         raise ValueError("a sliding-window layer needs causal queries (key limit = position + 1)")
     valid = g.key_limit > 0  # [num_seqs, max_q]
     start = (g.key_limit - window).clamp_(min=0)  # [num_seqs, max_q] first key each query reads
+    if not trim:
+        return dataclasses.replace(g, key_start=start, needs_mask=True)
     if not bool((start > 0).any()):
         return g
     big = torch.iinfo(torch.long).max
