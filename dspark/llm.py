@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 from dspark.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpecConfig, DEFAULT_MODEL
 from dspark.detokenizer import Detokenizer, StreamState
 from dspark.request import SpecStats
-from dspark.sampling import SamplingParams
+from dspark.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -25,6 +26,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # per token, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -100,37 +102,53 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_ids)} prompts")
         engine = self.engine
         order, states, results = [], {}, {}
+        choice: dict[str, tuple[str, int]] = {}  # engine request → (its RequestOutput, completion index)
+        logprobs: dict[str, list[TokenLogprob]] = {}
         start = time.perf_counter()
         for ids, text, p in zip(prompt_ids, texts, params):
-            rid = engine.add_request(ids, p)
+            rid = None
+            for i in range(p.n):  # n completions: engine requests seeded seed + i
+                sub = p if p.n == 1 else dataclasses.replace(
+                    p, n=1, seed=None if p.seed is None else p.seed + i)
+                eid = engine.add_request(ids, sub)
+                rid = rid or eid
+                choice[eid] = (rid, i)
+                states[eid] = StreamState(stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+                if p.logprobs is not None:
+                    logprobs[eid] = []
             order.append(rid)
-            states[rid] = StreamState(stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
-            results[rid] = RequestOutput(rid, text, list(ids), [CompletionOutput(0, "", [], None)])
+            results[rid] = RequestOutput(rid, text, list(ids), [CompletionOutput(i, "", [], None)
+                                                                for i in range(p.n)])
         bar = _progress(len(order)) if use_tqdm else None
         reap = False  # an abort's finished output is reported (and dropped) by the next step
         while engine.has_unfinished() or reap:
             reap = False
             for out in engine.step():
-                if out.request_id not in results:
+                if out.request_id not in choice:
                     continue  # left over from an earlier call
-                res, state = results[out.request_id], states[out.request_id]
-                if out.new_token_ids and not res.outputs[0].token_ids and not state.token_ids:
+                rid, index = choice[out.request_id]
+                res, state = results[rid], states[out.request_id]
+                if out.new_token_ids and not res.ttft_s:
                     res.ttft_s = time.perf_counter() - start
                 if self.detokenizer is not None:
-                    self.detokenizer.feed(state, out.new_token_ids)
+                    _, kept = self.detokenizer.feed(state, out.new_token_ids)
                     if state.stopped and not out.finished:
                         engine.abort(out.request_id, "stop")
                         reap = True
                 else:
+                    kept = len(out.new_token_ids)
                     state.token_ids.extend(out.new_token_ids)
+                if out.request_id in logprobs:
+                    logprobs[out.request_id] += (out.logprobs or [])[:kept]
                 finished = out.finished or state.stopped
                 res.num_cached_tokens = out.num_cached_tokens
                 res.spec = out.spec
-                if finished and res.outputs[0].finish_reason is None:
-                    res.outputs[0] = CompletionOutput(0, state.text, list(state.token_ids),
-                                                      "stop" if state.stopped else out.finish_reason)
+                if finished and res.outputs[index].finish_reason is None:
+                    res.outputs[index] = CompletionOutput(
+                        index, state.text, list(state.token_ids), "stop" if state.stopped else out.finish_reason,
+                        logprobs.get(out.request_id))
                     res.e2e_s = time.perf_counter() - start
-                    if bar:
+                    if bar and all(o.finish_reason for o in res.outputs):
                         bar.update(1)
         if bar:
             bar.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -69,10 +69,13 @@ class Request:
     num_preemptions: int = 0
     waiting_steps: int = 0  # steps spent held back by prompt coalescing
     spec: SpecStats = field(default_factory=SpecStats)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # rejection sampling of probabilistic drafts
+    sample_seed: int = 0  # keys the target's sampling noise per output position (engine/sampler.py)
+    grammar: Any = None  # structured output: a `structured.GrammarMatcher` over the committed output
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
+            self.sample_seed = self.params.seed
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,12 +41,30 @@ class SamplingParams:
     seed: int | None = None
     include_stop_str_in_output: bool = False
     speculation: bool = True  # per-request opt-out of speculative decoding
+    # logits processors (dspark/logits_processors.py), applied per position of a verify window
+    presence_penalty: float = 0.0  # subtracted once from each token the output already holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # prompt and output tokens: positive logits divided, others multiplied
+    min_p: float = 0.0  # drop tokens below min_p * the top probability (after temperature)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
+    allowed_token_ids: tuple[int, ...] = ()  # when set, only these tokens
+    logprobs: int | None = None  # None: none; k >= 0: the emitted token's logprob and the top k
+    # structured output (dspark/structured.py): {"json": schema | "regex": str | "choice": [...] |
+    # "grammar": lark | "json_object": True}; None: free text
+    structured_outputs: dict | None = None
+    n: int = 1  # completions per prompt (LLM.generate / the server fan out n requests)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))  # normalising a user convenience, once
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        object.__setattr__(self, "bad_words", tuple(tuple(int(t) for t in w) for w in self.bad_words))
+        object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
         _check(_is_real(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
@@ -56,11 +75,33 @@ class SamplingParams:
         _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
                f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
         _check(all(0 <= t < 2**63 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _check(_is_real(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(_is_real(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(all(math.isfinite(b) and -100.0 <= b <= 100.0 for _, b in self.logit_bias),
+               "logit_bias values must be in [-100, 100]")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(all(w for w in self.bad_words), "bad_words entries must be non-empty")
+        _check(self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= 20,
+               f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(_is_int(self.n) and 1 <= self.n <= 128, f"n must be an integer in [1, 128], got {self.n}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def has_processors(self) -> bool:
+        """Does any logits processor change this request's logits?"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids)
 
 
 MAX_TEMPERATURE = 1e4  # beyond it every distribution is uniform to float32 anyway
@@ -81,18 +122,32 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+class TokenLogprob(NamedTuple):
+    """One emitted token's log-probability under the processed target distribution, and the top k."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # [k] (token id, logprob), most likely first
+
+
 def logits_to_probs(
     logits: torch.Tensor,  # [num_rows, vocab_size]
     *,
     temperature: torch.Tensor,  # [num_rows] float
     top_k: torch.Tensor,  # [num_rows] int, <= 0 means off
     top_p: torch.Tensor,  # [num_rows] float, 1.0 means off
+    min_p: torch.Tensor | None = None,  # [num_rows] float, 0.0 means off
 ) -> torch.Tensor:  # [num_rows, vocab_size] float32, rows sum to 1
     """Processed target/draft distribution: one-hot argmax for greedy rows, else softmax(logits / T)
-    restricted to the top-k and then to the smallest top-p nucleus (vLLM's order)."""
+    without the tokens under min_p times the top probability, restricted to the top-k and then to the
+    smallest top-p nucleus (vLLM's order)."""
     logits = logits.float()
     greedy = temperature < GREEDY_EPS  # [num_rows]
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+    if min_p is not None and bool((min_p > 0).any()):
+        probs = torch.softmax(scaled, dim=-1)
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values  # [num_rows, 1]
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
         scaled = _apply_top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)

@@ -24,6 +24,7 @@ from dspark.models.config import ModelConfig
 from dspark.server.app import build_app
 from dspark.server.async_engine import AsyncEngine
 from dspark.server.config import ServerConfig
+from dspark.structured import GrammarCompiler
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
@@ -45,15 +46,19 @@ class CharTokenizer:
     def tokenizer(self):
         return self
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [NUM_SPECIAL + ord(c) - FIRST_CHAR if FIRST_CHAR <= ord(c) < FIRST_CHAR + 95
                 else NUM_SPECIAL + ord("?") - FIRST_CHAR for c in text]
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (specials empty): the grammar library's view of this vocabulary."""
+        return [b""] * NUM_SPECIAL + [bytes([FIRST_CHAR + i]) for i in range(95)]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(FIRST_CHAR + t - NUM_SPECIAL) if t >= NUM_SPECIAL else
                        ("" if skip_special_tokens else f"<{t}>") for t in ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"unknown role {m['role']!r}")
@@ -82,7 +87,10 @@ def make_engine(model, *, spec: SpecConfig | None = None, num_kv_blocks: int = 9
                                   max_model_len=MAX_MODEL_LEN), spec=spec)
     drafter = None if spec is None else build_drafter(spec, target_config=TINY, target_model=model,
                                                       dtype=torch.float32, device="cpu")
-    return Engine(config, model=model, model_config=TINY, drafter=drafter, eos_token_ids=(2,))
+    engine = Engine(config, model=model, model_config=TINY, drafter=drafter, eos_token_ids=(2,))
+    engine.grammar_compiler = GrammarCompiler.for_tokenizer(CharTokenizer(), vocab_size=TINY.vocab_size,
+                                                            eos_token_ids=(2,))
+    return engine
 
 
 @dataclass

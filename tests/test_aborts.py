@@ -186,13 +186,13 @@ def test_served_speculative_stream_and_timeout_aborts():
                       prompt_lookup_max=3)
     engine = _slow(make_engine(build_tiny_model(), spec=spec), 0.02)
     with serve(engine) as srv:
-        _open_and_close(srv, {"model": MODEL, "stream": True, "max_tokens": 80,
+        _open_and_close(srv, {"model": MODEL, "stream": True, "max_tokens": 80, "temperature": 0.0,
                               "ignore_eos": True, "messages": [
                                   {"role": "user", "content": "ab ab ab ab ab"}]}, 0.3)
         assert_metrics_zero(srv)
         with pytest.raises(httpx.TimeoutException):
             httpx.post(srv.base_url + "/v1/completions", timeout=0.3, json={
-                "model": MODEL, "prompt": "ab ab ab", "max_tokens": 100, "ignore_eos": True})
+                "model": MODEL, "prompt": "ab ab ab", "max_tokens": 100, "ignore_eos": True, "temperature": 0.0})
         assert_metrics_zero(srv)
         assert engine.metrics.num_generation_tokens < 200
         assert engine.metrics.num_drafts > 0, "the stream was speculative"

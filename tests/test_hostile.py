@@ -63,7 +63,7 @@ HOSTILE = [
     ("top_k_1e30", C, cmpl(top_k=10**30, temperature=0.5), 400, "top_k"),  # once killed the loop
     ("top_k_neg", C, cmpl(top_k=-5), 400, "top_k"),
     ("seed_2e70", C, cmpl(seed=2**70), 400, "seed"),
-    ("n_2", C, cmpl(n=2), 400, "n=2"),
+    ("n_0", C, cmpl(n=0), 400, "n"),
     ("stop_empty", C, cmpl(stop=[""]), 400, "stop"),
     ("stop_many", C, cmpl(stop=[f"s{i}" for i in range(65)]), 400, "at most 64 stop strings"),
     ("stop_long", C, cmpl(stop="s" * 5000), 400, "at most 4096 characters"),

@@ -167,7 +167,7 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n=2"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "greater than or equal to 1"),
     ({"model": MODEL, "prompt": ["a", "b"]}, 400, "batched prompts not supported"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "prompt": [5, 10_000]}, 400, "vocabulary"),

@@ -71,6 +71,9 @@ def build_engine(config: EngineConfig):
         if workers is not None:
             workers.close()
         raise
+    from dspark.structured import GrammarCompiler
+    engine.grammar_compiler = GrammarCompiler.for_tokenizer(  # built on the first structured request
+        tokenizer, vocab_size=target_config.vocab_size, eos_token_ids=engine.eos_token_ids)
     if config.spec is not None and config.spec.cost_table == "auto":
         from dspark.verify.step_profiler import profile_engine
         log.info("profiling the step-cost table at startup (cost_table='auto')")

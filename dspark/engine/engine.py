@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -24,8 +24,10 @@ from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate
                                         kv_bytes_per_block)
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.request import PendingContext, Request, SpecStats
-from dspark.sampling import SamplingParams, greedy_ids, logits_to_probs
-from dspark.verify.rejection import VerifyResult, verify, verify_greedy_argmax
+from dspark.engine.sampler import sample_step
+from dspark.logits_processors import check_token_ids
+from dspark.sampling import SamplingParams, TokenLogprob
+from dspark.verify.rejection import VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class StepOutput:
     num_cached_tokens: int
     spec: SpecStats
     coalesce_held_steps: int = 0  # steps the prompt was held back by coalescing before admission
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 
 class Engine:
@@ -104,6 +107,7 @@ class Engine:
             self.upkeep = OnlineUpkeep(drafter=drafter, cost_table=cost_table,
                                        is_greedy=self._is_greedy)
             self.model_verify_observers.append(self.upkeep.observe_verify)
+        self.grammar_compiler = None  # structured output (dspark.structured.GrammarCompiler), set by build
         self.requests: dict[str, Request] = {}
         self.failed: dict[str, str] = {}  # request_id → why this engine failed it (take_failed)
         self._ids = itertools.count()
@@ -139,9 +143,15 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
                              f"(size {self.model_config.vocab_size})")
+        check_token_ids(params, self.model_config.vocab_size)
         req = Request(request_id, list(prompt_ids), params, eos_token_ids=self.eos_token_ids)
         if params.seed is None:
-            req.generator = torch.Generator().manual_seed(hash((self.config.seed, request_id)) % 2**63)
+            req.sample_seed = hash((self.config.seed, request_id)) % 2**63
+            req.generator = torch.Generator().manual_seed(req.sample_seed)
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("structured output needs the tokenizer (the engine was built without one)")
+            req.grammar = self.grammar_compiler.matcher(params.structured_outputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -160,6 +170,7 @@ class Engine:
         sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted_ids)
         emitted: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
         num_proposed = 0
         if sched.scheduled:
             start = time.perf_counter()
@@ -174,13 +185,15 @@ class Engine:
             emitted = self.scheduler.commit(sched, result.output_ids_by_id, result.num_accepted_by_id)
             for rid in faults:  # nothing sampled from faulty logits leaves the engine
                 fail_request(self, rid, faults[rid], emitted)
+            self._advance_grammars(emitted)
+            logprobs = result.logprobs_by_id
             if self.drafter is not None:
                 proposing, model_allowed, next_step = self._proposing_requests(sched)
                 self._extend_drafter_context(sched, batch, taps, result,
                                              flush={r.request_id for r, ok in zip(proposing, model_allowed) if ok})
                 num_proposed = self._propose_and_choose(proposing, model_allowed, next_step)
             self._record(sched, result)
-        outputs = self._outputs(sched, emitted)
+        outputs = self._outputs(sched, emitted, logprobs)
         if self.draft_gate is not None and sched.scheduled:  # the whole step, as the gate's live cost
             seconds = time.perf_counter() - step_start
             self.draft_gate.observe_step(
@@ -199,34 +212,10 @@ class Engine:
         items = [s for s in sched.scheduled if s.emits]
         if not items:
             return StepVerify({}, {})
-        if all(s.request.params.is_greedy for s in items):  # compare-only: one argmax, no distributions
-            argmax = greedy_ids(logits).tolist()  # [num_logits]
-            bounds = list(itertools.accumulate((s.num_logits for s in items), initial=0))
-            result = verify_greedy_argmax(
-                target_argmax=[argmax[a:b] for a, b in zip(bounds, bounds[1:])],
-                draft_ids=[s.request.draft_ids[:s.num_drafts] for s in items])
-            return self._observed(items, result)
-        temps, top_ks, top_ps = [], [], []
-        for s in items:
-            p = s.request.params
-            temps += [p.temperature] * s.num_logits
-            top_ks += [p.top_k] * s.num_logits
-            top_ps += [p.top_p] * s.num_logits
-        dev = logits.device
-        target_probs = logits_to_probs(
-            logits, temperature=torch.tensor(temps, device=dev), top_k=torch.tensor(top_ks, device=dev),
-            top_p=torch.tensor(top_ps, device=dev))  # [num_logits, vocab_size]
-        rows = torch.split(target_probs, [s.num_logits for s in items])
-        result: VerifyResult = verify(
-            target_probs=list(rows),
-            draft_ids=[s.request.draft_ids[:s.num_drafts] for s in items],
-            draft_probs=[None if s.request.draft_probs is None or not s.num_drafts
-                         else s.request.draft_probs[:s.num_drafts] for s in items],
-            is_greedy=[s.request.params.is_greedy for s in items],
-            generators=[s.request.generator for s in items])
-        return self._observed(items, result)
+        result, logprobs = sample_step(items, logits, eos_token_ids=self.eos_token_ids)
+        return self._observed(items, result, logprobs)
 
-    def _observed(self, items: list, result: VerifyResult) -> "StepVerify":
+    def _observed(self, items: list, result: VerifyResult, logprobs: dict) -> "StepVerify":
         """Hand each request's verification outcome to the observers; the step's results by request."""
         ids = [s.request.request_id for s in items]
         for rid, s, n in zip(ids, items, result.num_accepted):
@@ -235,7 +224,7 @@ class Engine:
             if s.request.draft_from_model:
                 for observe in self.model_verify_observers:
                     observe(rid, s.request.draft_confidence, s.num_drafts, n)
-        return StepVerify(dict(zip(ids, result.output_ids)), dict(zip(ids, result.num_accepted)))
+        return StepVerify(dict(zip(ids, result.output_ids)), dict(zip(ids, result.num_accepted)), logprobs)
 
     # Drafter context that may wait (draft gate only): a skipped request's *generated* positions keep
     # their taps and are extended when it next proposes, in one call with that step's positions — a
@@ -392,6 +381,10 @@ class Engine:
         if proposal is None:
             return 0
         from_model = [True] * len(reqs) if proposal.from_model is None else list(proposal.from_model)
+        draft_ids = proposal.draft_ids.tolist()  # [num_reqs][γ]
+        for i, r in enumerate(reqs):  # drafts a grammar forbids could never be accepted: cut them here
+            if r.grammar is not None:
+                num_valid[i] = r.grammar.valid_prefix(draft_ids[i][:num_valid[i]])
         if self.length_policy is None:
             verify_lens = list(num_valid)
         else:
@@ -406,7 +399,6 @@ class Engine:
             rows = [i for i, m in enumerate(from_model) if m]  # the gate learns the model's curve only
             if self.draft_gate is not None and proposal.confidence is not None and rows:
                 self.draft_gate.observe(proposal.confidence[rows], num_proposed=[num_valid[i] for i in rows])
-        draft_ids = proposal.draft_ids.tolist()  # [num_reqs][γ]
         confidence = None if proposal.confidence is None else proposal.confidence.tolist()
         for i, r in enumerate(reqs):
             verify_lens[i] = min(int(verify_lens[i]), num_valid[i])
@@ -438,7 +430,14 @@ class Engine:
             if item.num_drafts:
                 m.record_verify(item.num_drafts, result.num_accepted_by_id.get(item.request.request_id, 0))
 
-    def _outputs(self, sched: SchedulerOutput, emitted: dict[str, list[int]]) -> list[StepOutput]:
+    def _advance_grammars(self, emitted: dict[str, list[int]]) -> None:
+        for rid, ids in emitted.items():
+            req = self.requests.get(rid)
+            if req is not None and req.grammar is not None and ids:
+                req.grammar.advance(ids)
+
+    def _outputs(self, sched: SchedulerOutput, emitted: dict[str, list[int]],
+                 logprobs: dict[str, list[TokenLogprob]]) -> list[StepOutput]:
         outs = []
         finished = {r.request_id: r for r in self.scheduler.take_finished()}
         for rid in list(emitted) + [rid for rid in finished if rid not in emitted]:
@@ -449,7 +448,8 @@ class Engine:
                 request_id=rid, new_token_ids=new_ids, finished=req.is_finished,
                 finish_reason=req.finish_reason, num_prompt_tokens=len(req.prompt_ids),
                 num_output_tokens=len(req.output_ids), num_cached_tokens=req.num_cached_tokens,
-                spec=req.spec, coalesce_held_steps=req.waiting_steps))
+                spec=req.spec, coalesce_held_steps=req.waiting_steps,
+                logprobs=logprobs[rid][:len(new_ids)] if rid in logprobs else None))
             if req.is_finished:
                 self.metrics.record_finished(coalesce_held_steps=req.waiting_steps)
                 if self.drafter is not None:
@@ -484,3 +484,4 @@ class NextStep(NamedTuple):
 class StepVerify:
     output_ids_by_id: dict[str, list[int]]
     num_accepted_by_id: dict[str, int]
+    logprobs_by_id: dict[str, list[TokenLogprob]] = field(default_factory=dict)

@@ -41,16 +41,20 @@ class TokenizerBundle:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    chat_template: str | None = None, **template_kwargs) -> str:
+        """`chat_template` replaces the tokenizer's own; `template_kwargs` (tools=..., ...) reach it."""
+        if not (chat_template or self.chat_template):
             raise ValueError("this tokenizer has no chat template; use a completion prompt instead")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **template_kwargs)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], *,
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **template_kwargs) -> list[int]:
         """Chat messages -> prompt ids (the template writes the special tokens itself)."""
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                chat_template=chat_template, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
 

@@ -17,6 +17,7 @@ draining 503, both with Retry-After. With an API key every route but /health and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import uuid
 
@@ -30,6 +31,7 @@ from dspark.server import serving
 from dspark.server.async_engine import AdmissionError, AsyncEngine, RequestFault, RequestStream
 from dspark.server.config import ServerConfig
 from dspark.server.guard import APIKeyGuard, BodyGuard
+from dspark.server.logprobs import LogprobFormatter
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                     ModelList)
@@ -86,11 +88,9 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
         except RuntimeError as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
-    async def start(prompt_ids: list[int], params) -> RequestStream:
-        check_context(len(prompt_ids), params.max_tokens, max_model_len=async_engine.max_model_len,
-                      vocab_size=vocab_size, prompt_ids=prompt_ids)
+    async def start_one(prompt_ids: list[int], params, request_id: str) -> RequestStream:
         try:
-            return await async_engine.add_request(prompt_ids, params, f"cmpl-{uuid.uuid4().hex}")
+            return await async_engine.add_request(prompt_ids, params, request_id)
         except AdmissionError as e:
             raise refusal(e) from None
         except RequestFault as e:
@@ -100,17 +100,34 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
         except RuntimeError as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
-    async def respond(request: Request, body, stream, shape):
+    async def start(prompt_ids: list[int], params) -> list[RequestStream]:
+        """One engine request per choice (n); choice i > 0 is `<id>-<i>`, seeded with seed + i."""
+        check_context(len(prompt_ids), params.max_tokens, max_model_len=async_engine.max_model_len,
+                      vocab_size=vocab_size, prompt_ids=prompt_ids)
+        base = f"cmpl-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i in range(params.n):
+                sub = params if params.n == 1 else dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i)
+                streams.append(await start_one(prompt_ids, sub, base if i == 0 else f"{base}-{i}"))
+        except APIError:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    async def respond(request: Request, body, streams, shape, outputs):
         if body.stream:
             opts = body.stream_options
             return StreamingResponse(
                 serving.stream_response(
-                    stream, shape, model=model_name,
+                    streams, shape, model=model_name,
                     include_usage=bool(opts and opts.include_usage),
-                    continuous_usage=bool(opts and opts.continuous_usage_stats)),
+                    continuous_usage=bool(opts and opts.continuous_usage_stats), outputs=outputs),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        result = await serving.collect_response(stream, shape, model=model_name,
-                                                is_disconnected=request.is_disconnected)
+        result = await serving.collect_response(streams, shape, model=model_name,
+                                                is_disconnected=request.is_disconnected, outputs=outputs)
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(result.model_dump())
@@ -135,21 +152,28 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_fields(body, vocab_size=vocab_size)
-        params = serving.sampling_params(body, body.max_tokens)
+        params = serving.sampling_params(body, body.max_tokens, tokenizer)
         admit()
         prompt_ids = serving.completion_prompt_ids(body, tokenizer)
-        stream = await start(prompt_ids, params)
-        return await respond(request, body, stream, serving.COMPLETION)
+        echo = serving.echo_text(body, prompt_ids, tokenizer) if body.echo else ""
+        outputs = [serving.Output(echo=echo, logprobs=None if params.logprobs is None else
+                                  LogprobFormatter(tokenizer, chat=False, text_offset=len(echo)))
+                   for _ in range(params.n)]
+        streams = await start(prompt_ids, params)
+        return await respond(request, body, streams, serving.COMPLETION, outputs)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_fields(body, vocab_size=vocab_size)
-        params = serving.sampling_params(body, serving.chat_max_tokens(body))
+        params = serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer)
         admit()
         prompt_ids = serving.chat_prompt_ids(body, tokenizer)
-        stream = await start(prompt_ids, params)
-        return await respond(request, body, stream, serving.CHAT)
+        mode = serving.tool_mode(body)
+        outputs = [serving.Output(logprobs=None if params.logprobs is None else LogprobFormatter(tokenizer, chat=True),
+                                  tool_mode=mode) for _ in range(params.n)]
+        streams = await start(prompt_ids, params)
+        return await respond(request, body, streams, serving.CHAT, outputs)
 
     app.include_router(v1)
     return app
@@ -190,6 +214,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # Unions report the failing member's type as a location part ("str", "list[int]"); drop those.
     field = ".".join(p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int"))
+    if first.get("type") == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {field}", param=field or None)
     if first.get("type") == "missing":
         return bad_request(f"missing required field {field!r}", param=field or None)
     if not field:

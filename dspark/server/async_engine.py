@@ -59,6 +59,7 @@ class RequestDelta:
     spec: SpecStats  # a snapshot, safe to read on the event loop
     error: str | None = None  # set when the request failed; the request is over
     error_status: int = 500  # the HTTP status of that failure (504: past its deadline)
+    logprobs: list | None = None  # [num_tokens] sampling.TokenLogprob, when the request asked
 
 
 @dataclass(frozen=True)
@@ -419,7 +420,8 @@ class AsyncEngine:
             request_id=out.request_id, text=text, num_tokens=num_kept, finished=finished,
             finish_reason=reason, num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=len(tracked.state.token_ids), num_cached_tokens=out.num_cached_tokens,
-            spec=_snapshot(spec))
+            spec=_snapshot(spec),
+            logprobs=None if out.logprobs is None else out.logprobs[:num_kept])
         _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
         if finished:
             self._record_end(out.request_id, tracked, reason, end_s=now_s)

@@ -1,8 +1,10 @@
 """Pydantic models for the OpenAI API subset the server speaks: completions, chat completions, their
 stream chunks, usage, the model list and the error body.
 
-Requests ignore unknown fields (clients send many we do not use); the fields they know are strict (no
-"2" for 2, no true for 1). Responses carry two dspark
+Requests forbid unknown fields: a field the server does not know is a 400 naming it (OpenAI's
+"Unrecognized request argument supplied"); fields it knows but does not honour are declared here and
+refused by `serving.check_unsupported` unless they hold their no-op value. The fields they know are
+strict (no "2" for 2, no true for 1). Responses carry two dspark
 extensions the bench client reads: `usage.spec` (per-request speculative-decoding counts) and
 `num_tokens` on each stream-chunk choice (one chunk can carry several tokens when drafts are
 accepted).
@@ -14,10 +16,11 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Response(BaseModel):
@@ -42,6 +45,11 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False  # vLLM extension: usage on every chunk
 
 
+# A field the server knows but honours only at its no-op value (`serving.UNSUPPORTED`): any JSON value
+# parses, anything but the no-op is a 400 naming it; left out of the OpenAPI schema.
+Refused = SkipJsonSchema[Any]
+
+
 class _SamplingFields(_Request):
     """Fields shared by both endpoints (OpenAI names plus the vLLM / dspark extensions)."""
 
@@ -49,37 +57,122 @@ class _SamplingFields(_Request):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False  # None (JSON null) means the default, as clients send it
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(default=1, ge=1, le=128)
     speculation: bool | None = True  # dspark: per-request opt-out of speculative decoding
     include_stop_str_in_output: bool | None = False
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) → bias
+    min_tokens: int | None = Field(default=None, ge=0)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    user: str | None = None  # an end-user id: accepted, no effect on the output
+    # structured output: OpenAI's response_format and vLLM's extras
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    # known, refused unless they hold their no-op value (`serving.UNSUPPORTED`)
+    prompt_logprobs: Refused = None
+    use_beam_search: Refused = None
+    length_penalty: Refused = None
+    logits_processors: Refused = None
+    skip_special_tokens: Refused = None
+    spaces_between_special_tokens: Refused = None
+    truncate_prompt_tokens: Refused = None
+    priority: Refused = None
+    return_tokens_as_token_ids: Refused = None
+    add_special_tokens: Refused = None
+    prompt_cache_key: str | None = None  # a routing hint: the prefix cache is automatic
+    safety_identifier: str | None = None
+    service_tier: Refused = None
+    store: Refused = None
+    metadata: Refused = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for /v1/completions
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # completions: the top-k count
+    echo: bool | None = False
+    best_of: Refused = None
+    suffix: Refused = None
 
 
 class ContentPart(_Request):
     type: str = "text"
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the model's maximum length
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False  # chat: a flag, with top_logprobs the count
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: Refused = None
+    echo: bool | None = None
+    # known, refused unless they hold their no-op value
+    audio: Refused = None
+    modalities: Refused = None
+    functions: Refused = None
+    function_call: Refused = None
+    prediction: Refused = None
+    reasoning_effort: Refused = None
+    verbosity: Refused = None
+    web_search_options: Refused = None
+    documents: Refused = None
 
 
 # -- usage -----------------------------------------------------------------------------------------
@@ -105,7 +198,7 @@ class UsageInfo(_Response):
 
 
 # -- completions -----------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 def _now_s() -> int:
@@ -148,7 +241,8 @@ class CompletionStreamResponse(_Response):
 # -- chat completions ------------------------------------------------------------------------------
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # server/tools.py
 
 
 class ChatCompletionChoice(_Response):
@@ -170,6 +264,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # the whole call, in the finishing chunk
 
 
 class ChatStreamChoice(_Response):

@@ -2,18 +2,21 @@
 
 Both endpoints share one path: `sampling_params` and `*_prompt_ids` validate and tokenize (raising
 `APIError`, which the app turns into OpenAI's error body), then `stream_response` /
-`collect_response` drive one `RequestStream`. The two endpoints differ only in the chunk and
+`collect_response` drive one `RequestStream` per choice (n). The two endpoints differ only in the chunk and
 response classes, which `_Shape` bundles.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import AsyncIterator, Callable
 
 from dspark.sampling import SamplingParams
 from dspark.server.async_engine import RequestDelta, RequestStream
+from dspark.server.logprobs import LogprobFormatter
+from dspark.server.tools import ToolMode, template_tools, tool_constraint
 from dspark.server.protocol import (
     AssistantMessage, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionRequest,
@@ -43,28 +46,163 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 # -- request → engine input ------------------------------------------------------------------------
-def sampling_params(req: CompletionRequest | ChatCompletionRequest,
-                    max_tokens: int | None) -> SamplingParams:
-    if req.n not in (None, 1):
-        raise bad_request(f"n={req.n} is not supported; only n=1", param="n")
+def _is(*values):
+    return lambda v: any(type(v) is type(x) and v == x for x in values)
+
+
+# Fields the server knows but does not honour: refused with a 400 naming the field unless they hold
+# a value that asks for nothing (the check's predicate). Everything else in the request models is
+# honoured; fields the models do not declare are refused by pydantic (extra="forbid").
+UNSUPPORTED: dict[str, Callable[[object], bool]] = {
+    "prompt_logprobs": _is(None),
+    "use_beam_search": _is(None, False),
+    "length_penalty": _is(None, 1.0),
+    "logits_processors": _is(None),
+    "skip_special_tokens": _is(None, True),
+    "spaces_between_special_tokens": _is(None, True),
+    "truncate_prompt_tokens": _is(None),
+    "priority": _is(None, 0),
+    "return_tokens_as_token_ids": _is(None, False),
+    "service_tier": _is(None, "auto", "default"),
+    "store": _is(None, False),
+    "metadata": _is(None),
+    "suffix": _is(None, ""),
+    "audio": _is(None),
+    "modalities": _is(None, ["text"]),
+    "functions": _is(None),
+    "function_call": _is(None),
+    "prediction": _is(None),
+    "reasoning_effort": _is(None),
+    "verbosity": _is(None),
+    "web_search_options": _is(None),
+    "documents": _is(None),
+    "continue_final_message": _is(None, False),
+}
+
+
+def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    for name, ok in UNSUPPORTED.items():
+        if name in type(req).model_fields and not ok(getattr(req, name)):
+            raise bad_request(f"{name}={getattr(req, name)!r} is not supported by this server",
+                              param=name)
+    if isinstance(req, ChatCompletionRequest) and req.echo:
+        raise bad_request("echo is supported on /v1/completions only", param="echo")
+    if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none") and not req.tools:
+        raise bad_request("tool_choice needs tools", param="tool_choice")
+    if isinstance(req, CompletionRequest) and not (
+            req.best_of is None or (type(req.best_of) is int and req.best_of in (1, req.n))):
+        raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)", param="best_of")
+    if req.add_special_tokens is not None and req.add_special_tokens != isinstance(req, CompletionRequest):
+        raise bad_request(f"add_special_tokens={req.add_special_tokens} is not supported on this endpoint",
+                          param="add_special_tokens")
+
+
+def _logit_bias(req) -> dict[int, float]:
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            out[int(key)] = bias
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+    return out
+
+
+def _bad_words(req, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as its token sequence alone and after a space (as it appears mid-text)."""
+    words = []
+    for word in req.bad_words or ():
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in words:
+                words.append(ids)
+    return tuple(words)
+
+
+def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                    tokenizer=None) -> SamplingParams:
+    check_unsupported(req)
+    structured = structured_request(req)
     stop = req.stop if req.stop is not None else ()
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
+            min_p=req.min_p or 0.0,
             max_tokens=max_tokens,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos), seed=req.seed,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
-            speculation=req.speculation is not False)
+            speculation=req.speculation is not False,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req), min_tokens=req.min_tokens or 0,
+            bad_words=_bad_words(req, tokenizer) if tokenizer is not None else (),
+            allowed_token_ids=tuple(req.allowed_token_ids or ()),
+            logprobs=requested_logprobs(req), structured_outputs=structured, n=1 if req.n is None else req.n)
     except ValueError as e:  # the message starts with the field's name
-        name = str(e).split(" ", 1)[0]
+        name = str(e).split(" ", 1)[0].rstrip(":")
         raise bad_request(str(e), param=name if name in _PARAM_FIELDS else None) from None
 
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def structured_request(req: CompletionRequest | ChatCompletionRequest) -> dict | None:
+    """The request's structured-output constraint (OpenAI response_format, vLLM structured_outputs or
+    guided_*), as `SamplingParams.structured_outputs`; None for free text. At most one may be given."""
+    given: dict[str, dict] = {}
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise bad_request("response_format json_schema needs json_schema.schema (an object)",
+                                  param="response_format")
+            given["response_format"] = {"json": schema}
+        elif kind not in (None, "text"):
+            raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, "
+                              f"json_schema)", param="response_format")
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = dict(req.structured_outputs)
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            given[name] = {key: getattr(req, name)}
+    if isinstance(req, ChatCompletionRequest):
+        tool = tool_constraint(req, bad_request)
+        if tool is not None:
+            given["tools"] = tool[0]
+    if len(given) > 1:
+        raise bad_request(f"give one structured-output constraint, got {', '.join(given)}",
+                          param=next(iter(given)))
+    if not given:
+        return None
+    name, spec = next(iter(given.items()))
+    from dspark.structured import check_spec
+    try:
+        check_spec(spec)
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"{name}: {e}", param=name) from None
+    return spec
+
+
+def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
+    tool = tool_constraint(req, bad_request)
+    return None if tool is None else tool[1]
 
 
 def completion_prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
@@ -79,6 +217,13 @@ def completion_prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
     return list(prompt)
 
 
+def echo_text(req: CompletionRequest, prompt_ids: list[int], tokenizer) -> str:
+    """The prompt as `echo` returns it before the completion."""
+    prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
+        isinstance(req.prompt[0], (str, list)) else req.prompt
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+
+
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
     messages = []
     for i, m in enumerate(req.messages):
@@ -89,12 +234,27 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
                 raise bad_request(f"messages[{i}].content: only text parts are supported, got "
                                   f"{', '.join(sorted(kinds))}", param=f"messages[{i}].content")
             content = "\n".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content or ""})
-    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
+        message = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template and req.chat_template is None:
         raise bad_request("this model has no chat template (a base model): send the text to "
                           "/v1/completions, or start the server with --chat-template", param="messages")
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.chat_template is not None:
+        kwargs["chat_template"] = req.chat_template
+    if req.tools and req.tool_choice != "none":
+        kwargs["tools"] = template_tools(req)
     try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt is not False, **kwargs))
+    except TypeError as e:
+        raise bad_request(f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
     except Exception as e:  # the template rejects the conversation (role order, unknown role, ...)
         raise bad_request(f"chat template failed on these messages: {e}",
                           param="messages") from None
@@ -105,55 +265,99 @@ def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
 
 
 # -- engine output → response ----------------------------------------------------------------------
-def usage_of(delta: RequestDelta) -> UsageInfo:
-    s = delta.spec
+def usage_of(*deltas: RequestDelta) -> UsageInfo:
+    """Usage of one request, or of the n choices of one (the prompt counted once)."""
+    first = deltas[0]
+    num_drafts = sum(d.spec.num_drafts for d in deltas)
+    accepted = sum(d.spec.num_accepted_tokens for d in deltas)
+    completion = sum(d.num_output_tokens for d in deltas)
     return UsageInfo(
-        prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_output_tokens,
-        total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=delta.num_cached_tokens),
-        spec=SpecUsage(num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
-                       num_accepted_tokens=s.num_accepted_tokens,
-                       acceptance_length=s.acceptance_length))
+        prompt_tokens=first.num_prompt_tokens, completion_tokens=completion,
+        total_tokens=first.num_prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
+        spec=SpecUsage(num_drafts=num_drafts, num_draft_tokens=sum(d.spec.num_draft_tokens for d in deltas),
+                       num_accepted_tokens=accepted,
+                       acceptance_length=1.0 + accepted / num_drafts if num_drafts else 1.0))
 
 
 @dataclass(frozen=True)
 class _Shape:
     """How one endpoint spells a chunk and a whole response."""
 
-    chunk: Callable  # (request_id, model, text | None, num_tokens, finish_reason, usage) → model
-    response: Callable  # (request_id, model, text, finish_reason, usage) → model
-    first_chunk: Callable | None  # (request_id, model) → model sent before any token, or None
+    chunk: Callable  # (request_id, model, Choice | None, usage) → model
+    response: Callable  # (request_id, model, list[Choice], usage) → model
+    first_chunk: Callable | None  # (request_id, model, index) → model sent before any token, or None
 
 
-def _completion_chunk(rid, model, text, num_tokens, finish_reason, usage):
-    choices = [] if text is None else [CompletionStreamChoice(
-        text=text, finish_reason=finish_reason, num_tokens=num_tokens)]
+@dataclass
+class Choice:
+    index: int
+    text: str | None
+    finish_reason: str | None = None
+    logprobs: dict | None = None
+    num_tokens: int = 0
+    tool_calls: list[dict] | None = None
+
+
+def _completion_chunk(rid, model, c: Choice | None, usage):
+    choices = [] if c is None else [CompletionStreamChoice(
+        index=c.index, text=c.text, finish_reason=c.finish_reason, num_tokens=c.num_tokens,
+        logprobs=c.logprobs)]
     return CompletionStreamResponse(id=rid, model=model, choices=choices, usage=usage)
 
 
-def _completion_response(rid, model, text, finish_reason, usage):
-    return CompletionResponse(id=rid, model=model, usage=usage,
-                              choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+def _completion_response(rid, model, choices: list[Choice], usage):
+    return CompletionResponse(id=rid, model=model, usage=usage, choices=[CompletionChoice(
+        index=c.index, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs) for c in choices])
 
 
-def _chat_chunk(rid, model, text, num_tokens, finish_reason, usage):
-    choices = [] if text is None else [ChatStreamChoice(
-        delta=DeltaMessage(content=text), finish_reason=finish_reason, num_tokens=num_tokens)]
+def _chat_chunk(rid, model, c: Choice | None, usage):
+    choices = [] if c is None else [ChatStreamChoice(
+        index=c.index, delta=DeltaMessage(content=c.text, tool_calls=c.tool_calls), finish_reason=c.finish_reason,
+        num_tokens=c.num_tokens, logprobs=c.logprobs)]
     return ChatCompletionChunk(id=rid, model=model, choices=choices, usage=usage)
 
 
-def _chat_first_chunk(rid, model):
+def _chat_first_chunk(rid, model, index):
     return ChatCompletionChunk(id=rid, model=model, choices=[ChatStreamChoice(
-        delta=DeltaMessage(role="assistant", content=""))])
+        index=index, delta=DeltaMessage(role="assistant", content=""))])
 
 
-def _chat_response(rid, model, text, finish_reason, usage):
+def _chat_response(rid, model, choices: list[Choice], usage):
     return ChatCompletionResponse(id=rid, model=model, usage=usage, choices=[ChatCompletionChoice(
-        message=AssistantMessage(content=text), finish_reason=finish_reason)])
+        index=c.index, message=AssistantMessage(content=c.text, tool_calls=c.tool_calls or []),
+        finish_reason=c.finish_reason,
+        logprobs=c.logprobs) for c in choices])
 
 
 COMPLETION = _Shape(_completion_chunk, _completion_response, None)
 CHAT = _Shape(_chat_chunk, _chat_response, _chat_first_chunk)
+
+
+@dataclass
+class Output:
+    """What one choice adds around the engine's text: an echoed prompt, logprobs in the endpoint's
+    shape."""
+
+    echo: str = ""
+    logprobs: LogprobFormatter | None = None
+    tool_mode: ToolMode | None = None  # chat with a required tool call: the text becomes tool_calls
+    _held: list[str] = field(default_factory=list)  # streamed text held back for the tool call
+
+    def format_logprobs(self, delta: RequestDelta):
+        return None if self.logprobs is None else self.logprobs.format(delta.logprobs)
+
+    def choice(self, index: int, text: str, delta: RequestDelta, logprobs) -> Choice:
+        """One choice of a chunk (text so far in this delta) or of the whole response (all the text)."""
+        if self.tool_mode is None:
+            return Choice(index, text, delta.finish_reason, logprobs, delta.num_tokens)
+        self._held.append(text)
+        if not delta.finished:
+            return Choice(index, "", None, logprobs, delta.num_tokens)
+        whole = "".join(self._held)
+        if delta.finish_reason != "stop":  # cut off (length, abort): the arguments are incomplete
+            return Choice(index, whole, delta.finish_reason, logprobs, delta.num_tokens)
+        return Choice(index, None, "tool_calls", logprobs, delta.num_tokens, self.tool_mode.calls(whole))
 
 
 def _error_event(message: str, status: int = 500) -> str:
@@ -161,47 +365,91 @@ def _error_event(message: str, status: int = 500) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def stream_response(stream: RequestStream, shape: _Shape, *, model: str,
-                          include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
-    """SSE events: [first chunk], one chunk per delta that carries text or tokens, the finishing
-    chunk, [a usage-only chunk], then `[DONE]`. The stream is closed (request aborted) if the client
-    goes away mid-way."""
-    rid = stream.request_id
-    last: RequestDelta | None = None
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(choice index, delta) from n streams, in arrival order."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((i, delta))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        if shape.first_chunk is not None:
-            yield sse_event(shape.first_chunk(rid, model))
-        async for delta in stream:
-            last = delta
+        left = len(streams)
+        while left:
+            i, delta = await queue.get()
+            if delta is None:
+                left -= 1
+            else:
+                yield i, delta
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def stream_response(streams: list[RequestStream], shape: _Shape, *, model: str,
+                          include_usage: bool, continuous_usage: bool,
+                          outputs: list[Output] | None = None) -> AsyncIterator[str]:
+    """SSE events: per choice [first chunk] and [the echoed prompt], one chunk per delta that carries
+    text or tokens, the finishing chunk; then [a usage-only chunk] and `[DONE]`. The streams are closed
+    (requests aborted) if the client goes away mid-way."""
+    outputs = outputs or [Output() for _ in streams]
+    rid = streams[0].request_id
+    last: dict[int, RequestDelta] = {}
+    try:
+        for i, out in enumerate(outputs):
+            if shape.first_chunk is not None:
+                yield sse_event(shape.first_chunk(rid, model, i))
+            if out.echo:
+                yield sse_event(shape.chunk(rid, model, Choice(i, out.echo), None))
+        async for i, delta in _merged(streams):
+            last[i] = delta
             if delta.error:
                 yield _error_event(delta.error, delta.error_status)
                 break
             if delta.text or delta.num_tokens or delta.finished:
                 usage = usage_of(delta) if continuous_usage else None
-                yield sse_event(shape.chunk(rid, model, delta.text, delta.num_tokens,
-                                            delta.finish_reason, usage))
-        if include_usage and last is not None and not last.error:
-            yield sse_event(shape.chunk(rid, model, None, 0, None, usage_of(last)))
+                choice = outputs[i].choice(i, delta.text, delta, outputs[i].format_logprobs(delta))
+                yield sse_event(shape.chunk(rid, model, choice, usage))
+        if include_usage and last and not any(d.error for d in last.values()):
+            yield sse_event(shape.chunk(rid, model, None, usage_of(*last.values())))
         yield "data: [DONE]\n\n"
     finally:
-        stream.close()
+        for s in streams:
+            s.close()
 
 
-async def collect_response(stream: RequestStream, shape: _Shape, *, model: str,
-                           is_disconnected: Callable):
-    """The whole response once the request finishes; aborts it if the client disconnects."""
-    parts: list[str] = []
+async def collect_response(streams: list[RequestStream], shape: _Shape, *, model: str,
+                           is_disconnected: Callable, outputs: list[Output] | None = None):
+    """The whole response once every choice finishes; aborts them if the client disconnects."""
+    outputs = outputs or [Output() for _ in streams]
+    parts: list[list[str]] = [[out.echo] for out in outputs]
+    logprobs: list[list] = [[] for _ in outputs]
+    final: dict[int, RequestDelta] = {}
     try:
-        async for delta in stream:
+        async for i, delta in _merged(streams):
             if delta.error:
                 kind = "timeout_error" if delta.error_status == 504 else "internal_error"
                 raise APIError(delta.error_status, delta.error, type=kind)
-            parts.append(delta.text)
+            parts[i].append(delta.text)
+            logprobs[i].append(outputs[i].format_logprobs(delta))
             if delta.finished:
-                return shape.response(stream.request_id, model, "".join(parts),
-                                      delta.finish_reason, usage_of(delta))
-            if await is_disconnected():
+                final[i] = delta
+                if len(final) == len(streams):
+                    choices = [outputs[j].choice(j, "".join(parts[j]), final[j], LogprobFormatter.merge(logprobs[j]))
+                               for j in range(len(streams))]
+                    return shape.response(streams[0].request_id, model, choices,
+                                          usage_of(*(final[j] for j in range(len(streams)))))
+            elif await is_disconnected():
                 break
         return None
     finally:
-        stream.close()
+        for s in streams:
+            s.close()

@@ -1,0 +1,64 @@
+"""Tool calls: `tools` + `tool_choice` "required" or a named function, constrained by a grammar.
+
+The output is generated under a JSON-schema grammar (dspark/structured.py), so it always parses:
+* a named function (`{"type": "function", "function": {"name": F}}`): the schema is F's `parameters`;
+  the whole output is F's arguments;
+* "required": `{"name": <one of the tools>, "arguments": <that tool's parameters>}` (anyOf over the
+  tools); the output names the function and carries its arguments.
+The response carries `message.tool_calls` (content null) and `finish_reason: "tool_calls"`. "auto" (and
+tools without tool_choice, OpenAI's default "auto") would need a parser for the model's own tool-call
+format; it is refused with a 400 that says so, as vLLM does without a tool parser. "none" ignores the
+tools. The tools are handed to the chat template either way.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How the constrained output becomes a tool call."""
+
+    name: str | None  # the named function; None: the output names it ("required")
+
+    def calls(self, text: str) -> list[dict]:
+        """[one OpenAI tool call] from the grammar-constrained output."""
+        value = json.loads(text)
+        name, arguments = (self.name, value) if self.name is not None else (value["name"], value["arguments"])
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(arguments)}}]
+
+
+def tool_constraint(req, bad_request) -> tuple[dict, ToolMode] | None:
+    """(structured-output spec, ToolMode) for a chat request that must call a tool; None without tools
+    or with tool_choice "none"; a 400 (via `bad_request(message, param)`) for what is not supported."""
+    choice = req.tool_choice
+    if not req.tools or choice == "none":
+        return None
+    tools = {t.function.name: t.function.parameters or ANY_OBJECT for t in req.tools}
+    if choice is None or choice == "auto":
+        raise bad_request("tools with tool_choice 'auto' (the default) need a parser for this model's "
+                          "tool-call format, which this server does not have; send tool_choice 'required' "
+                          "or a named function", "tool_choice")
+    if choice == "required":
+        return {"json": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+             "required": ["name", "arguments"], "additionalProperties": False}
+            for name, params in tools.items()]}}, ToolMode(None)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in tools:
+            raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
+        return {"json": tools[name]}, ToolMode(name)
+    raise bad_request(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function",
+                      "tool_choice")
+
+
+def template_tools(req) -> list[dict] | None:
+    """The tools as the chat template takes them (None when there are none)."""
+    return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

@@ -1,0 +1,165 @@
+"""Structured output: token masks from a grammar, per request, with rollback (llguidance).
+
+A request's `SamplingParams.structured_outputs` is one of
+`{"json": schema}`, `{"json_object": True}`, `{"regex": pattern}`, `{"choice": [strings]}` or
+`{"grammar": lark}` (the server maps OpenAI's `response_format` and vLLM's `structured_outputs` /
+`guided_*` onto it). llguidance (PyPI `llguidance`: the Rust low-level guidance parser, no Python
+dependencies, token masks in ~tens of microseconds, rollback of consumed tokens) compiles it against the
+tokenizer's byte vocabulary; JSON is compact (no free whitespace) unless the schema's `x-guidance` says
+otherwise.
+
+Under speculation (`engine/sampler.py`): window row j is masked with the grammar state after the
+committed output and the drafts d1..dj (consumed, masked, then rolled back), and drafts the grammar
+forbids are cut before verification (`valid_prefix`: they could never be accepted). The matcher
+advances only by committed tokens (`advance`).
+
+    pytest tests/test_structured.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import torch
+
+_BITS = torch.arange(32, dtype=torch.int32)  # [32]
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def grammar_text(spec: dict[str, Any]) -> str:
+    """llguidance grammar for one structured-output spec; ValueError names a malformed one."""
+    import llguidance
+
+    kinds = [k for k in ("json", "json_object", "regex", "choice", "grammar") if spec.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                         f"got {sorted(spec)}")
+    kind, value = kinds[0], spec[kinds[0]]
+    if kind == "json":
+        schema = json.loads(value) if isinstance(value, str) else value
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        if not value or not all(isinstance(c, str) for c in value):
+            raise ValueError("structured_outputs choice must be a non-empty list of strings")
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    return llguidance.LLMatcher.grammar_from_lark(value)
+
+
+def check_spec(spec: dict[str, Any]) -> None:
+    """Compile and validate without a tokenizer (the server's 400 before a request is queued)."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar_text(spec))
+    if error and not error.startswith("WARNING"):
+        raise ValueError(error.strip())
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer; the llguidance tokenizer is built on first use (~1 s)."""
+
+    def __init__(self, make_tokenizer: Callable[[], Any], vocab_size: int):
+        self._make_tokenizer = make_tokenizer
+        self._tokenizer = None
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, *, vocab_size: int, eos_token_ids: tuple[int, ...]) -> "GrammarCompiler":
+        """From a transformers fast tokenizer, or anything with `token_bytes()` (tests' tokenizers)."""
+        import llguidance
+
+        def make():
+            hf = getattr(tokenizer, "tokenizer", tokenizer)
+            if hasattr(hf, "token_bytes"):
+                vocab = llguidance.TokenizerWrapper(_BytesVocab(hf.token_bytes(), eos_token_ids[0]))
+                return llguidance.LLTokenizer(vocab, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+            from llguidance.hf import from_tokenizer
+            return from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        return cls(make, vocab_size)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self._make_tokenizer()
+        return self._tokenizer
+
+    def matcher(self, spec: dict[str, Any]) -> "GrammarMatcher":
+        import llguidance
+
+        grammar = grammar_text(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise ValueError(f"structured output: {error}")
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured output: {matcher.get_error()}")
+        return GrammarMatcher(matcher, self.vocab_size)
+
+
+class GrammarMatcher:
+    """One request's grammar state over its committed output."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._m = matcher
+        self.vocab_size = vocab_size
+
+    def advance(self, token_ids: list[int]) -> None:
+        """Consume committed tokens (they were sampled under this grammar's masks)."""
+        if not self._m.is_stopped():
+            self._m.consume_tokens(list(token_ids))
+
+    def valid_prefix(self, draft_ids: list[int]) -> int:
+        """How many of the drafts the grammar allows in a row (the state is left unchanged)."""
+        if not draft_ids or self._m.is_stopped():
+            return 0
+        n = self._m.try_consume_tokens(list(draft_ids))
+        if n:
+            self._m.rollback(n)
+        return n
+
+    def window_masks(self, draft_ids: list[int]) -> torch.Tensor:  # [len(draft_ids) + 1, vocab_size] bool
+        """Allowed tokens at each row of a verify window: row j after the drafts d1..dj (a row past a
+        draft the grammar forbids repeats the last valid row's mask: it can never emit)."""
+        import llguidance.torch
+
+        rows = len(draft_ids) + 1
+        bitmask = llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)  # [rows, ceil(V / 32)]
+        consumed = 0
+        for j in range(rows):
+            if j > 0 and (consumed < j - 1 or self._m.is_stopped()
+                          or not self._m.try_consume_tokens([draft_ids[j - 1]])):
+                bitmask[j] = bitmask[j - 1]
+                continue
+            consumed += j > 0
+            llguidance.torch.fill_next_token_bitmask(self._m, bitmask, j)
+        if consumed:
+            self._m.rollback(consumed)
+        bits = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [rows, ceil(V / 32), 32]
+        return bits.view(rows, -1)[:, :self.vocab_size].bool()
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar is complete and its end (EOS) consumed: nothing more may follow."""
+        return self._m.is_stopped()
+
+
+class _BytesVocab:
+    """llguidance's tokenizer protocol over a plain list of token byte strings."""
+
+    def __init__(self, tokens: list[bytes], eos_token_id: int):
+        self.tokens = tokens
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = None
+        self.special_token_ids = [i for i, t in enumerate(tokens) if not t]
+        self._by_bytes = {t: i for i, t in enumerate(tokens) if len(t) == 1}
+
+    def __call__(self, text: bytes) -> list[int]:
+        return [self._by_bytes[bytes([b])] for b in text if bytes([b]) in self._by_bytes]
