@@ -21,6 +21,7 @@ import atexit
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -118,8 +119,11 @@ def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, 
                 break
             if message[0] == "forward":
                 forward_shard(runner, runner.to_device(message[1]), with_taps=False)
-    except BaseException:  # noqa: BLE001 - reported to rank 0, then the process ends
-        events.put(("error", rank, traceback.format_exc()))
+    except BaseException:  # noqa: BLE001 - reported to rank 0 (and on stderr), then the process ends
+        detail = traceback.format_exc()
+        print(f"dspark tensor-parallel rank {rank} failed:\n{detail}", file=sys.stderr, flush=True)
+        events.put(("error", rank, detail))
+        time.sleep(0.5)  # let the queue's feeder thread hand the message over
         os._exit(1)
     finally:
         if tp is not None:
@@ -186,7 +190,13 @@ class Workers:
         with self._send_lock:
             if self.failure is not None:
                 raise WorkerFailure(f"tensor-parallel group failed: {self.failure}") from self.failure
-            self.tp.send(message)
+            try:
+                self.tp.send(message)
+            except RuntimeError as e:  # a peer gone (gloo) or the timeout
+                self.failure = e
+                time.sleep(0.2)  # let a dying worker's exit code and message arrive
+                self.check_alive()
+                raise WorkerFailure(f"tensor-parallel control message failed: {e}") from e
             self._last_send = time.monotonic()
 
     def _heartbeat(self) -> None:
