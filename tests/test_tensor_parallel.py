@@ -147,7 +147,7 @@ def test_a_rank_that_dies_or_hangs_fails_the_engine(how, tmp_path):
         if how == "killed":
             worker.join(10.0)
         start = time.monotonic()
-        with pytest.raises(WorkerFailure, match="rank 1|tensor-parallel step failed"):
+        with pytest.raises(WorkerFailure, match="tensor-parallel"):
             for _ in range(50):
                 engine.step()
         assert time.monotonic() - start < 60.0  # a hang guard, not a speed claim
