@@ -56,7 +56,7 @@ def test_train_on_device_script_end_to_end_on_cpu(tmp_path):
            "BATCH": "16", "SPEC": '{"method": "ngram", "num_speculative_tokens": 4}', "HOLDOUT": "0.25",
            "OUT": str(out), "SHARD_MB": "0.02", "EXTRA": " ".join(extra)}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "train_on_device.sh")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "exported" in proc.stdout
     dropped = (out / "data" / "dropped.txt").read_text()
