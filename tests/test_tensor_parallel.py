@@ -134,9 +134,13 @@ def test_tp_refuses_what_it_cannot_split(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
-def test_a_rank_that_dies_or_hangs_fails_the_engine(how, tmp_path):
+def test_a_rank_that_dies_or_hangs_fails_the_engine(how, tmp_path, monkeypatch):
     """SIGKILL: gloo sees the socket close and the step raises at once; SIGSTOP (alive, never answering): the
-    step raises when the group timeout runs out. Neither hangs."""
+    step raises when the group timeout runs out. Neither hangs. Rank 0 takes longer than a heartbeat period
+    to build its engine here, so the worker sees heartbeats before its pool size."""
+    from dspark.engine import build as build_module
+    build_policy = build_module.build_policy
+    monkeypatch.setattr(build_module, "build_policy", lambda *a: (time.sleep(3.0), build_policy(*a))[1])
     path = write_checkpoint(TINY_LLAMA, tmp_path / "llama")
     engine, _ = build_engine(engine_config(path, 2, timeout_s=4.0))
     worker = engine.workers.procs[0]
@@ -157,3 +161,56 @@ def test_a_rank_that_dies_or_hangs_fails_the_engine(how, tmp_path):
         engine.workers.close()
     with pytest.raises(WorkerFailure):
         engine.step()  # stays failed
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_children(pid: int) -> list[int]:
+    from pathlib import Path
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
+def test_served_engine_with_a_dead_rank_fails_loudly(tmp_path):
+    """`dspark serve -tp 2`: after its worker is killed, the next request gets a 500 naming the failure and
+    the server exits non-zero instead of hanging."""
+    import subprocess
+    import sys
+
+    import httpx
+    path = write_checkpoint(TINY_LLAMA, tmp_path / "llama")
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "dspark", "serve", path, "-tp", "2", "--device", "cpu",
+                             "--port", str(port), "--distributed-timeout-s", "10", "--num-threads", "1",
+                             "--speculative-config", "none"], stdout=log, stderr=subprocess.STDOUT)
+    body = {"model": path, "prompt": [5, 6, 7], "max_tokens": 8}
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.5)
+        assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+        workers = _spawned_children(proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        resp = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 500 and "tensor-parallel" in resp.text
+        assert proc.wait(60) != 0
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()

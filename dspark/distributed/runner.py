@@ -106,8 +106,14 @@ def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, 
             from dspark import kernels
             kernels.ops()  # load (or build) the CPU kernels now, not inside the first step's collectives
         events.put(("ready", rank, ""))
-        kind, num_kv_blocks, kv_block_size = tp.receive()
-        assert kind == "init", kind
+        message = tp.receive()
+        while message[0] == "ping":  # heartbeats while rank 0 builds the drafter and the engine
+            message = tp.receive()
+        if message[0] == "stop":
+            return
+        kind, num_kv_blocks, kv_block_size = message
+        if kind != "init":
+            raise RuntimeError(f"expected the pool size from rank 0, got {message!r}")
         pool = allocate_kv_pool([model.kv_spec] * model.num_kv_layers, num_kv_blocks=num_kv_blocks,
                                 kv_block_size=kv_block_size, dtype=DTYPES[config.dtype],
                                 device=rank_device(config.device, rank))
