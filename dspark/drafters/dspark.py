@@ -28,11 +28,16 @@ from dspark.drafters.checkpoint import DTYPE_NAMES
 from dspark.drafters.dspark_checkpoint import (CALIBRATION_KEYS, CALIBRATION_NAME, check, check_config,  # noqa: F401
                                                load_dspark, read_calibration, save_dspark, without_heads)
 from dspark.drafters.dspark_model import DSparkModel
+from dspark.drafters.heads import MarkovHead
 from dspark import kernels
 from dspark.kernels import cpu_has_bf16_dot, has_bf16w_kernels, set_matmul_dtype, set_q4_1_products
 from dspark.models.attention import SeqSpec, build_attn_metadata, slots_for
 from dspark.sampling import GREEDY_EPS, greedy_ids, logits_to_probs
 
+
+
+# greedy top-K with the vanilla head walks [K, K] bias tables up to this K (above, the per-position loop)
+TOPK_TABLE_MAX = 64
 
 
 class DSparkDrafter(Drafter):
@@ -195,6 +200,11 @@ class DSparkDrafter(Drafter):
             # only those: [num_reqs, num_draft, K]
             cand = base_logits.topk(min(self.draft_topk, base_logits.shape[-1]), dim=-1).indices.sort(-1).values
             base_logits = base_logits.gather(-1, cand)
+        if cand is not None and not probabilistic and type(head) is MarkovHead and cand.shape[-1] <= TOPK_TABLE_MAX:
+            draft_ids, prev_ids = self._greedy_topk_vanilla(head, base_logits, cand, prev)
+            conf_logits = model.confidence_logits(hidden, prev_ids=prev_ids)  # [num_reqs, γ]
+            return DraftProposal(draft_ids=draft_ids.cpu(), draft_probs=None,
+                                 confidence=self._confidence(conf_logits, greedy_rows))
         draft_ids, draft_probs, prev_ids = [], [], []
         for k in range(self.num_draft_tokens):
             prev_ids.append(prev)
@@ -225,6 +235,26 @@ class DSparkDrafter(Drafter):
             draft_ids=torch.stack(draft_ids, dim=1).cpu(),  # [num_reqs, num_draft]
             draft_probs=self._target_probs(draft_probs) if probabilistic and not all(greedy_rows) else None,
             confidence=self._confidence(conf_logits, greedy_rows))
+
+    def _greedy_topk_vanilla(self, head, base: torch.Tensor, cand: torch.Tensor, anchor: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy top-K drafting with the vanilla Markov head, every bias in two batched products: position 0's
+        candidates against the anchor, position k's against each candidate of position k - 1 (a [K, K] table),
+        then a walk of index lookups. base, cand [num_reqs, γ, K]; anchor [num_reqs] target ids →
+        (draft target ids [num_reqs, γ], predecessor target ids [num_reqs, γ])."""
+        d2t, w2 = self.model.d2t, head.markov_w2.weight  # w2 [draft_vocab, rank]
+        rows = torch.nn.functional.embedding(cand, w2)  # [num_reqs, γ, K, rank]
+        first = (rows[:, 0] @ head.embed_prev(anchor).to(rows.dtype).unsqueeze(-1)).squeeze(-1)  # [num_reqs, K]
+        prev_emb = head.embed_prev(d2t[cand[:, :-1]]).to(rows.dtype)  # [num_reqs, γ-1, K(prev), rank]
+        table = rows[:, 1:] @ prev_emb.transpose(-1, -2)  # [num_reqs, γ-1, K(cur), K(prev)]
+        pick = greedy_ids(base[:, 0] + first.to(base.dtype))  # [num_reqs] candidate index
+        picks = [pick]
+        for k in range(1, base.shape[1]):
+            bias = table[:, k - 1].gather(2, pick.view(-1, 1, 1).expand(-1, table.shape[2], 1)).squeeze(-1)
+            pick = greedy_ids(base[:, k] + bias.to(base.dtype))
+            picks.append(pick)
+        drafts = d2t[cand.gather(2, torch.stack(picks, dim=1).unsqueeze(-1)).squeeze(-1)]  # [num_reqs, γ]
+        return drafts, torch.cat([anchor.unsqueeze(1), drafts[:, :-1]], dim=1)
 
     def _target_probs(self, draft_probs: list[torch.Tensor]) -> torch.Tensor:
         """[num_draft] × [num_reqs, draft_vocab] → [num_reqs, num_draft, vocab_size] fp32 (target ids)."""
