@@ -74,10 +74,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--loads", default="1,8", help="concurrent requests per run")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=0.25)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     spec = default_spec_config(DEFAULT_MODEL, matmul_dtype=resolve_matmul_dtype("auto", model=DEFAULT_MODEL))
-    engines = {"plain": LLM(DEFAULT_MODEL), "spec": LLM(DEFAULT_MODEL, speculative_config=dataclasses.asdict(spec))}
+    kw = dict(kv_cache_memory_gb=args.kv_cache_memory_gb)  # two engines live side by side
+    engines = {"plain": LLM(DEFAULT_MODEL, **kw),
+               "spec": LLM(DEFAULT_MODEL, speculative_config=dataclasses.asdict(spec), **kw)}
     loads = [int(x) for x in args.loads.split(",")]
     params = variants(args.max_tokens)
     for llm in engines.values():  # warm-up: kernels, shapes, the grammar library's tokenizer

@@ -314,3 +314,14 @@ def test_unknown_field_is_a_400_naming_it(srv, endpoint):
     assert resp.json()["error"]["message"] == "Unrecognized request argument supplied: frobnicate"
     resp = CALLS[endpoint](srv, stream_options={"include_usage": True, "bogus": 1})
     assert resp.status_code == 400 and "bogus" in resp.json()["error"]["message"]
+
+
+def test_n_choices_share_the_prompt_through_the_prefix_cache(srv):
+    prompt = "the quick brown fox jumps over the lazy dog " * 2
+    m = srv.engine.metrics
+    before = m.num_prompt_tokens
+    resp = srv.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "n": 3, "max_tokens": 4,
+                                             "temperature": 1.0, "seed": 1})
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 3
+    computed = m.num_prompt_tokens - before
+    assert computed < 1.5 * len(prompt), f"{computed} prompt tokens computed for 3 choices of {len(prompt)}"

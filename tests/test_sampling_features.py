@@ -165,6 +165,8 @@ def test_seeded_request_is_reproducible_among_other_traffic(target, dspark_dir):
                     out += o.new_token_ids
         texts.add(tuple(out))
     assert len(texts) == 1
+    fresh, _ = run(_spec_engine(target, dspark_dir, "dspark/prefix"), [PROMPTS[0]], SEEDED_PROCESSED)
+    assert {tuple(fresh[0])} == texts, "a new engine (a restarted server) gives another text"
 
 
 def test_plain_repetition_penalty_equals_hf_transformers():

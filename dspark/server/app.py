@@ -101,7 +101,8 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
             raise APIError(503, str(e), type="service_unavailable") from None
 
     async def start(prompt_ids: list[int], params) -> list[RequestStream]:
-        """One engine request per choice (n); choice i > 0 is `<id>-<i>`, seeded with seed + i."""
+        """One engine request per choice (n); choice i > 0 is `<id>-<i>`, seeded with seed + i, added once
+        choice 0 has emitted (so they share its prompt's KV through the prefix cache)."""
         check_context(len(prompt_ids), params.max_tokens, max_model_len=async_engine.max_model_len,
                       vocab_size=vocab_size, prompt_ids=prompt_ids)
         base = f"cmpl-{uuid.uuid4().hex}"
@@ -110,7 +111,10 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
             for i in range(params.n):
                 sub = params if params.n == 1 else dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + i)
-                streams.append(await start_one(prompt_ids, sub, base if i == 0 else f"{base}-{i}"))
+                stream = await start_one(prompt_ids, sub, base if i == 0 else f"{base}-{i}")
+                if i == 0 and params.n > 1:  # its first token: its prompt blocks are in the prefix cache
+                    stream = await serving.PrimedStream.after_first(stream)
+                streams.append(stream)
         except APIError:
             for s in streams:
                 s.close()

@@ -365,6 +365,37 @@ def _error_event(message: str, status: int = 500) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+class PrimedStream:
+    """A request stream whose first delta was already read (the n > 1 fan-out waits for it)."""
+
+    def __init__(self, stream: RequestStream, first: RequestDelta | None):
+        self.request_id = stream.request_id
+        self._stream, self._first = stream, first
+
+    @classmethod
+    async def after_first(cls, stream: RequestStream) -> "PrimedStream":
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            stream.close()
+            raise
+        return cls(stream, first)
+
+    def __aiter__(self) -> "PrimedStream":
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._stream.__anext__()
+
+    def close(self) -> None:
+        self._stream.close()
+
+
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
     """(choice index, delta) from n streams, in arrival order."""
     if len(streams) == 1:
