@@ -234,3 +234,25 @@ def test_usage_and_counters_agree_exactly_after_a_soak():
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert delta(f"spec_decode_{name}_total") == sum(u["spec"][name] for u in usages), name
     assert delta("spec_decode_num_drafts_total") > 0
+
+
+def test_non_stream_client_leaving_while_waiting_frees_its_place():
+    """No delta arrives while a request waits, so the disconnect is watched on its own: the place
+    is freed while the request ahead still runs, and its prompt is never computed."""
+    engine = _slow(make_engine(build_tiny_model(), max_num_seqs=1), 0.05)
+    with serve(engine) as srv:
+        busy = threading.Thread(target=lambda: srv.post("/v1/completions", json={
+            "model": MODEL, "prompt": "hold the slot", "max_tokens": 60, "ignore_eos": True}))
+        busy.start()
+        time.sleep(0.3)
+        before = engine.metrics.num_prompt_tokens
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.base_url + "/v1/completions", timeout=0.3, json={
+                "model": MODEL, "prompt": "left while waiting", "max_tokens": 5})
+        deadline = time.monotonic() + 5
+        while srv.async_engine.num_waiting and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.async_engine.num_waiting == 0 and busy.is_alive(), "freed while the other runs"
+        busy.join()
+        assert engine.metrics.num_prompt_tokens == before, "the waiting prompt was never computed"
+        assert_metrics_zero(srv)
