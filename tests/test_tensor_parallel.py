@@ -25,6 +25,11 @@ from tests.conftest import TINY_LLAMA, TINY_QWEN3, hf_twin
 QWEN3_UNEVEN = dataclasses.replace(TINY_QWEN3, tie_word_embeddings=False, num_attention_heads=6,
                                    num_key_value_heads=3, intermediate_size=100)
 CONFIGS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3, "qwen3_uneven": QWEN3_UNEVEN}
+try:  # Gemma 3 (sliding-window layers, soft-capped logits) shards by the same structure
+    from tests.test_gemma3 import TINY_GEMMA3
+    CONFIGS["gemma3"] = TINY_GEMMA3
+except ImportError:
+    pass
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [20, 21, 22], list(range(30, 60))]
 SLOW = pytest.mark.slow  # two processes per engine: the default run keeps one case of each claim
 

@@ -97,6 +97,8 @@ def _shard_attention(attn: nn.Module, tp: TPGroup) -> int:
     _set_merged(attn.qkv_proj, [("q", q_rows[1]), ("k", n_kv * hd), ("v", n_kv * hd)])
     attn.num_heads, attn.num_kv_heads = n_kv * group, n_kv
     attn.qk_size = (n_kv * group + n_kv) * hd
+    if hasattr(attn, "q_size"):  # families that keep the query width too (Gemma 3)
+        attn.q_size = q_rows[1]
     _slice_cols(attn.o_proj, *q_rows)
     attn.o_proj = RowParallel(attn.o_proj, tp)
     return n_kv
