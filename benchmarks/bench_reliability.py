@@ -73,21 +73,21 @@ class Server:
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = {k: v for k, v in s.labels.items() if k != "model_name"}
-                name = "dspark:" + s.name.split(":", 1)[-1]  # dspark: or vllm: names alike
-                out[name + ("" if not labels else json.dumps(labels, sort_keys=True))] = s.value
+                labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
+                key = s.name + ("" if not labels else json.dumps(labels, sort_keys=True))
+                out[key] = s.value
         return out
 
     def idle(self, timeout_s: float = 120) -> dict[str, float]:
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.metrics()
-            zero = all(m.get(f"dspark:{k}", 1) == 0 for k in
+            zero = all(m.get(f"vllm:{k}", 1) == 0 for k in
                        ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
             if zero or time.monotonic() > deadline:
-                return {"running": m.get("dspark:num_requests_running"),
-                        "waiting": m.get("dspark:num_requests_waiting"),
-                        "kv_cache_usage": m.get("dspark:kv_cache_usage_perc"), "clean": zero}
+                return {"running": m.get("vllm:num_requests_running"),
+                        "waiting": m.get("vllm:num_requests_waiting"),
+                        "kv_cache_usage": m.get("vllm:kv_cache_usage_perc"), "clean": zero}
             time.sleep(0.5)
 
     def stop(self) -> int:
@@ -253,10 +253,10 @@ def _plan(rng: random.Random, n: int, model: str, abort_frac: float) -> list:
 def _accounting(before: dict, after: dict, results: list[dict]) -> dict:
     usages = [r["usage"] for r in results if r["usage"]]
     pairs = {
-        "generation_tokens": ("dspark:generation_tokens_total", sum(u["completion_tokens"] for u in usages)),
-        "prompt_tokens": ("dspark:prompt_tokens_total", sum(
+        "generation_tokens": ("vllm:generation_tokens_total", sum(u["completion_tokens"] for u in usages)),
+        "prompt_tokens": ("vllm:prompt_tokens_total", sum(
             u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usages)),
-        **{name: (f"dspark:spec_decode_{name}_total", sum(u["spec"][name] for u in usages))
+        **{name: (f"vllm:spec_decode_{name}_total", sum(u["spec"][name] for u in usages))
            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}}
     table = {k: {"counter": after.get(m, 0) - before.get(m, 0), "usage_sum": s} for k, (m, s) in pairs.items()}
     return {"num_requests": len(usages), "counters": table,

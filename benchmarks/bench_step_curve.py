@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.rounds):
             for s in SHAPES:
                 for d in dtypes:
-                    times[d, *s].append(step(d, *s))
+                    times[(d, *s)].append(step(d, *s))
     for prof in profilers.values():
         prof.close()
     rows = [{"matmul_dtype": d, "num_reqs": r, "window": w, "num_tokens": r * w,

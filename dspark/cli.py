@@ -32,74 +32,27 @@ GROUPS = {
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
-    """Flags shared by every command that builds an engine; defaults come from the dataclasses."""
-    from dspark.config import (DTYPE_NAMES, MATMUL_DTYPES, CacheConfig, DEFAULT_MODEL, EngineConfig,
-                               ParallelConfig, SchedulerConfig)
-    if positional_model:
-        p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                       help="GGUF file, HF folder (config.json + safetensors) or the embedded default")
-    else:
-        p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default=EngineConfig.dtype, choices=list(DTYPE_NAMES),
-                   help="weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--device", default=EngineConfig.device,
-                   help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: no CUDA graphs (decode and verification steps are captured and replayed by default)")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=ParallelConfig.tensor_parallel_size,
-                   help="split the target over N processes (heads, MLP columns and vocabulary; gloo on the "
-                        "CPU, NCCL on CUDA); the engine starts the workers itself")
-    p.add_argument("--distributed-timeout-s", type=float, default=ParallelConfig.distributed_timeout_s,
-                   help="a step's collective that does not finish in this many seconds (a rank stuck or gone) "
-                        "stops the engine with an error")
-    p.add_argument("--matmul-dtype", default=EngineConfig.matmul_dtype, choices=list(MATMUL_DTYPES),
-                   help="the target's matrix products with --dtype float32: bfloat16 rounds weights and inputs "
-                        "to bf16 and sums in fp32 (CPU kernels with AVX512-BF16); q4_1 multiplies a Q4_1 "
-                        "GGUF's own blocks (CPU kernels with AVX2); auto: q4_1 for a Q4_1 GGUF where the kernels "
-                        "support it, else bfloat16 where they support that, else float32")
-    p.add_argument("--seed", type=int, default=EngineConfig.seed)
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--coalesce-steps", type=int, default=SchedulerConfig.coalesce_steps)
-    p.add_argument("--kv-block-size", type=int, default=CacheConfig.kv_block_size)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig.kv_cache_memory_gb)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--speculative-config", default=None,
-                   help='vLLM schema, e.g. \'{"method": "dspark", "model": PATH, "num_speculative_tokens": 7}\'; '
-                        '"none" disables the default drafter')
+    """Flags shared by every command that builds an engine: generated from `EngineConfig`'s fields
+    (`dspark.engine_args`; vLLM's spellings first), plus vLLM's flags that dspark refuses by name."""
+    from dspark.config import EngineConfig
+    from dspark.engine_args import add_arguments, add_refused_flags
+    add_arguments(p, EngineConfig, positional_model=positional_model)
+    add_refused_flags(p)
 
 
 def engine_config_from_args(args: argparse.Namespace, *, default_spec=None):
-    from dspark.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpecConfig
-    spec_arg = args.speculative_config
-    if spec_arg is None:
-        spec = default_spec
-    elif spec_arg.strip().lower() in ("none", "null", "off"):
-        spec = None
-    else:
-        try:
-            spec = SpecConfig.from_dict(spec_arg)
-        except (ValueError, TypeError) as e:
-            raise SystemExit(f"error: --speculative-config: {e}")
+    """The `EngineConfig` of parsed flags; `default_spec` where --speculative-config was not given."""
+    import dataclasses
+
+    from dspark.config import EngineConfig
+    from dspark.engine_args import config_from_args
     try:
-        return EngineConfig(
-            model=args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, seed=args.seed,
-            num_threads=args.num_threads, device=args.device, enforce_eager=args.enforce_eager,
-            parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                    distributed_timeout_s=args.distributed_timeout_s),
-            cache=CacheConfig(kv_block_size=args.kv_block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                              num_kv_blocks=args.num_kv_blocks,
-                              enable_prefix_caching=not args.no_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                      max_num_batched_tokens=args.max_num_batched_tokens,
-                                      max_model_len=args.max_model_len,
-                                      coalesce_steps=args.coalesce_steps),
-            spec=spec)
-    except ValueError as e:
+        config = config_from_args(args, EngineConfig)
+        if getattr(args, "speculative_config", None) is None and default_spec is not None:
+            config = dataclasses.replace(config, spec=default_spec)
+    except (ValueError, TypeError) as e:
         raise SystemExit(f"error: {e}")
+    return config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +80,9 @@ def _register(module: str, sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dspark.config import EngineConfig
+    from dspark.engine_args import expand_dotted, json_flags
+    argv = expand_dotted(list(sys.argv[1:] if argv is None else argv), json_flags(EngineConfig))
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

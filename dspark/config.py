@@ -2,7 +2,9 @@
 `__post_init__`, so a bad combination fails before any weight is loaded.
 
 `SpecConfig.from_dict` accepts vLLM's `--speculative-config` JSON schema (method, model,
-num_speculative_tokens, draft_sample_method, ...); unknown keys are errors.
+num_speculative_tokens, draft_sample_method, ...; vLLM's inference and key names: `dspark.spec_schema`);
+unknown keys are errors. Each field's command-line / keyword spelling is its `opt(...)` metadata
+(`dspark.utils.options`); `dspark.engine_args` generates the flags from it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from dspark.utils.options import human_int, opt, optional_human_int
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SPEC_METHODS = ("dspark", "dflash", "eagle3", "ngram", "draft_model")
@@ -21,6 +25,7 @@ THRESHOLD_RULES = ("cumulative", "conditional")
 
 MATMUL_DTYPES = ("auto", "float32", "bfloat16", "q4_1")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other --dtype spellings
 DEVICE_KINDS = ("auto", "cpu", "cuda")  # "cuda:N" names one GPU
 
 
@@ -44,30 +49,45 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
+def _gb_to_bytes(text: str) -> int:
+    return int(float(text) * 2**30)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    kv_block_size: int = 16  # tokens per KV block
-    kv_cache_memory_gb: float = 1.0  # pool size when num_kv_blocks is not given
-    num_kv_blocks: int | None = None  # exact pool size (tests use small pools to force preemption)
-    enable_prefix_caching: bool = True
+    kv_block_size: int = opt(16, "tokens per KV block", flag="--block-size", name="block_size",
+                             aliases=("--kv-block-size",))
+    kv_cache_memory_bytes: int = opt(2**30, "KV pool size in bytes when --num-kv-blocks is not given "
+                                     "(suffixes: 4G = 4 GiB, 4g = 4e9)", parse=human_int,
+                                     converted_aliases={"--kv-cache-memory-gb": _gb_to_bytes})
+    # exact pool size (tests use small pools to force preemption)
+    num_kv_blocks: int | None = opt(None, "exact number of KV blocks (overrides --kv-cache-memory-bytes)",
+                                    aliases=("--num-gpu-blocks-override",), parse=optional_human_int)
+    enable_prefix_caching: bool = opt(True, "reuse the KV blocks of earlier requests' equal prefixes",
+                                      negatives=("--no-prefix-caching",))
 
     def __post_init__(self) -> None:
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # running requests at once
-    max_num_batched_tokens: int = 512  # token budget of one step (prompt chunks + decode + drafts)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = opt(64, "requests running at once", parse=human_int)
+    max_num_batched_tokens: int = opt(512, "token budget of one step (prompt chunks + decode + drafts)",
+                                      parse=human_int)
+    max_model_len: int | None = opt(None, "context length, prompt + output (4k = 4000, 4K = 4096; "
+                                    "default: the model's max_position_embeddings)", parse=optional_human_int)
     # hold arriving prompts up to this many steps (while they fill under half of a step's budget) so
     # several share one mixed step: a ~100-token chunk costs ~2.3 ms a token beside decoding requests,
     # a 512-token one ~1.6 ms (SmolLM2, 2 cores); without it, speculation's uneven finishing times make
     # replacement prompts arrive one by one (measured 2026-11-30, 2-vCPU AMD EPYC). 0: off
-    coalesce_steps: int = 4
+    coalesce_steps: int = opt(4, "hold an arriving prompt up to N steps while decoding requests run, so "
+                              "prompts arriving close together share a prefill step (0: off)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -83,10 +103,13 @@ class ParallelConfig:
     """Tensor parallelism of the target (dspark.distributed): the engine starts `tensor_parallel_size - 1`
     worker processes itself (gloo on the CPU, NCCL on CUDA, rendezvous on 127.0.0.1)."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = opt(1, "split the target over N processes (heads, MLP columns and vocabulary; "
+                                    "gloo on the CPU, NCCL on CUDA); the engine starts the workers itself",
+                                    aliases=("-tp",))
     # a collective of a step that does not complete within this many seconds (a rank stuck or gone) is an
     # error: the engine fails loudly instead of hanging
-    distributed_timeout_s: float = 120.0
+    distributed_timeout_s: float = opt(120.0, "a step's collective that does not finish in this many seconds "
+                                       "(a rank stuck or gone) stops the engine with an error")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -183,21 +206,28 @@ class SpecConfig:
                 raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ValueError("speculative config must be a JSON object")
-        known = {f.name for f in fields(cls)}
+        from dspark.spec_schema import VLLM_KEYS, normalize
+        known = {f.name for f in fields(cls)} | set(VLLM_KEYS)
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown speculative config key(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        if "method" not in d:
-            raise ValueError("speculative config needs 'method'")
-        return cls(**d)
+                             f"valid keys: {', '.join(sorted(known))}")
+        return cls(**normalize(d))
+
+
+def _spec_option(value):
+    """--speculative-config text or dict → SpecConfig; "none" / "off" / null → None (no speculation)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "off")):
+        return None
+    return value if isinstance(value, SpecConfig) else SpecConfig.from_dict(value)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL  # GGUF file, HF folder, or the name of the embedded default
+    model: str = opt(DEFAULT_MODEL, "GGUF file, HF folder (config.json + safetensors) or the embedded default")
     # weights, activations and KV cache; "auto": bfloat16 on CUDA, float32 on the CPU (resolved here)
-    dtype: str = "auto"
+    dtype: str = opt("auto", "weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on the CPU "
+                     "(half = float16, float = float32)", choices=DTYPE_NAMES + tuple(DTYPE_ALIASES))
     # dtype of the target's matrix products when dtype is float32: "bfloat16" rounds weights and each
     # product's input to bf16 and sums in fp32 (CPU kernels with AVX512-BF16: ~2x the arithmetic, half the
     # weight bytes); norms, attention, residual stream and KV cache stay fp32. "auto": q4_1 for a Q4_1
@@ -207,16 +237,31 @@ class EngineConfig:
     # bytes a weight, each product's input quantized to Q8_1 blocks, integer dot products and fp32 sums
     # over the blocks: llama.cpp's Q4_1 product), the LM head in bf16 where the kernels multiply
     # bf16, else in its own Q8_0 blocks when stored so (dspark.models.loader), else fp32.
-    matmul_dtype: str = "auto"
+    matmul_dtype: str = opt("auto", "the target's matrix products with --dtype float32: bfloat16 rounds weights "
+                            "and inputs to bf16 and sums in fp32 (CPU kernels with AVX512-BF16); q4_1 multiplies "
+                            "a Q4_1 GGUF's own blocks (CPU kernels with AVX2); auto: q4_1 for a Q4_1 GGUF where "
+                            "the kernels support it, else bfloat16 where they support that, else float32",
+                            choices=MATMUL_DTYPES)
     # "auto": cuda where torch sees a GPU, else cpu (resolved here, so `config.device` is always concrete)
-    device: str = "auto"
+    device: str = opt("auto", "auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N")
     # CUDA: run every step eager (no CUDA graphs for decode and verification steps: dspark.engine.cuda_graphs)
-    enforce_eager: bool = False
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    enforce_eager: bool = opt(False, "CUDA: no CUDA graphs (decode and verification steps are captured and "
+                              "replayed by default); the CPU always runs eagerly")
+    seed: int = opt(0, "random seed of requests that bring none")
+    num_threads: int | None = opt(None, "torch intra-op threads (default: torch's)")
+    trust_remote_code: bool = opt(False, "accepted for vLLM command lines; dspark never runs code from a "
+                                  "checkpoint (its models are built in)")
+    max_logprobs: int = opt(20, "most logprobs a request may ask for (-1: no limit)")
+    # sampling defaults of requests that leave a field unset: "auto" reads the model's
+    # generation_config.json (HF folders), "vllm" keeps dspark's own defaults, or a folder / file path
+    generation_config: str = opt("auto", "sampling defaults from generation_config.json: auto (the model's, "
+                                 "if it has one), vllm (none), or a folder / file PATH")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    spec: SpecConfig | None = None
+    spec: SpecConfig | None = opt(None, 'JSON (vLLM\'s schema, e.g. \'{"method": "ngram", '
+                                  '"num_speculative_tokens": 4}\'), or piecewise --speculative-config.KEY '
+                                  'VALUE; "none" turns the default drafter off', flag="--speculative-config",
+                                  name="speculative_config", json=True, parse=_spec_option)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
@@ -224,6 +269,7 @@ class EngineConfig:
         return self.parallel.tensor_parallel_size
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
         object.__setattr__(self, "device", resolve_device(self.device))
@@ -233,5 +279,7 @@ class EngineConfig:
         if self.matmul_dtype in ("bfloat16", "q4_1") and self.dtype != "float32":
             raise ValueError(f"matmul_dtype={self.matmul_dtype!r} applies to dtype float32 (dtype {self.dtype!r} "
                              f"multiplies in its own dtype); use matmul_dtype 'auto' or 'float32'")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if self.spec is not None and self.spec.num_speculative_tokens + 1 > self.scheduler.max_num_batched_tokens:
             raise ValueError("num_speculative_tokens + 1 exceeds max_num_batched_tokens")

@@ -1,10 +1,18 @@
-"""LLM: the offline API. Adds requests, loops `Engine.step()`, detokenizes. No scheduling logic.
+"""LLM: the offline API, in vLLM's shape. Adds requests, loops `Engine.step()`, detokenizes; no
+scheduling logic.
 
     from dspark import LLM, SamplingParams
-    llm = LLM()                                   # SmolLM2-135M-Instruct, the embedded default
-    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
-    print(out[0].text)
+    llm = LLM(model="SmolLM2-135M-Instruct", max_model_len=4096,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    outs = llm.generate(["The capital of France is", {"prompt_token_ids": [1, 504, 3458]}],
+                        sampling_params=SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].outputs[0].text, outs[0].finished, outs[0].metrics.first_token_latency)
     llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=32))
+
+Engine arguments are vLLM's names (and dspark's aliases), generated from the config dataclasses
+(`dspark.engine_args.config_from_kwargs`); an unknown or unsupported one is a TypeError naming it.
+Prompts: a string, a list of token ids, `{"prompt": str}`, `{"prompt_token_ids": [...]}`, or a list of
+these. `SamplingParams()` left out: the model's generation_config.json defaults (`generation_config`).
 """
 
 from __future__ import annotations
@@ -12,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from dspark.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpecConfig, DEFAULT_MODEL
+from dspark.config import DEFAULT_MODEL, EngineConfig
 from dspark.detokenizer import Detokenizer, StreamState
 from dspark.request import SpecStats
 from dspark.sampling import SamplingParams, TokenLogprob
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 @dataclass
@@ -27,6 +37,23 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None  # per token, when SamplingParams.logprobs is set
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it, if one did
+
+
+@dataclass
+class RequestMetrics:
+    """Times (time.time() seconds) of one request, as vLLM's RequestOutput.metrics."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def first_token_latency(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
 @dataclass
@@ -35,9 +62,12 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    spec: SpecStats = field(default_factory=SpecStats)
-    ttft_s: float = 0.0
+    prompt_logprobs: list | None = None
+    spec: SpecStats = field(default_factory=SpecStats)  # dspark: speculative-decoding counts
+    ttft_s: float = 0.0  # dspark: seconds from the call to this request's first token
     e2e_s: float = 0.0
 
     @property
@@ -50,86 +80,102 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, speculative_config: dict | str | None = None,
-                 dtype: str = "auto", matmul_dtype: str = "auto", seed: int = 0, device: str = "auto",
-                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0, enforce_eager: bool = False,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_model_len: int | None = None, kv_cache_memory_gb: float = 1.0,
-                 num_kv_blocks: int | None = None, kv_block_size: int = 16,
-                 enable_prefix_caching: bool = True, num_threads: int | None = None,
-                 config: EngineConfig | None = None, engine=None, tokenizer=None):
+    def __init__(self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, engine=None,
+                 tokenizer=None, **engine_args: Any):
         if engine is not None:  # tests inject a prebuilt engine (tiny random models)
+            if engine_args:
+                raise TypeError(f"LLM(engine=...) takes no engine arguments, got {', '.join(sorted(engine_args))}")
             self.engine, self.tokenizer = engine, tokenizer
         else:
-            spec = None if speculative_config is None else SpecConfig.from_dict(speculative_config)
-            config = config or EngineConfig(
-                model=model, dtype=dtype, matmul_dtype=matmul_dtype, seed=seed, num_threads=num_threads,
-                device=device, enforce_eager=enforce_eager, parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                                       distributed_timeout_s=distributed_timeout_s),
-                cache=CacheConfig(kv_block_size=kv_block_size, kv_cache_memory_gb=kv_cache_memory_gb,
-                                  num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                          max_num_batched_tokens=max_num_batched_tokens,
-                                          max_model_len=max_model_len),
-                spec=spec)
+            if config is None:
+                from dspark.engine_args import config_from_kwargs
+                config = config_from_kwargs(EngineConfig, {"model": model, **engine_args}, caller="LLM()")
+            elif engine_args:
+                raise TypeError(f"LLM(config=...) takes no other engine arguments, got "
+                                f"{', '.join(sorted(engine_args))}")
             from dspark.engine.build import build_engine
             self.engine, self.tokenizer = build_engine(config)
         self.detokenizer = Detokenizer(self.tokenizer.tokenizer) if self.tokenizer else None
+        self._default_params: SamplingParams | None = None
 
     # -- public API ------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompt_ids = [p if not isinstance(p, str) else self.tokenizer.encode(p) for p in prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        return self._run(prompt_ids, texts, params, use_tqdm=use_tqdm)
+    def get_tokenizer(self):
+        """The transformers tokenizer the engine's prompts are encoded with."""
+        return self.tokenizer.tokenizer if self.tokenizer is not None else None
 
-    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None,
-             *, use_tqdm: bool = False) -> list[RequestOutput]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (`generation_config`)."""
+        if self._default_params is None:
+            from dspark.generation_config import sampling_defaults
+            config = self.engine.config
+            self._default_params = SamplingParams(**sampling_defaults(config.generation_config, config.model))
+        return self._default_params
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order (prompt forms: the module docstring)."""
+        items = _prompt_list(prompts)
+        prompt_ids, texts = [], []
+        for item in items:
+            text, ids = _parse_prompt(item)
+            if ids is None:
+                ids = self.tokenizer.encode(text)
+            prompt_ids.append(list(ids))
+            texts.append(text)
+        return self._run(prompt_ids, texts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each rendered by the chat template
+        (`chat_template` instead of the model's), then generated."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompt_ids = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                      for c in conversations]
-        return self._run(prompt_ids, [None] * len(prompt_ids), params, use_tqdm=use_tqdm)
+        if continue_final_message and add_generation_prompt:
+            add_generation_prompt = False  # vLLM: continuing the last message adds no new turn
+        options = {"chat_template": chat_template, "continue_final_message": continue_final_message or None,
+                   "tools": tools, **(chat_template_kwargs or {})}
+        options = {k: v for k, v in options.items() if v is not None}
+        prompt_ids = [self.tokenizer.apply_chat_template([_text_message(m) for m in conversation],
+                                                         add_generation_prompt=add_generation_prompt, **options)
+                      for conversation in conversations]
+        return self._run(prompt_ids, [None] * len(prompt_ids), sampling_params, use_tqdm=use_tqdm)
 
     # -- loop ------------------------------------------------------------------------------------
-    def _run(self, prompt_ids, texts, params, *, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompt_ids, texts, params, *, use_tqdm) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompt_ids)
+            params = [params or self.get_default_sampling_params()] * len(prompt_ids)
         if len(params) != len(prompt_ids):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_ids)} prompts")
         engine = self.engine
-        order, states, results = [], {}, {}
-        choice: dict[str, tuple[str, int]] = {}  # engine request → (its RequestOutput, completion index)
-        logprobs: dict[str, list[TokenLogprob]] = {}
-        start = time.perf_counter()
+        order, states, results, slot = [], {}, {}, {}
+        logprobs: dict[str, list[TokenLogprob]] = {}  # engine request → its tokens' logprobs so far
+        start, wall = time.perf_counter(), time.time()
         for ids, text, p in zip(prompt_ids, texts, params):
-            rid = None
-            for i in range(p.n):  # n completions: engine requests seeded seed + i
-                sub = p if p.n == 1 else dataclasses.replace(
-                    p, n=1, seed=None if p.seed is None else p.seed + i)
-                eid = engine.add_request(ids, sub)
-                rid = rid or eid
-                choice[eid] = (rid, i)
-                states[eid] = StreamState(stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
-                if p.logprobs is not None:
-                    logprobs[eid] = []
-            order.append(rid)
-            results[rid] = RequestOutput(rid, text, list(ids), [CompletionOutput(i, "", [], None)
-                                                                for i in range(p.n)])
-        bar = _progress(len(order)) if use_tqdm else None
+            n = getattr(p, "n", 1)
+            res = RequestOutput("", text, list(ids), [CompletionOutput(i, "", [], None) for i in range(n)],
+                                metrics=RequestMetrics(arrival_time=wall))
+            for i, sub in enumerate(_fan_out(p, n)):
+                rid = engine.add_request(ids, sub)
+                res.request_id = res.request_id or rid
+                states[rid] = StreamState(stop=sub.stop, include_stop_str_in_output=sub.include_stop_str_in_output)
+                results[rid], slot[rid] = res, i
+                if sub.logprobs is not None:
+                    logprobs[rid] = []
+            order.append(res)
+        bar = _progress(len(order), use_tqdm)
         reap = False  # an abort's finished output is reported (and dropped) by the next step
         while engine.has_unfinished() or reap:
             reap = False
             for out in engine.step():
-                if out.request_id not in choice:
+                if out.request_id not in results:
                     continue  # left over from an earlier call
-                rid, index = choice[out.request_id]
-                res, state = results[rid], states[out.request_id]
-                if out.new_token_ids and not res.ttft_s:
+                res, state, i = results[out.request_id], states[out.request_id], slot[out.request_id]
+                if out.new_token_ids and res.metrics.first_token_time is None:
                     res.ttft_s = time.perf_counter() - start
+                    res.metrics.first_token_time = time.time()
+                if out.new_token_ids:
+                    res.metrics.last_token_time = time.time()
                 if self.detokenizer is not None:
                     _, kept = self.detokenizer.feed(state, out.new_token_ids)
                     if state.stopped and not out.finished:
@@ -140,25 +186,79 @@ class LLM:
                     state.token_ids.extend(out.new_token_ids)
                 if out.request_id in logprobs:
                     logprobs[out.request_id] += (out.logprobs or [])[:kept]
-                finished = out.finished or state.stopped
                 res.num_cached_tokens = out.num_cached_tokens
                 res.spec = out.spec
-                if finished and res.outputs[index].finish_reason is None:
-                    res.outputs[index] = CompletionOutput(
-                        index, state.text, list(state.token_ids), "stop" if state.stopped else out.finish_reason,
-                        logprobs.get(out.request_id))
-                    res.e2e_s = time.perf_counter() - start
-                    if bar and all(o.finish_reason for o in res.outputs):
-                        bar.update(1)
+                if (out.finished or state.stopped) and res.outputs[i].finish_reason is None:
+                    res.outputs[i] = CompletionOutput(i, state.text, list(state.token_ids),
+                                                      "stop" if state.stopped else out.finish_reason,
+                                                      logprobs=logprobs.get(out.request_id))
+                    if all(o.finish_reason is not None for o in res.outputs):
+                        res.finished = True
+                        res.e2e_s = time.perf_counter() - start
+                        res.metrics.finished_time = time.time()
+                        res.metrics.num_generation_tokens = sum(len(o.token_ids) for o in res.outputs)
+                        if bar:
+                            bar.update(1)
         if bar:
             bar.close()
         failed = {rid: why for rid, why in engine.take_failed().items() if rid in results}
         if failed:  # non-finite target logits (dspark.engine.faults): never hand back garbage
             rid, why = next(iter(failed.items()))
             raise RuntimeError(f"{len(failed)} of {len(order)} requests failed ({rid}: {why})")
-        return [results[rid] for rid in order]
+        return order
 
 
-def _progress(total: int):
+def _fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n > 1: n engine requests, one per output (seeded requests get seeds seed, seed+1, ...), as the
+    server does."""
+    if n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(n)]
+
+
+def _prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _parse_prompt(item) -> tuple[str | None, list[int] | None]:
+    """(text, ids) of one prompt; exactly one is None unless a dict gives both."""
+    if isinstance(item, str):
+        return item, None
+    if isinstance(item, dict):
+        unknown = sorted(set(item) - set(PROMPT_KEYS))
+        if unknown:
+            raise ValueError(f"prompt dict key(s) not supported: {', '.join(unknown)}; "
+                             f"supported: {', '.join(PROMPT_KEYS)}")
+        if "prompt_token_ids" in item:
+            return item.get("prompt"), [int(t) for t in item["prompt_token_ids"]]
+        if "prompt" in item:
+            return item["prompt"], None
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(item, (list, tuple)) and all(isinstance(t, int) for t in item):
+        return None, list(item)
+    raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt' / "
+                    f"'prompt_token_ids'; got {type(item).__name__}")
+
+
+def _text_message(message: dict) -> dict:
+    """OpenAI content parts joined into one text (only text parts exist here)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        kinds = {part.get("type", "text") for part in content} - {"text"}
+        if kinds:
+            raise ValueError(f"only text content parts are supported, got {', '.join(sorted(kinds))}")
+        message = {**message, "content": "\n".join(part.get("text") or "" for part in content)}
+    return message
+
+
+def _progress(total: int, use_tqdm):
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="generate", unit="req")
     from tqdm import tqdm
     return tqdm(total=total, desc="generate", unit="req")

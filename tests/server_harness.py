@@ -46,6 +46,13 @@ class CharTokenizer:
     def tokenizer(self):
         return self
 
+    @property
+    def vocab_size(self) -> int:
+        return TINY.vocab_size
+
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        return [self.decode([t], skip_special_tokens=False) for t in ids]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [NUM_SPECIAL + ord(c) - FIRST_CHAR if FIRST_CHAR <= ord(c) < FIRST_CHAR + 95
                 else NUM_SPECIAL + ord("?") - FIRST_CHAR for c in text]
@@ -98,6 +105,7 @@ class Served:
     base_url: str
     engine: Engine
     async_engine: AsyncEngine
+    model_name: str = MODEL
 
     def client(self, api_key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0,
@@ -107,9 +115,17 @@ class Served:
         return httpx.post(self.base_url + path, timeout=60, **kwargs)
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
+        """{(sample name, labels other than model_name / engine): value}; every sample must carry
+        vLLM's model_name and engine labels."""
         text = httpx.get(self.base_url + "/metrics", timeout=10).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = dict(s.labels)
+                assert labels.pop("model_name", None) == self.model_name, (s.name, s.labels)
+                assert labels.pop("engine", None) == "0", (s.name, s.labels)
+                out[(s.name, tuple(sorted(labels.items())))] = s.value
+        return out
 
     def wait_idle(self, timeout_s: float = 20.0) -> None:
         """Until the engine has no request and every KV block is free; then check the pool."""
@@ -127,10 +143,10 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(engine: Engine, *, api_key: str | None = None, config: ServerConfig | None = None,
-          tokenizer=None):
+def serve(engine: Engine, *, api_key=None, config: ServerConfig | None = None, tokenizer=None,
+          model_name=MODEL):
     async_engine = AsyncEngine(engine, tokenizer or CharTokenizer())
-    app = build_app(async_engine, model_name=MODEL, api_key=api_key, config=config)
+    app = build_app(async_engine, model_name=model_name, api_key=api_key, config=config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                            lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -141,7 +157,8 @@ def serve(engine: Engine, *, api_key: str | None = None, config: ServerConfig | 
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield Served(f"http://127.0.0.1:{port}", engine, async_engine)
+        first = model_name if isinstance(model_name, str) else model_name[0]
+        yield Served(f"http://127.0.0.1:{port}", engine, async_engine, first)
     finally:
         server.should_exit = True
         thread.join(20)

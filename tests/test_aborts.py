@@ -146,7 +146,7 @@ def assert_metrics_zero(srv) -> None:
     srv.wait_idle()
     m = srv.metrics()
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert m[(f"dspark:{name}", ())] == 0, name
+        assert m[(f"vllm:{name}", ())] == 0, name
 
 
 def _open_and_close(srv, payload: dict, close_after_s: float) -> None:
@@ -177,7 +177,7 @@ def test_served_aborts_while_waiting_and_mid_prefill():
         assert_metrics_zero(srv)
         assert 0 < engine.metrics.num_prompt_tokens - before < 100, "aborted between chunks"
         assert engine.metrics.num_generation_tokens == gen
-        abort = ("dspark:request_success_total", (("finish_reason", "abort"),))
+        abort = ("vllm:request_success_total", (("finished_reason", "abort"),))
         assert srv.metrics()[abort] == 2
 
 
@@ -225,7 +225,7 @@ def test_usage_and_counters_agree_exactly_after_a_soak():
         after = srv.metrics()
 
     def delta(name: str) -> float:
-        key = (f"dspark:{name}", ())
+        key = (f"vllm:{name}", ())
         return after[key] - before.get(key, 0)
 
     assert delta("generation_tokens_total") == sum(u["completion_tokens"] for u in usages)

@@ -62,7 +62,7 @@ def test_waiting_queue_bound_gives_429_and_the_admitted_complete(tiny_model):
                                          for r in served)
         srv.wait_idle()
         m = srv.metrics()
-        assert m[("dspark:num_requests_rejected_total", (("status", "429"),))] == len(refused)
+        assert m[("vllm:num_requests_rejected_total", (("status", "429"),))] == len(refused)
         assert srv.post("/v1/completions", json={"model": MODEL, "prompt": "x",
                                                  "max_tokens": 2}).status_code == 200
 

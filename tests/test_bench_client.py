@@ -5,7 +5,7 @@ parser. Run: pytest tests/test_bench_client.py -q
 The fake server streams, per request: a role chunk, then after a first-token delay read from the
 prompt ("delay_ms=NNN"), `len(CHUNK_TOKENS)` content chunks `GAP_S` apart carrying CHUNK_TOKENS
 tokens each, then a usage chunk. Chat chunks carry dspark's `num_tokens`; completions chunks carry
-cumulative `usage` instead (vLLM's continuous usage stats). /metrics exposes dspark:spec_decode_*
+cumulative `usage` instead (vLLM's continuous usage stats). /metrics exposes vllm:spec_decode_*
 counters that grow by SPEC_PER_REQUEST per finished request.
 """
 
@@ -45,10 +45,10 @@ def _make_app():
         lines = []
         for name, key in (("num_drafts", "drafts"), ("num_draft_tokens", "draft_tokens"),
                           ("num_accepted_tokens", "accepted")):
-            lines += [f"# TYPE dspark:spec_decode_{name} counter",
-                      f'dspark:spec_decode_{name}_total{{model_name="fake-model"}} {counters[key]}']
-        lines.append("# TYPE dspark:spec_decode_num_accepted_tokens_per_pos counter")
-        lines += [f'dspark:spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}} {v}'
+            lines += [f"# TYPE vllm:spec_decode_{name} counter",
+                      f'vllm:spec_decode_{name}_total{{model_name="fake-model"}} {counters[key]}']
+        lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}} {v}'
                   for p, v in enumerate(counters["per_pos"])]
         return PlainTextResponse("\n".join(lines) + "\n")
 
@@ -145,13 +145,13 @@ def test_cli_end_to_end_chat(server_url, delay_dataset, tmp_path, capsys):
     rc = cli.main(["serve", "--base-url", server_url + "/v1", "--dataset", delay_dataset,
                    "--num-prompts", str(len(DELAYS_MS)), "--max-concurrency", "2",
                    "--request-rate", "10", "--num-warmup", "1", "--max-tokens", "10",
-                   "--ignore-eos", "--no-progress", "--result-file", str(result_file),
+                   "--ignore-eos", "--disable-tqdm", "--result-file", str(result_file),
                    "--label", "fake"])
     assert rc == 0
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last_line)  # the last stdout line must be one JSON object
     assert summary["model"] == "fake-model" and summary["label"] == "fake"
-    assert (summary["num_completed"], summary["num_failed"]) == (len(DELAYS_MS), 0)
+    assert (summary["completed"], summary["failed"]) == (len(DELAYS_MS), 0)
     assert summary["total_output_tokens"] == len(DELAYS_MS) * sum(CHUNK_TOKENS)
     assert summary["num_chunks"] == len(DELAYS_MS) * len(CHUNK_TOKENS)
     assert summary["mean_tokens_per_chunk"] == pytest.approx(2.0)
@@ -159,13 +159,12 @@ def test_cli_end_to_end_chat(server_url, delay_dataset, tmp_path, capsys):
     assert "requests" not in summary
 
     # Speculation stats are deltas: the warm-up request is excluded.
-    spec = summary["spec_decode"]
     n = len(DELAYS_MS)
-    assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == \
-        (4 * n, 12 * n, 5 * n)
-    assert spec["acceptance_length"] == pytest.approx(1 + 5 / 4)
-    assert spec["acceptance_rate"] == pytest.approx(5 / 12)
-    assert spec["per_position_acceptance_rate"] == pytest.approx([3 / 4, 2 / 4, 0.0])
+    assert (summary["spec_decode_num_drafts"], summary["spec_decode_draft_tokens"],
+            summary["spec_decode_accepted_tokens"]) == (4 * n, 12 * n, 5 * n)
+    assert summary["spec_decode_acceptance_length"] == pytest.approx(1 + 5 / 4)
+    assert summary["spec_decode_acceptance_rate"] == pytest.approx(100 * 5 / 12)
+    assert summary["spec_decode_per_position_acceptance_rates"] == pytest.approx([3 / 4, 2 / 4, 0.0])
 
     # Independent clock: perf_counter wall time x output throughput ~ counted tokens (2%).
     clock = summary["clock_check"]
@@ -196,12 +195,12 @@ def test_cli_end_to_end_chat(server_url, delay_dataset, tmp_path, capsys):
 
 def test_run_bench_completions_usage_deltas(server_url, delay_dataset):
     cfg = BenchConfig(base_url=server_url, endpoint="completions", dataset=delay_dataset,
-                      num_prompts=3, max_concurrency=3, num_warmup=0, progress=False)
+                      num_prompts=3, max_concurrency=3, num_warmup=0, disable_tqdm=True)
     result = cli.run_bench(cfg)
-    assert result["num_completed"] == 3
+    assert result["completed"] == 3
     for r in result["requests"]:  # token counts recovered from cumulative usage per chunk
         assert tuple(r["chunk_num_tokens"]) == CHUNK_TOKENS and r["num_output_tokens"] == 10
-    assert result["spec_decode"]["num_drafts"] == 12
+    assert result["spec_decode_num_drafts"] == 12
 
 
 def test_unreachable_server_records_errors(tmp_path, delay_dataset):
@@ -209,10 +208,10 @@ def test_unreachable_server_records_errors(tmp_path, delay_dataset):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = BenchConfig(base_url=f"http://127.0.0.1:{port}", model="m", dataset=delay_dataset,
-                      num_prompts=2, num_warmup=0, progress=False, request_timeout_s=5)
+                      num_prompts=2, num_warmup=0, disable_tqdm=True, request_timeout_s=5)
     result = cli.run_bench(cfg)
-    assert (result["num_completed"], result["num_failed"]) == (0, 2)
-    assert "ConnectError" in result["first_error"] and "spec_decode" not in result
+    assert (result["completed"], result["failed"]) == (0, 2)
+    assert "ConnectError" in result["first_error"] and "spec_decode_num_drafts" not in result
 
 
 def test_consume_chunk_token_counting():
@@ -270,3 +269,53 @@ def test_datasets_shared_eval_sets():
     assert {p.source for p in load_prompts("code", seed=0)} == {"humaneval", "mbpp",
                                                                 "livecodebench"}
     assert len(load_prompts("all")) == 1050
+
+
+VLLM_RESULT_KEYS = ("date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness",
+                    "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
+                    "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
+                    "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests",
+                    "spec_decode_acceptance_rate", "spec_decode_acceptance_length", "spec_decode_num_drafts",
+                    "spec_decode_draft_tokens", "spec_decode_accepted_tokens",
+                    "spec_decode_per_position_acceptance_rates")
+
+
+def test_vllm_bench_serve_flags_write_vllms_keys(server_url, tmp_path, capsys):
+    """A `vllm bench serve` command line, `vllm` replaced by `dspark`: vLLM's flags, vLLM's result keys."""
+    custom = tmp_path / "custom.jsonl"
+    custom.write_text("".join(json.dumps({"prompt": f"answer delay_ms={d}"}) + "\n" for d in DELAYS_MS[:4]))
+    host, port = server_url.removeprefix("http://").split(":")
+    rc = cli.main(["serve", "--backend", "openai-chat", "--host", host, "--port", port,
+                   "--endpoint", "/v1/chat/completions", "--model", "fake-model", "--tokenizer", "fake/tok",
+                   "--dataset-name", "custom", "--dataset-path", str(custom), "--custom-output-len", "10",
+                   "--num-prompts", "4", "--num-warmups", "1", "--max-concurrency", "2", "--request-rate", "inf",
+                   "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                   "--goodput", "ttft:100000", "tpot:100000", "--extra-body", '{"top_k": 1}',
+                   "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path / "res"),
+                   "--result-filename", "run.json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    saved = json.loads((tmp_path / "res" / "run.json").read_text())
+    for result in (summary, saved):
+        missing = [k for k in VLLM_RESULT_KEYS if k not in result]
+        assert not missing, missing
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            for stat in ("mean", "median", "std", "p50", "p99"):
+                assert isinstance(result[f"{stat}_{metric}_ms"], float), (stat, metric)
+    assert (summary["completed"], summary["failed"], summary["backend"]) == (4, 0, "openai-chat")
+    assert summary["request_goodput"] == pytest.approx(summary["request_throughput"])  # every request met it
+    assert summary["spec_decode_acceptance_rate"] == pytest.approx(100 * 5 / 12)  # percent, as vLLM
+    assert summary["max_concurrent_requests"] == 2 and saved["config"]["extra_body"] == '{"top_k": 1}'
+    assert len(saved["requests"]) == 4 and saved["config"]["max_tokens"] == 10
+    assert re.fullmatch(r"\d{8}-\d{6}", summary["date"])
+
+
+def test_build_payload_extra_body_and_endpoint_spellings():
+    from dspark.bench.client import build_payload
+    cfg = BenchConfig(endpoint="/v1/completions", extra_body='{"top_k": 1, "ignore_eos": true}')
+    payload = build_payload(cfg, "m", "hi")
+    assert cfg.endpoint == "completions" and payload["prompt"] == "hi" and payload["top_k"] == 1
+    assert BenchConfig(backend="openai-chat").endpoint == "chat" and BenchConfig(backend="vllm").endpoint == "completions"
+    assert BenchConfig(port=9001).base_url == "http://127.0.0.1:9001"
+    with pytest.raises(ValueError, match="percentile_metrics"):
+        BenchConfig(percentile_metrics="ttft,bogus")

@@ -46,12 +46,14 @@ def test_request_metrics_multi_token_chunks():
 
 def test_compute_metrics_aggregate():
     out = compute_metrics(TRACE, wall_time_s=1.3)
-    assert (out["num_requests"], out["num_completed"], out["num_failed"]) == (3, 2, 1)
-    assert out["duration_s"] == pytest.approx(1.25)  # first send 0.0 -> last end 1.25
+    assert (out["num_requests"], out["completed"], out["failed"]) == (3, 2, 1)
+    assert out["duration"] == pytest.approx(1.25)  # first send 0.0 -> last end 1.25
     assert out["total_output_tokens"] == 7 and out["total_input_tokens"] == 30
-    assert out["request_throughput_req_s"] == pytest.approx(2 / 1.25)
-    assert out["output_throughput_tok_s"] == pytest.approx(7 / 1.25)
-    assert out["total_token_throughput_tok_s"] == pytest.approx(37 / 1.25)
+    assert out["request_throughput"] == pytest.approx(2 / 1.25)
+    assert out["output_throughput"] == pytest.approx(7 / 1.25)
+    assert out["total_token_throughput"] == pytest.approx(37 / 1.25)
+    assert out["max_concurrent_requests"] == 1  # A (0.0-0.5) ends as C (0.5-0.6) starts; B (1.0-1.25) alone
+    assert out["max_output_tokens_per_s"] == 6  # A's 6 tokens all arrive in second 0
     assert out["mean_ttft_ms"] == pytest.approx(150.0)
     assert out["median_ttft_ms"] == pytest.approx(150.0)
     assert out["p90_ttft_ms"] == pytest.approx(190.0)  # linear interpolation 100 -> 200
@@ -111,19 +113,15 @@ def test_prometheus_parse_sums_labels_and_ignores_created():
     assert parse_spec_counters(None) is None
 
 
-def test_prometheus_dspark_prefix_wins():
-    text = _exposition("dspark:", 4, 8, 2, [2]) + _exposition("vllm:", 100, 100, 100, [100])
-    assert parse_spec_counters(text).num_drafts == 4
-
-
 def test_spec_decode_stats_from_deltas():
-    before = _exposition("dspark:", 5, 20, 7, [4, 2, 1])
-    after = _exposition("dspark:", 15, 60, 22, [12, 7, 3])
+    before = _exposition("vllm:", 5, 20, 7, [4, 2, 1])
+    after = _exposition("vllm:", 15, 60, 22, [12, 7, 3])
     s = spec_decode_stats(before, after)  # delta: 10 drafts, 40 draft tokens, 15 accepted
-    assert (s["num_drafts"], s["num_draft_tokens"], s["num_accepted_tokens"]) == (10, 40, 15)
-    assert s["acceptance_length"] == pytest.approx(2.5)
-    assert s["acceptance_rate"] == pytest.approx(0.375)
-    assert s["per_position_acceptance_rate"] == pytest.approx([0.8, 0.5, 0.2])
+    assert (s["spec_decode_num_drafts"], s["spec_decode_draft_tokens"], s["spec_decode_accepted_tokens"]) == (
+        10, 40, 15)
+    assert s["spec_decode_acceptance_length"] == pytest.approx(2.5)
+    assert s["spec_decode_acceptance_rate"] == pytest.approx(37.5)  # percent, as vLLM
+    assert s["spec_decode_per_position_acceptance_rates"] == pytest.approx([0.8, 0.5, 0.2])
 
 
 def test_spec_decode_stats_missing_or_lazy_counters():
@@ -132,9 +130,9 @@ def test_spec_decode_stats_missing_or_lazy_counters():
     assert spec_decode_stats(*no_spec) is None
     assert spec_decode_stats(None, after) is None  # no baseline: delta unknown
     lazy = spec_decode_stats("process_cpu_seconds_total 1\n", after)  # created after the scrape
-    assert lazy["acceptance_length"] == pytest.approx(2.5)
+    assert lazy["spec_decode_acceptance_length"] == pytest.approx(2.5)
     zero = spec_decode_stats(after, after)  # a server without speculation traffic
-    assert zero["num_drafts"] == 0 and "acceptance_length" not in zero
+    assert zero["spec_decode_num_drafts"] == 0 and "spec_decode_acceptance_length" not in zero
 
 
 def test_pareto_front():
@@ -145,7 +143,7 @@ def test_pareto_front():
 
 def test_summary_json_line_and_markdown(tmp_path):
     result = {"label": "dspark", "request_rate": math.inf, "mean_tpot_ms": 12.345,
-              "output_throughput_tok_s": 1000.0, "per_user_output_tok_s": 81.0,
+              "output_throughput": 1000.0, "per_user_output_tok_s": 81.0,
               "requests": [{"big": 1}], "nan": math.nan}
     line = summary_json_line(result)
     assert "\n" not in line
@@ -154,7 +152,7 @@ def test_summary_json_line_and_markdown(tmp_path):
     table = markdown_table([result, {"label": "eagle"}], ["label", ("mean_tpot_ms", "TPOT (ms)")])
     assert table.splitlines() == ["| label | TPOT (ms) |", "|---|---:|",
                                   "| dspark | 12.35 |", "| eagle | - |"]
-    runs = [dict(result, output_throughput_tok_s=x, per_user_output_tok_s=y, label=m)
+    runs = [dict(result, output_throughput=x, per_user_output_tok_s=y, label=m)
             for m, x, y in (("a", 100, 50), ("a", 300, 30), ("a", 200, 20), ("b", 150, 60))]
     png = plot_throughput_curves(runs, tmp_path / "curves.png", title="t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

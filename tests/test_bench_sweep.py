@@ -54,7 +54,7 @@ def test_sweep_end_to_end(tiny_dir, tmp_path):
         assert (out / p["raw_file"]).is_file()
     ngram = [p for p in points if p["method"] == "ngram"]
     assert all(p["spec_decode"] is not None for p in ngram)
-    assert sum(p["spec_decode"]["num_verify_budget_samples"] for p in ngram) > 0
+    assert sum(p["spec_decode"]["spec_decode_num_verify_budget_samples"] for p in ngram) > 0
     assert all(p["mean_verify_budget"] is not None for p in ngram)
     assert any(p["tau"] is not None and p["tau"] >= 1.0 for p in ngram)
     assert all(p["tau"] is None and p["mean_verify_budget"] is None
@@ -113,7 +113,8 @@ def test_fresh_prompt_offsets_are_disjoint_and_bounded():
 
 def test_method_table():
     assert method_spec(parse_method("none")) is None
-    assert method_spec(parse_method("ngram")) == {"method": "ngram", "num_speculative_tokens": 4}
+    assert method_spec(parse_method("ngram")) == {"method": "ngram", "num_speculative_tokens": 4,
+                                                  "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     assert method_spec(parse_method("dspark-k3"), drafter_dir="d") == {
         "method": "dspark", "model": "d", "num_speculative_tokens": 3, "length_policy": "fixed"}
     prefix = method_spec(parse_method("dspark-prefix"), drafter_dir="d", cost_table_path="c.json")
@@ -133,23 +134,23 @@ def test_method_table():
 
 
 def _metrics_text(budget_sum: float, budget_count: float, drafts: float) -> str:
-    return (f"# TYPE dspark:spec_decode_num_drafts counter\n"
-            f"dspark:spec_decode_num_drafts_total {drafts}\n"
-            f"# TYPE dspark:spec_decode_num_accepted_tokens counter\n"
-            f"dspark:spec_decode_num_accepted_tokens_total {2 * drafts}\n"
-            f"# TYPE dspark:spec_decode_verify_budget histogram\n"
-            f'dspark:spec_decode_verify_budget_bucket{{le="+Inf"}} {budget_count}\n'
-            f"dspark:spec_decode_verify_budget_count {budget_count}\n"
-            f"dspark:spec_decode_verify_budget_sum {budget_sum}\n")
+    return (f"# TYPE vllm:spec_decode_num_drafts counter\n"
+            f"vllm:spec_decode_num_drafts_total {drafts}\n"
+            f"# TYPE vllm:spec_decode_num_accepted_tokens counter\n"
+            f"vllm:spec_decode_num_accepted_tokens_total {2 * drafts}\n"
+            f"# TYPE vllm:spec_decode_verify_budget histogram\n"
+            f'vllm:spec_decode_verify_budget_bucket{{le="+Inf"}} {budget_count}\n'
+            f"vllm:spec_decode_verify_budget_count {budget_count}\n"
+            f"vllm:spec_decode_verify_budget_sum {budget_sum}\n")
 
 
 def test_verify_budget_delta():
     stats = spec_decode_stats(_metrics_text(10, 5, 2), _metrics_text(40, 15, 6))
-    assert stats["mean_verify_budget"] == pytest.approx(30 / 10)
-    assert stats["num_verify_budget_samples"] == 10
-    assert stats["acceptance_length"] == pytest.approx(3.0)
+    assert stats["spec_decode_mean_verify_budget"] == pytest.approx(30 / 10)
+    assert stats["spec_decode_num_verify_budget_samples"] == 10
+    assert stats["spec_decode_acceptance_length"] == pytest.approx(3.0)
     no_budget = spec_decode_stats(_metrics_text(10, 5, 2), _metrics_text(10, 5, 2))
-    assert "mean_verify_budget" not in no_budget
+    assert "spec_decode_mean_verify_budget" not in no_budget
 
 
 def test_offline_bench(tiny_dir, tmp_path, capsys):

@@ -209,7 +209,7 @@ def test_served_faults_are_500s_and_the_server_keeps_serving():
         assert httpx.get(srv.base_url + "/health").status_code == 200
         ok = srv.post("/v1/completions", json={"model": MODEL, "prompt": "fine", "max_tokens": 3})
         assert ok.status_code == 200
-        assert srv.metrics()[("dspark:num_requests_failed_total", ())] == 2
+        assert srv.metrics()[("vllm:num_requests_failed_total", ())] == 2
 
 
 def test_nonfinite_and_misshapen_draft_probs_are_dropped(target, drafter_dir):

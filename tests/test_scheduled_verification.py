@@ -196,20 +196,20 @@ def test_metrics_scrape_scheduled_verification(tmp_path):
                                             temperature=0, extra_body={"ignore_eos": True})
         srv.wait_idle()
         m = srv.metrics()
-    drafts = m[("dspark:spec_decode_num_drafts_total", ())]
-    accepted = m[("dspark:spec_decode_num_accepted_tokens_total", ())]
-    verified = m[("dspark:spec_decode_num_draft_tokens_total", ())]
+    drafts = m[("vllm:spec_decode_num_drafts_total", ())]
+    accepted = m[("vllm:spec_decode_num_accepted_tokens_total", ())]
+    verified = m[("vllm:spec_decode_num_draft_tokens_total", ())]
     assert drafts > 0
-    assert m[("dspark:spec_decode_verify_budget_count", ())] > 0
-    assert m[("dspark:spec_decode_verify_budget_sum", ())] == pytest.approx(
-        GAMMA * m[("dspark:spec_decode_verify_budget_count", ())]), "flat curve: every budget is γ"
-    assert m[("dspark:spec_decode_num_wasted_verify_tokens_total", ())] == verified - accepted
-    tau = m[("dspark:spec_decode_mean_acceptance_length", ())]
+    assert m[("vllm:spec_decode_verify_budget_count", ())] > 0
+    assert m[("vllm:spec_decode_verify_budget_sum", ())] == pytest.approx(
+        GAMMA * m[("vllm:spec_decode_verify_budget_count", ())]), "flat curve: every budget is γ"
+    assert m[("vllm:spec_decode_num_wasted_verify_tokens_total", ())] == verified - accepted
+    tau = m[("vllm:spec_decode_mean_acceptance_length", ())]
     assert tau == pytest.approx(1 + accepted / drafts)
-    assert ("dspark:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),)) in m
+    assert ("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),)) in m
     for b, sps in zip(FLAT.num_tokens, FLAT.steps_per_second):
-        assert m[("dspark:cost_table_sps", (("num_tokens", str(b)),))] == pytest.approx(sps)
-    assert m[("dspark:coalesce_held_steps_count", ())] == 2  # one observation per finished request
-    assert m[("dspark:spec_decode_num_admitted_without_drafter_total", ())] == 0  # flat curve: the gate stays open
-    assert m[("dspark:spec_decode_num_measured_off_steps_total", ())] == 0  # (no switch in this engine)
+        assert m[("vllm:cost_table_sps", (("num_tokens", str(b)),))] == pytest.approx(sps)
+    assert m[("vllm:coalesce_held_steps_count", ())] == 2  # one observation per finished request
+    assert m[("vllm:spec_decode_num_admitted_without_drafter_total", ())] == 0  # flat curve: the gate stays open
+    assert m[("vllm:spec_decode_num_measured_off_steps_total", ())] == 0  # (no switch in this engine)
 

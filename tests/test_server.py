@@ -229,9 +229,9 @@ def test_client_disconnect_aborts_and_frees_kv(plain):
                 break  # leaving the block closes the connection mid-stream
     plain.wait_idle()
     after = plain.metrics()
-    key = ("dspark:request_success_total", (("finish_reason", "abort"),))
+    key = ("vllm:request_success_total", (("finished_reason", "abort"),))
     assert after[key] == before.get(key, 0) + 1
-    gen = ("dspark:generation_tokens_total", ())
+    gen = ("vllm:generation_tokens_total", ())
     assert after[gen] < before[gen] + 100, "the request stopped early"
 
 
@@ -242,22 +242,28 @@ def test_metrics_parse_and_move(plain):
                                             temperature=0, extra_body=NO_EOS)
     plain.wait_idle()
     after = plain.metrics()
-    length = ("dspark:request_success_total", (("finish_reason", "length"),))
+    length = ("vllm:request_success_total", (("finished_reason", "length"),))
     assert after[length] == before.get(length, 0) + 1
-    gen = ("dspark:generation_tokens_total", ())
+    gen = ("vllm:generation_tokens_total", ())
     assert after[gen] == before[gen] + out.usage.completion_tokens
-    assert after[("dspark:prompt_tokens_total", ())] > before[("dspark:prompt_tokens_total", ())]
-    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
-                 "e2e_request_latency_seconds"):
-        key = (f"dspark:{name}_count", ())
+    assert after[("vllm:prompt_tokens_total", ())] > before[("vllm:prompt_tokens_total", ())]
+    for name in ("time_to_first_token_seconds", "request_time_per_output_token_seconds",
+                 "e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens"):
+        key = (f"vllm:{name}_count", ())
         assert after[key] == before[key] + 1, name
+    itl = ("vllm:inter_token_latency_seconds_count", ())  # one gap per pair of steps with output
+    assert after[itl] == before[itl] + out.usage.completion_tokens - 1
+    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
+        assert (f"vllm:{name}", ()) in after, name
+    queries = ("vllm:prefix_cache_queries_total", ())
+    assert after[queries] == before[queries] + out.usage.prompt_tokens
     for name in ("kv_cache_usage_perc", "num_requests_waiting", "num_requests_running",
                  "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
                  "spec_decode_num_accepted_tokens_total",
                  "spec_decode_num_wasted_verify_tokens_total",
                  "spec_decode_verify_budget_count"):
-        assert (f"dspark:{name}", ()) in after, name
-    assert after[("dspark:num_requests_running", ())] == 0
+        assert (f"vllm:{name}", ()) in after, name
+    assert after[("vllm:num_requests_running", ())] == 0
 
 
 def test_speculative_usage_and_counters(spec_server):
@@ -275,15 +281,15 @@ def test_speculative_usage_and_counters(spec_server):
     assert sum(per_chunk) == usage.completion_tokens == 40
     after = spec_server.metrics()
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        key = (f"dspark:spec_decode_{name}_total", ())
+        key = (f"vllm:spec_decode_{name}_total", ())
         assert after[key] - before.get(key, 0) == spec[name], name
-    wasted = ("dspark:spec_decode_num_wasted_verify_tokens_total", ())
+    wasted = ("vllm:spec_decode_num_wasted_verify_tokens_total", ())
     num_rejected = spec["num_draft_tokens"] - spec["num_accepted_tokens"]
     assert after[wasted] - before.get(wasted, 0) == num_rejected
-    budget = ("dspark:spec_decode_verify_budget_count", ())
+    budget = ("vllm:spec_decode_verify_budget_count", ())
     assert after[budget] > before.get(budget, 0)
     assert spec["num_accepted_tokens"] > 0 and max(per_chunk) > 1, "the looping text is predictable"
-    assert after[("dspark:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] > 0
+    assert after[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] > 0
     # per-request opt-out: no drafts for this request
     out = spec_server.client().completions.create(model=MODEL, prompt="ab ab ab ab", max_tokens=10,
                                                   temperature=0,
@@ -338,16 +344,19 @@ def test_concurrent_streams_match_sequential_greedy(which, request):
 def test_serve_cli_flags():
     import argparse
 
-    from dspark.server.cli import default_spec, register, run
+    from dspark.server.cli import configs_from_args, default_spec, register, run
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "some/model", "--port", "8123", "--api-key", "k",
                               "--served-model-name", "m", "--speculative-config", "none"])
-    assert (args.model, args.host, args.port, args.api_key, args.served_model_name) == (
-        "some/model", "127.0.0.1", 8123, "k", "m")
-    assert args.func is run and args.log_level == "info"
+    config, server = configs_from_args(args)
+    assert (config.model, server.host, server.port, server.api_key, server.served_model_name) == (
+        "some/model", "127.0.0.1", 8123, ("k",), ("m",))
+    assert config.spec is None
+    assert args.func is run and server.uvicorn_log_level == "info"
     assert parser.parse_args(["serve"]).port == 8000
-    assert default_spec(parser.parse_args(["serve", "no-such-model"])) is None
+    config, _ = configs_from_args(parser.parse_args(["serve", "no-such-model"]))
+    assert default_spec(config) is None and config.spec is None
 
 
 def test_prefix_cache_hit_is_reported(plain):
@@ -395,5 +404,5 @@ def test_non_stream_disconnect_aborts(tiny_model):
         srv.wait_idle(timeout_s=4.0)
         assert time.monotonic() - start_s < 4.0
         assert engine.metrics.num_generation_tokens < 100
-        abort = ("dspark:request_success_total", (("finish_reason", "abort"),))
+        abort = ("vllm:request_success_total", (("finished_reason", "abort"),))
         assert srv.metrics()[abort] == 1

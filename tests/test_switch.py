@@ -171,10 +171,10 @@ def test_metrics_expose_each_load_decision_and_figures():
     engine = SimpleNamespace(cost_table=None, switch=switch)
     ae = SimpleNamespace(metrics=EngineMetrics(), engine=engine, kv_usage=0.0, num_waiting=0, num_running=0)
     families = {f.name: f for f in _EngineCollector(ae).collect()}
-    on = {s.labels["load"]: s.value for s in families["dspark:measured_switch_on"].samples}
+    on = {s.labels["load"]: s.value for s in families["vllm:measured_switch_on"].samples}
     per_token = {(s.labels["load"], s.labels["mode"]): s.value
-                 for s in families["dspark:measured_switch_seconds_per_token"].samples}
+                 for s in families["vllm:measured_switch_seconds_per_token"].samples}
     assert on == {"6-8": 0.0}
     assert per_token == pytest.approx({("6-8", "speculative"): 1.2e-3, ("6-8", "plain"): 1.0e-3})
     engine.switch = None
-    assert "dspark:measured_switch_on" not in {f.name for f in _EngineCollector(ae).collect()}
+    assert "vllm:measured_switch_on" not in {f.name for f in _EngineCollector(ae).collect()}

@@ -34,45 +34,110 @@ import httpx
 import numpy as np
 
 from dspark.bench.datasets import BenchPrompt
+from dspark.utils.options import opt
+
+
+def _optional_int(text: str) -> int | None:
+    return None if str(text).lower() in ("none", "0", "inf", "unbounded") else int(text)
+
+
+ENDPOINTS = {"chat": "chat", "/v1/chat/completions": "chat", "completions": "completions",
+             "/v1/completions": "completions"}
+BACKENDS = {"openai-chat": "chat", "openai": "completions", "vllm": "completions"}  # vLLM's --backend
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """Everything `run_bench` needs; CLI flags are these names in kebab case."""
+    """Everything `run_bench` needs; `dspark bench serve`'s flags are generated from these fields
+    (`dspark.engine_args`), in `vllm bench serve`'s spellings where it has the option."""
 
-    base_url: str = "http://127.0.0.1:8000"
-    model: str | None = None  # None: the first id listed by /v1/models
-    endpoint: str = "chat"  # chat | completions
-    dataset: str = "gsm8k"  # see dspark.bench.datasets
-    num_prompts: int = 100
-    max_tokens: int = 256
-    ignore_eos: bool = False  # True: fixed output length of max_tokens; False: natural stop
-    max_concurrency: int | None = None  # None: unbounded
-    request_rate: float = math.inf  # requests per second; inf: all at once
-    burstiness: float = 1.0  # gamma shape of inter-arrival times (1.0 = Poisson)
-    num_warmup: int = 1
-    seed: int = 0
+    base_url: str | None = opt(None, "the server (with or without /v1; default http://HOST:PORT)")
+    host: str = opt("127.0.0.1", "the server's host, when --base-url is not given")
+    port: int = opt(8000, "the server's port, when --base-url is not given")
+    model: str | None = opt(None, "model name to send (default: the first id of /v1/models)")
+    backend: str | None = opt(None, "vLLM's backend names: openai-chat (the chat endpoint), openai / vllm "
+                              "(completions); sets the endpoint when --endpoint is not given",
+                              choices=tuple(BACKENDS))
+    endpoint: str | None = opt(None, "chat | completions, or the path /v1/chat/completions | /v1/completions "
+                               "(default: chat)", choices=tuple(ENDPOINTS))
+    # see dspark.bench.datasets
+    dataset: str = opt("gsm8k", "random | sharegpt | custom (--dataset-path) | a prompt set: gsm8k, math500, "
+                       "humaneval, mbpp, livecodebench, mt-bench | math | code | chat | all | PATH.jsonl",
+                       flag="--dataset-name", aliases=("--dataset",))
+    dataset_path: str | None = opt(None, "the file of --dataset-name sharegpt (JSON) or custom (JSONL)")
+    num_prompts: int = opt(100, "measured requests")
+    max_tokens: int = opt(256, "max_tokens of each request (the random / sharegpt / custom output lengths "
+                          "override it)")
+    random_input_len: int = opt(128, "dataset random: prompt tokens (counted by the server's /tokenize)")
+    random_output_len: int | None = opt(None, "dataset random: max_tokens of each request")
+    random_range_ratio: float = opt(0.0, "dataset random: lengths drawn from [len*(1-r), len*(1+r)]")
+    sharegpt_output_len: int | None = opt(None, "dataset sharegpt: max_tokens of each request")
+    custom_output_len: int | None = opt(None, "dataset custom: max_tokens of each request")
+    # True: fixed output length of max_tokens; False: natural stop
+    ignore_eos: bool = opt(False, "fixed output length: always max_tokens", negatives=("--natural-stop",))
+    max_concurrency: int | None = opt(None, "max requests in flight (default: unbounded)", parse=_optional_int)
+    request_rate: float = opt(math.inf, "requests/s, gamma arrivals (default inf: all at once)")
+    burstiness: float = opt(1.0, "gamma shape of inter-arrival times; 1 = Poisson")
+    num_warmup: int = opt(1, "warm-up requests, not measured", flag="--num-warmups", aliases=("--num-warmup",))
+    seed: int = opt(0, "prompt order and arrivals")
     # measured prompts: [prompt_offset, prompt_offset + num_prompts) of the seed's shuffled order; the
     # warm-up takes the num_warmup after them, so no measured prompt was served before (a server's
     # prefix cache and cross-request lookup cache never saw it)
-    prompt_offset: int = 0
-    result_file: str | None = None
-    api_key: str | None = None
-    temperature: float = 0.0
-    random_input_len: int = 128  # words per prompt, dataset "random" only
-    request_timeout_s: float = 600.0
-    progress: bool = True
-    label: str = ""  # method name carried into results, for sweep plots and tables
+    prompt_offset: int = opt(0, "skip this many prompts of the seed's order (the warm-up takes the ones "
+                             "after the measured prompts)")
+    percentile_metrics: str = opt("ttft,tpot,itl,e2el", "latencies reported (comma list of ttft, tpot, itl, e2el)")
+    metric_percentiles: str = opt("90,99", "percentiles reported (comma list)")
+    goodput: tuple[str, ...] = opt((), "SLOs as KEY:MS (ttft, tpot, e2el): request_goodput counts the "
+                                   "requests meeting all of them")
+    extra_body: str | None = opt(None, "a JSON object merged into every request body")
+    save_result: bool = opt(False, "write the result JSON (to --result-dir / --result-filename)")
+    result_dir: str | None = opt(None, "folder of --save-result (default: the current one)")
+    result_filename: str | None = opt(None, "file name of --save-result (default: vLLM's pattern)")
+    result_file: str | None = opt(None, "write the full result (per-request records too) to this path")
+    api_key: str | None = opt(None, "sent as 'Authorization: Bearer KEY'")
+    temperature: float = opt(0.0, "sampling temperature of every request")
+    request_timeout_s: float = opt(600.0, "per-request client timeout")
+    disable_tqdm: bool = opt(False, "no progress bar")
+    label: str = opt("", "method name carried into results, for sweep plots and tables")
 
     def __post_init__(self) -> None:
-        if self.endpoint not in ("chat", "completions"):
-            raise ValueError(f"endpoint must be 'chat' or 'completions', got {self.endpoint!r}")
+        if self.endpoint is None:
+            object.__setattr__(self, "endpoint", BACKENDS.get(self.backend or "", "chat"))
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be chat, completions, /v1/chat/completions or /v1/completions, "
+                             f"got {self.endpoint!r}")
+        object.__setattr__(self, "endpoint", ENDPOINTS[self.endpoint])
+        if self.base_url is None:
+            object.__setattr__(self, "base_url", f"http://{self.host}:{self.port}")
         if self.burstiness <= 0 or self.request_rate <= 0:
             raise ValueError("burstiness and request_rate must be > 0")
         if self.prompt_offset < 0:
             raise ValueError(f"prompt_offset must be >= 0, got {self.prompt_offset}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1 (or None for unbounded)")
+        if not 0.0 <= self.random_range_ratio < 1.0:
+            raise ValueError(f"random_range_ratio must be in [0, 1), got {self.random_range_ratio}")
+        bad = set(self.metrics) - {"ttft", "tpot", "itl", "e2el"}
+        if bad:
+            raise ValueError(f"percentile_metrics: unknown {', '.join(sorted(bad))}; use ttft, tpot, itl, e2el")
+        self.percentiles  # noqa: B018 - parses them (ValueError for a bad list)
+        if self.extra_body is not None and not isinstance(json.loads(self.extra_body), dict):
+            raise ValueError("extra_body must be a JSON object")
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return tuple(x.strip() for x in self.percentile_metrics.split(",") if x.strip())
+
+    @property
+    def percentiles(self) -> tuple[float, ...]:
+        values = tuple(float(x) for x in self.metric_percentiles.split(",") if x.strip())
+        if not all(0 < p < 100 for p in values):
+            raise ValueError(f"metric_percentiles must lie in (0, 100), got {self.metric_percentiles!r}")
+        return values
+
+    @property
+    def progress(self) -> bool:
+        return not self.disable_tqdm
 
 
 @dataclass(frozen=True)
@@ -141,6 +206,8 @@ def build_payload(cfg: BenchConfig, model: str, prompt: str) -> dict:
     )
     if cfg.ignore_eos:  # vLLM / dspark extension; omitted otherwise, for strict servers
         payload["ignore_eos"] = True
+    if cfg.extra_body:
+        payload.update(json.loads(cfg.extra_body))
     return payload
 
 

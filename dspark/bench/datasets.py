@@ -7,8 +7,11 @@ Sources, all JSONL rows shaped `{"turns": [str, ...], "domain": "math|code|chat"
 - a domain name (math, code, chat): the rows of every eval file with that domain;
 - `all`: every eval file;
 - a path to any JSONL file of the same shape;
-- `random`: synthetic prompts of `random_input_len` words drawn from a fixed list of short, common
-  English words (about one token each in BPE vocabularies; exact token counts come back in `usage`).
+- `random`: synthetic prompts of `random_input_len` tokens (vLLM's meaning): common English words,
+  cut to exactly that many tokens by the server's `/tokenize` and `/detokenize` (`fit_token_lengths`;
+  a server without them keeps `random_input_len` words, about one token each); needs no prompt files;
+- `sharegpt` (vLLM's): a ShareGPT JSON file (`dataset_path`): each conversation's first human turn;
+- `custom` (vLLM's): a JSONL file (`dataset_path`) of `{"prompt": ...}` rows.
 
 `<datasets>` is `$DSPARK_DATASETS` if set, else `<repo>/../shared/datasets`. Only `eval/` is read; a
 path under `<datasets>/train/` is refused, because benchmarking on training prompts inflates
@@ -31,6 +34,7 @@ from pathlib import Path
 EVAL_SET_NAMES = ("gsm8k", "math500", "humaneval", "mbpp", "livecodebench", "mt-bench")
 DOMAIN_NAMES = ("math", "code", "chat")
 RANDOM_DATASET = "random"
+FILE_DATASETS = ("sharegpt", "custom")  # vLLM's dataset names that read --dataset-path
 
 _RANDOM_WORDS = (
     "the of and to in is it that for on was with as at by be this from or had not but what all "
@@ -50,6 +54,7 @@ class BenchPrompt:
     prompt: str
     domain: str  # math | code | chat | random
     source: str  # gsm8k, mt-bench, ... or "random"
+    num_tokens: int | None = None  # random: the prompt's length in tokens (fit_token_lengths)
 
 
 def datasets_dir() -> Path:
@@ -101,23 +106,56 @@ def _load_rows(dataset: str) -> list[BenchPrompt]:
     )
 
 
-def random_prompts(num_prompts: int, input_len: int, seed: int) -> list[BenchPrompt]:
-    """`num_prompts` synthetic prompts of `input_len` random common words each."""
+def random_lengths(num_prompts: int, input_len: int, seed: int, range_ratio: float = 0.0) -> list[int]:
+    """Each prompt's token count: `input_len`, or uniform in [len*(1-r), len*(1+r)] (vLLM's range ratio)."""
+    rng = random.Random(seed + 1)
+    lo, hi = max(1, int(input_len * (1 - range_ratio))), max(1, int(input_len * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(num_prompts)]
+
+
+def random_prompts(num_prompts: int, input_len: int, seed: int, range_ratio: float = 0.0) -> list[BenchPrompt]:
+    """`num_prompts` synthetic prompts of random common words, as many words as tokens wanted (a word is
+    about one token; `fit_token_lengths` makes the count exact)."""
     rng = random.Random(seed)
-    return [
-        BenchPrompt(" ".join(rng.choices(_RANDOM_WORDS, k=input_len)), RANDOM_DATASET,
-                    RANDOM_DATASET)
-        for _ in range(num_prompts)
-    ]
+    return [BenchPrompt(" ".join(rng.choices(_RANDOM_WORDS, k=n)), RANDOM_DATASET, RANDOM_DATASET, n)
+            for n in random_lengths(num_prompts, input_len, seed, range_ratio)]
+
+
+def _read_sharegpt(path: Path) -> list[BenchPrompt]:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    rows = []
+    for item in data:
+        turns = [t.get("value") for t in item.get("conversations") or [] if t.get("from") in ("human", "user")]
+        if turns and isinstance(turns[0], str) and turns[0]:
+            rows.append(BenchPrompt(turns[0], "chat", "sharegpt"))
+    return rows
+
+
+def _read_custom(path: Path) -> list[BenchPrompt]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                prompt = json.loads(line).get("prompt")
+                if not isinstance(prompt, str) or not prompt:
+                    raise ValueError(f"{path}:{line_no}: a custom dataset row needs a non-empty 'prompt'")
+                rows.append(BenchPrompt(prompt, "custom", "custom"))
+    return rows
 
 
 def load_prompts(
-    dataset: str, num_prompts: int | None = None, seed: int = 0, random_input_len: int = 128
+    dataset: str, num_prompts: int | None = None, seed: int = 0, random_input_len: int = 128,
+    dataset_path: str | None = None, random_range_ratio: float = 0.0,
 ) -> list[BenchPrompt]:
     """Return `num_prompts` prompts (all rows when None) from `dataset`, shuffled with `seed`."""
     if dataset == RANDOM_DATASET:
-        return random_prompts(num_prompts or 100, random_input_len, seed)
-    rows = _load_rows(dataset)
+        return random_prompts(num_prompts or 100, random_input_len, seed, random_range_ratio)
+    if dataset in FILE_DATASETS:
+        if not dataset_path:
+            raise ValueError(f"dataset {dataset!r} needs --dataset-path")
+        rows = (_read_sharegpt if dataset == "sharegpt" else _read_custom)(Path(dataset_path))
+    else:
+        rows = _load_rows(dataset_path or dataset)
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no rows")
     rng = random.Random(seed)
@@ -130,4 +168,19 @@ def load_prompts(
     if wanted > len(rows):
         print(f"[bench] dataset {dataset!r} has {len(rows)} rows; cycling to {wanted} prompts "
               "(repeated prompts may hit the prefix cache)", file=sys.stderr)
+    return out
+
+
+async def fit_token_lengths(prompts: list[BenchPrompt], tokenize, detokenize) -> list[BenchPrompt]:
+    """Random prompts cut to exactly `num_tokens` tokens of the served tokenizer: words enough for twice
+    the length are tokenized (`await tokenize(text) -> ids`), cut, and detokenized (`await detokenize(ids)
+    -> text`). Prompts without `num_tokens` are kept."""
+    rng = random.Random(len(prompts))
+    out = []
+    for p in prompts:
+        if p.num_tokens is None:
+            out.append(p)
+            continue
+        ids = await tokenize(p.prompt + " " + " ".join(rng.choices(_RANDOM_WORDS, k=p.num_tokens)))
+        out.append(BenchPrompt(await detokenize(ids[:p.num_tokens]), p.domain, p.source, p.num_tokens))
     return out

@@ -14,7 +14,7 @@ A name is `BASE[-kN][-POLICY]`, parts separated by "-":
   drafter methods only: `dspark-prefix-lookup`, `dspark-k3-lookup`);
 - `unswitched`: without the measured switch (`"measured_switch": false`; prefix and async only, the
   policies with a draft gate: `dspark-prefix-lookup-unswitched`), to measure the switch side by side.
-Plain `ngram` drafts NGRAM_DEFAULT_TOKENS tokens; plain drafter methods use `SpecConfig`'s
+Plain `ngram` drafts NGRAM_DEFAULT_TOKENS tokens from matches of NGRAM_LOOKUP tokens; plain drafter methods use `SpecConfig`'s
 default γ.
 
 Example: `method_spec(parse_method("dspark-k3"), drafter_dir="ckpt/dspark")`
@@ -33,6 +33,7 @@ DRAFTER_METHODS = ("dspark", "dflash", "eagle3", "draft_model")
 COST_TABLE_POLICIES = ("prefix", "async")
 CONFIDENCE_METHODS = ("dspark",)  # adaptive policies need a confidence head (engine/build.py)
 NGRAM_DEFAULT_TOKENS = 4
+NGRAM_LOOKUP = (2, 5)  # prompt_lookup_min / max of the `ngram` method
 LOOKUP_PART = "lookup"
 UNSWITCHED_PART = "unswitched"
 
@@ -111,6 +112,8 @@ def method_spec(method: Method, *, drafter_dir: str | None = None,
         num_tokens = NGRAM_DEFAULT_TOKENS
     if num_tokens is not None:
         spec["num_speculative_tokens"] = num_tokens
+    if method.base == "ngram":  # the match lengths the sweeps were measured with (vLLM's default is 5..5)
+        spec |= {"prompt_lookup_min": NGRAM_LOOKUP[0], "prompt_lookup_max": NGRAM_LOOKUP[1]}
     if method.length_policy is not None:
         spec["length_policy"] = method.length_policy
     if method.ngram_first:

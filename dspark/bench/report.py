@@ -72,31 +72,34 @@ def format_summary(result: dict) -> str:
         if result.get(key):
             lines.append(f"{name:<20}{str(result[key]):>40}")
     row("Requests completed / failed",
-        f"{result.get('num_completed')} / {result.get('num_failed')}")
+        f"{result.get('completed')} / {result.get('failed')}")
     row("Max concurrency", result.get("max_concurrency") or "unbounded")
     row("Request rate (req/s)", result.get("request_rate"))
-    row("Benchmark duration (s)", result.get("duration_s"))
+    row("Benchmark duration (s)", result.get("duration"))
     row("Total input tokens", result.get("total_input_tokens"))
     row("Total output tokens", result.get("total_output_tokens"))
-    row("Request throughput (req/s)", result.get("request_throughput_req_s"))
-    row("Output token throughput (tok/s)", result.get("output_throughput_tok_s"))
-    row("Total token throughput (tok/s)", result.get("total_token_throughput_tok_s"))
+    row("Request throughput (req/s)", result.get("request_throughput"))
+    if result.get("request_goodput") is not None:
+        row("Request goodput (req/s)", result.get("request_goodput"))
+    row("Output token throughput (tok/s)", result.get("output_throughput"))
+    row("Peak output token throughput (tok/s)", result.get("max_output_tokens_per_s"))
+    row("Total token throughput (tok/s)", result.get("total_token_throughput"))
     row("Per-user output speed (tok/s, 1000/TPOT)", result.get("per_user_output_tok_s"))
     row("Mean tokens per stream chunk", result.get("mean_tokens_per_chunk"))
     for key, name in _LATENCY_ROWS:
         lines.append(f" {name} ".center(width, "-"))
-        for stat in ("mean", "median", "p90", "p99"):
+        stats = [k[: -len(f"_{key}_ms")] for k in result if k.endswith(f"_{key}_ms")]
+        for stat in stats:
             row(f"{stat.capitalize()} {key.upper()} (ms)", result.get(f"{stat}_{key}_ms"))
-    spec = result.get("spec_decode")
     lines.append(" Speculative decoding (server /metrics) ".center(width, "-"))
-    if spec:
+    if "spec_decode_num_drafts" in result:
         row("Drafts / draft tokens / accepted",
-            f"{spec['num_drafts']:.0f} / {spec['num_draft_tokens']:.0f} / "
-            f"{spec['num_accepted_tokens']:.0f}")
-        row("Acceptance length (incl. bonus)", spec.get("acceptance_length"), 3)
-        row("Acceptance rate", spec.get("acceptance_rate"), 3)
-        row("Mean verify budget (drafts/request/step)", spec.get("mean_verify_budget"), 3)
-        per_pos = spec.get("per_position_acceptance_rate")
+            f"{result['spec_decode_num_drafts']:.0f} / {result['spec_decode_draft_tokens']:.0f} / "
+            f"{result['spec_decode_accepted_tokens']:.0f}")
+        row("Acceptance length (incl. bonus)", result.get("spec_decode_acceptance_length"), 3)
+        row("Acceptance rate (%)", result.get("spec_decode_acceptance_rate"), 2)
+        row("Mean verify budget (drafts/request/step)", result.get("spec_decode_mean_verify_budget"), 3)
+        per_pos = result.get("spec_decode_per_position_acceptance_rates")
         if per_pos:
             lines.append("Per-position acceptance: " + " ".join(f"{r:.2f}" for r in per_pos))
     else:
@@ -168,7 +171,8 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, flo
 
 def throughput_point(result: dict) -> tuple[float, float] | None:
     """(total output tok/s, per-user tok/s = 1000 / mean TPOT ms) of one result, if defined."""
-    x, y = result.get("output_throughput_tok_s"), result.get("per_user_output_tok_s")
+    x = result.get("output_throughput", result.get("output_throughput_tok_s"))  # a run, or a sweep point
+    y = result.get("per_user_output_tok_s")
     if x is None or y is None:
         return None
     return float(x), float(y)

@@ -151,14 +151,21 @@ def resolve_spec(args: argparse.Namespace, method: Method, drafter_dirs: dict[st
     return spec
 
 
+# a bench run's (vLLM's) key → the sweep point's
+RUN_TO_POINT = {"completed": "num_completed", "failed": "num_failed", "duration": "duration_s",
+                "request_throughput": "request_throughput_req_s", "output_throughput": "output_throughput_tok_s"}
+
+
 def to_point(result: dict, *, method: str, dataset: str, concurrency: int, repeat: int) -> dict:
     """One results.json point: the aggregate metrics plus τ and verify budget from /metrics."""
-    spec = result.get("spec_decode") or {}
+    renamed = {RUN_TO_POINT.get(k, k): v for k, v in result.items()}
+    spec = {k: v for k, v in result.items() if k.startswith("spec_decode_")}
     point = {"method": method, "dataset": dataset, "max_concurrency": concurrency,
-             "repeat": repeat, **{k: result.get(k) for k in POINT_KEYS}}
-    point["tau"] = spec.get("acceptance_length")
-    point["acceptance_rate"] = spec.get("acceptance_rate")
-    point["mean_verify_budget"] = spec.get("mean_verify_budget")
+             "repeat": repeat, **{k: renamed.get(k) for k in POINT_KEYS}}
+    point["tau"] = spec.get("spec_decode_acceptance_length")
+    rate = spec.get("spec_decode_acceptance_rate")
+    point["acceptance_rate"] = None if rate is None else rate / 100.0
+    point["mean_verify_budget"] = spec.get("spec_decode_mean_verify_budget")
     point["spec_decode"] = spec or None
     return point
 
@@ -209,7 +216,7 @@ def bench_point(args: argparse.Namespace, name: str, base_url: str, out_dir: Pat
         num_warmup=args.num_warmup, seed=args.seed, result_file=str(raw),
         prompt_offset=0 if args.reuse_prompts else prompt_offsets(args)[dataset, concurrency, repeat],
         temperature=args.temperature, random_input_len=args.random_input_len,
-        request_timeout_s=args.request_timeout_s, progress=False, label=name)
+        request_timeout_s=args.request_timeout_s, disable_tqdm=True, label=name)
     try:
         point = to_point(run_bench(cfg), method=name, dataset=dataset,
                          concurrency=concurrency, repeat=repeat)

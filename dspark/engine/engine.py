@@ -63,7 +63,7 @@ class Engine:
         draft_specs = drafter.kv_layer_specs() if drafter else []
         kv_block_size = config.cache.kv_block_size
         num_kv_blocks = config.cache.num_kv_blocks or max(16, int(
-            config.cache.kv_cache_memory_gb * 2**30
+            config.cache.kv_cache_memory_bytes
             // kv_bytes_per_block(layer_specs + draft_specs, kv_block_size, dtype)))
         # one block past the block manager's: the padding rows of a replayed CUDA graph store their K/V
         # there (dspark.engine.cuda_graphs), no request ever owns it
@@ -139,6 +139,11 @@ class Engine:
                              f"{self.max_model_len} (prompt + at least one generated token)")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name, None)
+            if isinstance(k, int) and limit != -1 and k > limit:
+                raise ValueError(f"{name}={k} exceeds the server's max_logprobs ({limit}; --max-logprobs)")
         bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "

@@ -61,6 +61,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []  # finished since the last take_finished()
+        self.num_prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache
+        self.num_prefix_cache_hits = 0  # ... and found there
 
     # -- queue management ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -128,6 +130,7 @@ class Scheduler:
             return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            queried = 0
             if not req.block_table and req.num_computed_tokens == 0:
                 if req.uses_speculation and self.drafter_needs_kv and self.admit_model_drafting is not None:
                     req.model_drafting = self.admit_model_drafting()
@@ -136,6 +139,7 @@ class Scheduler:
                 req.num_computed_tokens = cached
                 req.num_cached_tokens = cached
                 req.num_draft_computed = cached if need_draft_kv else 0
+                queried = req.num_tokens if self.block_manager.enable_prefix_caching else 0
             item = self._fit(req, budget)
             if not self._allocate(req, item):
                 # pool short: give the prefix hit back (it stays cached) and wait for blocks
@@ -143,6 +147,8 @@ class Scheduler:
                 req.num_computed_tokens = req.num_cached_tokens = req.num_draft_computed = 0
                 break
             self.waiting.popleft()
+            self.num_prefix_cache_queries += queried  # tokens looked up in the prefix cache, and hit
+            self.num_prefix_cache_hits += req.num_cached_tokens if queried else 0
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(item)

@@ -125,3 +125,4 @@ def _load_gguf_tokenizer(path: Path) -> Any:
     except OSError as e:
         logger.info("tokenizer cache %s not writable (%s); converting on every load", cache, e)
     return tok
+

@@ -1,17 +1,21 @@
 """The FastAPI app: OpenAI-compatible routes over one `AsyncEngine`.
 
-    GET  /v1/models            the one served model
+    GET  /v1/models            the served model, once per served name (with max_model_len)
     POST /v1/completions       prompt (text or token ids) → text; SSE when stream=true
     POST /v1/chat/completions  messages → chat template → text; SSE when stream=true
     GET  /health               200 while the engine thread runs, 503 after it failed
     GET  /metrics              Prometheus text (see `server/metrics.py`)
+    POST /tokenize             {"prompt"} or {"messages"} → {"count", "max_model_len", "tokens"} (vLLM's)
+    POST /detokenize           {"tokens"} → {"prompt"}
+    GET  /version              {"version"}
 
 Every error leaves as OpenAI's body `{"error": {"message", "type", "param", "code"}}`; bad input is
 a 4xx and never stops the server (the edge guards of `server/guard.py`, strict field types in
 `protocol.py`, ranges in `SamplingParams`, the rest in `server/validation.py`); a fault serving one
 request is a 500 with its message. Past `ServerConfig.max_num_waiting` requests get 429, while
 draining 503, both with Retry-After. With an API key every route but /health and /version (and
-/metrics unless `api_key_metrics`) needs `Authorization: Bearer KEY`.
+/metrics unless `api_key_metrics`) needs `Authorization: Bearer KEY` (any of several keys). Every
+served model name answers; responses carry the first.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
+from collections.abc import Sequence
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,30 +38,48 @@ from dspark.server.config import ServerConfig
 from dspark.server.guard import APIKeyGuard, BodyGuard
 from dspark.server.logprobs import LogprobFormatter
 from dspark.server.metrics import ServerMetrics
-from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                    ModelList)
+from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    ModelCard, ModelList, TokenizeRequest)
 from dspark.server.serving import APIError, bad_request
+from dspark.server.tokenize import detokenize as detokenize_ids
+from dspark.server.tokenize import tokenize as tokenize_ids
 from dspark.server.validation import check_context, check_fields
+from dspark.generation_config import apply_defaults
 
 log = logging.getLogger(__name__)
 
 
-def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
-              config: ServerConfig | None = None) -> FastAPI:
-    """`api_key` overrides `config.api_key`; the config's admission limits are set on the engine."""
+def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
+              api_key: str | Sequence[str] | None = None, config: ServerConfig | None = None) -> FastAPI:
+    """`model_name`: the served name(s), the first reported in responses (`config.served_model_name`
+    wins where set); `api_key` (one or several) overrides `config.api_key`; the config's admission
+    limits are set on the engine, its logging settings apply."""
     config = config or ServerConfig()
-    api_key = api_key or config.api_key
+    names = config.served_model_name or ((model_name,) if isinstance(model_name, str) else tuple(model_name))
+    model_name = names[0]
+    api_key = ((api_key,) if isinstance(api_key, str) else tuple(api_key or ())) or config.api_key
     async_engine.max_num_waiting = config.max_num_waiting
     async_engine.request_timeout_s = config.request_timeout_s
     retry_after = {"Retry-After": str(config.retry_after_s)}
-    metrics = ServerMetrics(async_engine)
+    metrics = ServerMetrics(async_engine, model_name=model_name)
     async_engine.on_request_end = metrics.on_request_end
     tokenizer = async_engine.tokenizer
+    engine_config = getattr(async_engine.engine, "config", None)
+    defaults = {}
+    if engine_config is not None:
+        from dspark.generation_config import sampling_defaults
+        defaults = sampling_defaults(engine_config.generation_config, engine_config.model)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        stats = None
+        if not config.disable_log_stats:
+            from dspark.server.stats_log import StatsLogger
+            stats = StatsLogger(async_engine).start()
         yield
+        if stats is not None:
+            stats.stop()
         async_engine.shutdown()
 
     app = FastAPI(title="dspark", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -71,8 +94,9 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
     vocab_size = async_engine.engine.model_config.vocab_size
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"The model `{name}` does not exist. Served: `{model_name}`.",
+        if name is not None and name not in names:
+            served = ", ".join(f"`{n}`" for n in names)
+            raise APIError(404, f"The model `{name}` does not exist. Served: {served}.",
                            type="not_found_error", param="model")
 
     def refusal(e: AdmissionError) -> APIError:
@@ -100,12 +124,15 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
         except RuntimeError as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
-    async def start(prompt_ids: list[int], params) -> list[RequestStream]:
+    async def start(prompt_ids: list[int], params, prefix: str = "cmpl") -> list[RequestStream]:
         """One engine request per choice (n); choice i > 0 is `<id>-<i>`, seeded with seed + i, added once
-        choice 0 has emitted (so they share its prompt's KV through the prefix cache)."""
+        choice 0 has emitted (so they share its prompt's KV through the prefix cache). Ids are `cmpl-...`,
+        chat's `chatcmpl-...` (OpenAI's and vLLM's)."""
         check_context(len(prompt_ids), params.max_tokens, max_model_len=async_engine.max_model_len,
                       vocab_size=vocab_size, prompt_ids=prompt_ids)
-        base = f"cmpl-{uuid.uuid4().hex}"
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        if config.enable_log_requests:
+            log.info("request %s: %d prompt tokens, %s", base, len(prompt_ids), params)
         streams: list[RequestStream] = []
         try:
             for i in range(params.n):
@@ -149,14 +176,15 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
 
     @v1.get("/models")
     async def list_models():
-        card = ModelCard(id=model_name, max_model_len=async_engine.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        root = getattr(engine_config, "model", None)
+        cards = [ModelCard(id=n, root=root, max_model_len=async_engine.max_model_len) for n in names]
+        return ModelList(data=cards).model_dump()
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_fields(body, vocab_size=vocab_size)
-        params = serving.sampling_params(body, body.max_tokens, tokenizer)
+        params = apply_defaults(serving.sampling_params(body, body.max_tokens, tokenizer), body, defaults)
         admit()
         prompt_ids = serving.completion_prompt_ids(body, tokenizer)
         echo = serving.echo_text(body, prompt_ids, tokenizer) if body.echo else ""
@@ -170,14 +198,30 @@ def build_app(async_engine: AsyncEngine, *, model_name: str, api_key: str | None
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_fields(body, vocab_size=vocab_size)
-        params = serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer)
+        params = apply_defaults(serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer), body,
+                                defaults)
         admit()
         prompt_ids = serving.chat_prompt_ids(body, tokenizer)
         mode = serving.tool_mode(body)
         outputs = [serving.Output(logprobs=None if params.logprobs is None else LogprobFormatter(tokenizer, chat=True),
                                   tool_mode=mode) for _ in range(params.n)]
-        streams = await start(prompt_ids, params)
+        streams = await start(prompt_ids, params, "chatcmpl")
         return await respond(request, body, streams, serving.CHAT, outputs)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        return tokenize_ids(body, tokenizer, max_model_len=async_engine.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        return detokenize_ids(body, tokenizer)
+
+    @app.get("/version")
+    async def version():
+        from dspark import __version__
+        return {"version": __version__}
 
     app.include_router(v1)
     return app

@@ -73,6 +73,7 @@ class RequestRecord:
     arrival_s: float  # time.perf_counter() at add_request
     first_token_s: float | None  # when the first output token left the engine thread
     end_s: float
+    token_times_s: tuple[float, ...] = ()  # when each step's output tokens left the engine thread
 
 
 @dataclass
@@ -84,6 +85,7 @@ class _Tracked:
     num_prompt_tokens: int
     deadline_s: float | None = None  # time.perf_counter() past which the request is aborted
     first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -410,6 +412,8 @@ class AsyncEngine:
         now_s = time.perf_counter()
         if num_kept and tracked.first_token_s is None:
             tracked.first_token_s = now_s
+        if num_kept:
+            tracked.token_times_s.append(now_s)
         reason = None
         if finished:
             text += self.detokenizer.flush(tracked.state)
@@ -434,7 +438,8 @@ class AsyncEngine:
             request_id=request_id, finish_reason=reason,
             num_prompt_tokens=tracked.num_prompt_tokens,
             num_output_tokens=len(tracked.state.token_ids), arrival_s=tracked.arrival_s,
-            first_token_s=tracked.first_token_s, end_s=end_s or time.perf_counter())
+            first_token_s=tracked.first_token_s, end_s=end_s or time.perf_counter(),
+            token_times_s=tuple(tracked.token_times_s))
         try:
             self.on_request_end(record)
         except Exception:

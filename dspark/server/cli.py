@@ -1,8 +1,11 @@
 """`dspark serve [MODEL]`: build the engine and serve the OpenAI-compatible API with uvicorn.
 
     dspark serve                                   # the embedded default model, 127.0.0.1:8000
-    dspark serve ./SmolLM2-360M --port 8001 --api-key secret --served-model-name smol
-    dspark serve MODEL --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    dspark serve ./SmolLM2-360M --port 8001 --api-key secret --served-model-name smol smol-360m
+    dspark serve MODEL --max-model-len 4k --speculative-config.method ngram \
+        --speculative-config.num_speculative_tokens 4
+
+The flags are generated from `EngineConfig` and `ServerConfig` (dspark.engine_args), in vLLM's spellings.
 
 Without --speculative-config the model's shipped drafter (if any) is used; "none" turns it off.
 """
@@ -16,7 +19,6 @@ import threading
 
 log = logging.getLogger(__name__)
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def register(sub) -> None:
@@ -24,52 +26,58 @@ def register(sub) -> None:
     from dspark.server.config import add_server_args
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; use 0.0.0.0 to expose on the network)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the MODEL argument)")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    add_server_args(p)  # admission, deadline, body limit, drain, API key (dspark.server.config)
-    p.add_argument("--chat-template", default=None,
-                   help="Jinja chat template (a file or the template text) for a model without one "
-                        "(base models: chat requests get a 400 otherwise)")
+    add_server_args(p)  # address, names, keys, logging, admission, deadline, body limit, drain
     p.set_defaults(func=run)
 
 
-def default_spec(args: argparse.Namespace):
+def default_spec(config):
     """The drafter shipped for the model (dspark.drafters.shipped), with the cost table of the engine's
     matmul dtype, or None when there is none."""
     from dspark.drafters.shipped import default_spec_config
     from dspark.engine.build import resolve_matmul_dtype
-    return default_spec_config(args.model, matmul_dtype=resolve_matmul_dtype(
-        args.matmul_dtype, dtype=args.dtype, device=args.device, model=args.model,
-        tensor_parallel_size=args.tensor_parallel_size))
+    return default_spec_config(config.model, matmul_dtype=resolve_matmul_dtype(
+        config.matmul_dtype, dtype=config.dtype, device=config.device, model=config.model,
+        tensor_parallel_size=config.tensor_parallel_size))
+
+
+def configs_from_args(args: argparse.Namespace):
+    """(EngineConfig, ServerConfig) of `dspark serve`'s flags; the shipped drafter where
+    --speculative-config was not given."""
+    import dataclasses
+
+    from dspark.cli import engine_config_from_args
+    from dspark.server.config import server_config_from_args
+    server = server_config_from_args(args)
+    config = engine_config_from_args(args)
+    if args.speculative_config is None:
+        config = dataclasses.replace(config, spec=default_spec(config))
+    return config, server
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark.cli import engine_config_from_args
     from dspark.engine.build import build_engine
     from dspark.server.app import build_app
     from dspark.server.async_engine import AsyncEngine
-    from dspark.server.config import server_config_from_args
 
-    logging.getLogger().setLevel(args.log_level.upper())
-    config = engine_config_from_args(args, default_spec=default_spec(args))
+    config, server_config = configs_from_args(args)
+    logging.getLogger().setLevel(_python_level(server_config.uvicorn_log_level))
     engine, tokenizer = build_engine(config)
-    if args.chat_template:
+    if server_config.chat_template:
         from dspark.models.tokenizer import with_chat_template
-        tokenizer = with_chat_template(tokenizer, args.chat_template)
-    model_name = args.served_model_name or args.model
+        tokenizer = with_chat_template(tokenizer, server_config.chat_template)
+    model_names = server_config.served_model_name or (config.model,)
     spec = config.spec.method if config.spec else "none"
-    log.info("serving %s as %r on http://%s:%d (speculation: %s)", config.model, model_name,
-             args.host, args.port, spec)
-    server_config = server_config_from_args(args)
+    log.info("serving %s as %s on http://%s:%d (speculation: %s)", config.model,
+             ", ".join(repr(n) for n in model_names), server_config.host, server_config.port, spec)
     async_engine = AsyncEngine(engine, tokenizer, own_thread=False)
-    app = build_app(async_engine, model_name=model_name, config=server_config)
-    return serve_app(app, async_engine, host=args.host, port=args.port, log_level=args.log_level,
-                     drain_timeout_s=server_config.drain_timeout_s,
+    app = build_app(async_engine, model_name=model_names, config=server_config)
+    return serve_app(app, async_engine, host=server_config.host, port=server_config.port,
+                     log_level=server_config.uvicorn_log_level, drain_timeout_s=server_config.drain_timeout_s,
                      max_connections=server_config.max_connections)
+
+
+def _python_level(level: str) -> int:
+    return logging.DEBUG if level == "trace" else getattr(logging, level.upper())
 
 
 def serve_app(app, async_engine, *, host: str, port: int, log_level: str = "info",

@@ -33,9 +33,10 @@ class APIKeyGuard:
     """`Authorization: Bearer KEY` on every route but PUBLIC_PATHS (and /metrics without
     `protect_metrics`); checked before the body is read, so a bad key is always a 401."""
 
-    def __init__(self, app, *, api_key: str, protect_metrics: bool = False):
+    def __init__(self, app, *, api_key: str | tuple[str, ...], protect_metrics: bool = False):
         self.app = app
-        self.api_key = api_key.encode()
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key)
+        self.api_keys = [k.encode() for k in keys]  # any of them opens the routes
         self.protect_metrics = protect_metrics
 
     def _protected(self, path: str) -> bool:
@@ -47,7 +48,8 @@ class APIKeyGuard:
         if scope["type"] == "http" and self._protected(scope["path"]):
             headers = dict(scope.get("headers") or ())
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            ok = hmac.compare_digest(token.strip(), self.api_key)  # constant time, whatever scheme
+            token = token.strip()
+            ok = any([hmac.compare_digest(token, key) for key in self.api_keys])  # each constant time, all compared
             if scheme.lower() != b"bearer" or not ok:
                 err = _error(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
                              type="authentication_error")

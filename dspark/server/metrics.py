@@ -1,5 +1,8 @@
 """Prometheus metrics for one app: a private registry (several apps can live in one process, as in
-tests), vLLM-style names with the `dspark:` prefix.
+tests), under vLLM's names and labels: the `vllm:` prefix, `model_name` (the first served name) and
+`engine` ("0") on every series, `finished_reason` on `vllm:request_success_total`, so dashboards built for
+vLLM read dspark unchanged. dspark's own series (draft gate, measured switch, cost table, verify budget,
+coalescing) follow the same convention.
 
 Counters that the engine already counts (tokens, spec-decode drafts) are not double-kept: a custom
 collector reads `EngineMetrics` at scrape time, so they are exact. Request-level latencies are
@@ -8,7 +11,12 @@ thread; prometheus_client metrics are thread-safe). The verify-budget and coales
 are fed from `EngineMetrics.drain_verify_lens()` / `drain_coalesce_held_steps()` at each request end
 and each scrape. τ (mean tokens per verification round) is derived from the counters at scrape
 time, and the cost table the length policy is using (live, if online upkeep refreshes it) is one
-gauge sample per profiled point.
+gauge sample per profiled point. The per-position acceptance counter has a series for every draft position
+0..K-1 from the start (K = the drafter's drafts per step), as vLLM's does.
+
+Latencies as vLLM defines them: `vllm:inter_token_latency_seconds` one observation per gap between two
+steps that gave a request output (with speculation a step can carry several tokens), and
+`vllm:request_time_per_output_token_seconds` one per request: (end - first token) / (output tokens - 1).
 """
 
 from __future__ import annotations
@@ -26,29 +34,49 @@ E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50
                  240.0, 480.0, 960.0)
 VERIFY_BUDGET_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 COALESCE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+PREFIX = "vllm:"
+LABELS = ["model_name", "engine"]
 
 
 class _EngineCollector:
     """Reads the engine's counters and gauges at scrape time."""
 
-    def __init__(self, async_engine):
+    def __init__(self, async_engine, labels: list[str] | None = None):
         self.async_engine = async_engine
+        self.labels = labels or ["dspark", "0"]  # [model_name, engine]
 
     def describe(self):
         return []  # no up-front description: register() must not call collect() early
 
+    def _family(self, kind, name: str, doc: str, extra: list[str] | None = None):
+        return kind(PREFIX + name, doc, labels=LABELS + (extra or []))
+
+    def _one(self, kind, name: str, doc: str, value: float):
+        family = self._family(kind, name, doc)
+        family.add_metric(self.labels, value)
+        return family
+
     def collect(self):
         ae = self.async_engine
         m = ae.metrics
+        sched = getattr(ae.engine, "scheduler", None)
 
         def counter(name: str, doc: str, value: float):
-            return CounterMetricFamily(f"dspark:{name}", doc, value=value)
+            return self._one(CounterMetricFamily, name, doc, value)
+
+        def gauge(name: str, doc: str, value: float):
+            return self._one(GaugeMetricFamily, name, doc, value)
 
         yield counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
                       m.num_prompt_tokens)
         yield counter("generation_tokens", "Output tokens produced by the engine.",
                       m.num_generation_tokens)
         yield counter("num_preemptions", "Requests preempted by recompute.", m.num_preemptions)
+        yield counter("prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.",
+                      getattr(sched, "num_prefix_cache_queries", 0))
+        yield counter("prefix_cache_hits", "Tokens of admitted requests found in the prefix cache.",
+                      getattr(sched, "num_prefix_cache_hits", 0))
         yield counter("spec_decode_num_drafts", "Verification rounds that carried drafts.",
                       m.num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", m.num_draft_tokens)
@@ -74,97 +102,100 @@ class _EngineCollector:
         yield counter("spec_decode_num_admitted_without_drafter",
                       "Requests admitted while the draft gate stayed closed: no drafter context, prompt "
                       "lookup only (gate_admission).", m.num_admitted_without_drafter)
-        per_pos = CounterMetricFamily("dspark:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted draft tokens by draft position.",
-                                      labels=["position"])
-        for pos, value in enumerate(list(m.accepted_per_pos)):
-            per_pos.add_metric([str(pos)], value)
+        per_pos = self._family(CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted draft tokens by draft position.", ["position"])
+        drafter = getattr(ae.engine, "drafter", None)
+        accepted = list(m.accepted_per_pos)
+        num_pos = max(len(accepted), getattr(drafter, "num_draft_tokens", 0) if drafter else 0)
+        for pos in range(num_pos):
+            per_pos.add_metric(self.labels + [str(pos)], accepted[pos] if pos < len(accepted) else 0)
         yield per_pos
         tau = 1.0 + m.num_accepted_tokens / m.num_drafts if m.num_drafts else 1.0
-        yield GaugeMetricFamily("dspark:spec_decode_mean_acceptance_length",
-                                "Mean tokens per verification round with drafts (tau, bonus "
-                                "included).", value=tau)
+        yield gauge("spec_decode_mean_acceptance_length",
+                    "Mean tokens per verification round with drafts (tau, bonus included).", tau)
         cost_table = getattr(ae.engine, "cost_table", None)
         if cost_table is not None:
-            sps = GaugeMetricFamily("dspark:cost_table_sps",
-                                    "Verification steps per second at num_tokens, from the "
-                                    "cost table in use.", labels=["num_tokens"])
+            sps = self._family(GaugeMetricFamily, "cost_table_sps", "Verification steps per second at "
+                               "num_tokens, from the cost table in use.", ["num_tokens"])
             for num_tokens, value in zip(cost_table.num_tokens, cost_table.steps_per_second):
-                sps.add_metric([str(num_tokens)], value)
+                sps.add_metric(self.labels + [str(num_tokens)], value)
             yield sps
         switch = getattr(ae.engine, "switch", None)
         if switch is not None:
-            on = GaugeMetricFamily("dspark:measured_switch_on",
-                                   "Speculation on (1) or off (0) at a load (requests in a step), as the "
-                                   "measured switch decided it.", labels=["load"])
-            per_token = GaugeMetricFamily("dspark:measured_switch_seconds_per_token",
-                                          "Seconds of an engine decode step per emitted token at a load, "
-                                          "with speculation and without (measured switch).",
-                                          labels=["load", "mode"])
+            on = self._family(GaugeMetricFamily, "measured_switch_on", "Speculation on (1) or off (0) at a "
+                              "load (requests in a step), as the measured switch decided it.", ["load"])
+            per_token = self._family(GaugeMetricFamily, "measured_switch_seconds_per_token",
+                                     "Seconds of an engine decode step per emitted token at a load, with "
+                                     "speculation and without (measured switch).", ["load", "mode"])
             for label, is_on, spec, plain in switch.snapshot():
-                on.add_metric([label], float(is_on))
+                on.add_metric(self.labels + [label], float(is_on))
                 for mode, value in (("speculative", spec), ("plain", plain)):
                     if value is not None:
-                        per_token.add_metric([label, mode], value)
+                        per_token.add_metric(self.labels + [label, mode], value)
             yield on
             yield per_token
-        yield GaugeMetricFamily("dspark:kv_cache_usage_perc", "KV-cache usage (1 = full).",
-                                value=ae.kv_usage)
-        yield GaugeMetricFamily("dspark:num_requests_waiting", "Requests waiting for admission.",
-                                value=ae.num_waiting)
-        yield GaugeMetricFamily("dspark:num_requests_running", "Requests being scheduled.",
-                                value=ae.num_running)
-        yield from _reliability_families(ae)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", ae.kv_usage)
+        yield gauge("num_requests_waiting", "Requests waiting for admission.", ae.num_waiting)
+        yield gauge("num_requests_running", "Requests being scheduled.", ae.num_running)
+        yield from self._reliability_families(ae)
 
-
-def _reliability_families(ae):
-    """Admission refusals, requests failed on their own, and the engine's fault fallbacks."""
-    rejected = CounterMetricFamily("dspark:num_requests_rejected",
-                                   "Requests refused at admission: 429 past max_num_waiting, 503 "
-                                   "while draining.", labels=["status"])
-    for status, value in sorted(ae.num_rejected.items()):
-        rejected.add_metric([str(status)], value)
-    yield rejected
-    yield CounterMetricFamily("dspark:num_requests_failed",
-                              "Requests ended by their own fault (500) or their deadline (504).",
-                              value=ae.num_failed)
-    m = ae.metrics
-    yield CounterMetricFamily("dspark:spec_decode_num_draft_faults",
-                              "Request-steps decoded plainly because the drafter raised or returned "
-                              "non-finite or out-of-range drafts.",
-                              value=getattr(m, "num_draft_faults", 0))
+    def _reliability_families(self, ae):
+        """Admission refusals, requests failed on their own, and the engine's fault fallbacks."""
+        rejected = self._family(CounterMetricFamily, "num_requests_rejected", "Requests refused at admission: "
+                                "429 past max_num_waiting, 503 while draining.", ["status"])
+        for status, value in sorted(getattr(ae, "num_rejected", {}).items()):
+            rejected.add_metric(self.labels + [str(status)], value)
+        yield rejected
+        yield self._one(CounterMetricFamily, "num_requests_failed",
+                        "Requests ended by their own fault (500) or their deadline (504).",
+                        getattr(ae, "num_failed", 0))
+        yield self._one(CounterMetricFamily, "spec_decode_num_draft_faults",
+                        "Request-steps decoded plainly because the drafter raised or returned non-finite or "
+                        "out-of-range drafts.", getattr(ae.metrics, "num_draft_faults", 0))
 
 
 class ServerMetrics:
-    def __init__(self, async_engine):
+    def __init__(self, async_engine, *, model_name: str = "dspark"):
         self.async_engine = async_engine
+        self.labels = [model_name, "0"]
         self.registry = CollectorRegistry(auto_describe=False)
-        r = self.registry
-        self.request_success = Counter("dspark:request_success", "Finished requests.",
-                                       ["finish_reason"], registry=r)
-        self.ttft_s = Histogram("dspark:time_to_first_token_seconds", "Time to first token.",
-                                buckets=TTFT_BUCKETS_S, registry=r)
-        self.tpot_s = Histogram("dspark:time_per_output_token_seconds",
-                                "Mean time per output token after the first, per request.",
-                                buckets=TPOT_BUCKETS_S, registry=r)
-        self.e2e_s = Histogram("dspark:e2e_request_latency_seconds", "End-to-end request latency.",
-                               buckets=E2E_BUCKETS_S, registry=r)
-        self.verify_budget = Histogram("dspark:spec_decode_verify_budget",
-                                       "Drafts verified per request per step (verify length).",
-                                       buckets=VERIFY_BUDGET_BUCKETS, registry=r)
-        self.coalesce_held = Histogram("dspark:coalesce_held_steps",
-                                       "Steps a request's prompt was held back by coalescing.",
-                                       buckets=COALESCE_BUCKETS, registry=r)
-        r.register(_EngineCollector(async_engine))
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*self.labels)
+
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests.",
+                                       LABELS + ["finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(*self.labels, reason)
+        self.ttft_s = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S)
+        self.itl_s = histogram("inter_token_latency_seconds",
+                               "Time between two steps that gave a request output tokens.", TPOT_BUCKETS_S)
+        self.tpot_s = histogram("request_time_per_output_token_seconds",
+                                "Per request: time per output token after the first.", TPOT_BUCKETS_S)
+        self.e2e_s = histogram("e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS_S)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.",
+                                       TOKEN_COUNT_BUCKETS)
+        self.generation_tokens = histogram("request_generation_tokens", "Output tokens per finished request.",
+                                           TOKEN_COUNT_BUCKETS)
+        self.verify_budget = histogram("spec_decode_verify_budget",
+                                       "Drafts verified per request per step (verify length).", VERIFY_BUDGET_BUCKETS)
+        self.coalesce_held = histogram("coalesce_held_steps",
+                                       "Steps a request's prompt was held back by coalescing.", COALESCE_BUCKETS)
+        self.registry.register(_EngineCollector(async_engine, self.labels))
 
     def on_request_end(self, record: RequestRecord) -> None:
-        self.request_success.labels(finish_reason=record.finish_reason).inc()
+        self.request_success.labels(*self.labels, record.finish_reason).inc()
         self.e2e_s.observe(record.end_s - record.arrival_s)
+        self.prompt_tokens.observe(record.num_prompt_tokens)
+        self.generation_tokens.observe(record.num_output_tokens)
         if record.first_token_s is not None:
             self.ttft_s.observe(record.first_token_s - record.arrival_s)
             if record.num_output_tokens > 1:
                 self.tpot_s.observe((record.end_s - record.first_token_s)
                                     / (record.num_output_tokens - 1))
+        times = getattr(record, "token_times_s", ())
+        for earlier, later in zip(times, times[1:]):
+            self.itl_s.observe(later - earlier)
         self._drain_verify_lens()
 
     def _drain_verify_lens(self) -> None:

@@ -290,12 +290,41 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now_s)
     owned_by: str = "dspark"
+    root: str | None = None  # the model path
+    parent: str | None = None
     max_model_len: int | None = None
 
 
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- tokenizer endpoints (vLLM's /tokenize and /detokenize) ---------------------------------------
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None  # either a prompt ...
+    messages: list[ChatMessage] | None = None  # ... or a conversation (rendered by the chat template)
+    add_special_tokens: bool = True  # prompt only
+    add_generation_prompt: bool = True  # messages only
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 def sse_event(chunk: BaseModel) -> str:
