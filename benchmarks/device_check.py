@@ -37,7 +37,7 @@ def _llm(device: str, dtype: str, spec=None, *, eager: bool = False, max_num_seq
     from dspark.llm import LLM
     config = EngineConfig(model=MODEL, device=device, dtype=dtype, enforce_eager=eager,
                           spec=None if spec is None else SpecConfig.from_dict(spec),
-                          cache=CacheConfig(kv_cache_memory_gb=2.0),
+                          cache=CacheConfig(kv_cache_memory_bytes=2 * 2**30),
                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=1024),
                           parallel=ParallelConfig(tensor_parallel_size=tp))
     engine, tok = build_engine(config)
