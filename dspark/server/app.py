@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dspark.server import serving
 from dspark.server.async_engine import AdmissionError, AsyncEngine, RequestFault, RequestStream
 from dspark.server.config import ServerConfig
+from dspark.server.disconnect import unless_disconnected
 from dspark.server.guard import APIKeyGuard, BodyGuard
 from dspark.server.logprobs import LogprobFormatter
 from dspark.server.metrics import ServerMetrics
@@ -157,8 +158,9 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
                     include_usage=bool(opts and opts.include_usage),
                     continuous_usage=bool(opts and opts.continuous_usage_stats), outputs=outputs),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        result = await serving.collect_response(streams, shape, model=model_name,
-                                                is_disconnected=request.is_disconnected, outputs=outputs)
+        result = await unless_disconnected(serving.collect_response(
+            streams, shape, model=model_name, is_disconnected=request.is_disconnected,
+            outputs=outputs), request.is_disconnected)
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(result.model_dump())

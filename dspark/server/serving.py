@@ -459,34 +459,8 @@ async def stream_response(streams: list[RequestStream], shape: _Shape, *, model:
 
 async def collect_response(streams: list[RequestStream], shape: _Shape, *, model: str,
                            is_disconnected: Callable, outputs: list[Output] | None = None):
-    """The whole response once every choice finishes; None (every choice aborted) if the client
-    disconnects first — watched every `DISCONNECT_POLL_S` as well, so a client that leaves while
-    its request waits (no deltas yet) frees its place at once."""
-    collect = asyncio.ensure_future(_collect(streams, shape, model=model,
-                                             is_disconnected=is_disconnected, outputs=outputs))
-    watch = asyncio.ensure_future(_until_disconnected(is_disconnected))
-    try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not collect.done():
-            collect.cancel()  # its finally closes (aborts) the streams
-        watch.cancel()
-    try:
-        return await collect
-    except asyncio.CancelledError:
-        return None
-
-
-DISCONNECT_POLL_S = 0.25
-
-
-async def _until_disconnected(is_disconnected: Callable) -> None:
-    while not await is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-
-
-async def _collect(streams: list[RequestStream], shape: _Shape, *, model: str,
-                   is_disconnected: Callable, outputs: list[Output] | None = None):
+    """The whole response once every choice finishes; aborts them if the client disconnects (seen
+    between deltas; the app also watches on its own: `disconnect.unless_disconnected`)."""
     outputs = outputs or [Output() for _ in streams]
     parts: list[list[str]] = [[out.echo] for out in outputs]
     logprobs: list[list] = [[] for _ in outputs]
