@@ -5,7 +5,7 @@ config and with plain decoding, for each feature beside the same run without it.
 (every variant once per repeat, in turn) and the figures are medians over repeats of per-repeat ratios,
 since the machine is shared and noisy.
 
-    python benchmarks/bench_sampling_features.py --repeats 3 --max-tokens 64 \
+    OMP_NUM_THREADS=1 python benchmarks/bench_sampling_features.py --repeats 3 --max-tokens 32 --threads 1 \
         --out benchmarks/results/sampling_features_xeon_amx.json
 
 Targets: logprobs and penalties cost <= 5% (feature ÷ base >= 0.95), the grammar <= 15%, and speculation
@@ -75,10 +75,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--loads", default="1,8", help="concurrent requests per run")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.25)
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (1 on a crowded machine)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     spec = default_spec_config(DEFAULT_MODEL, matmul_dtype=resolve_matmul_dtype("auto", model=DEFAULT_MODEL))
-    kw = dict(kv_cache_memory_gb=args.kv_cache_memory_gb)  # two engines live side by side
+    kw = dict(kv_cache_memory_gb=args.kv_cache_memory_gb,  # two engines live side by side
+              num_threads=args.threads)
     engines = {"plain": LLM(DEFAULT_MODEL, **kw),
                "spec": LLM(DEFAULT_MODEL, speculative_config=dataclasses.asdict(spec), **kw)}
     loads = [int(x) for x in args.loads.split(",")]
