@@ -42,6 +42,7 @@ from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     ModelCard, ModelList, TokenizeRequest)
 from dspark.server.serving import APIError, bad_request
+from dspark.server.streams import PrimedStream
 from dspark.server.tokenize import detokenize as detokenize_ids
 from dspark.server.tokenize import tokenize as tokenize_ids
 from dspark.server.validation import check_context, check_fields
@@ -141,7 +142,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
                     params, n=1, seed=None if params.seed is None else params.seed + i)
                 stream = await start_one(prompt_ids, sub, base if i == 0 else f"{base}-{i}")
                 if i == 0 and params.n > 1:  # its first token: its prompt blocks are in the prefix cache
-                    stream = await serving.PrimedStream.after_first(stream)
+                    stream = await PrimedStream.after_first(stream)
                 streams.append(stream)
         except APIError:
             for s in streams:
