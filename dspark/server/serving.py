@@ -8,7 +8,6 @@ response classes, which `_Shape` bundles.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field, fields
 from typing import AsyncIterator, Callable
