@@ -256,3 +256,24 @@ def test_non_stream_client_leaving_while_waiting_frees_its_place():
         busy.join()
         assert engine.metrics.num_prompt_tokens == before, "the waiting prompt was never computed"
         assert_metrics_zero(srv)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_all_abort_when_the_client_leaves(stream):
+    """n=3: the client leaving aborts every choice's engine request."""
+    engine = _slow(make_engine(build_tiny_model()), 0.03)
+    with serve(engine) as srv:
+        body = {"model": MODEL, "prompt": "n choices", "max_tokens": 60, "n": 3,
+                "temperature": 0.8, "ignore_eos": True, "stream": stream}
+        if stream:
+            with httpx.stream("POST", srv.base_url + "/v1/completions", json=body,
+                              timeout=30) as resp:
+                assert resp.status_code == 200
+                next(resp.iter_lines())
+        else:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(srv.base_url + "/v1/completions", timeout=0.4, json=body)
+        assert_metrics_zero(srv)
+        assert engine.metrics.num_generation_tokens < 3 * 60
+        abort = ("vllm:request_success_total", (("finished_reason", "abort"),))
+        assert srv.metrics()[abort] == 3
