@@ -1,7 +1,7 @@
 """House rules that keep the repository legible, checked on the tree: source files under 500 lines, no word
 of the development history (sessions, `_s19_`-style names) in text files, the README and the benchmarks page
-within their length, every `--speculative-config` key documented, and CI running exactly the README's test
-command.
+within their length, every `--speculative-config` key documented, every result file cited by the docs, and CI
+running exactly the README's test command.
 
     pytest tests/test_house_rules.py -q
 """
@@ -63,6 +63,23 @@ def test_every_speculative_config_key_is_documented():
     page = (REPO / "docs" / "speculative-config.md").read_text()
     missing = [f.name for f in fields(SpecConfig) if f"| `{f.name}`" not in page and f"`, `{f.name}`" not in page]
     assert not missing, f"add a row to docs/speculative-config.md for: {missing}"
+
+
+def _expand_braces(text: str) -> str:
+    """`a{1,2}b` -> `a1b a2b` (docs cite families of result files that way)."""
+    pattern = re.compile(r"([\w./-]*)\{([\w,.-]+)\}([\w./-]*)")
+    while (m := pattern.search(text)):
+        text = text[:m.start()] + " ".join(m[1] + part + m[3] for part in m[2].split(",")) + text[m.end():]
+    return text
+
+
+def test_every_result_file_is_cited_in_the_docs():
+    docs = _expand_braces("\n".join(p.read_text() for p in (REPO / "docs").glob("*.md") if p.name != "board.md")
+                          + (REPO / "README.md").read_text())
+    results = sorted({p.relative_to(REPO / "benchmarks" / "results").parts[0]
+                      for p in _tracked("benchmarks/results")})
+    uncited = [name for name in results if name not in docs]
+    assert not uncited, f"cite these in docs/benchmarks.md or git rm them: {uncited}"
 
 
 def test_ci_runs_the_readmes_test_command():
