@@ -23,7 +23,7 @@ LENGTH_POLICY_NAMES = ("fixed", "threshold", "prefix", "async")
 # "conditional" is DeepSpec's rule, cut at the first position whose own confidence c_k is below it
 THRESHOLD_RULES = ("cumulative", "conditional")
 
-MATMUL_DTYPES = ("auto", "float32", "bfloat16", "q4_1")
+MATMUL_DTYPES = ("auto", "float32", "bfloat16", "q4_1", "gguf")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other --dtype spellings
 DEVICE_KINDS = ("auto", "cpu", "cuda")  # "cuda:N" names one GPU
@@ -236,10 +236,13 @@ class EngineConfig:
     # decoder layers multiply the GGUF's own Q4_1 blocks (a Q4_1 GGUF model only; exact weights, 0.63
     # bytes a weight, each product's input quantized to Q8_1 blocks, integer dot products and fp32 sums
     # over the blocks: llama.cpp's Q4_1 product), the LM head in bf16 where the kernels multiply
-    # bf16, else in its own Q8_0 blocks when stored so (dspark.models.loader), else fp32.
+    # bf16, else in its own Q8_0 blocks when stored so (dspark.models.loader), else fp32. "gguf": every
+    # matrix stays in the GGUF's own blocks whatever their types (dspark.models.blocks: Q4_1, Q8_0, Q5_0,
+    # Q4_K, Q6_K multiplied in their blocks, other types dequantized to bf16 at load); "auto" picks it for a
+    # quantized GGUF of another kind than all-Q4_1 where the kernels are built.
     matmul_dtype: str = opt("auto", "the target's matrix products with --dtype float32: bfloat16 rounds weights "
                             "and inputs to bf16 and sums in fp32 (CPU kernels with AVX512-BF16); q4_1 multiplies "
-                            "a Q4_1 GGUF's own blocks (CPU kernels with AVX2); auto: q4_1 for a Q4_1 GGUF where "
+                            "a Q4_1 GGUF's own blocks (CPU kernels with AVX2); gguf keeps every matrix in the GGUF's own blocks; auto: q4_1 for a Q4_1 GGUF where "
                             "the kernels support it, else bfloat16 where they support that, else float32",
                             choices=MATMUL_DTYPES)
     # "auto": cuda where torch sees a GPU, else cpu (resolved here, so `config.device` is always concrete)
@@ -276,7 +279,7 @@ class EngineConfig:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be {', '.join(MATMUL_DTYPES)}; got {self.matmul_dtype!r}")
-        if self.matmul_dtype in ("bfloat16", "q4_1") and self.dtype != "float32":
+        if self.matmul_dtype in ("bfloat16", "q4_1", "gguf") and self.dtype != "float32":
             raise ValueError(f"matmul_dtype={self.matmul_dtype!r} applies to dtype float32 (dtype {self.dtype!r} "
                              f"multiplies in its own dtype); use matmul_dtype 'auto' or 'float32'")
         if self.max_logprobs < -1:

@@ -305,16 +305,33 @@ def smollm2_q4(smollm2):
 
 
 def test_smollm2_q4_1_blocks_are_its_weights(smollm2, smollm2_q4):
-    """The packed blocks hold the GGUF's weights (rows un-interleaved for rope like the fp32 load): each
-    Linear's kernel product equals the fp32 model's weights times the input's Q8_1 values."""
-    from dspark.models.layers import Linear
+    """Resident as quantized: no Linear, embedding or head keeps a dense fp32 weight, the model's tensors
+    take under 1.5x the GGUF's bytes; the packed blocks hold the GGUF's weights (rows un-interleaved for
+    rope like the fp32 load): each Linear's kernel product equals the fp32 model's weights times the
+    input's Q8_1 values, and the embedding looks up the fp32 model's rows (bf16-rounded where the head is
+    bf16, as the dense model's tied embedding was)."""
+    from dspark.models.layers import LMHead, Linear, VocabEmbedding
+    from dspark.models.loader import resolve_model_path
+    model = smollm2_q4[0]
+    dense = [n for n, m in model.named_modules() if isinstance(m, (Linear, LMHead, VocabEmbedding)) and m.weight is not None]
+    assert not dense, dense[:4]
+    held = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model.buffers(), *model.parameters()]}.values()
+               if t.numel() > 4096)  # the matrices (not the rope tables' nor the norms' few bytes)
+    held -= sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "rotary" in n)
+    assert held < 1.5 * resolve_model_path("default").stat().st_size, held
     fp32 = dict(smollm2[0].named_modules())
+    ids = torch.tensor([[0, 5, 49151], [7, 7, 100]])
+    ref_rows = smollm2[0].model.embed_tokens(ids)
+    if kernels.has_bf16_kernels():
+        ref_rows = ref_rows.to(torch.bfloat16).float()
+    assert torch.equal(model.model.embed_tokens(ids), ref_rows)
     x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(8))
     checked = 0
-    for name, module in smollm2_q4[0].named_modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear):
             assert module.weight_q4.dtype == torch.uint8
-            assert torch.equal(module.weight, fp32[name].weight), name
+            if checked < 8 or name.endswith("29.self_attn.qkv_proj"):
+                assert torch.equal(module.dense_weight(), fp32[name].weight), name
             if checked < 8 or name.endswith("29.self_attn.qkv_proj"):
                 xi = x[:, :module.in_features]
                 ref = (kernels.q8_1_dequantized(xi).double() @ fp32[name].weight.double().t()).float()
@@ -323,7 +340,7 @@ def test_smollm2_q4_1_blocks_are_its_weights(smollm2, smollm2_q4):
     assert checked >= 9
     head = smollm2_q4[0].lm_head
     if kernels.has_bf16_kernels():
-        assert head.weight_bf16 is not None
+        assert torch.equal(head.weight_bf16, smollm2[0].lm_head.weight.to(torch.bfloat16))
     elif kernels.has_q8_0_kernels():  # the GGUF's Q8_0 embedding as the head: the fp32 model's logits
         assert head.weight_q8.dtype == torch.int8
         h = torch.randn(4, 576, generator=torch.Generator().manual_seed(9))

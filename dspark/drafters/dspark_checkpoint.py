@@ -118,9 +118,12 @@ def without_heads(cfg: DSparkConfig) -> DSparkConfig:
     return dataclasses.replace(cfg, markov_rank=0, enable_confidence_head=False)
 
 
-def target_shared_weights(target_model) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [vocab, hidden], LM head [vocab, hidden]) of a dspark.models target."""
-    return target_model.model.embed_tokens.weight, target_model.lm_head.weight
+def target_shared_weights(target_model) -> tuple[torch.Tensor | torch.nn.Module, torch.Tensor | torch.nn.Module]:
+    """(embedding [vocab, hidden], LM head [vocab, hidden]) of a dspark.models target: their weights, or where
+    the target holds one only as blocks (resident as quantized, `layers.drop_dense_weights`) its module
+    (`DSparkModel.share_target_weights` then uses the module itself)."""
+    embed, head = target_model.model.embed_tokens, target_model.lm_head
+    return (embed if embed.weight is None else embed.weight), (head if head.weight is None else head.weight)
 
 
 def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tensor | None = None,
@@ -153,9 +156,10 @@ def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tens
         own_rows = key == "lm_head.weight" and cfg.draft_vocab_size is not None
         if target_w is None or own_rows:
             continue
-        if in_ckpt is not None and not same_weights(in_ckpt, target_w):
-            if tuple(in_ckpt.shape) == tuple(target_w.shape):
-                diff = (in_ckpt.float() - target_w.detach().float().to(in_ckpt.device)).abs().max().item()
+        dense = None if in_ckpt is None else target_w if isinstance(target_w, torch.Tensor) else target_w.dense_weight()
+        if in_ckpt is not None and not same_weights(in_ckpt, dense):
+            if tuple(in_ckpt.shape) == tuple(dense.shape):
+                diff = (in_ckpt.float() - dense.detach().float().to(in_ckpt.device)).abs().max().item()
                 log.warning("%s: its %s differs from the target's (max |diff| %.3g): the checkpoint's own is used",
                             where, key, diff)
             continue  # its own (a shape mismatch fails in check_shapes below, naming both shapes)
@@ -171,8 +175,9 @@ def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tens
     for p in model.parameters():
         if p.is_meta:
             raise ValueError("drafter checkpoint left a parameter unfilled")
-    model.embed_tokens.weight.requires_grad_(False)
-    model.lm_head.weight.requires_grad_(False)
+    for module in (model.embed_tokens, model.lm_head):
+        if module.weight is not None:
+            module.weight.requires_grad_(False)
     calibration = Path(path) / CALIBRATION_NAME
     temps = read_calibration(calibration) if calibration.is_file() else None
     return model.to(device=device), temps

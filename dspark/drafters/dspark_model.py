@@ -186,13 +186,25 @@ class DSparkModel(nn.Module):
                              lm_head_weight: torch.Tensor | None = None) -> None:
         """Use the target's frozen embedding [vocab, hidden] and/or LM head [vocab, hidden]: aliased (no
         copy) when dtype and device match; for a reduced draft vocab the head is the target's rows `d2t`
-        (a small copy)."""
-        if lm_head_weight is not None and self.cfg.draft_vocab_size is not None:
+        (a small copy). A target module in place of a weight (a target resident as quantized: it holds
+        the matrix as blocks) is used itself by an fp32 drafter (its lookups and products, no copy), else
+        its values are dequantized into the drafter's dtype; reduced-vocab rows are dequantized."""
+        if isinstance(lm_head_weight, nn.Module) and self.cfg.draft_vocab_size is not None:
+            lm_head_weight = lm_head_weight.dense_weight(self.d2t.cpu())
+        elif lm_head_weight is not None and self.cfg.draft_vocab_size is not None:
             lm_head_weight = lm_head_weight[self.d2t.to(lm_head_weight.device)]
-        for module, weight in ((self.embed_tokens, embed_weight), (self.lm_head, lm_head_weight)):
+        for attr, weight in (("embed_tokens", embed_weight), ("lm_head", lm_head_weight)):
+            module = getattr(self, attr)
             if weight is None:
                 continue
             mine = module.weight
+            if isinstance(weight, nn.Module):
+                if tuple(weight.matrix_shape) != tuple(mine.shape):
+                    raise ValueError(f"target weight shape {list(weight.matrix_shape)} != drafter {list(mine.shape)}")
+                if mine.dtype == torch.float32:
+                    setattr(self, attr, weight)  # the target's own module: its blocks, its products
+                    continue
+                weight = weight.dense_weight()
             if tuple(weight.shape) != tuple(mine.shape):
                 raise ValueError(f"target weight shape {list(weight.shape)} != drafter {list(mine.shape)}")
             weight = weight.detach()

@@ -162,14 +162,16 @@ def bind_to_target(model: Eagle3Model, target_model) -> Eagle3Model:
     own = getattr(model, "own_shared", {})
     dtype = model.fc.weight.dtype
     embed, head = inner.embed_tokens, target_model.compute_logits
-    weight = target_model.lm_head.weight
-    rows = weight.detach()[model.d2t.to(weight.device)].contiguous() if model.config.reduced_vocab else None
+    rows = (target_model.lm_head.dense_weight(model.d2t.cpu()).detach().contiguous()  # [draft_vocab, d]
+            if model.config.reduced_vocab else None)
     if rows is not None:
         head = lambda h: torch.nn.functional.linear(h, rows)  # noqa: E731  [n, d] → [n, draft_vocab]
-    for key, target_w in (("embed_tokens.weight", inner.embed_tokens.weight),
-                          ("lm_head.weight", weight if rows is None else rows)):
+    for key, target_w in (("embed_tokens.weight", inner.embed_tokens),
+                          ("lm_head.weight", target_model.lm_head if rows is None else rows)):
         mine = own.get(key)
-        if mine is None or same_weights(mine, target_w):
+        if mine is None:
+            continue
+        if same_weights(mine, target_w if isinstance(target_w, torch.Tensor) else target_w.dense_weight()):
             continue
         log.warning("EAGLE-3 checkpoint: its %s differs from the target's: the checkpoint's own is used", key)
         mine = mine.to(device=model.fc.weight.device, dtype=dtype)

@@ -136,9 +136,12 @@ def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: s
             return "float32"
         if model is not None and device == "cpu" and tensor_parallel_size == 1 and kernels.has_q4_1_kernels():
             from dspark.models.loader import q4_1_problem
+            from dspark.models.blocks import takes_gguf_blocks
             try:
                 if q4_1_problem(model) is None:
                     return "q4_1"
+                if takes_gguf_blocks(model):
+                    return "gguf"
             except (FileNotFoundError, ValueError):
                 pass  # an unknown model fails where it loads, with its own message
         return "bfloat16" if bf16_kernels else "float32"

@@ -30,6 +30,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from dspark.kernels.blocks import (Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, pack_q4_1, pack_q8_0, q4_1_group_rows,  # noqa: F401
+                                   q4_1_packed_cols, q8_1_dequantized, quantize_q4_1)
+
 logger = logging.getLogger(__name__)
 
 # the kernels' source; DSPARK_KERNELS_SOURCE points a process at another revision's file (side-by-side
@@ -228,17 +231,6 @@ class Linear(torch.nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [N, K] -> (packed Q4_1 rows [N, K * 10 / 16] uint8 for the kernels, the blocks' values [N, K]
-    fp32): gguf's (llama.cpp's reference) Q4_1 quantizer on the weight's values."""
-    import gguf
-    import numpy as np
-    w = weight.detach().float().cpu().numpy()
-    raw = gguf.quantize(w, gguf.GGMLQuantizationType.Q4_1)
-    values = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).copy()).reshape(weight.shape)
-    return pack_q4_1(torch.from_numpy(np.ascontiguousarray(raw))), values
-
-
 def set_q4_1_products(module: torch.nn.Module, *, skip: tuple = ()) -> int:
     """Quantize every `Linear` under `module` (except under the modules in `skip`) to Q4_1 blocks for its
     inference products: `lowp_weight` holds the packed blocks (the kernels' Q4_1 x Q8_1 product, as the
@@ -273,77 +265,6 @@ def set_matmul_dtype(module: torch.nn.Module, dtype: torch.dtype, *, skip: tuple
             m.register_buffer("lowp_weight", m.weight.detach().to(dtype), persistent=False)
             count += 1
     return count
-
-
-Q4_1_BLOCK_BYTES = 20  # llama.cpp Q4_1: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
-
-
-def q4_1_group_rows() -> int:
-    """Rows per packing group the built kernels read (cpu_ops.cpp, "Q4_1 products"): 16 with AVX512-VNNI (a
-    pair of 8-row tiles, their blocks interleaved), else 8."""
-    k = ops()
-    return int(getattr(k, "q4_1_group_rows", 8)) if k is not None else 8
-
-
-def pack_q4_1(blocks: torch.Tensor, group_rows: int | None = None) -> torch.Tensor:
-    """GGUF Q4_1 rows [N, K / 32 * 20] uint8 (per block of 32: fp16 d, fp16 m, 16 bytes of nibbles) -> the
-    kernels' packed rows [N, K / 32 * 20] uint8 (cpu_ops.cpp, "Q4_1 products"): tiles of 8 rows, per block
-    the 8 rows' nibble bytes 4 at a time (4 units of 32 bytes), then their 8 d, then their 8 m; with
-    `group_rows` 16 (default: what the built kernels read, `q4_1_group_rows`) each pair of tiles interleaved,
-    per block: unit by unit the first tile's then the second's, then the 16 d, then the 16 m (an odd last
-    tile stays as it is). The same weights and bytes, reordered; N must be a multiple of 8."""
-    n, row = blocks.shape
-    if blocks.dtype != torch.uint8 or row % Q4_1_BLOCK_BYTES or n % 8:
-        raise ValueError(f"Q4_1 products need uint8 rows of whole blocks, in a multiple of 8 rows; got "
-                         f"{tuple(blocks.shape)} {blocks.dtype}")
-    group_rows = q4_1_group_rows() if group_rows is None else group_rows
-    if group_rows not in (8, 16):
-        raise ValueError(f"Q4_1 packing groups are 8 or 16 rows, got {group_rows}")
-    nb = row // Q4_1_BLOCK_BYTES
-    b = blocks.contiguous().view(n // 8, 8, nb, Q4_1_BLOCK_BYTES)  # [tiles, rows, blocks, 20]
-    nibbles = b[..., 4:].reshape(n // 8, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, nb, 128)
-    d = b[..., 0:2].permute(0, 2, 1, 3).reshape(n // 8, nb, 16)
-    m = b[..., 2:4].permute(0, 2, 1, 3).reshape(n // 8, nb, 16)
-    tiles = torch.cat([nibbles, d, m], -1)  # [tiles, blocks, 160]
-    if group_rows == 16:  # per group and block: units [4, 2 tiles, 32], d [2, 16], m [2, 16]; odd last tile as is
-        g = n // 16
-        pair = tiles[:2 * g].view(g, 2, nb, 160).transpose(1, 2)  # [groups, blocks, 2, 160]
-        units = pair[..., :128].reshape(g, nb, 2, 4, 32).transpose(2, 3).reshape(g, nb, 256)
-        grouped = torch.cat([units, pair[..., 128:144].reshape(g, nb, 32), pair[..., 144:].reshape(g, nb, 32)], -1)
-        tiles = torch.cat([grouped.reshape(2 * g, nb, 160), tiles[2 * g:]])
-    return tiles.reshape(n, row).contiguous()
-
-
-def q4_1_packed_cols(packed: torch.Tensor) -> int:
-    """K (input columns) of a packed Q4_1 matrix [N, K / 32 * 20]."""
-    return packed.shape[1] // Q4_1_BLOCK_BYTES * 32
-
-
-def q8_1_dequantized(x: torch.Tensor) -> torch.Tensor:
-    """The input of a Q4_1 product as the kernels see it: each row's blocks of 32 quantized as llama.cpp's
-    Q8_1 (e = max |x| / 127, p = round(x / e) to nearest even, in fp32) and given back as p * e — the torch
-    twin of `q4_prepare` (the products with it: x @ w^T in any exact-enough summation)."""
-    shape = x.shape
-    blocks = x.reshape(-1, shape[-1] // 32, 32).float()  # [rows, K / 32, 32]
-    e = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
-    inv = torch.where(e != 0, 1.0 / e, 0.0)  # (1 / 0 = inf is not taken)
-    p = torch.round(blocks * inv)
-    return (p * e).reshape(shape).to(x.dtype)
-
-
-Q8_0_BLOCK_BYTES = 34  # llama.cpp Q8_0: fp16 d, 32 int8 weights
-
-
-def pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF Q8_0 rows [N, K / 32 * 34] uint8 (per block of 32: fp16 d, 32 int8 q) -> the kernels' packed
-    rows [N, K * 9 / 8] int8: the K q in order, then the K / 32 scales as fp32 bytes. The same weights."""
-    n, row = blocks.shape
-    if blocks.dtype != torch.uint8 or row % Q8_0_BLOCK_BYTES:
-        raise ValueError(f"Q8_0 rows must be uint8 with whole blocks; got {tuple(blocks.shape)} {blocks.dtype}")
-    b = blocks.contiguous().view(n, row // Q8_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES)
-    d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1).float()  # [N, nb]
-    q = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)  # [N, K]
-    return torch.cat([q, d.contiguous().view(torch.int8)], 1).contiguous()
 
 
 def has_q8_0_kernels() -> bool:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark import kernels
+from dspark.kernels.blocks import q4_1_linear, q4_1_packed_values, q8_0_linear, q8_0_packed_values
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
@@ -162,20 +163,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (`weight` holds the bf16-rounded values), so every path computes one model. `weight_q4` (see
     `use_q4_1_products`): the same with the GGUF's Q4_1 blocks (`weight` holds their exact values).
     `weight_q8` (see `use_q8_0_head`): the GGUF's Q8_0 blocks with the fp32 input — the fp32 product
-    (`weight` holds the blocks' exact values), in 1.1 bytes a weight."""
+    (`weight` holds the blocks' exact values), in 1.1 bytes a weight. Resident as quantized (`drop_dense_weights`)
+    `weight` is None and the torch path dequantizes the blocks for the product (`kernels.blocks`)."""
     if weight_q8 is not None:
         out = kernels.linear(x, weight_q8)
-        out = F.linear(x, weight) if out is None else out
+        if out is None:
+            out = F.linear(x, weight) if weight is not None else q8_0_linear(x, weight_q8)
         return out if bias is None else out + bias
     if weight_q4 is not None:
         out = kernels.linear(x, weight_q4)
         if out is None:
-            out = F.linear(kernels.q8_1_dequantized(x), weight)
+            out = (F.linear(kernels.q8_1_dequantized(x), weight) if weight is not None
+                   else q4_1_linear(x, weight_q4))
         return out if bias is None else out + bias
     if weight_bf16 is not None:
         out = kernels.linear(x, weight_bf16)
         if out is None:
-            out = F.linear(x.to(torch.bfloat16).to(x.dtype), weight)
+            out = F.linear(x.to(torch.bfloat16).to(x.dtype), weight if weight is not None else weight_bf16.to(x.dtype))
         return out if bias is None else out + bias
     out = kernels.linear(x, weight)
     if out is not None:
@@ -210,9 +214,19 @@ class Linear(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
+    blocks = None  # a models.blocks.BlockMatrix under `--matmul-dtype gguf` (the weight is then None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        if self.blocks is not None:
+            out = self.blocks.matmul(x)
+            return out if self.bias is None else out + self.bias
         return linear(x, self.weight, self.bias, getattr(self, "weight_t", None),
                       getattr(self, "weight_bf16", None), getattr(self, "weight_q4", None))
+
+    def dense_weight(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight [out, in] (or its `rows`) the products multiply by, in fp32: `weight` itself, or the
+        blocks' values dequantized now when the module is resident as quantized."""
+        return dense_weight(self, rows)
 
 
 class MergedLinear(Linear):
@@ -246,12 +260,21 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         super().__init__()
+        self.matrix_shape = (vocab_size, hidden_size)
         self.weight = _set_loader(nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype,
                                                            device=device), requires_grad=False),
                                   default_weight_loader)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
-        return F.embedding(input_ids, self.weight)
+    block_rows = None  # a models.blocks.BlockRows under `--matmul-dtype gguf` (the weight is then None)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
+        if self.weight is not None:
+            return F.embedding(input_ids, self.weight)
+        ids = input_ids.reshape(-1)
+        return dense_weight(self, ids).view(*input_ids.shape, -1)  # only the rows looked up, dequantized
+
+    def dense_weight(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        return dense_weight(self, rows)
 
 
 class LMHead(nn.Module):
@@ -260,6 +283,7 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, tied_to: VocabEmbedding | None,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
+        self.matrix_shape = (vocab_size, hidden_size)
         if tied_to is not None:
             self.weight = tied_to.weight  # the same Parameter: loads once, listed once
         else:
@@ -267,9 +291,57 @@ class LMHead(nn.Module):
                                                                device=device), requires_grad=False),
                                       default_weight_loader)
 
+    blocks = None  # a models.blocks.BlockMatrix under `--matmul-dtype gguf` (the weight is then None)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab]
+        if self.blocks is not None:
+            return self.blocks.matmul(hidden).float()
         return linear(hidden, self.weight, None, getattr(self, "weight_t", None),
                       getattr(self, "weight_bf16", None), None, getattr(self, "weight_q8", None)).float()
+
+    def dense_weight(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        return dense_weight(self, rows)
+
+
+def dense_weight(module: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A Linear / VocabEmbedding / LMHead's matrix [out, in] (or the rows `rows`) as its products see it,
+    fp32: `weight` where the module keeps it, else its blocks' values dequantized for this call (Q8_0, Q4_1)
+    or its bf16 copy widened — bit for bit the values the dense model held."""
+    w = module.weight
+    if w is not None:
+        return w if rows is None else w[rows]
+    if getattr(module, "block_rows", None) is not None:
+        ids = torch.arange(module.matrix_shape[0]) if rows is None else rows
+        return module.block_rows.lookup(ids)
+    if getattr(module, "blocks", None) is not None:
+        return module.blocks.dense() if rows is None else module.blocks.dense()[rows]
+    for name, values in (("weight_q8", q8_0_packed_values), ("weight_bf16", lambda t: t.float()),
+                         ("weight_q4", q4_1_packed_values)):
+        t = getattr(module, name, None)
+        if t is not None:
+            if name == "weight_q4" and rows is not None:
+                return values(t)[rows]  # packed in tiles of rows: dequantize all, keep the rows
+            return values(t if rows is None else t[rows])
+    raise ValueError(f"{type(module).__name__} holds neither a weight nor its blocks")
+
+
+def drop_dense_weights(model: nn.Module) -> int:
+    """Resident as quantized: drop the dense weight of every Linear / VocabEmbedding / LMHead that holds its
+    products' blocks or copy (`weight_q4`, `weight_q8`, `weight_bf16`), so only those stay in memory; the
+    torch paths dequantize per product and `dense_weight` gives the values on demand. Returns the bytes
+    freed."""
+    freed, seen = 0, set()
+    for module in model.modules():
+        if not isinstance(module, (Linear, VocabEmbedding, LMHead)) or module.weight is None:
+            continue
+        if not any(getattr(module, n, None) is not None for n in ("weight_q4", "weight_q8", "weight_bf16")):
+            continue
+        if id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            freed += module.weight.numel() * module.weight.element_size()
+        module.weight = None
+        module.weight_t = None
+    return freed
 
 
 def add_decode_layout(model: nn.Module) -> int:

@@ -189,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         """A few-row step whose queries form one short attention group (decode, verification) runs all
         decoder layers in one CPU kernel call (`kernels.decoder_layers`, the same arithmetic as the
         per-layer modules). False when it does not apply: the modules run instead."""
-        if (len(meta.groups) != 1 or not meta.all_stored or meta.groups[0].token_index.shape[1] > SHORT_QUERY_MAX
+        if (getattr(self, "matmul_dtype", None) == "gguf" or len(meta.groups) != 1 or not meta.all_stored or meta.groups[0].token_index.shape[1] > SHORT_QUERY_MAX
                 or self.config.attention_bias or x.dtype != torch.float32 or x.device.type != "cpu"
                 or getattr(self, "tp", None) is not None):  # tensor parallelism: all-reduces between layers
             return False

@@ -33,7 +33,9 @@ import torch
 
 from dspark.models import build_model
 from dspark import kernels
-from dspark.models.layers import Linear, add_decode_layout, use_bf16_products, use_q4_1_products, use_q8_0_head
+from dspark.kernels.blocks import q8_0_packed_values
+from dspark.models.layers import (Linear, add_decode_layout, drop_dense_weights, use_bf16_products,
+                                  use_q4_1_products)
 from dspark.models.config import ModelConfig
 from dspark.models.tokenizer import TokenizerBundle, check_tokenizer_files, gguf_cache_dir, load_tokenizer
 
@@ -95,9 +97,10 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
         if problem:
             raise ValueError(f"matmul_dtype q4_1: {problem}")
     check_tokenizer_files(path)  # after the format checks, before any weight
+    blocks = matmul_dtype in ("q4_1", "gguf")  # resident as quantized: the GGUF's blocks, no dense copy
     if path.is_file() and path.suffix == ".gguf":
         cache = gguf_cache_dir(path)
-        if (cache / "model.safetensors").is_file() and (cache / "config.json").is_file():
+        if not blocks and (cache / "model.safetensors").is_file() and (cache / "config.json").is_file():
             source: SafetensorsSource | GGUFSource = SafetensorsSource(cache)
         else:
             source = GGUFSource(path)
@@ -107,7 +110,14 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
         raise ValueError(f"{path}: expected a .gguf file or a directory with config.json + safetensors")
     model = build_model(source.config, dtype=dtype, device=device)
     with torch.inference_mode():
-        if isinstance(source, GGUFSource):
+        if blocks and not isinstance(source, GGUFSource):
+            raise ValueError(f"matmul_dtype {matmul_dtype}: {path} is not a GGUF file")
+        if matmul_dtype == "gguf":
+            from dspark.models.blocks import load_gguf_matrices
+            load_gguf_matrices(model, source)
+        elif blocks:
+            load_gguf_blocks(model, source)
+        elif isinstance(source, GGUFSource):
             converted: dict[str, torch.Tensor] = {}
             model.load_weights((name, converted.setdefault(name, t)) for name, t in source.weights())
             _write_gguf_cache(gguf_cache_dir(path), source.config, converted)
@@ -115,16 +125,16 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
             model.load_weights(source.weights())
     if matmul_dtype == "bfloat16":
         use_bf16_products(model)
-    elif matmul_dtype == "q4_1":
-        head_bf16 = kernels.has_bf16_kernels()
-        use_q4_1_products(model, gguf_q4_1_weights(path, model), head_bf16=head_bf16)
-        head = None if head_bf16 or not kernels.has_q8_0_kernels() else gguf_q8_0_head(path)
-        if head is not None:  # without bf16 kernels: the head's own Q8_0 blocks, exact and 3.6x fewer bytes
-            use_q8_0_head(model, head)
+    elif blocks:
+        pass
     elif decode_layout and torch.device(device).type == "cpu" and not (dtype == torch.float32 and kernels.enabled()):
         add_decode_layout(model)  # the fp32 CPU kernels read the [out, in] layout directly
     tokenizer = load_tokenizer(path, eos_token_ids=source.config.eos_token_ids)
-    return model, source.config, tokenizer
+    config = source.config
+    if blocks:  # the parsed header and the file's mapped pages (~2x the file here) are not needed again
+        del source
+        _gguf_reader.cache_clear()
+    return model, config, tokenizer
 
 
 def gguf_reader(path: str | Path):
@@ -156,6 +166,51 @@ def q4_1_problem(path_or_name: str | Path) -> str | None:
         if int(t.shape[0]) % 64:
             return f"{path.name}: {t.name} has {int(t.shape[0])} input columns, not a multiple of 64"
     return None
+
+
+def load_gguf_blocks(model: torch.nn.Module, source: "GGUFSource") -> None:
+    """Fill `model` from the Q4_1 GGUF of `source` resident as quantized: every Linear keeps the file's Q4_1
+    blocks (`use_q4_1_products`), the embedding and LM head their Q8_0 blocks where stored so (lookups
+    dequantize the rows they read; the head multiplies them), except that where the kernels multiply bf16 the
+    head is a bf16 copy (faster there; a tied embedding then reads the same rounded rows, as the dense model
+    did); the other tensors (norms) load as usual. No dense copy of a quantized matrix is kept."""
+    path = source.path
+    head_bf16 = kernels.has_bf16_kernels()
+    use_q4_1_products(model, gguf_q4_1_weights(path, model), head_bf16=False)
+    covered = {t.name for t in source.reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    tensors = {t.name: t for t in source.reader.tensors}
+    embed, head = model.model.embed_tokens, model.lm_head
+    tied = "output.weight" not in tensors
+    embed_q8 = gguf_q8_0_matrix(tensors.get("token_embd.weight"))
+    head_q8 = embed_q8 if tied else gguf_q8_0_matrix(tensors.get("output.weight"))
+    if head_q8 is not None:
+        if head_bf16:  # the bf16 rounding of the blocks' values, dequantized a chunk at a time
+            rounded = torch.cat([q8_0_packed_values(head_q8[i:i + 8192]).to(torch.bfloat16)
+                                 for i in range(0, head_q8.shape[0], 8192)])
+            head.register_buffer("weight_bf16", rounded, persistent=False)
+        else:
+            head.register_buffer("weight_q8", head_q8, persistent=False)
+        covered.add("token_embd.weight" if tied else "output.weight")
+    if embed_q8 is not None:
+        if tied and head_bf16:
+            embed.register_buffer("weight_bf16", head.weight_bf16, persistent=False)
+        else:
+            embed.register_buffer("weight_q8", embed_q8, persistent=False)
+        covered.add("token_embd.weight")
+    drop_dense_weights(model)
+    model.load_weights(source.weights(skip=covered))
+    if head.weight is not None and head_bf16:
+        use_bf16_products(head)
+    drop_dense_weights(model)
+    model.matmul_dtype = "q4_1"
+
+
+def gguf_q8_0_matrix(t) -> torch.Tensor | None:
+    """A GGUF tensor's Q8_0 rows packed for the kernels (`kernels.pack_q8_0`), None when it is another type."""
+    import gguf
+    if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+        return None
+    return kernels.pack_q8_0(torch.from_numpy(np.array(t.data, copy=True)))
 
 
 def gguf_q8_0_head(path: Path) -> torch.Tensor | None:
@@ -320,12 +375,15 @@ class GGUFSource:
     def field(self, key: str, default: Any = None) -> Any:
         return gguf_field(self.reader, key, default)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, fp32 tensor) of every tensor but those named (GGUF names) in `skip`."""
         from gguf.quants import dequantize
         permute = self.config.architecture == "LlamaForCausalLM"  # llama.cpp permutes Llama q/k only
         arch = self.field("general.architecture")
         norm_shift = arch == "gemma3"  # llama.cpp stores Gemma's RMSNorm weights as 1 + weight
         for t in self.reader.tensors:
+            if t.name in skip:
+                continue
             if t.name == "rope_freqs.weight":
                 raise ValueError(f"{self.path}: rope_freqs.weight (llama3 rope scaling in GGUF) is not "
                                  "supported; load the HF safetensors checkpoint instead")

@@ -96,7 +96,7 @@ def target_rows(
     param = next(target.parameters())
     if lse is not None:  # cached features: only the draft-vocab rows of the LM head
         w = head_rows if head_rows is not None else (
-            target.lm_head.weight if d2t is None else target.lm_head.weight[d2t])
+            target.lm_head.dense_weight(d2t))
         logits = (rows.to(w.dtype) @ w.t()).float()
         return TargetRows(logits=logits, lse=lse[row_mask].float(), index=index)
     draft_vocab = target.config.vocab_size if d2t is None else d2t.numel()

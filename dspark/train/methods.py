@@ -50,7 +50,7 @@ def copy_final_norm(model: nn.Module, target) -> None:
 
 
 def target_embed_and_head(target) -> tuple[torch.Tensor, torch.Tensor]:
-    return target.model.embed_tokens.weight, target.lm_head.weight
+    return target.model.embed_tokens.dense_weight(), target.lm_head.dense_weight()
 
 
 # -- DSpark / DFlash -----------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ class Trainer:
             self.cache = ShardedFeatureCache(cfg.feature_cache, tap_layer_ids=self.tap_layer_ids,
                                              target_dtype=cfg.target_dtype)
         # draft-vocab rows of the target's LM head: per-step target logits from cached hidden states
-        head = self.target.lm_head.weight.detach()
+        head = self.target.lm_head.dense_weight().detach()
         self.head_rows = head if self.d2t is None else head[self.d2t.to(head.device)].contiguous()
         self.step, self.cursor = 0, Cursor()
         self.focus: list[torch.Tensor] | None = None  # anchor_focus: per train sample, mined on first use

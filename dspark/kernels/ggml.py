@@ -1,0 +1,210 @@
+"""GGUF block types beyond Q4_1 / Q8_0 (those: `kernels.blocks`): which types the CPU products multiply in
+their own blocks (Q5_0, Q4_K, Q6_K: `quant_ops.cpp`, `block_mm`), the torch twins of those products, and the
+dequantization every other type gets at load.
+
+A matrix of a kernel type stays as the GGUF's bytes, [N, K / S * block bytes] uint8 (S weights a block).
+The input is quantized per product in blocks of S (e = max |x| / 127, p = round(x / e) to nearest even —
+the Q8_1 rule of the Q4_1 products over Q8_K's 256-long blocks for the K types; `quantize_input`), and
+the kernel sums exact integer dot products per block, then fp32 block after block (quant_ops.cpp's
+header gives each type's formula). `product_reference` repeats those steps in torch, bit for bit;
+`block_linear` is the fast twin (the input's quantized values times the dequantized blocks, torch's
+product), what a layer runs when the kernels are off.
+
+Other common types (Q4_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16, ...) have no product here: the loader
+dequantizes them (gguf's own dequantization) to bf16 at load (`DENSE_BF16`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("quant_ops.cpp")
+# GGML type id -> (name, weights a block, bytes a block)
+BLOCK_TYPES: dict[int, tuple[str, int, int]] = {6: ("Q5_0", 32, 22), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
+TYPE_IDS = {name: t for t, (name, _, _) in BLOCK_TYPES.items()}
+
+
+def _build(tag: str, defines: tuple[str, ...]) -> ModuleType:
+    from dspark import kernels
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+    return kernels.build(f"dspark_quant_ops{tag}", root / "kernels" / f"quant-{digest}{tag}", source=SOURCE,
+                         defines=defines)
+
+
+@cache
+def ops() -> ModuleType | None:
+    """The compiled block products, or None when the kernels are off, fail to build or the CPU lacks AVX2."""
+    from dspark import kernels
+    if kernels.ops() is None:  # DSPARK_CPU_KERNELS=0, or no compiler: the same switch as the other kernels
+        return None
+    try:
+        k = _build("", ())
+    except Exception as e:
+        if kernels._mode() == "require":
+            raise RuntimeError(f"DSPARK_CPU_KERNELS=require but the block kernels failed to build: {e}") from e
+        logger.warning("dspark block kernels unavailable, using torch (slower): %s", e)
+        return None
+    return k if k.has_quant else None
+
+
+@cache
+def ops_variant(*defines: str) -> ModuleType:
+    """The block products built with preprocessor `defines` ("DSPARK_QUANT_AVX2": the AVX2 integer sums on an
+    AVX512-VNNI CPU), for the tests that compare builds."""
+    return _build("_" + "_".join(d.lower() for d in defines), defines)
+
+
+def type_id(qtype) -> int:
+    return int(qtype)
+
+
+def has_product(qtype) -> bool:
+    """Do the built kernels multiply this GGML type in its own blocks?"""
+    return type_id(qtype) in BLOCK_TYPES and ops() is not None
+
+
+def block_cols(raw: torch.Tensor, qtype) -> int:
+    """K (input columns) of a matrix of GGUF rows [N, row bytes] of `qtype`."""
+    _, weights, nbytes = BLOCK_TYPES[type_id(qtype)]
+    return raw.shape[1] // nbytes * weights
+
+
+def product(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor | None:
+    """x [..., K] fp32 @ the GGUF rows `raw` [N, row bytes]^T -> [..., N] through the kernel; None when it
+    does not apply (kernels off, autograd, not fp32 CPU), so the caller takes `block_linear`."""
+    k = ops()
+    if (k is None or x.dtype != torch.float32 or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and x.requires_grad)):
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    return k.block_mm(x2, raw, type_id(qtype)).view(*x.shape[:-1], raw.shape[0])
+
+
+def quantize_input(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (p [M, K / block, block] fp32 integers in -127..127, e [M, K / block] fp32), as the kernels
+    quantize it: e = max |x| / 127, p = round(x * (1 / e)) to nearest even."""
+    blocks = x.reshape(-1, x.shape[-1] // block, block).float()
+    e = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(e != 0, 1.0 / e, 0.0)
+    return torch.round(blocks * inv), e.squeeze(-1)
+
+
+def dequantize(raw: torch.Tensor, qtype) -> torch.Tensor:
+    """GGUF rows [N, row bytes] uint8 of any type gguf knows -> their weights [N, K] fp32 (gguf's own values)."""
+    from gguf.quants import dequantize as gguf_dequantize
+    import gguf
+    values = gguf_dequantize(raw.numpy(), gguf.GGMLQuantizationType(type_id(qtype)))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def block_linear(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
+    """The fast torch twin: the input's quantized values times the blocks' values (dequantized for this
+    product), torch's fp32 product — the kernel's model up to summation order."""
+    _, weights, _ = BLOCK_TYPES[type_id(qtype)]
+    p, e = quantize_input(x.reshape(-1, x.shape[-1]), weights)
+    xq = (p * e.unsqueeze(-1)).reshape(-1, x.shape[-1]).to(x.dtype)
+    return F.linear(xq, dequantize(raw, qtype).to(x.dtype)).reshape(*x.shape[:-1], raw.shape[0])
+
+
+# ------------------------------------------------------------------------------ the kernels' integers
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _q5_0(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """blocks [N, nb, 22] -> d [N, nb], q [N, nb, 32] (0..31)."""
+    qh = blocks[..., 2:6].contiguous().view(torch.int32)  # [N, nb, 1]
+    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [N, nb, 32]
+    qs = blocks[..., 6:].int()
+    low = torch.cat([qs & 0x0F, qs >> 4], -1)
+    return {"d": _half(blocks[..., 0:2]), "q": low | (high << 4)}
+
+
+def _q4_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """blocks [N, nb, 144] -> d, dmin [N, nb], sc, mn [N, nb, 8], q [N, nb, 8, 32] (0..15)."""
+    s = blocks[..., 4:16].int()
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    qs = blocks[..., 16:].int().reshape(*blocks.shape[:2], 4, 32)
+    q = torch.stack([qs & 0x0F, qs >> 4], -2).reshape(*blocks.shape[:2], 8, 32)
+    return {"d": _half(blocks[..., 0:2]), "dmin": _half(blocks[..., 2:4]), "sc": sc, "mn": mn, "q": q}
+
+
+def _q6_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """blocks [N, nb, 210] -> d [N, nb], sc [N, nb, 16] (int8), q [N, nb, 16, 16] (0..63)."""
+    n, nb = blocks.shape[:2]
+    ql = blocks[..., :128].int().reshape(n, nb, 2, 2, 32)  # [h, 32-byte half, 32]
+    qh = blocks[..., 128:192].int().reshape(n, nb, 2, 1, 32)
+    low = torch.stack([ql[..., 0, :] & 0x0F, ql[..., 1, :] & 0x0F, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], -2)
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(4, 1)) & 3  # [N, nb, 2, 4, 32]
+    q = (low | (high << 4)).reshape(n, nb, 16, 16)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).int()
+    return {"d": _half(blocks[..., 208:210]), "sc": sc, "q": q}
+
+
+def product_reference(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
+    """x [M, K] fp32 times the GGUF rows `raw` [N, row bytes] of `qtype` -> [M, N] fp32, bit for bit the
+    kernel's: the integer sums exact in fp64, the fp32 steps of quant_ops.cpp's formulas in its order."""
+    name, weights, nbytes = BLOCK_TYPES[type_id(qtype)]
+    M, N = x.shape[0], raw.shape[0]
+    blocks = raw.reshape(N, -1, nbytes)
+    nb = blocks.shape[1]
+    p, e = quantize_input(x, weights)  # [M, nb, S], [M, nb]
+    p16 = p.reshape(M, nb, weights // 16, 16)
+    s16 = p16.sum(-1).double()  # [M, nb, S / 16] exact
+    acc = torch.zeros(M, N)
+    if name == "Q5_0":
+        f = _q5_0(blocks)
+        isum = torch.einsum("mbi,nbi->mnb", p.double(), f["q"].double()) - 16 * s16.sum(-1)[:, None]
+        for b in range(nb):
+            acc = acc + (f["d"][None, :, b] * e[:, None, b]) * isum[..., b].float()
+        return acc
+    if name == "Q4_K":
+        f = _q4_k(blocks)
+        dots = torch.einsum("mbjs,nbjs->mnbj", p.reshape(M, nb, 8, 32).double(), f["q"].double())
+        i1 = (dots * f["sc"].double()[None]).sum(-1)  # [M, N, nb]
+        s32 = s16.reshape(M, nb, 8, 2).sum(-1)  # [M, nb, 8]
+        i2 = torch.einsum("mbj,nbj->mnb", s32, f["mn"].double())
+        for b in range(nb):
+            acc = acc + (f["d"][None, :, b] * e[:, None, b]) * i1[..., b].float()
+            acc = acc - (f["dmin"][None, :, b] * e[:, None, b]) * i2[..., b].float()
+        return acc
+    f = _q6_k(blocks)  # Q6_K
+    dots = torch.einsum("mbjs,nbjs->mnbj", p16.double(), f["q"].double()) - 32 * s16[:, None]
+    isum = (dots * f["sc"].double()[None]).sum(-1)
+    for b in range(nb):
+        acc = acc + (f["d"][None, :, b] * e[:, None, b]) * isum[..., b].float()
+    return acc
+
+
+def block_values(raw: torch.Tensor, qtype) -> torch.Tensor:
+    """The weights [N, K] of GGUF rows of a kernel type from the fields the kernels read (the tests check
+    them against gguf's dequantization, which the fast twin uses)."""
+    name, _, nbytes = BLOCK_TYPES[type_id(qtype)]
+    blocks = raw.reshape(raw.shape[0], -1, nbytes)
+    n = raw.shape[0]
+    if name == "Q5_0":
+        f = _q5_0(blocks)
+        return (f["d"].unsqueeze(-1) * (f["q"] - 16).float()).reshape(n, -1)
+    if name == "Q4_K":
+        f = _q4_k(blocks)
+        d = (f["d"].unsqueeze(-1) * f["sc"].float()).unsqueeze(-1)
+        dm = (f["dmin"].unsqueeze(-1) * f["mn"].float()).unsqueeze(-1)
+        return (d * f["q"].float() - dm).reshape(n, -1)
+    f = _q6_k(blocks)
+    d = (f["d"].unsqueeze(-1) * f["sc"].float()).unsqueeze(-1)
+    return (d * (f["q"] - 32).float()).reshape(n, -1)

@@ -1,0 +1,266 @@
+// Products on a GGUF's own blocks of the types beyond Q4_1 / Q8_0 (cpu_ops.cpp has those): Q5_0, Q4_K and
+// Q6_K, the types of gemma-3-270m's layers. The weights stay in the file's bytes, unchanged ([N, K / S *
+// block bytes] uint8, S the block's weights); the input rows are quantized once per product to int8 in blocks
+// of S (32 for Q5_0, 256 for the K types): e = max |x| / 127, p = round(x * (1 / e)) to nearest even (fp32),
+// the sums of p per 16 kept (Q8_1's rule over Q8_K's block length). Per weight block the integer dot products
+// are exact (VPMADDUBSW + VPMADDWD on AVX2, VPDPBUSD on AVX512-VNNI: the same integers), and each output's
+// fp32 sum runs block after block in one order, with separately rounded multiplies and adds
+// (-ffp-contract=off):
+//   Q5_0 (w = d (q - 16)):                acc = acc + (d e) * float(sum q p - 16 sum p)
+//   Q4_K (w = d sc_j q - dmin m_j):       acc = acc + (d e) * float(sum_j sc_j sum q p)
+//                                         acc = acc - (dmin e) * float(sum_j m_j sum p)
+//   Q6_K (w = d sc_j (q - 32)):           acc = acc + (d e) * float(sum_j sc_j (sum q p - 32 sum p))
+// so the AVX2 and AVX-512 builds agree bit for bit, with each other and with the torch twin that repeats
+// these steps (dspark.kernels.ggml.product_reference). Parallel over output rows; any number of input rows.
+//
+//   block_mm(x [M, K] fp32, w [N, row bytes] uint8, ggml type id) -> [M, N] fp32
+//
+// Built by dspark.kernels.ggml (torch's extension loader, the flags of cpu_ops.cpp); DSPARK_QUANT_AVX2 builds
+// the AVX2 integer sums on an AVX-512 machine (the tests compare the two).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kQ5_0 = 6, kQ4_K = 12, kQ6_K = 14;  // GGML type ids
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasQuant = true;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(DSPARK_QUANT_AVX2)
+constexpr bool kVnni = true;
+// acc (8 int32 lanes) += the sums of 4 products u8 x s8 per lane
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+  // u <= 63, |s| <= 127: a pair's sum (<= 16002) fits VPMADDUBSW's int16
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
+inline int32_t hsum4(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+  return _mm_cvtsi128_si32(v);
+}
+inline int32_t hsum8(__m256i v) { return hsum4(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1))); }
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// The 32 bits of `bits` as bytes 0 / 16 (bit i -> byte i): the fifth bit of Q5_0's q.
+inline __m256i bits_to_16s(uint32_t bits) {
+  const __m256i v = _mm256_set1_epi32(static_cast<int32_t>(bits)), one = _mm256_set1_epi32(1);
+  __m256i t[4];
+  for (int g = 0; g < 4; ++g)
+    t[g] = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(8 * g, 8 * g + 1, 8 * g + 2, 8 * g + 3, 8 * g + 4,
+                                                                    8 * g + 5, 8 * g + 6, 8 * g + 7)), one);
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(t[0], t[1]), _mm256_packs_epi32(t[2], t[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  return _mm256_slli_epi16(ordered, 4);  // 0 / 1 per byte, shifted within its byte
+}
+
+// Q5_0 block (22 bytes: fp16 d, 32 high bits, 16 bytes: q_j low nibble, q_{j+16} high) -> q 0..31 in order.
+inline __m256i q5_0_values(const uint8_t* blk) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)), low4 = _mm_set1_epi8(0x0F);
+  const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), _mm_and_si128(qs, low4));
+  return _mm256_or_si256(lo, bits_to_16s(qh));
+}
+#else
+constexpr bool kHasQuant = false, kVnni = false;
+#endif
+
+// Input rows quantized in blocks of S: p [M, K] int8, e [M, K / S] fp32, s16 [M, K / 16] int32 (sums of p).
+struct Prepared {
+  std::vector<int8_t> p;
+  std::vector<float> e;
+  std::vector<int32_t> s16;
+};
+
+Prepared prepare(const float* x, int64_t M, int64_t K, int64_t S) {
+  Prepared r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / S)), std::vector<int32_t>(M * (K / 16))};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / S; ++b) {
+      const float* v = x + m * K + b * S;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < S; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float e = amax / 127.0f, inv = e != 0.0f ? 1.0f / e : 0.0f;
+      r.e[m * (K / S) + b] = e;
+      for (int64_t i = 0; i < S; ++i) r.p[m * K + b * S + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+    }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < K / 16; ++j) {
+      int32_t s = 0;
+      for (int i = 0; i < 16; ++i) s += r.p[m * K + 16 * j + i];
+      r.s16[m * (K / 16) + j] = s;
+    }
+  return r;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Output rows [n0, n1) of out [M, N]; w rows of `rb` bytes.
+void q5_0_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64_t rb, float* out, int64_t N,
+               int64_t n0, int64_t n1) {
+  const int64_t nb = K / 32;
+  std::vector<float> acc(M);
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + n * rb + 22 * b;
+      const __m256i q = q5_0_values(blk);
+      const float d = half(blk);
+      for (int64_t m = 0; m < M; ++m) {
+        const int32_t dot = hsum8(dot_acc(_mm256_setzero_si256(), q, load32(in.p.data() + m * K + 32 * b)));
+        const int32_t* s = in.s16.data() + m * (K / 16) + 2 * b;
+        const int32_t isum = dot - 16 * (s[0] + s[1]);
+        acc[m] = acc[m] + (d * in.e[m * nb + b]) * static_cast<float>(isum);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) out[m * N + n] = acc[m];
+  }
+}
+
+// Q4_K's 8 6-bit scales and mins from its 12 bytes (GGUF's packing).
+inline void q4_k_scales(const uint8_t* s, int32_t* sc, int32_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+void q4_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64_t rb, float* out, int64_t N,
+               int64_t n0, int64_t n1) {
+  const int64_t nb = K / 256;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  std::vector<float> acc(M);
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + n * rb + 144 * b;
+      int32_t sc[8], mn[8];
+      q4_k_scales(blk + 4, sc, mn);
+      const float d = half(blk), dmin = half(blk + 2);
+      __m256i q[8];  // sub-block j's 32 q (chunk c: low nibbles sub-block 2c, high 2c + 1)
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = load32(blk + 16 + 32 * c);
+        q[2 * c] = _mm256_and_si256(v, low4);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* p = in.p.data() + m * K + 256 * b;
+        const int32_t* s = in.s16.data() + m * (K / 16) + 16 * b;
+        int32_t i1 = 0, i2 = 0;
+        for (int j = 0; j < 8; ++j) {
+          i1 += sc[j] * hsum8(dot_acc(_mm256_setzero_si256(), q[j], load32(p + 32 * j)));
+          i2 += mn[j] * (s[2 * j] + s[2 * j + 1]);
+        }
+        const float e = in.e[m * nb + b];
+        acc[m] = acc[m] + (d * e) * static_cast<float>(i1);
+        acc[m] = acc[m] - (dmin * e) * static_cast<float>(i2);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) out[m * N + n] = acc[m];
+  }
+}
+
+void q6_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64_t rb, float* out, int64_t N,
+               int64_t n0, int64_t n1) {
+  const int64_t nb = K / 256;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+  std::vector<float> acc(M);
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + n * rb + 210 * b;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = half(blk + 208);
+      __m256i q[8];  // group g = 4 h + s: weights 128 h + 32 s .. + 31, q in 0..63
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32), hi = load32(blk + 128 + 32 * h);
+        const __m256i lows[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
+                                 _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                 _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
+        for (int s = 0; s < 4; ++s) {
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * s), low2);
+          q[4 * h + s] = _mm256_or_si256(lows[s], _mm256_slli_epi16(high, 4));
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* p = in.p.data() + m * K + 256 * b;
+        const int32_t* s = in.s16.data() + m * (K / 16) + 16 * b;
+        int32_t isum = 0;
+        for (int g = 0; g < 8; ++g) {
+          const __m256i dot = dot_acc(_mm256_setzero_si256(), q[g], load32(p + 32 * g));
+          const int32_t a = hsum4(_mm256_castsi256_si128(dot)), c = hsum4(_mm256_extracti128_si256(dot, 1));
+          isum += scales[2 * g] * (a - 32 * s[2 * g]) + scales[2 * g + 1] * (c - 32 * s[2 * g + 1]);
+        }
+        acc[m] = acc[m] + (d * in.e[m * nb + b]) * static_cast<float>(isum);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) out[m * N + n] = acc[m];
+  }
+}
+#endif
+
+struct TypeInfo {
+  int64_t weights, bytes;
+};
+TypeInfo type_info(int64_t t) {
+  if (t == kQ5_0) return {32, 22};
+  if (t == kQ4_K) return {256, 144};
+  if (t == kQ6_K) return {256, 210};
+  return {0, 0};
+}
+
+}  // namespace
+
+torch::Tensor block_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t type) {
+  TORCH_CHECK(kHasQuant, "block_mm: the block products need a CPU with AVX2, FMA and F16C");
+  const TypeInfo info = type_info(type);
+  TORCH_CHECK(info.weights > 0, "block_mm: GGML type ", type, " has no product here (Q5_0, Q4_K, Q6_K)");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte &&
+                  x.device().is_cpu() && w.device().is_cpu(),
+              "block_mm: x [M, K] fp32 and w [N, row bytes] uint8 on the CPU, got ", x.sizes(), " and ", w.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % info.weights == 0 && w.size(1) == K / info.weights * info.bytes,
+              "block_mm: K = ", K, " needs whole blocks of ", info.weights, " (", info.bytes, " bytes each); w has ",
+              w.size(1), " bytes a row");
+  const torch::Tensor xc = x.contiguous(), wc = w.contiguous();
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const Prepared in = prepare(xc.data_ptr<float>(), M, K, info.weights);
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t rb = w.size(1);
+  const int64_t grain = std::max<int64_t>(1, (N + at::get_num_threads() - 1) / at::get_num_threads());
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (type == kQ5_0) q5_0_rows(in, M, K, wp, rb, op, N, n0, n1);
+    else if (type == kQ4_K) q4_k_rows(in, M, K, wp, rb, op, N, n0, n1);
+    else q6_k_rows(in, M, K, wp, rb, op, N, n0, n1);
+  });
+#endif
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("block_mm", &block_mm, "x[M,K] fp32 @ GGUF blocks w[N, row bytes]^T (Q5_0, Q4_K, Q6_K; CPU)", release());
+  m.attr("has_quant") = kHasQuant;
+  m.attr("vnni") = kVnni;
+}

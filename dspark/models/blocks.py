@@ -1,0 +1,224 @@
+"""GGUF matrices resident as quantized (`--matmul-dtype gguf`): every layer matrix, the embedding and the LM
+head keep the file's own blocks, in whatever types the file mixes, and no dense copy.
+
+`BlockMatrix` is one matrix [out, in] as row ranges (the shards of a merged projection may differ in type),
+each held in the form its product reads:
+
+| GGUF type | held as | product (kernel; torch twin with the kernels off) |
+|---|---|---|
+| Q4_1 | `kernels.pack_q4_1` tiles | Q4_1 x Q8_1 (cpu_ops.cpp); `blocks.q4_1_linear` |
+| Q8_0 | `kernels.pack_q8_0` rows | Q8_0 x fp32 (cpu_ops.cpp); `blocks.q8_0_linear` |
+| Q5_0, Q4_K, Q6_K | the file's bytes | `ggml.product` (quant_ops.cpp); `ggml.block_linear` |
+| F32 | fp32 | the fp32 product |
+| any other (Q4_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16, ...) | bf16, dequantized at load | bf16 products (input rounded to bf16, as `--matmul-dtype bfloat16`) |
+
+An embedding keeps its rows in the file's bytes whatever the type (`lookup` dequantizes only the rows it
+reads, with gguf's own dequantization; Q8_0 from the packed rows, bit for bit the same values); a tied head
+multiplies the same bytes where its type has a product, else holds a bf16 copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dspark import kernels
+from dspark.kernels import blocks as qb
+from dspark.kernels import ggml
+
+F32, F16, Q4_1, Q8_0, BF16 = 0, 1, 3, 8, 30  # GGML type ids
+
+
+def _product_form(qtype: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """GGUF rows [n, row bytes] uint8 (F32: [n, K] fp32) of `qtype` -> (the form's type id, its tensor)."""
+    if qtype == Q4_1 and raw.shape[0] % 8 == 0:
+        return Q4_1, qb.pack_q4_1(raw)
+    if qtype == Q8_0:
+        return Q8_0, qb.pack_q8_0(raw)
+    if qtype in ggml.BLOCK_TYPES:
+        return qtype, raw.contiguous()
+    if qtype == F32:
+        return F32, raw.float().contiguous()
+    return BF16, ggml.dequantize(raw, qtype).to(torch.bfloat16)
+
+
+def _part_product(x: torch.Tensor, qtype: int, w: torch.Tensor) -> torch.Tensor:
+    if qtype == Q4_1:
+        out = kernels.linear(x, w)
+        return qb.q4_1_linear(x, w) if out is None else out
+    if qtype == Q8_0:
+        out = kernels.linear(x, w)
+        return qb.q8_0_linear(x, w) if out is None else out
+    if qtype in ggml.BLOCK_TYPES:
+        out = ggml.product(x, w, qtype)
+        return ggml.block_linear(x, w, qtype) if out is None else out
+    if qtype == BF16:
+        out = kernels.linear(x, w)
+        return F.linear(x.to(torch.bfloat16).to(x.dtype), w.to(x.dtype)) if out is None else out
+    out = kernels.linear(x, w)
+    return F.linear(x, w) if out is None else out
+
+
+def _part_values(qtype: int, w: torch.Tensor) -> torch.Tensor:
+    if qtype == Q4_1:
+        return qb.q4_1_packed_values(w)
+    if qtype == Q8_0:
+        return qb.q8_0_packed_values(w)
+    if qtype in ggml.BLOCK_TYPES:
+        return ggml.dequantize(w, qtype)
+    return w.float()
+
+
+class BlockMatrix:
+    """A matrix [out_features, in_features] held as GGUF blocks: `parts` [(type id, tensor)] stacked along the
+    output rows in order, each in its product's form (module docstring)."""
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int) -> None:
+        self.parts, self.in_features = parts, in_features
+        self.out_features = sum(w.shape[0] for _, w in parts)
+
+    @classmethod
+    def from_gguf(cls, pieces: list[tuple[int, torch.Tensor]], in_features: int) -> "BlockMatrix":
+        """pieces [(GGML type id, GGUF rows)] in output-row order; neighbours of one type are stacked."""
+        merged: list[tuple[int, torch.Tensor]] = []
+        for qtype, raw in pieces:
+            if merged and merged[-1][0] == qtype:
+                merged[-1] = (qtype, torch.cat([merged[-1][1], raw]))
+            else:
+                merged.append((qtype, raw))
+        return cls([_product_form(t, raw) for t, raw in merged], in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.numel() * w.element_size() for _, w in self.parts)
+
+    @property
+    def types(self) -> tuple[int, ...]:
+        return tuple(t for t, _ in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] fp32 (x's dtype)."""
+        outs = [_part_product(x, t, w) for t, w in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+
+    def dense(self) -> torch.Tensor:
+        """The matrix's values [out, in] fp32 (dequantized now)."""
+        return torch.cat([_part_values(t, w) for t, w in self.parts])
+
+
+class BlockRows:
+    """An embedding [vocab, hidden] kept as the GGUF's rows of one type; `lookup` dequantizes the rows read."""
+
+    def __init__(self, qtype: int, raw: torch.Tensor, hidden: int) -> None:
+        self.qtype, self.hidden = qtype, hidden
+        self.data = qb.pack_q8_0(raw) if qtype == Q8_0 else raw.contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # [n] long -> [n, hidden] fp32
+        rows = self.data[ids]
+        if self.qtype == Q8_0:
+            return qb.q8_0_packed_values(rows)
+        if self.qtype == F32:
+            return rows.float()
+        return ggml.dequantize(rows, self.qtype).reshape(-1, self.hidden)
+
+    def product_matrix(self) -> BlockMatrix:
+        """The same bytes as an LM head's BlockMatrix where its type has a product; else a bf16 copy."""
+        if self.qtype in (Q8_0, *ggml.BLOCK_TYPES):
+            return BlockMatrix([(self.qtype, self.data)], self.hidden)
+        chunks = [self.lookup(torch.arange(i, min(i + 8192, self.data.shape[0]))).to(torch.bfloat16)
+                  for i in range(0, self.data.shape[0], 8192)]
+        return BlockMatrix([(BF16, torch.cat(chunks))], self.hidden)
+
+
+def gguf_rows(t) -> tuple[int, torch.Tensor]:
+    """A gguf ReaderTensor -> (its GGML type id, its rows [n, row bytes] uint8, or [n, K] fp32 for F32)."""
+    data = np.array(t.data, copy=True)
+    qtype = int(t.tensor_type)
+    if qtype == F32:
+        return qtype, torch.from_numpy(data.astype(np.float32)).reshape(-1, int(t.shape[0]))
+    return qtype, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1))
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor `model` holds: parameters, buffers and the blocks of its BlockMatrix / BlockRows."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.data_ptr()] = t
+    for m in model.modules():
+        for attr in ("blocks", "block_rows"):
+            b = getattr(m, attr, None)
+            for w in ([w for _, w in b.parts] if isinstance(b, BlockMatrix) else [b.data] if b is not None else []):
+                seen[w.data_ptr()] = w
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def load_gguf_matrices(model: torch.nn.Module, source) -> None:
+    """Fill `model` from a GGUF (`loader.GGUFSource`) resident as quantized (`--matmul-dtype gguf`): every
+    Linear gets a BlockMatrix of its GGUF tensors (merged projections stacked in shard order, Llama's q/k rows
+    un-interleaved as the dense load does), the embedding a BlockRows, the head the embedding's bytes when
+    tied (or its own tensor); the other tensors (norms, biases) load as usual. No dense copy is kept."""
+    from dspark.models.layers import Linear
+    from dspark.models.loader import gguf_to_hf_name, unpermute_rope_rows
+    config = source.config
+    permute = config.architecture == "LlamaForCausalLM"
+    tensors = {t.name: t for t in source.reader.tensors}
+    pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    covered: set[str] = set()
+    for t in source.reader.tensors:
+        if t.name in ("token_embd.weight", "output.weight") or len(t.shape) != 2:
+            continue
+        name, shard = model._resolve(gguf_to_hf_name(t.name))
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name)
+        if not isinstance(module, Linear) or not name.endswith(".weight"):
+            continue
+        qtype, raw = gguf_rows(t)
+        if permute and name.endswith("qkv_proj.weight") and shard in ("q", "k"):
+            raw = unpermute_rope_rows(raw, config.num_attention_heads if shard == "q" else config.num_key_value_heads)
+        start = module.shard_rows[shard][0] if shard else 0
+        pieces.setdefault(module_name, []).append((start, qtype, raw))
+        covered.add(t.name)
+    for module_name, parts in pieces.items():
+        module = model.get_submodule(module_name)
+        parts.sort(key=lambda p: p[0])
+        blocks = BlockMatrix.from_gguf([(q, r) for _, q, r in parts], module.in_features)
+        if blocks.out_features != module.out_features:
+            raise ValueError(f"{source.path.name}: GGUF tensors cover {blocks.out_features} of the "
+                             f"{module.out_features} rows of {module_name}")
+        module.blocks, module.weight, module.weight_t = blocks, None, None
+    embed, head = model.model.embed_tokens, model.lm_head
+    qtype, raw = gguf_rows(tensors["token_embd.weight"])
+    embed.block_rows = BlockRows(qtype, raw, config.hidden_size)
+    covered.add("token_embd.weight")
+    if "output.weight" in tensors:
+        head.blocks = BlockMatrix.from_gguf([gguf_rows(tensors["output.weight"])], config.hidden_size)
+        covered.add("output.weight")
+    else:
+        head.blocks = embed.block_rows.product_matrix()
+    embed.weight, head.weight, head.weight_t = None, None, None
+    model.load_weights(source.weights(skip=covered))
+    model.matmul_dtype = "gguf"
+    if hasattr(model, "_layer_weight_list"):
+        model._layer_weight_list = None
+
+
+BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # models whose GGUF loads as blocks
+
+
+def takes_gguf_blocks(path_or_name) -> bool:
+    """Does `--matmul-dtype auto` keep this model's GGUF blocks (`gguf`)? A GGUF of a family in
+    BLOCK_ARCHITECTURES with a layer matrix in a type the kernels multiply, and the kernels built."""
+    from dspark.models.loader import gguf_model_config, gguf_reader, resolve_model_path
+    path = resolve_model_path(path_or_name)
+    if not (path.is_file() and path.suffix == ".gguf") or kernels.ops() is None:
+        return False
+    reader = gguf_reader(path)
+    if gguf_model_config(reader).architecture not in BLOCK_ARCHITECTURES:
+        return False
+    products = {Q4_1, Q8_0, *ggml.BLOCK_TYPES}
+    return any(t.name.startswith("blk.") and len(t.shape) == 2 and int(t.tensor_type) in products for t in reader.tensors)

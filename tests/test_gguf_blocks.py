@@ -1,0 +1,236 @@
+"""GGUF weights resident as quantized (`--matmul-dtype gguf`, dspark.models.blocks) and the products on the
+native blocks:
+
+* each native-block product (Q4_1, Q8_0 in cpu_ops.cpp; Q5_0, Q4_K, Q6_K in quant_ops.cpp) bit for bit equal
+  to its torch twin that dequantizes the same blocks and repeats the kernel's arithmetic (`kernels.blocks`,
+  `kernels.ggml.product_reference`), on this build and on the AVX2 build (`ops_variant`);
+* the fields the kernels read are gguf's weights (the blocks' values equal gguf's dequantization);
+* a small synthetic GGUF (written with the `gguf` package) in every listed type loads resident as quantized:
+  no dense weight kept, every product equals its own reference on the input it got, and the logits stay
+  with the dequantized fp32 model's (apart by the inputs' quantization only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from dspark import kernels  # noqa: E402
+from dspark.kernels import blocks as qb  # noqa: E402
+from dspark.kernels import ggml  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+needs_kernels = pytest.mark.skipif(ggml.ops() is None, reason="no block kernels (AVX2/FMA/F16C, kernels on)")
+# fp16 fields of the K types (offsets in the block) and the scale that gives weights of ~0.05 with the
+# types' integer ranges, which random blocks must hold
+_HALF_FIELDS = {T.Q4_K: ((0, 2), 1e-4), T.Q5_K: ((0, 2), 5e-5), T.Q6_K: ((208,), 1.5e-5), T.Q3_K: ((108,), 4e-4),
+                T.Q2_K: ((80, 82), 1e-3)}
+
+
+def gguf_rows(n: int, k: int, qtype, *, seed: int) -> torch.Tensor:
+    """GGUF rows [n, row bytes] of a random matrix in `qtype`: gguf's quantizer where it has one, else random
+    blocks (K types) with small positive scales."""
+    rng = np.random.default_rng(seed)
+    if qtype not in _HALF_FIELDS:
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+        data = gguf.quantize(w, qtype)
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(n, -1))
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, (n, k // block_weights, block_bytes), dtype=np.uint8)
+    offsets, scale = _HALF_FIELDS[qtype]
+    for off in offsets:
+        half = (rng.random((n, k // block_weights), dtype=np.float32) * scale + scale / 4).astype(np.float16)
+        b[..., off:off + 2] = half.view(np.uint8).reshape(n, k // block_weights, 2)
+    return torch.from_numpy(b.reshape(n, -1))
+
+
+# ------------------------------------------------------------------------------------- the products
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
+def test_block_product_is_bitwise_its_twin_on_both_builds(qtype, rows):
+    raw = gguf_rows(40, 512, qtype, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0  # an all-zero block of the input
+    ref = ggml.product_reference(x, raw, qtype)
+    assert torch.equal(ggml.product(x, raw, qtype), ref)
+    assert torch.equal(ggml.ops_variant("DSPARK_QUANT_AVX2").block_mm(x, raw, int(qtype)), ref)
+    # the twins are the blocks' model: the fast twin within summation order, the unquantized input far off
+    fast = ggml.block_linear(x, raw, qtype)
+    dense = x @ ggml.dequantize(raw, qtype).t()
+    assert (fast - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
+    assert (dense - ref).abs().max() > 10 * (fast - ref).abs().max()
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_the_kernels_fields_are_gguf_s_weights(qtype):
+    raw = gguf_rows(16, 512, qtype, seed=3)
+    assert torch.equal(ggml.block_values(raw, qtype), ggml.dequantize(raw, qtype))
+
+
+@needs_kernels
+def test_a_block_product_row_does_not_depend_on_the_batch():
+    raw = gguf_rows(24, 256, T.Q4_K, seed=4)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([ggml.product(x[i:i + 1], raw, T.Q4_K) for i in range(9)])
+    assert torch.equal(ggml.product(x, raw, T.Q4_K), alone)
+
+
+@pytest.mark.skipif(not kernels.has_q4_1_kernels(), reason="no Q4_1 CPU kernels")
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_q4_1_product_is_bitwise_its_twin_on_both_builds(rows):
+    raw = gguf_rows(40, 576, T.Q4_1, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    packed = kernels.pack_q4_1(raw)
+    assert torch.equal(kernels.ops().small_mm(x, packed), qb.q4_1_product_reference(x, packed))
+    assert torch.equal(qb.unpack_q4_1(packed), raw) and torch.equal(qb.q4_1_packed_values(packed), ggml.dequantize(raw, T.Q4_1))
+    if kernels.q4_1_group_rows() == 16:  # the AVX2 tiles read the 8-row packing
+        avx2 = kernels.ops_variant("DSPARK_Q4_NO_VNNI")
+        assert torch.equal(avx2.small_mm(x, kernels.pack_q4_1(raw, group_rows=8)), qb.q4_1_product_reference(x, packed))
+
+
+@pytest.mark.skipif(not kernels.has_q8_0_kernels(), reason="no Q8_0 CPU kernels")
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_q8_0_product_is_bitwise_its_twin(rows):
+    raw = gguf_rows(40, 576, T.Q8_0, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    packed = kernels.pack_q8_0(raw)
+    assert torch.equal(kernels.ops().small_mm(x, packed), qb.q8_0_product_reference(x, packed))
+    assert torch.equal(qb.q8_0_packed_values(packed), ggml.dequantize(raw, T.Q8_0))
+
+
+def test_fma32_rounds_once():
+    a = torch.tensor([1 + 2 ** -23, 3.0, 1e-30], dtype=torch.float32)
+    b = torch.tensor([1 - 2 ** -23, 1 / 3, 1e-10], dtype=torch.float32)
+    c = torch.tensor([-1.0, -1.0, 1.0], dtype=torch.float32)
+    exact = a.double() * b.double() + c.double()
+    assert torch.equal(qb.fma32(a, b, c), exact.float())  # these fp64 sums are exact
+    assert qb.fma32(a, b, c)[0] != (a * b + c)[0]  # where the unfused product loses the low bits
+
+
+# ------------------------------------------------------------------------------------- synthetic GGUF
+
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 96
+LAYER_TYPES = [T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_1, T.Q5_K, T.Q3_K, T.F16, T.BF16]
+
+
+def write_tiny_gguf(path, layer_type, *, embed_type=T.Q8_0, seed: int = 0) -> None:
+    """A 2-layer Llama GGUF: every layer matrix in `layer_type` (attn_v in Q6_K beside it, as llama.cpp's
+    mixes do), the tied embedding in `embed_type`, the norms fp32."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_vocab_size(VOCAB)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_block_count(LAYERS)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    head_dim = HIDDEN // HEADS
+    rng = np.random.default_rng(seed)
+
+    def matrix(name, n, k, qtype, s):
+        raw = gguf_rows(n, k, qtype, seed=s).numpy()
+        w.add_tensor(name, raw, raw_dtype=qtype)
+
+    matrix("token_embd.weight", VOCAB, HIDDEN, embed_type, seed)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN), "attn_v": (KV_HEADS * head_dim, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
+              "ffn_down": (HIDDEN, INTER)}
+    for i in range(LAYERS):
+        for j, (part, (n, k)) in enumerate(shapes.items()):
+            matrix(f"blk.{i}.{part}.weight", n, k, T.Q6_K if part == "attn_v" else layer_type, 100 * i + j + seed)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _models(path):
+    """(resident-as-quantized model, the dense fp32 model of gguf's dequantized weights) of one GGUF."""
+    from dspark.models import build_model
+    from dspark.models.blocks import load_gguf_matrices
+    from dspark.models.loader import GGUFSource
+    source = GGUFSource(path)
+    dense = build_model(source.config)
+    ours = build_model(source.config)
+    with torch.inference_mode():
+        dense.load_weights(source.weights())
+        load_gguf_matrices(ours, source)
+    return ours, dense
+
+
+@pytest.mark.parametrize("layer_type", LAYER_TYPES, ids=lambda t: t.name)
+def test_every_listed_type_loads_resident_as_quantized(tmp_path, layer_type):
+    from conftest import PagedKV
+    from dspark.models.blocks import BF16, BlockMatrix, held_bytes
+    from dspark.models.layers import LMHead, Linear, VocabEmbedding
+    path = tmp_path / f"tiny-{layer_type.name}.gguf"
+    write_tiny_gguf(path, layer_type)
+    ours, dense = _models(path)
+    kept = [n for n, m in ours.named_modules() if isinstance(m, (Linear, VocabEmbedding, LMHead)) and m.weight is not None]
+    assert not kept, kept
+    assert held_bytes(ours) < 0.7 * held_bytes(dense)  # no fp32 copy of a matrix (bf16 at most)
+    native = layer_type in (T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K)
+    qkv = ours.model.layers[0].self_attn.qkv_proj.blocks
+    qk = int(layer_type) if native else BF16
+    assert qkv.types == ((qk,) if qk == int(T.Q6_K) else (qk, int(T.Q6_K)))  # q, k stacked; v its own part
+    for name, module in dense.named_modules():  # the blocks hold the dequantized model's weights
+        if isinstance(module, Linear):
+            mine = ours.get_submodule(name).dense_weight()
+            ref = module.weight if native else module.weight.to(torch.bfloat16).float()
+            assert torch.equal(mine[:HIDDEN], ref[:HIDDEN]), name
+    ids = torch.tensor([0, 7, VOCAB - 1])
+    assert torch.equal(ours.model.embed_tokens(ids), dense.model.embed_tokens(ids))
+    seen: list[tuple[BlockMatrix, torch.Tensor, torch.Tensor]] = []
+    hooks = [m.register_forward_hook(lambda mod, i, o: seen.append((mod.blocks, i[0].clone(), o.clone())))
+             for m in ours.modules() if isinstance(m, Linear)]
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = {}
+    for tag, model in (("ours", ours), ("dense", dense)):
+        kv = PagedKV.create(model, num_requests=1, max_len=32, kv_block_size=4, seed=1)
+        hidden = torch.cat([kv.step(model, [(prompt[:8], 0)])[0], kv.step(model, [(prompt[8:], 8)])[0]])
+        logits[tag] = model.compute_logits(hidden)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2 * 4 * LAYERS
+    for blocks, x, out in seen:  # every product: its parts' references on the input it got
+        refs = []
+        for qtype, w in blocks.parts:
+            refs.append(_part_reference(x, qtype, w))
+        assert torch.equal(out, torch.cat(refs, -1)), blocks.types
+    err = (logits["ours"] - logits["dense"]).abs().max().item()
+    assert err < 0.05 * logits["dense"].abs().max().item(), err
+
+
+def _part_reference(x, qtype, w):
+    from dspark.models.blocks import BF16, F32
+    if qtype == int(T.Q4_1):
+        return qb.q4_1_product_reference(x, w) if kernels.has_q4_1_kernels() else qb.q4_1_linear(x, w)
+    if qtype == int(T.Q8_0):
+        return qb.q8_0_product_reference(x, w) if kernels.has_q8_0_kernels() else qb.q8_0_linear(x, w)
+    if qtype in ggml.BLOCK_TYPES:
+        return ggml.product_reference(x, w, qtype) if ggml.ops() is not None else ggml.block_linear(x, w, qtype)
+    assert qtype in (BF16, F32)
+    out = kernels.linear(x, w)
+    return out if out is not None else torch.nn.functional.linear(x.to(torch.bfloat16).float(), w.float())
+
+
+def test_a_tied_embedding_without_a_product_gets_a_bf16_head(tmp_path):
+    from dspark.models.blocks import BF16
+    path = tmp_path / "tiny-q4_0-embed.gguf"
+    write_tiny_gguf(path, T.Q4_K, embed_type=T.Q4_0)
+    ours, dense = _models(path)
+    assert ours.lm_head.blocks.types == (BF16,)
+    assert ours.model.embed_tokens.block_rows.qtype == int(T.Q4_0)
+    ids = torch.arange(VOCAB)
+    assert torch.equal(ours.model.embed_tokens(ids), dense.model.embed_tokens(ids))
