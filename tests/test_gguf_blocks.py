@@ -234,3 +234,35 @@ def test_a_tied_embedding_without_a_product_gets_a_bf16_head(tmp_path):
     assert ours.model.embed_tokens.block_rows.qtype == int(T.Q4_0)
     ids = torch.arange(VOCAB)
     assert torch.equal(ours.model.embed_tokens(ids), dense.model.embed_tokens(ids))
+
+
+KERNELS_OFF_CHILD = """
+import json, sys, torch
+from dspark.models.loader import load_model
+model, cfg, tok = load_model("default", matmul_dtype=sys.argv[1])
+from conftest import PagedKV
+ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+kv = PagedKV.create(model, num_requests=1, max_len=len(ids) + 8, kv_block_size=16, seed=1)
+hidden = kv.step(model, [(ids, 0)])[0]
+print(json.dumps(model.compute_logits(hidden[-1:])[0].tolist()))
+"""
+
+
+@pytest.mark.slow
+def test_the_default_model_resident_as_quantized_runs_with_the_kernels_off(smollm2):
+    """DSPARK_CPU_KERNELS=0: the resident Q4_1 model's torch twins (blocks dequantized per product) give the
+    kernels' logits up to summation order, and the fp32 model's top token."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "DSPARK_CPU_KERNELS": "0", "PYTHONPATH": f"{tests.parent}:{tests}"}
+    out = {}
+    for mode, kernels_env in (("off", env), ("on", {**env, "DSPARK_CPU_KERNELS": "1"})):
+        proc = subprocess.run([sys.executable, "-c", KERNELS_OFF_CHILD, "q4_1"], capture_output=True, text=True,
+                              env=kernels_env, check=True, timeout=1800)
+        out[mode] = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert (out["off"] - out["on"]).abs().max() < 2e-3 * out["on"].abs().max()
+    assert out["off"].argmax() == out["on"].argmax()

@@ -78,6 +78,9 @@ def build_engine(config: EngineConfig):
         from dspark.verify.step_profiler import profile_engine
         log.info("profiling the step-cost table at startup (cost_table='auto')")
         engine.cost_table = profile_engine(engine, repeats=3, warmup=1)
+    if str(config.device).startswith("cpu"):
+        from dspark.utils.host import trim_heap
+        trim_heap()  # the load's freed temporaries back to the OS (tune_malloc would keep up to 512 MiB)
     return engine, tokenizer
 
 

@@ -10,4 +10,6 @@ if __name__ == "__main__":
     if kernels._mode() == "0":
         sys.exit("DSPARK_CPU_KERNELS=0: kernels are off, nothing to build")
     kernels.ops()
+    from dspark.kernels import ggml
+    ggml.ops()  # the block products (quant_ops.cpp)
     print(f"dspark CPU kernels built in {kernels.build_dir()}")

@@ -165,11 +165,11 @@ def product_reference(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor
     nb = blocks.shape[1]
     p, e = quantize_input(x, weights)  # [M, nb, S], [M, nb]
     p16 = p.reshape(M, nb, weights // 16, 16)
-    s16 = p16.sum(-1).double()  # [M, nb, S / 16] exact
+    psum16 = p16.sum(-1).double()  # [M, nb, S / 16] exact
     acc = torch.zeros(M, N)
     if name == "Q5_0":
         f = _q5_0(blocks)
-        isum = torch.einsum("mbi,nbi->mnb", p.double(), f["q"].double()) - 16 * s16.sum(-1)[:, None]
+        isum = torch.einsum("mbi,nbi->mnb", p.double(), f["q"].double()) - 16 * psum16.sum(-1)[:, None]
         for b in range(nb):
             acc = acc + (f["d"][None, :, b] * e[:, None, b]) * isum[..., b].float()
         return acc
@@ -177,14 +177,14 @@ def product_reference(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor
         f = _q4_k(blocks)
         dots = torch.einsum("mbjs,nbjs->mnbj", p.reshape(M, nb, 8, 32).double(), f["q"].double())
         i1 = (dots * f["sc"].double()[None]).sum(-1)  # [M, N, nb]
-        s32 = s16.reshape(M, nb, 8, 2).sum(-1)  # [M, nb, 8]
-        i2 = torch.einsum("mbj,nbj->mnb", s32, f["mn"].double())
+        psum32 = psum16.reshape(M, nb, 8, 2).sum(-1)  # [M, nb, 8]
+        i2 = torch.einsum("mbj,nbj->mnb", psum32, f["mn"].double())
         for b in range(nb):
             acc = acc + (f["d"][None, :, b] * e[:, None, b]) * i1[..., b].float()
             acc = acc - (f["dmin"][None, :, b] * e[:, None, b]) * i2[..., b].float()
         return acc
     f = _q6_k(blocks)  # Q6_K
-    dots = torch.einsum("mbjs,nbjs->mnbj", p16.double(), f["q"].double()) - 32 * s16[:, None]
+    dots = torch.einsum("mbjs,nbjs->mnbj", p16.double(), f["q"].double()) - 32 * psum16[:, None]
     isum = (dots * f["sc"].double()[None]).sum(-1)
     for b in range(nb):
         acc = acc + (f["d"][None, :, b] * e[:, None, b]) * isum[..., b].float()

@@ -36,7 +36,7 @@ constexpr int kQ5_0 = 6, kQ4_K = 12, kQ6_K = 14;  // GGML type ids
 constexpr bool kHasQuant = true;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(DSPARK_QUANT_AVX2)
 constexpr bool kVnni = true;
-// acc (8 int32 lanes) += the sums of 4 products u8 x s8 per lane
+// acc (8 int32 lanes) += the sums of 4 products uint8 x int8 per lane
 inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #else
 constexpr bool kVnni = false;
@@ -83,11 +83,11 @@ inline __m256i q5_0_values(const uint8_t* blk) {
 constexpr bool kHasQuant = false, kVnni = false;
 #endif
 
-// Input rows quantized in blocks of S: p [M, K] int8, e [M, K / S] fp32, s16 [M, K / 16] int32 (sums of p).
+// Input rows quantized in blocks of S: p [M, K] int8, e [M, K / S] fp32, psum16 [M, K / 16] int32 (sums of p).
 struct Prepared {
   std::vector<int8_t> p;
   std::vector<float> e;
-  std::vector<int32_t> s16;
+  std::vector<int32_t> psum16;
 };
 
 Prepared prepare(const float* x, int64_t M, int64_t K, int64_t S) {
@@ -105,7 +105,7 @@ Prepared prepare(const float* x, int64_t M, int64_t K, int64_t S) {
     for (int64_t j = 0; j < K / 16; ++j) {
       int32_t s = 0;
       for (int i = 0; i < 16; ++i) s += r.p[m * K + 16 * j + i];
-      r.s16[m * (K / 16) + j] = s;
+      r.psum16[m * (K / 16) + j] = s;
     }
   return r;
 }
@@ -124,7 +124,7 @@ void q5_0_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
       const float d = half(blk);
       for (int64_t m = 0; m < M; ++m) {
         const int32_t dot = hsum8(dot_acc(_mm256_setzero_si256(), q, load32(in.p.data() + m * K + 32 * b)));
-        const int32_t* s = in.s16.data() + m * (K / 16) + 2 * b;
+        const int32_t* s = in.psum16.data() + m * (K / 16) + 2 * b;
         const int32_t isum = dot - 16 * (s[0] + s[1]);
         acc[m] = acc[m] + (d * in.e[m * nb + b]) * static_cast<float>(isum);
       }
@@ -163,7 +163,7 @@ void q4_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
       }
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* p = in.p.data() + m * K + 256 * b;
-        const int32_t* s = in.s16.data() + m * (K / 16) + 16 * b;
+        const int32_t* s = in.psum16.data() + m * (K / 16) + 16 * b;
         int32_t i1 = 0, i2 = 0;
         for (int j = 0; j < 8; ++j) {
           i1 += sc[j] * hsum8(dot_acc(_mm256_setzero_si256(), q[j], load32(p + 32 * j)));
@@ -202,7 +202,7 @@ void q6_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
       }
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* p = in.p.data() + m * K + 256 * b;
-        const int32_t* s = in.s16.data() + m * (K / 16) + 16 * b;
+        const int32_t* s = in.psum16.data() + m * (K / 16) + 16 * b;
         int32_t isum = 0;
         for (int g = 0; g < 8; ++g) {
           const __m256i dot = dot_acc(_mm256_setzero_si256(), q[g], load32(p + 32 * g));

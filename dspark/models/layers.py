@@ -162,7 +162,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     accumulated in fp32 — the kernel's when it applies, else the same values in fp32 through torch
     (`weight` holds the bf16-rounded values), so every path computes one model. `weight_q4` (see
     `use_q4_1_products`): the same with the GGUF's Q4_1 blocks (`weight` holds their exact values).
-    `weight_q8` (see `use_q8_0_head`): the GGUF's Q8_0 blocks with the fp32 input — the fp32 product
+    `weight_q8` (see `loader.load_gguf_blocks`): the GGUF's Q8_0 blocks with the fp32 input — the fp32 product
     (`weight` holds the blocks' exact values), in 1.1 bytes a weight. Resident as quantized (`drop_dense_weights`)
     `weight` is None and the torch path dequantizes the blocks for the product (`kernels.blocks`)."""
     if weight_q8 is not None:
@@ -386,23 +386,6 @@ def use_q4_1_products(model: nn.Module, packed: dict[str, torch.Tensor], *, head
     if hasattr(model, "_layer_weight_list"):
         model._layer_weight_list = None  # the fused stack's list picks the packed weights up
     return added
-
-
-def use_q8_0_head(model: nn.Module, packed: torch.Tensor) -> int:
-    """Make the LM head of `model` multiply its GGUF's Q8_0 blocks: `packed` [vocab, hidden * 9 / 8] int8
-    (`kernels.pack_q8_0`), kept as `weight_q8`; the head's weight must already hold the blocks' exact
-    values. The input stays fp32, so the logits are the fp32 model's (summation order apart). Returns
-    the bytes added."""
-    heads = [m for m in model.modules() if isinstance(m, LMHead)]
-    if len(heads) != 1:
-        raise ValueError(f"Q8_0 head: the model has {len(heads)} LM heads")
-    head = heads[0]
-    vocab, hidden = head.weight.shape
-    if packed.dtype != torch.int8 or tuple(packed.shape) != (vocab, hidden + hidden // 8):
-        raise ValueError(f"Q8_0 head: the head is [{vocab}, {hidden}], its packed weight {tuple(packed.shape)} {packed.dtype}")
-    head.register_buffer("weight_q8", packed.contiguous(), persistent=False)
-    head.weight_t = None
-    return packed.numel()
 
 
 def use_bf16_products(model: nn.Module) -> int:

@@ -11,10 +11,11 @@ here. Parsing and dequantising a GGUF takes seconds, so the first load also writ
 tensors and config.json to the file's cache directory (`tokenizer.gguf_cache_dir`); later loads read
 that as an HF directory. Checkpoints are read with `safetensors` only (never pickle).
 
-`matmul_dtype="q4_1"` keeps a Q4_1 GGUF's layer matrices in their blocks for the CPU kernels (read from
-the GGUF itself, rows un-interleaved the same way, packed by `kernels.pack_q4_1`) beside the fp32 values;
-the LM head takes bf16 products where the kernels multiply bf16, else its own Q8_0 blocks when the GGUF
-stores it so (`kernels.pack_q8_0`: the fp32 head's values and input), else fp32.
+`matmul_dtype="q4_1"` loads a Q4_1 GGUF resident as quantized (`load_gguf_blocks`): the layer matrices
+stay in their blocks for the CPU kernels (rows un-interleaved the same way, packed by `kernels.pack_q4_1`),
+the embedding and LM head in their Q8_0 blocks (the head a bf16 copy where the kernels multiply bf16), and
+no dense fp32 copy is kept; `matmul_dtype="gguf"` does the same for a GGUF of any mix of types
+(`models.blocks.load_gguf_matrices`). Neither reads nor writes the fp32 conversion cache.
 """
 
 from __future__ import annotations
@@ -208,17 +209,6 @@ def load_gguf_blocks(model: torch.nn.Module, source: "GGUFSource") -> None:
 def gguf_q8_0_matrix(t) -> torch.Tensor | None:
     """A GGUF tensor's Q8_0 rows packed for the kernels (`kernels.pack_q8_0`), None when it is another type."""
     import gguf
-    if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
-        return None
-    return kernels.pack_q8_0(torch.from_numpy(np.array(t.data, copy=True)))
-
-
-def gguf_q8_0_head(path: Path) -> torch.Tensor | None:
-    """The LM head's matrix of the GGUF at `path` (`output.weight`, else the tied `token_embd.weight`)
-    packed for the Q8_0 kernel (`kernels.pack_q8_0`), or None when it is stored in another type."""
-    import gguf
-    tensors = {t.name: t for t in gguf_reader(path).tensors}
-    t = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
         return None
     return kernels.pack_q8_0(torch.from_numpy(np.array(t.data, copy=True)))

@@ -46,3 +46,17 @@ def tune_malloc() -> bool:
     log.info("glibc malloc: mmap threshold %d MiB, trim threshold %d MiB%s", MMAP_THRESHOLD >> 20,
              TRIM_THRESHOLD >> 20, "" if _done else " (refused)")
     return _done
+
+
+def trim_heap() -> bool:
+    """Give the heap's free memory back to the OS now (glibc `malloc_trim(0)`). Loading a model frees far more
+    than a step ever allocates (parsed GGUF headers, dequantization and packing temporaries), and under
+    `tune_malloc`'s 512 MiB trim threshold that memory would stay resident; one trim after the load returns
+    it and leaves the step-time thresholds as they are. False where the C library has no malloc_trim."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
