@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="decode rounds (0: no decode comparison)")
     ap.add_argument("--num-prompts", type=int, default=1, help="decode prompts per dataset")
+    ap.add_argument("--rss-of", default="work,base", help="which revisions' serve RSS to measure")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -148,9 +149,12 @@ def main() -> None:
             budget = 1.3 * size_mb + args.kv_cache_memory_gb * 1024 + 300
             entry = {"gguf_mb": round(size_mb, 1), "budget_mb": round(budget, 1)}
             for tag, tree in trees.items():
+                if tag not in args.rss_of.split(","):
+                    continue
                 entry[tag] = serve_rss(tree, model, args.kv_cache_memory_gb, args.warmup, timeout=1800)
                 print(tag, model, entry[tag], flush=True)
-            entry["work_within_budget"] = entry["work"]["VmRSS"] <= budget
+            if "work" in entry:
+                entry["work_within_budget"] = entry["work"]["VmRSS"] <= budget
             entry["llama_cpp"] = llama_cpp_rss(path)
             result["models"][model] = entry
         if args.rounds:
