@@ -187,23 +187,22 @@ def test_eval_accept_cli(monkeypatch, tmp_path, capsys):
 
 # -- parity ------------------------------------------------------------------------------------------
 
-def _accept_everything(*, target_probs, draft_ids, draft_probs, is_greedy, generators):
-    """A broken verifier: every draft is accepted and the bonus is the argmax after the last one."""
-    output_ids = [list(d) + [int(t[len(d)].argmax())] for t, d in zip(target_probs, draft_ids)]
-    return VerifyResult(num_accepted=[len(d) for d in draft_ids], output_ids=output_ids,
-                        is_bonus=[True] * len(draft_ids))
-
-
 def _accept_everything_argmax(*, target_argmax, draft_ids):
-    """The same broken verifier on the engine's all-greedy lane (argmax ids)."""
+    """A broken verifier on the engine's all-greedy lane (argmax ids): every draft is accepted and the
+    bonus is the argmax after the last one."""
     return VerifyResult(num_accepted=[len(d) for d in draft_ids],
                         output_ids=[list(d) + [ids[len(d)]] for ids, d in zip(target_argmax, draft_ids)],
                         is_bonus=[True] * len(draft_ids))
 
 
+def _accept_everything_one(target_argmax, draft_ids):
+    """The same broken rule for one request on the per-request greedy lane (engine/sampler.py)."""
+    return len(draft_ids), list(draft_ids) + [target_argmax[len(draft_ids)]], True
+
+
 def _break_verifier(monkeypatch) -> None:
-    monkeypatch.setattr("dspark.engine.engine.verify", _accept_everything)
-    monkeypatch.setattr("dspark.engine.engine.verify_greedy_argmax", _accept_everything_argmax)
+    monkeypatch.setattr("dspark.engine.sampler.verify_greedy_argmax", _accept_everything_argmax)
+    monkeypatch.setattr("dspark.engine.sampler._accept_greedy", _accept_everything_one)
 
 
 def test_first_divergence():
