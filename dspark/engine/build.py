@@ -138,12 +138,12 @@ def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: s
         if dtype != "float32":
             return "float32"
         if model is not None and device == "cpu" and tensor_parallel_size == 1 and kernels.has_q4_1_kernels():
-            from dspark.models.loader import q4_1_problem
+            from dspark.models.loader import q4_1_problem, resolve_model_path
             from dspark.models.blocks import takes_gguf_blocks
             try:
                 if q4_1_problem(model) is None:
                     return "q4_1"
-                if takes_gguf_blocks(model):
+                if takes_gguf_blocks(resolve_model_path(model)):
                     return "gguf"
             except (FileNotFoundError, ValueError):
                 pass  # an unknown model fails where it loads, with its own message

@@ -42,8 +42,8 @@ def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def q4_1_group_rows() -> int:
     """Rows per packing group the built kernels read (cpu_ops.cpp, "Q4_1 products"): 16 with AVX512-VNNI (a
     pair of 8-row tiles, their blocks interleaved), else 8."""
-    from dspark import kernels
-    k = kernels.ops()
+    from dspark.kernels.compiled import ops
+    k = ops()
     return int(getattr(k, "q4_1_group_rows", 8)) if k is not None else 8
 
 

@@ -19,6 +19,8 @@ multiplies the same bytes where its type has a product, else holds a bf16 copy.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -163,7 +165,7 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     un-interleaved as the dense load does), the embedding a BlockRows, the head the embedding's bytes when
     tied (or its own tensor); the other tensors (norms, biases) load as usual. No dense copy is kept."""
     from dspark.models.layers import Linear
-    from dspark.models.loader import gguf_to_hf_name, unpermute_rope_rows
+    from dspark.models.gguf_format import gguf_to_hf_name, unpermute_rope_rows
     config = source.config
     permute = config.architecture == "LlamaForCausalLM"
     tensors = {t.name: t for t in source.reader.tensors}
@@ -210,11 +212,11 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
 BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # models whose GGUF loads as blocks
 
 
-def takes_gguf_blocks(path_or_name) -> bool:
+def takes_gguf_blocks(path) -> bool:
     """Does `--matmul-dtype auto` keep this model's GGUF blocks (`gguf`)? A GGUF of a family in
     BLOCK_ARCHITECTURES with a layer matrix in a type the kernels multiply, and the kernels built."""
-    from dspark.models.loader import gguf_model_config, gguf_reader, resolve_model_path
-    path = resolve_model_path(path_or_name)
+    from dspark.models.gguf_format import gguf_model_config, gguf_reader
+    path = Path(path)
     if not (path.is_file() and path.suffix == ".gguf") or kernels.ops() is None:
         return False
     reader = gguf_reader(path)

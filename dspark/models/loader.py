@@ -20,12 +20,10 @@ no dense fp32 copy is kept; `matmul_dtype="gguf"` does the same for a GGUF of an
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -38,6 +36,8 @@ from dspark.kernels.blocks import q8_0_packed_values
 from dspark.models.layers import (Linear, add_decode_layout, drop_dense_weights, use_bf16_products,
                                   use_q4_1_products)
 from dspark.models.config import ModelConfig
+from dspark.models.gguf_format import (_gguf_reader, gguf_field, gguf_model_config, gguf_reader,  # noqa: F401
+                                       gguf_to_hf_name, unpermute_rope_rows)
 from dspark.models.tokenizer import TokenizerBundle, check_tokenizer_files, gguf_cache_dir, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -136,20 +136,6 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
         del source
         _gguf_reader.cache_clear()
     return model, config, tokenizer
-
-
-def gguf_reader(path: str | Path):
-    """gguf.GGUFReader for the file at `path`, parsed once per process and file version (parsing
-    SmolLM2's header and vocabulary takes ~5 s; the config check, the Q4_1 blocks and the head read it)."""
-    path = Path(path).resolve()
-    stat = path.stat()
-    return _gguf_reader(str(path), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=2)
-def _gguf_reader(path: str, mtime_ns: int, size: int):
-    import gguf
-    return gguf.GGUFReader(path)
 
 
 def q4_1_problem(path_or_name: str | Path) -> str | None:
@@ -312,48 +298,6 @@ def _as_list(x: Any) -> list[int]:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-# ---------------------------------------------------------------------------------------- gguf
-
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-# llama.cpp tensor name -> HF name; {i} is the block index
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-# Gemma 3 (llama.cpp's names): four norms a layer, and ffn_norm is the pre-feed-forward one
-_GGUF_GEMMA3_BLOCK_NAMES = {
-    **_GGUF_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-
-
-def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
-    """llama.cpp tensor name -> HF name, for the GGUF architecture `arch` (general.architecture)."""
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    block_names = _GGUF_GEMMA3_BLOCK_NAMES if arch == "gemma3" else _GGUF_BLOCK_NAMES
-    m = _BLOCK_RE.match(name)
-    if m and m.group(2) in block_names:
-        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
-    raise KeyError(f"GGUF tensor {name!r} has no known HF equivalent")
-
-
-def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Invert llama.cpp's q/k permutation: within each head it stores rows as interleaved (even, odd)
-    rotary pairs; HF keeps the two halves of the head contiguous (rotate-half layout).
-    w: [num_heads * head_dim, ...] -> same shape."""
-    head_dim = w.shape[0] // num_heads
-    return (w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape))
-
-
 class GGUFSource:
     """A llama.cpp GGUF file: header -> ModelConfig, tensors -> dequantised HF-named fp32 tensors."""
 
@@ -389,80 +333,6 @@ class GGUFSource:
             elif norm_shift and name.endswith("norm.weight"):
                 tensor = tensor - 1.0
             yield name, tensor
-
-
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def gguf_model_config(reader: Any) -> ModelConfig:
-    """ModelConfig from a GGUF header (`<arch>.*` keys, tokenizer ids, presence of output.weight)."""
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(GGUF_ARCHITECTURES)}")
-
-    def get(key: str, default: Any = KeyError) -> Any:
-        value = gguf_field(reader, f"{arch}.{key}", None)
-        if value is None:
-            if default is KeyError:
-                raise KeyError(f"GGUF header lacks {arch}.{key}")
-            return default
-        return value
-
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    tensor_names = {t.name for t in reader.tensors}
-    vocab = get("vocab_size", None)
-    if vocab is None:
-        vocab = len(gguf_field(reader, "tokenizer.ggml.tokens"))
-    scaling = None
-    kind = get("rope.scaling.type", "none")
-    if kind == "linear":
-        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif kind not in ("none", None):
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported")
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    gemma: dict[str, Any] = {}
-    if arch == "gemma3":
-        gemma = _gguf_gemma3_fields(get, hidden, heads, int(get("block_count")))
-        if scaling is not None:
-            scaling = {**scaling, "rope_type": "linear"}  # llama.cpp scales the global layers only
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
-        rms_norm_eps=float(f"{get('attention.layer_norm_rms_epsilon', 1e-6):.7g}"),  # undo fp32 storage
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(get("context_length", 8192)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm=arch in ("qwen3", "gemma3"),
-        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        **gemma,
-    )
-
-
-def _gguf_gemma3_fields(get: Any, hidden: int, heads: int, layers: int) -> dict[str, Any]:
-    """The Gemma 3 ModelConfig fields a GGUF header implies, as llama.cpp reads them: every 6th layer
-    global, local RoPE base 10000, attention scale 1/sqrt(head_dim) except gemma-3-27b (62 layers:
-    1/sqrt(hidden / heads)), GELU-tanh, no logit softcapping (Gemma 3 has none)."""
-    head_dim = int(get("attention.key_length", hidden // heads))
-    return dict(
-        hidden_activation="gelu_pytorch_tanh",
-        layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)),
-        sliding_window=int(get("attention.sliding_window")),
-        rope_local_theta=10_000.0,
-        query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
-        final_logit_softcapping=get("final_logit_softcapping", None),
-    )
 
 
 def read_model_config(path_or_name: str | Path) -> ModelConfig:

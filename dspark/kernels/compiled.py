@@ -1,0 +1,79 @@
+"""The compiled CPU kernels: their source files, the build folder named by the sources' hash, the build
+itself (torch's C++ extension loader), and `ops()`, the loaded module or None (off, or no compiler).
+Imported by `dspark.kernels` and by `kernels.blocks` (which asks the build how it packs Q4_1 rows)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("dspark.kernels")
+
+# the kernels' source; DSPARK_KERNELS_SOURCE points a process at another revision's file (side-by-side
+# benchmarks: benchmarks/bench_decode_kernels.py); each source builds in a folder of its own hash
+SOURCE = Path(os.environ.get("DSPARK_KERNELS_SOURCE") or Path(__file__).with_name("cpu_ops.cpp"))
+MAX_ROWS = 128  # small_mm and the one-call decoder stack serve up to this many rows (more: BLAS; cpu_ops.cpp)
+
+
+def _mode() -> str:
+    mode = os.environ.get("DSPARK_CPU_KERNELS", "1").strip().lower()
+    if mode not in ("0", "1", "require"):
+        raise ValueError(f"DSPARK_CPU_KERNELS must be 0, 1 or require; got {mode!r}")
+    return mode
+
+
+def source_files(source: Path = SOURCE) -> list[Path]:
+    """The kernels' source: `source` and the parts beside it that it includes (cpu_ops_*.inc)."""
+    return [source, *sorted(source.parent.glob("cpu_ops_*.inc"))]
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in source_files())
+                            + torch.__version__.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+    return root / "kernels" / digest
+
+
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+
+
+def build(name: str, path: Path, *, source: Path = SOURCE, defines: tuple[str, ...] = ()) -> ModuleType:
+    """Compile `source` (default: these kernels) as module `name` in folder `path` with the kernels' flags and
+    preprocessor `defines`: the main build, `ops_variant`, and the benchmarks' builds of another revision."""
+    from torch.utils.cpp_extension import load
+    path.mkdir(parents=True, exist_ok=True)
+    return load(name=name, sources=[str(source)], build_directory=str(path),
+                extra_cflags=[*CFLAGS, *(f"-D{d}" for d in defines)], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+@cache
+def _load() -> ModuleType | None:
+    mode = _mode()
+    if mode == "0":
+        return None
+    try:
+        return build("dspark_cpu_ops", build_dir())
+    except Exception as e:  # no compiler / ninja, or a compile error: the torch path still works
+        if mode == "require":
+            raise RuntimeError(f"DSPARK_CPU_KERNELS=require but the CPU kernels failed to build: {e}") from e
+        logger.warning("dspark CPU kernels unavailable, using torch ops (slower decode): %s", e)
+        return None
+
+
+def ops() -> ModuleType | None:
+    """The compiled kernels, or None when they are off or failed to build."""
+    return _load()
+
+
+@cache
+def ops_variant(*defines: str) -> ModuleType:
+    """The same kernels built with preprocessor `defines` (e.g. "DSPARK_Q4_NO_VNNI": the AVX2 integer sums on
+    a VNNI CPU), under another module name beside the main build: for tests that compare a build's paths."""
+    tag = "_".join(d.lower() for d in defines)
+    return build(f"dspark_cpu_ops_{tag}", build_dir() / tag, defines=defines)
