@@ -147,12 +147,19 @@ def _stream(base: str, max_tokens: int, out: list) -> None:
                    for line in r.iter_lines() if line.startswith("data: "))
 
 
+def _first_event(events: list, stream: threading.Thread) -> None:
+    """Wait for the stream's first event; a hang guard (a stream that died or never starts fails the test)."""
+    deadline = time.monotonic() + 120
+    while not events:
+        assert stream.is_alive() and time.monotonic() < deadline, "the stream ended or stalled before its first event"
+        time.sleep(0.01)
+
+
 def _sigterm_while_streaming(base: str, proc, max_tokens: int) -> tuple[list, httpx.Response]:
     events: list = []
     t = threading.Thread(target=_stream, args=(base, max_tokens, events))
     t.start()
-    while not events:
-        time.sleep(0.01)
+    _first_event(events, t)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     try:
@@ -205,8 +212,7 @@ def test_connection_limit_refuses_before_reading_a_body():
         events: list = []
         t = threading.Thread(target=_stream, args=(base, 30, events))
         t.start()
-        while not events:
-            time.sleep(0.01)
+        _first_event(events, t)
         resp = httpx.post(base + "/v1/completions", timeout=10, json={"model": MODEL, "prompt": "x"})
         assert resp.status_code == 503
         t.join(60)
