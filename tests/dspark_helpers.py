@@ -1,6 +1,7 @@
-"""Shared helpers for the DSpark drafter tests (test_dspark_drafter.py, test_dspark_drafter_dtypes.py): a
+"""Shared helpers for the DSpark drafter tests (test_dspark_drafter.py, test_dspark_drafter_dtypes.py,
+test_draft_topk.py): a
 scaled-down Qwen3 target config with its taps, random drafter and target weights, a NaN-filled drafter KV
-pool, and the speculative config and propose request the tests build.
+pool, the speculative config and propose request the tests build, and a greedy engine run for parity.
 """
 
 
@@ -76,3 +77,26 @@ def propose_request(rid, ids, anchor_pos, table, params=SamplingParams(temperatu
 
 def spec(path, *, method="dspark", n=4, **kw):
     return SpecConfig(method=method, model=str(path), num_speculative_tokens=n, **kw)
+
+
+PARITY_PROMPTS = [[1, 17, 33, 60, 5, 9, 88, 21, 40], [1, 90, 4], list(range(3, 40))]
+
+
+def greedy_engine_run(target, spec_config: SpecConfig | None, prompts=PARITY_PROMPTS):
+    """Greedy outputs (16 tokens each, EOS ignored) of `prompts` through an Engine over `target` with the
+    drafter `spec_config` builds (None: plain decoding), and the engine (its metrics and drafter)."""
+    from dspark.config import CacheConfig, EngineConfig, SchedulerConfig
+    from dspark.drafters.dspark import build
+    from dspark.engine.engine import Engine
+
+    config = EngineConfig(spec=spec_config, cache=CacheConfig(kv_block_size=4, num_kv_blocks=96),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=24))
+    drafter = None if spec_config is None else build(spec_config, target_config=TARGET, target_model=target,
+                                                     dtype=torch.float32, device="cpu")
+    engine = Engine(config, model=target, model_config=TARGET, drafter=drafter)
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)) for p in prompts]
+    out = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[i] for i in ids], engine

@@ -17,13 +17,12 @@ import torch
 
 from dspark import kernels
 
-from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dspark.config import SpecConfig
 from dspark.drafters.base import ContextSegment, ContextUpdate, ProposeBatch
 from dspark.drafters.dspark import DSparkDrafter, build, save_dspark
 from dspark.drafters.dspark_config import DSparkConfig
-from dspark.sampling import SamplingParams
-from tests.dspark_helpers import (TAPS, TARGET, make_pool, propose_request, random_model, random_target,
-                                  spec, tiny_cfg)
+from tests.dspark_helpers import (TAPS, TARGET, greedy_engine_run, make_pool, propose_request, random_model,
+                                  random_target, spec, tiny_cfg)
 
 
 # -- reduced-precision products (spec "draft_matmul_dtype")
@@ -241,30 +240,13 @@ def test_draft_matmul_dtype_auto_and_validation(monkeypatch):
 
 @pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
 def test_engine_greedy_parity_with_random_dspark(tmp_path, matmul_dtype):
-    from dspark.engine.engine import Engine
-
     target = random_target(seed=7)
     cfg = tiny_cfg(enable_confidence_head=True)
     save_dspark(random_model(cfg, seed=3), cfg, tmp_path / "d", dtype="float32")
-    prompts = [[1, 17, 33, 60, 5, 9, 88, 21, 40], [1, 90, 4], list(range(3, 40))]
-
-    def run(spec_config):
-        config = EngineConfig(spec=spec_config, cache=CacheConfig(kv_block_size=4, num_kv_blocks=96),
-                              scheduler=SchedulerConfig(max_num_batched_tokens=24))
-        drafter = None if spec_config is None else build(spec_config, target_config=TARGET, target_model=target,
-                                                         dtype=torch.float32, device="cpu")
-        engine = Engine(config, model=target, model_config=TARGET, drafter=drafter)
-        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-               for p in prompts]
-        out = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for o in engine.step():
-                out[o.request_id] += o.new_token_ids
-        return [out[i] for i in ids], engine
-
-    plain, _ = run(None)
-    spec_out, engine = run(SpecConfig(method="dspark", model=str(tmp_path / "d"), num_speculative_tokens=4,
-                                      draft_matmul_dtype=matmul_dtype))
+    plain, _ = greedy_engine_run(target, None)
+    spec_config = SpecConfig(method="dspark", model=str(tmp_path / "d"), num_speculative_tokens=4,
+                             draft_matmul_dtype=matmul_dtype)
+    spec_out, engine = greedy_engine_run(target, spec_config)
     assert spec_out == plain
     assert engine.metrics.verify_lens, "the drafter never proposed"
 
