@@ -100,6 +100,18 @@ def make_engine(model, *, spec: SpecConfig | None = None, num_kv_blocks: int = 9
     return engine
 
 
+def slowed(engine: Engine, sleep_s: float) -> Engine:
+    """`engine` with every step `sleep_s` seconds longer, so a test can act while requests wait or run."""
+    real_step = engine.step
+
+    def step():
+        time.sleep(sleep_s)
+        return real_step()
+
+    engine.step = step
+    return engine
+
+
 @dataclass
 class Served:
     base_url: str

@@ -26,7 +26,7 @@ from dspark.drafters import build_drafter
 from dspark.drafters.dspark import save_dspark
 from dspark.engine.engine import Engine
 from dspark.sampling import SamplingParams
-from server_harness import MODEL, build_tiny_model, make_engine, serve
+from server_harness import MODEL, build_tiny_model, make_engine, serve, slowed
 from tests.dspark_helpers import TARGET, random_model, random_target, tiny_cfg
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -131,17 +131,6 @@ def test_abort_after_finish_is_a_no_op(target, spec):
 
 
 # -- served ----------------------------------------------------------------------------------------
-def _slow(engine, sleep_s: float):
-    real = engine.step
-
-    def step():
-        time.sleep(sleep_s)
-        return real()
-
-    engine.step = step
-    return engine
-
-
 def assert_metrics_zero(srv) -> None:
     srv.wait_idle()
     m = srv.metrics()
@@ -158,7 +147,7 @@ def _open_and_close(srv, payload: dict, close_after_s: float) -> None:
 
 
 def test_served_aborts_while_waiting_and_mid_prefill():
-    engine = _slow(make_engine(build_tiny_model(), max_num_seqs=1, budget=16), 0.05)
+    engine = slowed(make_engine(build_tiny_model(), max_num_seqs=1, budget=16), 0.05)
     with serve(engine) as srv:
         busy = threading.Thread(target=lambda: srv.post("/v1/completions", json={
             "model": MODEL, "prompt": "hold the slot", "max_tokens": 30, "ignore_eos": True}))
@@ -184,7 +173,7 @@ def test_served_aborts_while_waiting_and_mid_prefill():
 def test_served_speculative_stream_and_timeout_aborts():
     spec = SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                       prompt_lookup_max=3)
-    engine = _slow(make_engine(build_tiny_model(), spec=spec), 0.02)
+    engine = slowed(make_engine(build_tiny_model(), spec=spec), 0.02)
     with serve(engine) as srv:
         _open_and_close(srv, {"model": MODEL, "stream": True, "max_tokens": 80, "temperature": 0.0,
                               "ignore_eos": True, "messages": [
@@ -239,7 +228,7 @@ def test_usage_and_counters_agree_exactly_after_a_soak():
 def test_non_stream_client_leaving_while_waiting_frees_its_place():
     """No delta arrives while a request waits, so the disconnect is watched on its own: the place
     is freed while the request ahead still runs, and its prompt is never computed."""
-    engine = _slow(make_engine(build_tiny_model(), max_num_seqs=1), 0.05)
+    engine = slowed(make_engine(build_tiny_model(), max_num_seqs=1), 0.05)
     with serve(engine) as srv:
         busy = threading.Thread(target=lambda: srv.post("/v1/completions", json={
             "model": MODEL, "prompt": "hold the slot", "max_tokens": 60, "ignore_eos": True}))
@@ -261,7 +250,7 @@ def test_non_stream_client_leaving_while_waiting_frees_its_place():
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_all_abort_when_the_client_leaves(stream):
     """n=3: the client leaving aborts every choice's engine request."""
-    engine = _slow(make_engine(build_tiny_model()), 0.03)
+    engine = slowed(make_engine(build_tiny_model()), 0.03)
     with serve(engine) as srv:
         body = {"model": MODEL, "prompt": "n choices", "max_tokens": 60, "n": 3,
                 "temperature": 0.8, "ignore_eos": True, "stream": stream}

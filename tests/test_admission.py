@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from dspark.server.config import ServerConfig, resolve_api_key
-from server_harness import MODEL, build_tiny_model, make_engine, serve
+from server_harness import MODEL, build_tiny_model, make_engine, serve, slowed
 
 NO_EOS = {"ignore_eos": True}
 
@@ -30,20 +30,8 @@ def tiny_model():
     return build_tiny_model()
 
 
-def slow_engine(model, sleep_s: float):
-    engine = make_engine(model)
-    real_step = engine.step
-
-    def step():
-        time.sleep(sleep_s)
-        return real_step()
-
-    engine.step = step
-    return engine
-
-
 def test_waiting_queue_bound_gives_429_and_the_admitted_complete(tiny_model):
-    engine = slow_engine(tiny_model, 0.03)
+    engine = slowed(make_engine(tiny_model), 0.03)
     with serve(engine, config=ServerConfig(max_num_waiting=2, retry_after_s=3)) as srv:
         def one(i):
             return srv.post("/v1/completions", json={
@@ -68,7 +56,7 @@ def test_waiting_queue_bound_gives_429_and_the_admitted_complete(tiny_model):
 
 
 def test_deadline_aborts_with_504_and_frees_blocks(tiny_model):
-    engine = slow_engine(tiny_model, 0.02)
+    engine = slowed(make_engine(tiny_model), 0.02)
     with serve(engine, config=ServerConfig(request_timeout_s=0.3)) as srv:
         resp = srv.post("/v1/completions", json={"model": MODEL, "prompt": "late",
                                                  "max_tokens": 100, **NO_EOS})
