@@ -217,3 +217,29 @@ def test_hf_safetensors_folder_loads(tmp_path):
     kv = PagedKV.create(model, num_requests=1, max_len=len(ids), kv_block_size=4)
     hidden, _ = kv.step(model, [(ids, 0)])
     assert (model.compute_logits(hidden) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+def test_dspark_drafter_for_gemma_starts_from_the_norm_it_applies_and_is_lossless(tmp_path):
+    """A DSpark drafter built for a Gemma target by the trainer: its final norm starts at the factor the
+    target's norm applies (1 + weight, not the stored weight), a warm start from Gemma's layers is refused, and
+    greedy speculative output equals plain with the exported drafter."""
+    from dspark.drafters.dspark import build as build_dspark
+    from dspark.train import methods
+    from dspark.train.config import TrainConfig
+
+    model, _ = tiny_target(TINY_GEMMA3, seed=5)
+    cfg = TrainConfig(method="dspark", num_draft_layers=2, block_size=4, tap_layer_ids=(0, 2), markov_rank=8,
+                      draft_vocab_size=None)
+    drafter, dcfg = methods.build(cfg, model, TINY_GEMMA3, None)
+    assert torch.equal(drafter.norm.weight, model.model.norm.scale)
+    assert not torch.equal(drafter.norm.weight, model.model.norm.weight)
+    with pytest.raises(ValueError, match="not the drafter's"):
+        methods.build(TrainConfig(**{**cfg.__dict__, "warm_start": "target"}), model, TINY_GEMMA3, None)
+    methods.export_block_drafter(drafter, dcfg, tmp_path / "drafter")
+    prompts = _looping_prompts(4, seed=2)
+    plain = run(make_engine(model, TINY_GEMMA3), prompts, greedy(20))
+    spec = SpecConfig(method="dspark", model=str(tmp_path / "drafter"), num_speculative_tokens=4)
+    dspark = build_dspark(spec, target_config=TINY_GEMMA3, target_model=model, dtype=torch.float32, device="cpu")
+    engine = make_engine(model, TINY_GEMMA3, drafter=dspark, spec=spec, budget=20)
+    assert run(engine, prompts, greedy(20)) == plain
+    assert engine.metrics.num_draft_tokens > 0

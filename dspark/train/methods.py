@@ -44,9 +44,11 @@ def init_trainable(model: nn.Module, *, std: float, seed: int) -> None:
 
 def copy_final_norm(model: nn.Module, target) -> None:
     """Start the drafter's final norm at the target's: the frozen LM head then sees hidden states on the
-    scale it was trained for (a unit norm makes the first logits far too sharp for SmolLM2's head)."""
+    scale it was trained for (a unit norm makes the first logits far too sharp for SmolLM2's head). The
+    factor the target's norm applies: its `scale` where it keeps one (Gemma's 1 + weight), else its weight."""
+    norm = target.model.norm
     with torch.no_grad():
-        model.norm.weight.copy_(target.model.norm.weight.to(model.norm.weight.dtype))
+        model.norm.weight.copy_(getattr(norm, "scale", norm.weight).to(model.norm.weight.dtype))
 
 
 def target_embed_and_head(target) -> tuple[torch.Tensor, torch.Tensor]:

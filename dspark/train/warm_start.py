@@ -35,6 +35,9 @@ def default_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, 
 
 def target_layer_weights(layer) -> dict[str, torch.Tensor]:
     """One dspark.models decoder layer's weights under the drafter layer's (unfused, HF) names."""
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: four (1 + w) norms, GELU; the drafter has neither
+        raise ValueError(f"warm start: the target's layers ({type(layer).__name__}) are not the drafter's "
+                         "(pre/post-norm Llama layers); train this target's drafter with warm_start \"none\"")
     attn, mlp = layer.self_attn, layer.mlp
     out = {"input_layernorm.weight": layer.input_layernorm.weight,
            "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The DSpark drafter ablation of docs/drafters.md on SmolLM2-135M-Instruct, 2 CPU cores: one data set the
+# target writes with speculation on (train/ prompts, never eval/), target features once, then arms trained
+# from the same data, features, batch, lr schedule and steps, two at a time (one thread each), each exporting
+# the validation with the highest held-out tau_process. Every step resumes: rerun after an interruption.
+#   bash scripts/ablate_dspark.sh                 # RUNS=runs/ablation PROMPTS=1200 STEPS=400
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-runs/ablation}
+PROMPTS=${PROMPTS:-1200}
+STEPS=${STEPS:-400}
+PY=${PY:-.venv/bin/python}
+DATA=$RUNS/data
+COMMON=(--config configs/train_dspark_smollm2.json --data "$DATA" --no-progress
+        --set feature_cache="\"$RUNS/features\"" --set max_steps="$STEPS" --set eval_every=100
+        --set select_by='"tau_process"' --set ckpt_every=50)
+
+# 1. data: the served default (q4_1 target products, the shipped drafter with prompt lookup first) at 96
+#    conversations per engine call; greedy, so the answers are the plain answers
+$PY -m dspark prepare-data --out "$DATA" --max-prompts "$PROMPTS" --max-tokens 192 --max-prompt-tokens 384 \
+    --batch-size 96 --matmul-dtype q4_1 --num-threads 2 --speculative-config default
+# 2. target features once (taps, final hidden, log-sum-exp), shared by every arm
+$PY -m dspark train "${COMMON[@]}" --out "$RUNS/features_pass" --precompute-features --set num_threads=2
+# 3. the arms: NAME and its --set overrides
+arm() {
+  local name=$1; shift
+  $PY -m dspark train "${COMMON[@]}" --out "$RUNS/$name" --resume "$@" > "$RUNS/$name.log" 2>&1
+}
+arm init_random &
+arm warm_target --set warm_start='"target"' &
+wait
+# 4. the Markov head variants at the winning start (WARM: "target" or "none")
+WARM=${WARM:-target}
+arm markov_gated --set warm_start="\"$WARM\"" --set markov_head_type='"gated"' &
+arm markov_rnn --set warm_start="\"$WARM\"" --set markov_head_type='"rnn"' &
+wait
