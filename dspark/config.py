@@ -110,6 +110,10 @@ class ParallelConfig:
     # error: the engine fails loudly instead of hanging
     distributed_timeout_s: float = opt(120.0, "a step's collective that does not finish in this many seconds "
                                        "(a rank stuck or gone) stops the engine with an error")
+    # a step whose every request is greedy (no logprobs, processors or grammar) gathers each rank's
+    # (max, argmax) per logits row instead of its vocabulary slice of the rows; off: always the rows
+    vocab_parallel_argmax: bool = opt(True, "greedy-only steps gather each rank's vocabulary-slice argmax, "
+                                      "not the logits rows", negatives=("--no-vocab-parallel-argmax",))
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -28,6 +28,39 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class RowArgmax:
+    """Each logits row's maximum and the index of its first occurrence: all that a step whose every request
+    is greedy without logprobs or processors reads of the target's rows (`dspark.engine.sampler.
+    argmax_suffices`). The vocabulary-parallel head merges it from its shards' winners without gathering
+    the rows (dspark.distributed.vocab_argmax). A NaN anywhere in a row makes its value NaN, a +inf
+    +inf, a row masked throughout -inf: the fault check reads the values as the rows themselves."""
+
+    values: torch.Tensor  # [num_logits] float32
+    indices: torch.Tensor  # [num_logits] long
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> "RowArgmax":  # [num_logits, vocab] -> [num_logits] each
+        top = logits.float().max(dim=-1)
+        return cls(top.values, top.indices)
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    def clone(self) -> "RowArgmax":
+        return RowArgmax(self.values.clone(), self.indices.clone())
+
+    def __setitem__(self, rows, value: float) -> None:
+        """Overwrite `rows` as if their logits rows were all `value`: maximum `value` at index 0."""
+        self.values[rows] = value
+        self.indices[rows] = 0
+
+
+def target_argmax(logits: "torch.Tensor | RowArgmax") -> torch.Tensor:
+    """[num_logits] long: each row's argmax (first on ties), from the rows or from a `RowArgmax`."""
+    return logits.indices if isinstance(logits, RowArgmax) else greedy_ids(logits)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters (OpenAI / vLLM names and defaults)."""
 

@@ -2,7 +2,7 @@
 talks through.
 
 - `group`: the step's tensor collectives (all-reduce after the row-parallel products and the vocabulary-
-  parallel embedding, the logits gather to rank 0). gloo on the CPU, NCCL on CUDA, with the configured
+  parallel embedding, the gather of the logits slices, or of their slice winners, to rank 0). gloo on the CPU, NCCL on CUDA, with the configured
   `distributed_timeout_s`: a rank that stops answering turns into an error, not a hang (gloo raises at
   once when a peer's socket closes; the timeout covers a rank that is alive but stuck).
 - `ctrl`: gloo, rank 0 -> workers: the step batch as a pickled object (`HostBatch`), a heartbeat or a
@@ -31,6 +31,10 @@ class TPGroup:
     size: int
     group: Any = None  # ProcessGroup of the step's tensor collectives (None: size 1)
     ctrl: Any = None  # gloo ProcessGroup, rank 0 -> workers control messages
+    # bytes of the step's tensor collectives so far (benchmarks and tests read rank 0's): received by
+    # gather_cat from the other ranks, and the tensors all_reduce summed
+    gathered_bytes: int = 0
+    reduced_bytes: int = 0
 
     @classmethod
     def single(cls) -> "TPGroup":
@@ -52,6 +56,7 @@ class TPGroup:
         """Sum of `x` over the ranks, in place (the identity at size 1)."""
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
+            self.reduced_bytes += x.numel() * x.element_size()
         return x
 
     def gather_cat(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -63,6 +68,7 @@ class TPGroup:
         if self.rank == 0:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             dist.gather(x, parts, dst=0, group=self.group)
+            self.gathered_bytes += (self.size - 1) * x.numel() * x.element_size()
             return torch.cat(parts, dim=-1)
         dist.gather(x, None, dst=0, group=self.group)
         return None

@@ -4,7 +4,9 @@
 One step: rank 0 broadcasts the step's `HostBatch` on the control group (pickled Python lists: block
 tables, positions, ids), every rank builds the same tensors and attention metadata from it, runs its shard
 of the target (all-reduces inside the row-parallel products and the embedding), and the ranks' vocabulary
-slices of the logits are gathered to rank 0, which trims the padding and verifies as on one process. The
+slices of the logits are gathered to rank 0, which trims the padding and verifies as on one process (a step
+whose every request is greedy without logprobs or processors gathers each rank's slice winner per row
+instead, dspark.distributed.vocab_argmax). The
 drafter runs on rank 0 only, replicated rather than split: it is a few layers, reads the whole residual
 stream that every rank holds after each all-reduce, and its KV lives in rank 0's pool; splitting it would
 add two collectives per drafter layer per draft step for a model a tenth of the target's size.
@@ -33,7 +35,9 @@ import torch.multiprocessing as mp
 
 from dspark.config import EngineConfig
 from dspark.distributed.group import STARTUP_TIMEOUT_S, TPGroup
+from dspark.distributed.vocab_argmax import gather_argmax
 from dspark.engine.model_runner import DTYPES, ModelRunner, StepBatch, allocate_kv_pool
+from dspark.sampling import RowArgmax
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +141,17 @@ def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, 
 
 
 @torch.inference_mode()
-def forward_shard(runner: ModelRunner, batch: StepBatch, *, with_taps: bool) -> tuple[torch.Tensor | None,
-                                                                                      torch.Tensor | None]:
-    """This rank's part of one step -> (logits [num_logits, vocab_size] fp32 on rank 0, else None; taps)."""
+def forward_shard(runner: ModelRunner, batch: StepBatch, *,
+                  with_taps: bool) -> tuple["torch.Tensor | RowArgmax | None", torch.Tensor | None]:
+    """This rank's part of one step -> (on rank 0 the logits [num_logits, vocab_size] fp32, or their
+    `RowArgmax` merged from the ranks' slice winners where the batch is `argmax_only`; None elsewhere;
+    taps)."""
     model = runner.model
     hidden, taps = model(batch.input_ids, batch.positions, batch.attn_meta, runner.kv_caches,
                          tap_layer_ids=runner.tap_layer_ids if with_taps else ())
     local = model.compute_logits(hidden[batch.logits_indices]).float()  # [num_logits, V / size] fp32
+    if batch.host is not None and batch.host.argmax_only:  # [num_logits, 2] per rank, not the slices
+        return gather_argmax(model.tp, local, model.vocab_start, model.full_vocab_size), taps
     logits = model.tp.gather_cat(local)
     return (None if logits is None else logits[:, :model.full_vocab_size]), taps
 
@@ -288,15 +296,19 @@ def _close_ref(ref):
 
 
 class TPModelRunner(ModelRunner):
-    """Rank 0's runner: the same interface as `ModelRunner`; each forward is a step of every rank."""
+    """Rank 0's runner: the same interface as `ModelRunner`; each forward is a step of every rank. A step
+    that reads only the argmax of its logits rows gathers the ranks' slice winners, not the slices
+    (`head_argmax`, unless `vocab_parallel_argmax` is off)."""
 
     def __init__(self, runner: ModelRunner, workers: Workers) -> None:
         super().__init__(runner.model, kv_caches=runner.kv_caches, kv_block_size=runner.kv_block_size,
                          device=runner.device, tap_layer_ids=runner.tap_layer_ids)
         self.workers = workers
+        self.head_argmax = workers.config.parallel.vocab_parallel_argmax
         workers.init_pools(runner.kv_caches[0][0].shape[0], runner.kv_block_size)
 
-    def forward(self, batch: StepBatch, *, with_taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: StepBatch, *, with_taps: bool = True) -> tuple["torch.Tensor | RowArgmax",
+                                                                             torch.Tensor | None]:
         workers = self.workers
         if workers.closed:
             raise WorkerFailure("the tensor-parallel workers were shut down")

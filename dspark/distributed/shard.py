@@ -7,7 +7,8 @@ row-parallel (the columns of those heads, summed over the ranks by all-reduce). 
 `gate_up_proj` and a `down_proj` keeps a contiguous range of the intermediate columns (gate and up rows
 alike), `down_proj` row-parallel. The vocabulary embedding and the LM head keep rows [v0, v0 + V / size)
 (padded so each rank's logits have one width): the embedding zeroes ids outside its range and all-reduces,
-the head's logits are gathered to rank 0 (dspark.distributed.runner). Norms, rotary tables and per-head
+the head's logits are gathered to rank 0 (dspark.distributed.runner), or only each row's slice winner on a
+greedy-only step (dspark.distributed.vocab_argmax). Norms, rotary tables and per-head
 q/k norms are replicated: the residual stream is whole on every rank after each all-reduce, so the taps the
 drafters read are whole on rank 0.
 
@@ -154,6 +155,7 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
     model.tp = tp
     model.tp_num_kv_heads = num_kv.pop()
     model.full_vocab_size = embed.weight.shape[0]
+    model.vocab_start = start  # this rank's first vocabulary row (its logits' column 0)
     return model
 
 

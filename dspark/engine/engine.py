@@ -24,9 +24,9 @@ from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate
                                         kv_bytes_per_block)
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.request import PendingContext, Request, SpecStats
-from dspark.engine.sampler import sample_step
+from dspark.engine.sampler import argmax_suffices, sample_step
 from dspark.logits_processors import check_token_ids
-from dspark.sampling import SamplingParams, TokenLogprob
+from dspark.sampling import RowArgmax, SamplingParams, TokenLogprob
 from dspark.verify.rejection import VerifyResult
 
 log = logging.getLogger(__name__)
@@ -179,10 +179,12 @@ class Engine:
         num_proposed = 0
         if sched.scheduled:
             start = time.perf_counter()
-            batch = self.runner.prepare(sched)
+            emitting = [s for s in sched.scheduled if s.emits]
+            # an all-greedy step reads each row's argmax only: a vocabulary-parallel head gathers no rows
+            batch = self.runner.prepare(sched, argmax_only=argmax_suffices(emitting))
             logits, taps = self.runner.forward(  # taps only where the drafter keeps a context
                 batch, with_taps=any(s.request.needs_draft_context for s in sched.scheduled))
-            logits, faults = isolate_target_faults([s for s in sched.scheduled if s.emits], logits)
+            logits, faults = isolate_target_faults(emitting, logits)  # rows, or their RowArgmax
             result = self._verify(sched, logits)
             if self.upkeep is not None:  # verify synchronised the device: the timing is complete
                 self.cost_table = self.upkeep.observe_step(
@@ -213,7 +215,7 @@ class Engine:
         return outputs
 
     # -- phases ----------------------------------------------------------------------------------
-    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor) -> "StepVerify":
+    def _verify(self, sched: SchedulerOutput, logits: "torch.Tensor | RowArgmax") -> "StepVerify":
         items = [s for s in sched.scheduled if s.emits]
         if not items:
             return StepVerify({}, {})

@@ -21,6 +21,8 @@ from dataclasses import replace
 
 import torch
 
+from dspark.sampling import RowArgmax
+
 log = logging.getLogger(__name__)
 
 
@@ -37,11 +39,13 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor | None:
     return bad if bool(bad.any()) else None
 
 
-def isolate_target_faults(items, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, str]]:
-    """For the emitting `items` (ScheduledRequest, rows in order): the logits with the rows of
-    requests whose logits are faulty zeroed (a copy; the same tensor when none is), and
-    request_id → message for each such request."""
-    bad = nonfinite_rows(logits)
+def isolate_target_faults(items, logits: "torch.Tensor | RowArgmax") -> tuple["torch.Tensor | RowArgmax",
+                                                                              dict[str, str]]:
+    """For the emitting `items` (ScheduledRequest, rows in order): the logits (or their `RowArgmax`, whose
+    row maxima are NaN, +inf or -inf exactly where the rows are faulty) with the rows of requests whose
+    logits are faulty zeroed (a copy; the same object when none is), and request_id → message for each
+    such request."""
+    bad = nonfinite_rows(logits.values.unsqueeze(1) if isinstance(logits, RowArgmax) else logits)
     if bad is None:
         return logits, {}
     logits = logits.clone()  # (an inference tensor may not be written in place)

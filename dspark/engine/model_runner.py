@@ -39,9 +39,12 @@ class HostBatch:
     logits_indices: list[int]
     token_offsets: list[int]
     logits_offsets: list[int]
+    # the step reads only each logits row's argmax and the runner's head can give it without the rows
+    # (the vocabulary-parallel head: each rank's slice winner, merged on rank 0)
+    argmax_only: bool = False
 
 
-def host_batch(sched: SchedulerOutput) -> HostBatch:
+def host_batch(sched: SchedulerOutput, *, argmax_only: bool = False) -> HostBatch:
     input_ids: list[int] = []
     positions: list[int] = []
     logits_indices: list[int] = []
@@ -63,7 +66,7 @@ def host_batch(sched: SchedulerOutput) -> HostBatch:
         if item.emits:
             first = offset + item.num_new_tokens - item.num_logits
             logits_indices.extend(range(first, offset + item.num_new_tokens))
-    return HostBatch(input_ids, positions, seqs, logits_indices, token_offsets, logits_offsets)
+    return HostBatch(input_ids, positions, seqs, logits_indices, token_offsets, logits_offsets, argmax_only)
 
 
 def kv_bytes_per_block(layer_specs: list[tuple[int, int]], kv_block_size: int, dtype: torch.dtype) -> int:
@@ -80,6 +83,11 @@ def allocate_kv_pool(layer_specs: list[tuple[int, int]], *, num_kv_blocks: int, 
 
 
 class ModelRunner:
+    # Can `forward` give a step's `RowArgmax` for less than its logits rows? Not on one process: the rows
+    # are the head's work, their argmax is one more reduction (the verifier takes it). The tensor-parallel
+    # runner can: each rank's slice winner instead of the gathered rows (dspark.distributed.runner).
+    head_argmax = False
+
     def __init__(self, model: torch.nn.Module, *, kv_caches, kv_block_size: int, device,
                  tap_layer_ids: tuple[int, ...] = ()):
         self.model = model
@@ -88,8 +96,10 @@ class ModelRunner:
         self.device = torch.device(device)
         self.tap_layer_ids = tap_layer_ids
 
-    def prepare(self, sched: SchedulerOutput) -> StepBatch:
-        return self.to_device(host_batch(sched))
+    def prepare(self, sched: SchedulerOutput, *, argmax_only: bool = False) -> StepBatch:
+        """The step's batch; `argmax_only`: the step reads each logits row's argmax only (then `forward`
+        gives a `RowArgmax` where `head_argmax`, else the rows as always)."""
+        return self.to_device(host_batch(sched, argmax_only=argmax_only and self.head_argmax))
 
     def to_device(self, host: "HostBatch") -> StepBatch:
         """The step's tensors on this runner's device (tensor-parallel workers build theirs from the same

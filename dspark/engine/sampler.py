@@ -29,7 +29,7 @@ import itertools
 import torch
 
 from dspark.logits_processors import WindowRows, apply_processors
-from dspark.sampling import TokenLogprob, greedy_ids, logits_to_probs
+from dspark.sampling import RowArgmax, TokenLogprob, greedy_ids, logits_to_probs, target_argmax
 from dspark.verify.rejection import (VerifyResult, _accept_greedy, _verify_one_rejection,
                                      verify_greedy_argmax)
 
@@ -61,17 +61,27 @@ def _needs_rows(req) -> bool:
     return p.has_processors or req.grammar is not None or p.logprobs is not None
 
 
-def sample_step(items: list, logits: torch.Tensor, *,
+def argmax_suffices(items: list) -> bool:
+    """Does verifying these emitting items read nothing of the target's logits rows but each row's argmax
+    (every request greedy, without logprobs, logits processors or a grammar)? Then the step may ask the
+    runner for a `RowArgmax` instead of the rows (a vocabulary-parallel head gathers no rows)."""
+    return all(s.request.params.is_greedy and not _needs_rows(s.request) for s in items)
+
+
+def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *,
                 eos_token_ids: tuple[int, ...]) -> tuple[VerifyResult, dict[str, list[TokenLogprob]]]:
     """Verify every emitting item (`ScheduledRequest`) of a step against its `logits` rows
-    [sum of num_logits, vocab_size]; returns the result (in item order) and the logprobs of the emitted
-    tokens by request id (for requests that asked)."""
+    [sum of num_logits, vocab_size] (or only their `RowArgmax`, where `argmax_suffices`); returns the
+    result (in item order) and the logprobs of the emitted tokens by request id (for requests that
+    asked)."""
     drafts = [s.request.draft_ids[:s.num_drafts] for s in items]
-    if all(s.request.params.is_greedy and not _needs_rows(s.request) for s in items):
-        argmax = greedy_ids(logits).tolist()  # [num_logits]: compare-only, no distributions
+    if argmax_suffices(items):
+        argmax = target_argmax(logits).tolist()  # [num_logits]: compare-only, no distributions
         bounds = list(itertools.accumulate((s.num_logits for s in items), initial=0))
         return verify_greedy_argmax(target_argmax=[argmax[a:b] for a, b in zip(bounds, bounds[1:])],
                                     draft_ids=drafts), {}
+    if isinstance(logits, RowArgmax):
+        raise ValueError("a step with sampled, logprobs, processed or structured requests needs the logits rows")
     rows = list(torch.split(logits, [s.num_logits for s in items]))  # per item [num_logits, vocab_size]
     for i, s in enumerate(items):
         req = s.request
