@@ -113,7 +113,7 @@ class ParallelConfig:
     # a step whose every request is greedy (no logprobs, processors or grammar) gathers each rank's
     # (max, argmax) per logits row instead of its vocabulary slice of the rows; off: always the rows
     vocab_parallel_argmax: bool = opt(True, "greedy-only steps gather each rank's vocabulary-slice argmax, "
-                                      "not the logits rows", negatives=("--no-vocab-parallel-argmax",))
+                                      "not the logits rows")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
