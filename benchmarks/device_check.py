@@ -144,8 +144,9 @@ def _recorded(llm):
     forward = llm.engine.runner.forward
 
     def recording(batch, **kw):
-        logits, taps = forward(batch, **kw)
-        steps.append(logits.float().cpu())
+        logits, taps = forward(batch, **kw)  # rows, or (TP, greedy steps) their merged RowArgmax
+        steps.append(logits.float().cpu() if isinstance(logits, torch.Tensor) else
+                     torch.stack([logits.values.float().cpu(), logits.indices.float().cpu()], dim=1))
         return logits, taps
     llm.engine.runner.forward = recording
     return steps
@@ -206,8 +207,13 @@ def check_tp(device, dtype, prompts, max_tokens) -> dict:
         outs[tp] = [o.token_ids for o in llm.generate(_chat_ids(llm, prompts), _greedy(max_tokens))]
         _close(llm)
         del llm
-    diffs = [(a - b).abs().max().item() for a, b in zip(steps[1], steps[2]) if a.shape == b.shape]
-    return {"outputs_equal": outs[1] == outs[2], "max_abs_logit_diff": max(diffs) if diffs else None}
+    # TP = 2's greedy steps give each row's (max, argmax) merged from the ranks (dspark.distributed.vocab_argmax)
+    merged = [(a, b) for a, b in zip(steps[1], steps[2]) if b.shape == (a.shape[0], 2)]
+    diffs = [(a.max(dim=-1).values - b[:, 0]).abs().max().item() for a, b in merged if len(a)]
+    agree = [float((a.argmax(dim=-1).float() == b[:, 1]).float().mean()) for a, b in merged if len(a)]
+    return {"outputs_equal": outs[1] == outs[2], "argmax_steps": len(merged),
+            "max_abs_row_max_diff": max(diffs) if diffs else None,
+            "argmax_agreement": min(agree) if agree else None}
 
 
 def _passed(node) -> bool:
