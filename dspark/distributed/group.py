@@ -2,9 +2,10 @@
 talks through.
 
 - `group`: the step's tensor collectives (all-reduce after the row-parallel products and the vocabulary-
-  parallel embedding, the gather of the logits slices, or of their slice winners, to rank 0). gloo on the CPU, NCCL on CUDA, with the configured
-  `distributed_timeout_s`: a rank that stops answering turns into an error, not a hang (gloo raises at
-  once when a peer's socket closes; the timeout covers a rank that is alive but stuck).
+  parallel embedding, the gather of the logits slices, or of their slice winners, to rank 0). gloo on the
+  CPU, NCCL on CUDA, with the configured `distributed_timeout_s`: a rank that stops answering turns into
+  an error, not a hang (gloo raises at once when a peer's socket closes; the timeout covers a rank that
+  is alive but stuck).
 - `ctrl`: gloo, rank 0 -> workers: the step batch as a pickled object (`HostBatch`), a heartbeat or a
   stop message, with the same timeout: rank 0 sends a heartbeat whenever it has sent nothing for a third
   of it (dspark.distributed.runner), so an idle server keeps its workers and a stuck one is an error.

@@ -6,10 +6,10 @@ tables, positions, ids), every rank builds the same tensors and attention metada
 of the target (all-reduces inside the row-parallel products and the embedding), and the ranks' vocabulary
 slices of the logits are gathered to rank 0, which trims the padding and verifies as on one process (a step
 whose every request is greedy without logprobs or processors gathers each rank's slice winner per row
-instead, dspark.distributed.vocab_argmax). The
-drafter runs on rank 0 only, replicated rather than split: it is a few layers, reads the whole residual
-stream that every rank holds after each all-reduce, and its KV lives in rank 0's pool; splitting it would
-add two collectives per drafter layer per draft step for a model a tenth of the target's size.
+instead, dspark.distributed.vocab_argmax). The drafter runs on rank 0 only, replicated rather than split:
+it is a few layers, reads the whole residual stream that every rank holds after each all-reduce, and its
+KV lives in rank 0's pool; splitting it would add two collectives per drafter layer per draft step for a
+model a tenth of the target's size.
 
 Liveness: rank 0 checks every worker's process before each step; gloo raises at once when a peer's socket
 closes (a rank that dies mid-step), the group timeout (`distributed_timeout_s`) covers a rank that is alive

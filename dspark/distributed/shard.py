@@ -8,9 +8,9 @@ row-parallel (the columns of those heads, summed over the ranks by all-reduce). 
 alike), `down_proj` row-parallel. The vocabulary embedding and the LM head keep rows [v0, v0 + V / size)
 (padded so each rank's logits have one width): the embedding zeroes ids outside its range and all-reduces,
 the head's logits are gathered to rank 0 (dspark.distributed.runner), or only each row's slice winner on a
-greedy-only step (dspark.distributed.vocab_argmax). Norms, rotary tables and per-head
-q/k norms are replicated: the residual stream is whole on every rank after each all-reduce, so the taps the
-drafters read are whole on rank 0.
+greedy-only step (dspark.distributed.vocab_argmax). Norms, rotary tables and per-head q/k norms are
+replicated: the residual stream is whole on every rank after each all-reduce, so the taps the drafters read
+are whole on rank 0.
 
 Llama, Qwen3 and any family built from the same modules (the Gemma 3 decoder reuses them) shard alike.
 Products on a shard run through the same `linear` as on one process (the fp32/bf16 CPU kernels where they
