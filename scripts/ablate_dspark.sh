@@ -3,12 +3,12 @@
 # target writes with speculation on (train/ prompts, never eval/), target features once, then arms trained
 # from the same data, features, batch, lr schedule and steps, two at a time (one thread each), each exporting
 # the validation with the highest held-out tau_process. Every step resumes: rerun after an interruption.
-#   bash scripts/ablate_dspark.sh                 # RUNS=runs/ablation PROMPTS=1200 STEPS=400
+#   bash scripts/ablate_dspark.sh                 # RUNS=runs/ablation PROMPTS=1200 STEPS=300
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs/ablation}
 PROMPTS=${PROMPTS:-1200}
-STEPS=${STEPS:-400}
+STEPS=${STEPS:-300}
 PY=${PY:-.venv/bin/python}
 DATA=$RUNS/data
 COMMON=(--config configs/train_dspark_smollm2.json --data "$DATA" --no-progress
@@ -29,8 +29,11 @@ arm() {
 arm init_random &
 arm warm_target --set warm_start='"target"' &
 wait
-# 4. the Markov head variants at the winning start (WARM: "target" or "none")
-WARM=${WARM:-target}
+# 4. the Markov head variants at the winning start: the arm with the higher best held-out tau_process
+best_tau() { $PY -c 'import json,sys; print(max(json.loads(l).get("tau_process", 0) for l in open(sys.argv[1])))' "$1"; }
+WARM=$($PY -c 'import sys; print("target" if float(sys.argv[2]) > float(sys.argv[1]) else "none")' \
+    "$(best_tau "$RUNS/init_random/metrics.jsonl")" "$(best_tau "$RUNS/warm_target/metrics.jsonl")")
+echo "Markov variants start from warm_start $WARM"
 arm markov_gated --set warm_start="\"$WARM\"" --set markov_head_type='"gated"' &
 arm markov_rnn --set warm_start="\"$WARM\"" --set markov_head_type='"rnn"' &
 wait
