@@ -168,13 +168,14 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     from dspark.models.gguf_format import gguf_to_hf_name, unpermute_rope_rows
     config = source.config
     permute = config.architecture == "LlamaForCausalLM"
+    arch = source.field("general.architecture")
     tensors = {t.name: t for t in source.reader.tensors}
     pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
     covered: set[str] = set()
     for t in source.reader.tensors:
         if t.name in ("token_embd.weight", "output.weight") or len(t.shape) != 2:
             continue
-        name, shard = model._resolve(gguf_to_hf_name(t.name))
+        name, shard = model._resolve(gguf_to_hf_name(t.name, arch))
         module_name = name.rpartition(".")[0]
         module = model.get_submodule(module_name)
         if not isinstance(module, Linear) or not name.endswith(".weight"):
@@ -209,7 +210,7 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
         model._layer_weight_list = None
 
 
-BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # models whose GGUF loads as blocks
+BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")  # models whose GGUF loads as blocks
 
 
 def takes_gguf_blocks(path) -> bool:

@@ -177,8 +177,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         m = self.model
         if len(kv_caches) != len(m.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(m.layers)} layers")
-        w = m.embed_tokens.weight
-        x = m.embed_tokens(input_ids) * torch.tensor(m.embed_scale, dtype=w.dtype, device=w.device)  # [T, hidden]
+        x = m.embed_tokens(input_ids)  # [T, hidden]: the weights' dtype (fp32 rows from resident blocks)
+        x = x * torch.tensor(m.embed_scale, dtype=x.dtype, device=x.device)
         tables = {kind: m.rotary_emb.lookup(positions, kind, x.dtype)
                   for kind in {layer.self_attn.layer_type for layer in m.layers}}
         tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
