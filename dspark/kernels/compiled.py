@@ -48,8 +48,24 @@ def build(name: str, path: Path, *, source: Path = SOURCE, defines: tuple[str, .
     preprocessor `defines`: the main build, `ops_variant`, and the benchmarks' builds of another revision."""
     from torch.utils.cpp_extension import load
     path.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(source)], build_directory=str(path),
+    return load(name=name, sources=[str(_staged(source, path))], build_directory=str(path),
                 extra_cflags=[*CFLAGS, *(f"-D{d}" for d in defines)], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _staged(source: Path, path: Path) -> Path:
+    """`source` and the parts it includes copied into `path`/src (rewritten only when their bytes differ), the
+    file the build compiles: the build command then names the same file whichever checkout (a git worktree)
+    asks, so checkouts of one source share the build instead of recompiling it for each other in turn."""
+    staged = path / "src"
+    staged.mkdir(exist_ok=True)
+    text = source.read_text()
+    for f in [source, *(f for f in source_files(source)[1:] if f'"{f.name}"' in text)]:
+        target, data = staged / f.name, f.read_bytes()
+        if not target.is_file() or target.read_bytes() != data:
+            tmp = staged / f".{f.name}.{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+    return staged / source.name
 
 
 @cache
