@@ -52,6 +52,18 @@ inline int32_t hsum4(__m128i v) {
   return _mm_cvtsi128_si32(v);
 }
 inline int32_t hsum8(__m256i v) { return hsum4(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1))); }
+// The lane sums of a, b, c, d (8 int32 each) into out[0..3]
+inline void hsum8x4(__m256i a, __m256i b, __m256i c, __m256i d, int32_t* out) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));  // per 128-bit half
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+// The sums of each 128-bit half of a, b, c, d (4 int32 each) into out[0..7]: a's low, a's high, b's low, ...
+inline void hsum4x4x2(__m256i a, __m256i b, __m256i c, __m256i d, int32_t* out) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));  // lows | highs
+  const __m256i pairs = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), pairs);
+}
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -59,16 +71,15 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// The 32 bits of `bits` as bytes 0 / 16 (bit i -> byte i): the fifth bit of Q5_0's q.
+// The 32 bits of `bits` as bytes 0 / 16 (bit i -> byte i): the fifth bit of Q5_0's q. Byte i takes byte i / 8
+// of `bits` (a shuffle within each 128-bit lane, which both hold all 4 bytes) and tests its bit i % 8.
 inline __m256i bits_to_16s(uint32_t bits) {
-  const __m256i v = _mm256_set1_epi32(static_cast<int32_t>(bits)), one = _mm256_set1_epi32(1);
-  __m256i t[4];
-  for (int g = 0; g < 4; ++g)
-    t[g] = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(8 * g, 8 * g + 1, 8 * g + 2, 8 * g + 3, 8 * g + 4,
-                                                                    8 * g + 5, 8 * g + 6, 8 * g + 7)), one);
-  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(t[0], t[1]), _mm256_packs_epi32(t[2], t[3]));
-  const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  return _mm256_slli_epi16(ordered, 4);  // 0 / 1 per byte, shifted within its byte
+  const __m256i v = _mm256_set1_epi32(static_cast<int32_t>(bits));
+  const __m256i spread = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                  2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);  // 0xFF where bit i is set
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
 // Q5_0 block (22 bytes: fp16 d, 32 high bits, 16 bytes: q_j low nibble, q_{j+16} high) -> q 0..31 in order.
@@ -118,7 +129,25 @@ void q5_0_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
   std::vector<float> acc(M);
   for (int64_t n = n0; n < n1; ++n) {
     std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t b = 0; b < nb; ++b) {
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {  // 4 blocks' integer sums reduced together (exact), then added in order
+      const uint8_t* blk = w + n * rb + 22 * b;
+      const __m256i q[4] = {q5_0_values(blk), q5_0_values(blk + 22), q5_0_values(blk + 44), q5_0_values(blk + 66)};
+      const float d[4] = {half(blk), half(blk + 22), half(blk + 44), half(blk + 66)};
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* p = in.p.data() + m * K + 32 * b;
+        int32_t dot[4];
+        hsum8x4(dot_acc(_mm256_setzero_si256(), q[0], load32(p)), dot_acc(_mm256_setzero_si256(), q[1], load32(p + 32)),
+                dot_acc(_mm256_setzero_si256(), q[2], load32(p + 64)), dot_acc(_mm256_setzero_si256(), q[3], load32(p + 96)),
+                dot);
+        const int32_t* s = in.psum16.data() + m * (K / 16) + 2 * b;
+        for (int j = 0; j < 4; ++j) {
+          const int32_t isum = dot[j] - 16 * (s[2 * j] + s[2 * j + 1]);
+          acc[m] = acc[m] + (d[j] * in.e[m * nb + b + j]) * static_cast<float>(isum);
+        }
+      }
+    }
+    for (; b < nb; ++b) {
       const uint8_t* blk = w + n * rb + 22 * b;
       const __m256i q = q5_0_values(blk);
       const float d = half(blk);
@@ -203,10 +232,14 @@ void q6_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* p = in.p.data() + m * K + 256 * b;
         const int32_t* s = in.psum16.data() + m * (K / 16) + 16 * b;
-        int32_t isum = 0;
+        int32_t isum = 0, half_sums[16];  // per group g: the sums of its first and its second 16 products
+        for (int g = 0; g < 8; g += 4)
+          hsum4x4x2(dot_acc(_mm256_setzero_si256(), q[g], load32(p + 32 * g)),
+                    dot_acc(_mm256_setzero_si256(), q[g + 1], load32(p + 32 * g + 32)),
+                    dot_acc(_mm256_setzero_si256(), q[g + 2], load32(p + 32 * g + 64)),
+                    dot_acc(_mm256_setzero_si256(), q[g + 3], load32(p + 32 * g + 96)), half_sums + 2 * g);
         for (int g = 0; g < 8; ++g) {
-          const __m256i dot = dot_acc(_mm256_setzero_si256(), q[g], load32(p + 32 * g));
-          const int32_t a = hsum4(_mm256_castsi256_si128(dot)), c = hsum4(_mm256_extracti128_si256(dot, 1));
+          const int32_t a = half_sums[2 * g], c = half_sums[2 * g + 1];
           isum += scales[2 * g] * (a - 32 * s[2 * g]) + scales[2 * g + 1] * (c - 32 * s[2 * g + 1]);
         }
         acc[m] = acc[m] + (d * in.e[m * nb + b]) * static_cast<float>(isum);
