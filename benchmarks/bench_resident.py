@@ -9,6 +9,7 @@ Decode: bench_decode.py's batch-1 greedy decode (plain, --matmul-dtype auto) in 
 revision, alternating, `--rounds` times; tok/s medians and work ÷ base.
 
     python benchmarks/bench_resident.py --base 7a03242 --out benchmarks/results/resident_memory.json
+    python benchmarks/bench_resident.py --models default,gemma-3-270m --rounds 0 --out benchmarks/results/resident_memory_vs_llamacpp.json
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -96,8 +98,12 @@ def serve_rss(tree: Path, model: str, kv_gb: float, warmup: int, timeout: float)
             time.sleep(2)
         startup = time.time() - t0
         for i in range(warmup):
-            _post(port, "/v1/chat/completions", {"model": model, "max_tokens": 64, "temperature": 0,
-                                                 "messages": [{"role": "user", "content": f"Count to {5 + i} and explain."}]})
+            text = f"Count to {5 + i} and explain."
+            try:
+                _post(port, "/v1/chat/completions", {"model": model, "max_tokens": 64, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": text}]})
+            except urllib.error.HTTPError:  # a base model (no chat template): a plain completion
+                _post(port, "/v1/completions", {"model": model, "max_tokens": 64, "temperature": 0, "prompt": text})
         return {"startup_s": round(startup, 1), **proc_status(proc.pid)}
     finally:
         proc.terminate()
@@ -105,18 +111,25 @@ def serve_rss(tree: Path, model: str, kv_gb: float, warmup: int, timeout: float)
 
 
 def llama_cpp_rss(model_path: Path) -> dict | None:
-    """llama.cpp's RSS (llama-cpp-python, mmap off so the weights count as its own) after a short generation."""
-    code = ("import json, llama_cpp; m = llama_cpp.Llama(model_path=%r, n_ctx=2048, use_mmap=False, verbose=False); "
-            "m('Count to ten.', max_tokens=64); print(json.dumps(open('/proc/self/status').read()))" % str(model_path))
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return None
-    if out.returncode != 0:
-        return None
-    status = json.loads(out.stdout.strip().splitlines()[-1])
-    return {k: int(v.split()[0]) / 1024 for k, _, v in (line.partition(":") for line in status.splitlines())
-            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+    """llama.cpp's RSS (llama-cpp-python, mmap off so the weights count as its own) after a short generation:
+    its defaults (runtime weight repacking on), or without repacking where that crashes (the default model's
+    Q4_1 file: dspark.bench.peers.llama_without_repack)."""
+    for repack in (True, False):
+        make = "llama_cpp.Llama" if repack else "llama_without_repack"
+        code = ("import json, llama_cpp; from dspark.bench.peers import llama_without_repack; "
+                f"m = {make}(model_path=%r, n_ctx=2048, use_mmap=False, verbose=False); "
+                "m('Count to ten.', max_tokens=64); print(json.dumps(open('/proc/self/status').read()))" % str(model_path))
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+        except subprocess.TimeoutExpired:
+            continue
+        if out.returncode == 0:
+            status = json.loads(out.stdout.strip().splitlines()[-1])
+            return {"weight_repacking": repack, **{k: int(v.split()[0]) / 1024 for k, _, v in
+                                                   (line.partition(":") for line in status.splitlines())
+                                                   if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}}
+    return None
 
 
 def decode_rates(tree: Path, num_prompts: int) -> list[float]:
@@ -128,7 +141,8 @@ def decode_rates(tree: Path, num_prompts: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="git revision to compare against (dense fp32 copies)")
+    ap.add_argument("--base", default=None, help="git revision to compare against (dense fp32 copies); "
+                    "none: this tree (and llama.cpp) only")
     ap.add_argument("--models", default="default", help="comma list of GGUF files or model names")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.25)
     ap.add_argument("--warmup", type=int, default=3)
@@ -142,7 +156,7 @@ def main() -> None:
     from dspark.models.loader import resolve_model_path
     result: dict = {"base": args.base, "kv_cache_memory_gb": args.kv_cache_memory_gb, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"work": ROOT, "base": checkout(args.base, Path(tmp))}
+        trees = {"work": ROOT, **({"base": checkout(args.base, Path(tmp))} if args.base else {})}
         for model in args.models.split(","):
             path = resolve_model_path(model)
             size_mb = path.stat().st_size / MB
@@ -156,8 +170,11 @@ def main() -> None:
             if "work" in entry:
                 entry["work_within_budget"] = entry["work"]["VmRSS"] <= budget
             entry["llama_cpp"] = llama_cpp_rss(path)
+            if entry["llama_cpp"] and "work" in entry:
+                entry["work_over_llama_cpp_rss"] = round(entry["work"]["VmRSS"] / entry["llama_cpp"]["VmRSS"], 2)
+            print("llama.cpp", model, entry["llama_cpp"], flush=True)
             result["models"][model] = entry
-        if args.rounds:
+        if args.rounds and args.base:
             rates: dict[str, list[float]] = {"work": [], "base": []}
             for r in range(args.rounds):
                 for tag in (("work", "base") if r % 2 == 0 else ("base", "work")):
