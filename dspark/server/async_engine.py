@@ -114,6 +114,16 @@ class AdmissionError(Exception):
         self.status_code = status_code
 
 
+def _trim_when_idle(engine) -> None:
+    """The last request ended: the steps' temporaries that glibc keeps cached (`tune_malloc`'s fixed thresholds)
+    back to the OS, on a CPU engine (`utils.host.trim_heap`, milliseconds)."""
+    from dspark.config import resolve_device
+    from dspark.utils.host import trim_heap
+    device = getattr(getattr(engine, "config", None), "device", None)  # (test doubles may have no config)
+    if device is not None and resolve_device(str(device)).startswith("cpu"):
+        trim_heap()
+
+
 class RequestStream:
     """Async iterator over one request's `RequestDelta`s; ends after the finished delta.
     `close()` aborts the request if it has not finished (idempotent; call it in a `finally`)."""
@@ -330,7 +340,9 @@ class AsyncEngine:
                     failed = engine.take_failed() if hasattr(engine, "take_failed") else {}
                     for out in outs:
                         self._process(out, failed.get(out.request_id))
-                busy = engine.has_unfinished() or self._reap
+                was_busy, busy = busy, engine.has_unfinished() or self._reap
+                if was_busy and not busy:
+                    _trim_when_idle(engine)
             except Exception as e:  # a bug or device error: fail every request, refuse new ones
                 log.exception("engine step failed; the server stops accepting requests")
                 self._die(f"{type(e).__name__}: {e}")
