@@ -122,7 +122,7 @@ def main() -> None:
         "vs_first": {k: v / med[labels[0]] for k, v in med.items()},
         "vs_llama_cpp": {k: v / med["llama_cpp"] for k, v in med.items()} if "llama_cpp" in med else None,
         "greedy_equal_to_first": {k: tokens[k] == tokens[labels[0]] for k in runners},
-        "run": run_info(),
+        **run_info(),  # command, date, machine (benchmarks/make_board.py reads them)
     }
     if args.out:
         write_result_file(args.out, result)
