@@ -127,14 +127,19 @@ def test_auto_picks_the_resident_blocks_and_no_dense_copy_is_kept(gemma_blocks):
     assert held_bytes(model) < 1.05 * resolve_model_path(NAME).stat().st_size  # (Q8_0 packed: 36 bytes a block, not 34)
 
 
-def _product_reference(x, qtype, w):
+def _assert_product(out, x, qtype, w):
+    """With the kernels: bitwise their exact twin. Off (DSPARK_CPU_KERNELS=0) the layer ran the fast twin on
+    all 700 rows, checked here on 4: the same values up to torch's summation order."""
     from dspark import kernels
     from dspark.kernels import blocks as qb
     from dspark.kernels import ggml
     from dspark.models.blocks import Q8_0
-    if qtype == Q8_0:
-        return qb.q8_0_product_reference(x, w) if kernels.has_q8_0_kernels() else qb.q8_0_linear(x, w)
-    return ggml.product_reference(x, w, qtype) if ggml.ops() is not None else ggml.block_linear(x, w, qtype)
+    if (kernels.has_q8_0_kernels() if qtype == Q8_0 else ggml.ops() is not None):
+        ref = qb.q8_0_product_reference(x, w) if qtype == Q8_0 else ggml.product_reference(x, w, qtype)
+        assert torch.equal(out, ref), qtype
+    else:
+        ref = qb.q8_0_linear(x, w) if qtype == Q8_0 else ggml.block_linear(x, w, qtype)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_resident_products_are_their_twins_and_logits_stay_with_dense_past_the_window(gemma, gemma_blocks):
@@ -160,10 +165,10 @@ def test_resident_products_are_their_twins_and_logits_stay_with_dense_past_the_w
     for blocks, x, out in seen:
         start = 0
         for qtype, w in blocks.parts:
-            assert torch.equal(out[:, start:start + w.shape[0]], _product_reference(x, qtype, w)), blocks.types
+            _assert_product(out[:, start:start + w.shape[0]], x, qtype, w)
             start += w.shape[0]
     (qtype, w), = ours.lm_head.blocks.parts
-    assert torch.equal(ours.lm_head.blocks.matmul(head_x)[:, :4096], _product_reference(head_x, qtype, w[:4096]))
+    _assert_product(ours.lm_head.blocks.matmul(head_x)[:, :4096], head_x, qtype, w[:4096])
     ours_lp, dense_lp = (torch.log_softmax(logits[t], -1) for t in ("ours", "dense"))
     kl = (dense_lp.exp() * (dense_lp - ours_lp)).sum(-1)  # [100] KL(dense || ours), nats
     assert kl.mean() < 0.015 and kl.max() < 0.1, (kl.mean(), kl.max())

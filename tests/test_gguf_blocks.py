@@ -222,7 +222,7 @@ def _part_reference(x, qtype, w):
         return ggml.product_reference(x, w, qtype) if ggml.ops() is not None else ggml.block_linear(x, w, qtype)
     assert qtype in (BF16, F32)
     out = kernels.linear(x, w)
-    return out if out is not None else torch.nn.functional.linear(x.to(torch.bfloat16).float(), w.float())
+    return out if out is not None else qb.rows_product(x.to(torch.bfloat16).float(), w.float())
 
 
 def test_a_tied_embedding_without_a_product_gets_a_bf16_head(tmp_path):

@@ -25,7 +25,8 @@ from types import ModuleType
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from dspark.kernels.blocks import rows_product
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
     _, weights, _ = BLOCK_TYPES[type_id(qtype)]
     p, e = quantize_input(x.reshape(-1, x.shape[-1]), weights)
     xq = (p * e.unsqueeze(-1)).reshape(-1, x.shape[-1]).to(x.dtype)
-    return F.linear(xq, dequantize(raw, qtype).to(x.dtype)).reshape(*x.shape[:-1], raw.shape[0])
+    return rows_product(xq, dequantize(raw, qtype).to(x.dtype)).reshape(*x.shape[:-1], raw.shape[0])
 
 
 # ------------------------------------------------------------------------------ the kernels' integers

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dspark import kernels
 from dspark.kernels import blocks as qb
@@ -57,9 +56,9 @@ def _part_product(x: torch.Tensor, qtype: int, w: torch.Tensor) -> torch.Tensor:
         return ggml.block_linear(x, w, qtype) if out is None else out
     if qtype == BF16:
         out = kernels.linear(x, w)
-        return F.linear(x.to(torch.bfloat16).to(x.dtype), w.to(x.dtype)) if out is None else out
+        return qb.rows_product(x.to(torch.bfloat16).to(x.dtype), w.to(x.dtype)) if out is None else out
     out = kernels.linear(x, w)
-    return F.linear(x, w) if out is None else out
+    return qb.rows_product(x, w) if out is None else out
 
 
 def _part_values(qtype: int, w: torch.Tensor) -> torch.Tensor:
