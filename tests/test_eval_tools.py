@@ -185,6 +185,28 @@ def test_eval_accept_cli(monkeypatch, tmp_path, capsys):
     assert last["label"] == "ngram" and "macro" in last["T=0"]
 
 
+def test_eval_accept_base_model_continues_the_text(monkeypatch, tmp_path):
+    """A model without a chat template (auto -> plain): each prompt's text is submitted and continued, the
+    chat path never taken, and the JSON says which format ran."""
+    from dspark.train import eval_accept
+    llm = tiny_llm()
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None, raising=False)
+    monkeypatch.setattr(llm, "chat", lambda *a, **k: pytest.fail("a base model has no chat template"))
+    submitted = []
+    generate = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda texts, params: submitted.extend(texts) or generate(texts, params))
+    monkeypatch.setattr("dspark.llm.LLM", lambda **kw: llm)
+    data = prompts(2)
+    monkeypatch.setattr("dspark.bench.datasets.load_prompts", lambda name, n, seed: data)
+    args = _parse(eval_accept.register, [
+        "eval", "accept", "--speculative-config", '{"method": "ngram"}', "--datasets", "gsm8k",
+        "--temperatures", "0", "--num-prompts", "2", "--max-tokens", "8", "--out", str(tmp_path / "r.json")])
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["prompt_format"] == "plain" and submitted == [p.prompt for p in data]
+    assert doc["results"][0]["num_rounds"] > 0
+
+
 # -- parity ------------------------------------------------------------------------------------------
 
 def _accept_everything_argmax(*, target_argmax, draft_ids):

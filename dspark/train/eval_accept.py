@@ -8,7 +8,8 @@ Table 1 (rows = drafter / temperature, columns = datasets).
         --num-prompts 50 --max-tokens 256 --out results/accept.json --markdown results/accept.md
     dspark eval table results/dspark.json results/dflash.json --markdown results/table1.md
 
-Protocol: first user turn of each eval row through the chat template, prompts shuffled with `--seed`
+Protocol: first user turn of each eval row through the chat template (a base model without one, e.g.
+gemma-3-270m: the text itself, continued; `--prompt-format`), prompts shuffled with `--seed`
 (`dspark.bench.datasets`), per-sample seed = seed + index, every prompt of a (dataset, temperature)
 pair submitted as one batch through the `LLM` API. Verification length is fixed at γ (the length
 policy is forced to "fixed"), so τ measures the drafter, not the scheduler. Rounds are recorded
@@ -37,10 +38,12 @@ DOMAIN_ORDER = ("math", "code", "chat")
 
 
 def evaluate_acceptance(llm, prompts_by_dataset: dict, *, temperatures, max_tokens: int,
-                        seed: int = 0, num_draft_tokens: int | None = None) -> list[dict]:
+                        seed: int = 0, num_draft_tokens: int | None = None,
+                        prompt_format: str = "chat") -> list[dict]:
     """Run every (dataset, temperature) pair as one batch; returns one result dict per pair.
 
-    `prompts_by_dataset` maps a dataset name to a list of `BenchPrompt` (prompt text + domain)."""
+    `prompts_by_dataset` maps a dataset name to a list of `BenchPrompt` (prompt text + domain);
+    `prompt_format` "chat" renders each as a user turn, "plain" submits the text to be continued."""
     from dspark.sampling import SamplingParams
 
     engine = llm.engine
@@ -50,11 +53,13 @@ def evaluate_acceptance(llm, prompts_by_dataset: dict, *, temperatures, max_toke
     try:
         for temperature in temperatures:
             for name, prompts in prompts_by_dataset.items():
-                conversations = [[{"role": "user", "content": p.prompt}] for p in prompts]
                 params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
                           for i in range(len(prompts))]
                 start = time.perf_counter()
-                outputs = llm.chat(conversations, params)
+                if prompt_format == "plain":
+                    outputs = llm.generate([p.prompt for p in prompts], params)
+                else:
+                    outputs = llm.chat([[{"role": "user", "content": p.prompt}] for p in prompts], params)
                 wall_s = time.perf_counter() - start
                 if recorder is not None:
                     counts = AcceptCounts.from_rounds(recorder.take(o.request_id for o in outputs))
@@ -149,6 +154,9 @@ def register(sub) -> None:
     acc.add_argument("--temperatures", default="0,1", help="comma-separated, e.g. 0,1")
     acc.add_argument("--num-prompts", type=int, default=50, help="per dataset (all rows: 0)")
     acc.add_argument("--max-tokens", type=int, default=256)
+    acc.add_argument("--prompt-format", default="auto", choices=["auto", "chat", "plain"],
+                     help="chat: each prompt as a user turn through the chat template; plain: the text itself, "
+                          "continued (base models); auto: chat when the model has a template")
     acc.add_argument("--label", default=None, help="row label in the table (default: the method)")
     acc.add_argument("--out", default=None, help="results JSON path")
     acc.add_argument("--markdown", default=None, help="markdown table path")
@@ -179,11 +187,15 @@ def run_accept(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     llm = LLM(config=config)
+    prompt_format = args.prompt_format
+    if prompt_format == "auto":
+        prompt_format = "chat" if getattr(llm.tokenizer, "chat_template", None) else "plain"
     results = evaluate_acceptance(llm, prompts, temperatures=temperatures, max_tokens=args.max_tokens,
-                                  seed=args.seed)
+                                  seed=args.seed, prompt_format=prompt_format)
     doc = {"label": args.label or config.spec.method, "model": config.model,
            "speculative_config": dataclasses.asdict(config.spec), "dtype": config.dtype,
            "max_tokens": args.max_tokens, "num_prompts": args.num_prompts, "seed": args.seed,
+           "prompt_format": prompt_format,
            "results": results, "summary": summarize_results(results)}
     table = markdown_table([doc])
     print(table)
