@@ -24,12 +24,17 @@ from pathlib import Path
 import torch
 
 NAME = "gemma-3-270m"
+DRAFTER = str(Path(__file__).resolve().parent.parent / "dspark" / "assets" / "drafters" / "dspark-gemma-3-270m")
 SPECS = {  # label -> speculative_config (None: plain)
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "draft_model_6": {"method": "draft_model", "draft_num_layers": 6, "num_speculative_tokens": 3},
     "draft_model_6_ngram_first": {"method": "draft_model", "draft_num_layers": 6, "num_speculative_tokens": 3,
                                   "ngram_first": True},
+    # the shipped DSpark drafter (dspark/assets/drafters/dspark-gemma-3-270m): alone, and as `dspark serve` runs it
+    "dspark": {"method": "dspark", "model": DRAFTER, "num_speculative_tokens": 7},
+    "dspark_ngram_first": {"method": "dspark", "model": DRAFTER,
+                           "num_speculative_tokens": 7, "ngram_first": True},
 }
 
 

@@ -1,8 +1,11 @@
-"""Drafters shipped inside the package for the embedded default model (SmolLM2-135M-Instruct).
+"""Drafters shipped inside the package: for the embedded default model (SmolLM2-135M-Instruct) and for
+gemma-3-270m.
 
-`dspark serve` with no `--speculative-config` uses `default_spec_config(model)`: the trained DSpark
-drafter (Markov head + calibrated confidence head), with prompt lookup first, when the model is the
-embedded default and the weights are present, else no speculation. How they were made: docs/drafters.md.
+`dspark serve` with no `--speculative-config` uses `default_spec_config(model)`: the drafter measured fastest
+at batch 1 for that model (`SERVED_DEFAULTS`): for the embedded default the trained DSpark drafter (Markov
+head + calibrated confidence head) with prompt lookup first; for gemma-3-270m prompt lookup alone (its shipped
+DSpark drafter accepts too little to pay for its 2 layers, docs/benchmarks.md); no speculation for any other
+model or where the weights are missing. How they were made: docs/drafters.md.
 """
 
 from __future__ import annotations
@@ -16,8 +19,13 @@ SHIPPED: dict[tuple[str, str], str] = {  # (model, method) → folder under ASSE
     (DEFAULT_MODEL, "dspark"): "dspark-smollm2-135m",
     (DEFAULT_MODEL, "dflash"): "dflash-smollm2-135m",
     (DEFAULT_MODEL, "eagle3"): "eagle3-smollm2-135m",
+    ("gemma-3-270m", "dspark"): "dspark-gemma-3-270m",
 }
 DEFAULT_NUM_SPECULATIVE_TOKENS = 7
+# model -> the method `dspark serve` drafts with by default (the fastest measured at batch 1)
+SERVED_DEFAULTS: dict[str, str] = {DEFAULT_MODEL: "dspark", "gemma-3-270m": "ngram"}
+# prompt lookup as served by default: gemma-3-270m's continuations repeat their own text (τ ≈ 4 at γ 4)
+NGRAM_DEFAULT = dict(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=5)
 
 
 def _canonical(model: str) -> str:
@@ -58,8 +66,12 @@ def default_spec_config(model: str, matmul_dtype: str = "float32") -> SpecConfig
     table profiled on this project's machines (2 CPU cores) with the engine's matmul dtype and, where one
     was profiled, this machine's kind of kernels (`shipped_cost_table`); on other hardware run `dspark
     profile` or pass "cost_table": "auto". Lookup first: 1.28-1.54x the tok/s of DSpark alone at batch 1
-    on gsm8k and humaneval (a served sweep on a 2-vCPU AMD EPYC, 2026-11-29)."""
-    path = drafter_dir(model, "dspark")
+    on gsm8k and humaneval (a served sweep on a 2-vCPU AMD EPYC, 2026-11-29). A model whose served default
+    is prompt lookup (`SERVED_DEFAULTS`) gets `NGRAM_DEFAULT`."""
+    method = SERVED_DEFAULTS.get(_canonical(model))
+    if method == "ngram":
+        return SpecConfig(method="ngram", **NGRAM_DEFAULT)
+    path = drafter_dir(model, "dspark") if method == "dspark" else None
     if path is None:
         return None
     cost = shipped_cost_table(path, matmul_dtype)

@@ -1,0 +1,43 @@
+"""The drafters shipped in dspark/assets/drafters/ and what `dspark serve` drafts with by default per model
+(dspark.drafters.shipped): the embedded default gets its DSpark drafter with prompt lookup first and the prefix
+scheduler, gemma-3-270m prompt lookup (its DSpark drafter is shipped but measured slower than plain at batch
+1), any other model nothing; the gemma-3-270m drafter's folder fits that target and carries both calibration
+fits.
+
+    pytest tests/test_shipped_drafters.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+from dspark.config import DEFAULT_MODEL
+from dspark.drafters.shipped import ASSETS, SHIPPED, default_spec_config, drafter_dir
+
+
+def test_served_default_per_model():
+    smollm2 = default_spec_config(DEFAULT_MODEL, "q4_1")
+    assert smollm2.method == "dspark" and smollm2.ngram_first and smollm2.length_policy == "prefix"
+    assert default_spec_config("default").model == smollm2.model
+    gemma = default_spec_config("gemma-3-270m", "gguf")
+    assert gemma.method == "ngram" and gemma.model is None and gemma.num_speculative_tokens == 4
+    assert default_spec_config("some/other-model") is None
+
+
+def test_every_shipped_folder_is_present():
+    for (model, method), name in SHIPPED.items():
+        assert drafter_dir(model, method) == ASSETS / name, f"{name} is registered but incomplete"
+
+
+def test_gemma_drafter_fits_its_target_and_is_calibrated():
+    folder = drafter_dir("gemma-3-270m", "dspark")
+    cfg = json.loads((folder / "config.json").read_text())
+    # gemma-3-270m: hidden 640, 18 layers, 4 query heads and 1 KV head of dim 256, vocabulary 262,144
+    assert (cfg["hidden_size"], cfg["num_target_layers"], cfg["vocab_size"]) == (640, 18, 262144)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 1, 256)
+    assert cfg["block_size"] == 7 and cfg["markov_rank"] > 0 and cfg["enable_confidence_head"]
+    calibration = json.loads((folder / "calibration.json").read_text())
+    gamma = cfg["block_size"]
+    assert len(calibration["temperatures"]) == len(calibration["greedy_temperatures"]) == gamma
+    train = json.loads((folder / "train_config.json").read_text())
+    assert train["model"] == "gemma-3-270m" and train["warm_start"] == "none"
