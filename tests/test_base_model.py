@@ -22,7 +22,7 @@ def base():
 
 
 def test_completions_serve_and_chat_is_refused_with_a_400(base):
-    r = base.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 4})
+    r = base.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 4, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     r = base.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4,
                                                  "messages": [{"role": "user", "content": "hi"}]})
