@@ -12,7 +12,7 @@ STEPS=${STEPS:-400}
 PY=${PY:-.venv/bin/python}
 DATA=$RUNS/data
 TRAIN=(--config configs/train_dspark_gemma3.json --data "$DATA" --no-progress
-       --set feature_cache="\"$RUNS/features\"" --set max_steps="$STEPS")
+       --set feature_cache="\"$RUNS/features\"" --set max_steps="$STEPS" --set export_shard_mb=40)
 
 $PY -m dspark prepare-data --model gemma-3-270m --out "$DATA" --prompt-format plain --max-prompts "$PROMPTS" \
     --max-tokens 128 --max-prompt-tokens 256 --batch-size 64 --num-threads "${THREADS:-1}" \

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark.config import DEFAULT_MODEL, SpecConfig
+from dspark.drafters.checkpoint import INDEX_NAME, WEIGHTS_NAME
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
 SHIPPED: dict[tuple[str, str], str] = {  # (model, method) → folder under ASSETS
@@ -38,7 +39,8 @@ def drafter_dir(model: str, method: str = "dspark") -> Path | None:
     if name is None:
         return None
     path = ASSETS / name
-    return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None
+    weights = (path / WEIGHTS_NAME).is_file() or (path / INDEX_NAME).is_file()  # one file, or shards
+    return path if (path / "config.json").is_file() and weights else None
 
 
 # the shipped cost table for each matmul dtype of the target (EngineConfig.matmul_dtype, resolved); a
