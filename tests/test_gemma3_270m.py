@@ -7,7 +7,8 @@ multiplying the embedding's own rows); and (slow) logits and greedy text against
 loading of the same GGUF, dequantized.
 
 Resident vs dense, past the window: every product of a 700-token prefill equals its bit-exact torch twin
-on the input it got (`kernels.ggml.product_reference`, `kernels.blocks.q8_0_product_reference`), and the
+on the input it got (`kernels.ggml.product_reference`, `kernels.blocks.q8_0_product_reference`; the head's
+Q8_0 x Q8_0: `kernels.ggml.q8_0_product_reference`), and the
 logits stay with the dense model's within the input quantization's effect. That bound is statistical, not
 a summation-order one: the Q5_0 / Q4_K / Q6_K products round their input to 8 bits per block of 32 / 256
 (llama.cpp's rule), and a last-bit difference upstream flips some of those roundings, which compound over
@@ -127,18 +128,26 @@ def test_auto_picks_the_resident_blocks_and_no_dense_copy_is_kept(gemma_blocks):
     assert held_bytes(model) < 1.05 * resolve_model_path(NAME).stat().st_size  # (Q8_0 packed: 36 bytes a block, not 34)
 
 
-def _assert_product(out, x, qtype, w):
+def _assert_product(out, x, qtype, w, head: bool = False):
     """With the kernels: bitwise their exact twin. Off (DSPARK_CPU_KERNELS=0) the layer ran the fast twin on
-    all 700 rows, checked here on 4: the same values up to torch's summation order."""
+    all 700 rows, checked here on 4: the same values up to torch's summation order. The head's Q8_0 product
+    quantizes its input (Q8_0 x Q8_0), the layers' Q8_0 parts multiply the fp32 input."""
     from dspark import kernels
     from dspark.kernels import blocks as qb
     from dspark.kernels import ggml
     from dspark.models.blocks import Q8_0
-    if (kernels.has_q8_0_kernels() if qtype == Q8_0 else ggml.ops() is not None):
-        ref = qb.q8_0_product_reference(x, w) if qtype == Q8_0 else ggml.product_reference(x, w, qtype)
+    if qtype == Q8_0 and head:
+        exact, fast, on = ggml.q8_0_product_reference, ggml.q8_0_block_linear, ggml.ops() is not None
+    elif qtype == Q8_0:
+        exact, fast, on = qb.q8_0_product_reference, qb.q8_0_linear, kernels.has_q8_0_kernels()
+    else:
+        exact, fast = (lambda a, b: ggml.product_reference(a, b, qtype)), (lambda a, b: ggml.block_linear(a, b, qtype))
+        on = ggml.ops() is not None
+    if on:
+        ref = exact(x, w)
         assert torch.equal(out, ref), qtype
     else:
-        ref = qb.q8_0_linear(x, w) if qtype == Q8_0 else ggml.block_linear(x, w, qtype)
+        ref = fast(x, w)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
@@ -168,7 +177,7 @@ def test_resident_products_are_their_twins_and_logits_stay_with_dense_past_the_w
             _assert_product(out[:, start:start + w.shape[0]], x, qtype, w)
             start += w.shape[0]
     (qtype, w), = ours.lm_head.blocks.parts
-    _assert_product(ours.lm_head.blocks.matmul(head_x)[:, :4096], head_x, qtype, w[:4096])
+    _assert_product(ours.lm_head.blocks.matmul(head_x)[:, :4096], head_x, qtype, w[:4096], head=True)
     ours_lp, dense_lp = (torch.log_softmax(logits[t], -1) for t in ("ours", "dense"))
     kl = (dense_lp.exp() * (dense_lp - ours_lp)).sum(-1)  # [100] KL(dense || ours), nats
     assert kl.mean() < 0.015 and kl.max() < 0.1, (kl.mean(), kl.max())

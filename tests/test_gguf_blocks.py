@@ -1,9 +1,10 @@
 """GGUF weights resident as quantized (`--matmul-dtype gguf`, dspark.models.blocks) and the products on the
 native blocks:
 
-* each native-block product (Q4_1, Q8_0 in cpu_ops.cpp; Q5_0, Q4_K, Q6_K in quant_ops.cpp) bit for bit equal
-  to its torch twin that dequantizes the same blocks and repeats the kernel's arithmetic (`kernels.blocks`,
-  `kernels.ggml.product_reference`), on this build and on the AVX2 build (`ops_variant`);
+* each native-block product (Q4_1, Q8_0 x fp32 in cpu_ops.cpp; Q5_0, Q4_K, Q6_K and Q8_0 x Q8_0, the resident
+  model's Q8_0 product, in quant_ops.cpp) bit for bit equal to its torch twin that dequantizes the same blocks
+  and repeats the kernel's arithmetic (`kernels.blocks`, `kernels.ggml.product_reference`,
+  `kernels.ggml.q8_0_product_reference`), on this build and on the AVX2 build (`ops_variant`);
 * the fields the kernels read are gguf's weights (the blocks' values equal gguf's dequantization);
 * a small synthetic GGUF (written with the `gguf` package) in every listed type loads resident as quantized:
   no dense weight kept, every product equals its own reference on the input it got, and the logits stay
@@ -104,6 +105,27 @@ def test_q8_0_product_is_bitwise_its_twin(rows):
     assert torch.equal(qb.q8_0_packed_values(packed), ggml.dequantize(raw, T.Q8_0))
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows,k,n", [(1, 640, 40), (1, 576, 33), (3, 256, 24), (4, 32, 17), (5, 1024, 16),
+                                      (9, 640, 800)])
+def test_q8_0_x_q8_0_product_is_bitwise_its_twin_on_both_builds(rows, k, n):
+    """K of 8 blocks a group and of short last groups (576: 8 + 8 + 2, 640: 8 + 8 + 4); 9 rows: three
+    passes over tiles of weight rows (800 rows of 720 bytes are more than one 256 KB tile)."""
+    raw = gguf_rows(n, k, T.Q8_0, seed=rows + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :32] = 0  # an all-zero block: e = 0
+    packed = kernels.pack_q8_0(raw)
+    ref = ggml.q8_0_product_reference(x, packed)
+    assert torch.equal(ggml.q8_0_product(x, packed), ref)
+    assert torch.equal(ggml.ops_variant("DSPARK_QUANT_AVX2").q8_0_mm(x, packed), ref)
+    alone = torch.cat([ggml.q8_0_product(x[i:i + 1], packed) for i in range(rows)])
+    assert torch.equal(alone, ref)  # a row's result does not depend on the batch
+    fast = ggml.q8_0_block_linear(x, packed)  # the input's Q8_0 values times the weights: summation order only
+    dense = x @ qb.q8_0_packed_values(packed).t()  # the unquantized input: the input rounding's effect
+    assert (fast - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
+    assert (dense - ref).abs().max() > 10 * (fast - ref).abs().max()
+
+
 def test_fma32_rounds_once():
     a = torch.tensor([1 + 2 ** -23, 3.0, 1e-30], dtype=torch.float32)
     b = torch.tensor([1 - 2 ** -23, 1 / 3, 1e-10], dtype=torch.float32)
@@ -195,27 +217,32 @@ def test_every_listed_type_loads_resident_as_quantized(tmp_path, layer_type):
     hooks = [m.register_forward_hook(lambda mod, i, o: seen.append((mod.blocks, i[0].clone(), o.clone())))
              for m in ours.modules() if isinstance(m, Linear)]
     prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = {}
+    logits, hiddens = {}, {}
     for tag, model in (("ours", ours), ("dense", dense)):
         kv = PagedKV.create(model, num_requests=1, max_len=32, kv_block_size=4, seed=1)
         hidden = torch.cat([kv.step(model, [(prompt[:8], 0)])[0], kv.step(model, [(prompt[8:], 8)])[0]])
-        logits[tag] = model.compute_logits(hidden)
+        logits[tag], hiddens[tag] = model.compute_logits(hidden), hidden
     for h in hooks:
         h.remove()
     assert len(seen) == 2 * 4 * LAYERS
+    head = ours.lm_head.blocks  # the tied Q8_0 embedding's rows, the input quantized to Q8_0 (Q8_0 x Q8_0)
+    assert head.types == (int(T.Q8_0),) and head.q8_0_input
+    assert torch.equal(logits["ours"], _part_reference(hiddens["ours"], int(T.Q8_0), head.parts[0][1], True))
     for blocks, x, out in seen:  # every product: its parts' references on the input it got
         refs = []
         for qtype, w in blocks.parts:
-            refs.append(_part_reference(x, qtype, w))
+            refs.append(_part_reference(x, qtype, w, blocks.q8_0_input))
         assert torch.equal(out, torch.cat(refs, -1)), blocks.types
     err = (logits["ours"] - logits["dense"]).abs().max().item()
     assert err < 0.05 * logits["dense"].abs().max().item(), err
 
 
-def _part_reference(x, qtype, w):
+def _part_reference(x, qtype, w, q8_0_input: bool = False):
     from dspark.models.blocks import BF16, F32
     if qtype == int(T.Q4_1):
         return qb.q4_1_product_reference(x, w) if kernels.has_q4_1_kernels() else qb.q4_1_linear(x, w)
+    if qtype == int(T.Q8_0) and q8_0_input:
+        return ggml.q8_0_product_reference(x, w) if ggml.ops() is not None else ggml.q8_0_block_linear(x, w)
     if qtype == int(T.Q8_0):
         return qb.q8_0_product_reference(x, w) if kernels.has_q8_0_kernels() else qb.q8_0_linear(x, w)
     if qtype in ggml.BLOCK_TYPES:

@@ -10,6 +10,11 @@ header gives each type's formula). `product_reference` repeats those steps in to
 `block_linear` is the fast twin (the input's quantized values times the dequantized blocks, torch's
 product), what a layer runs when the kernels are off.
 
+Q8_0 matrices in the resident model multiply the same way (`q8_0_product`, llama.cpp's Q8_0 x Q8_0): on the
+rows `kernels.pack_q8_0` packs (the embedding's, for a tied head), the input quantized in blocks of 32, exact
+integer sums per block, then fp32 on 8 lanes (quant_ops.cpp); `q8_0_product_reference` and
+`q8_0_block_linear` are its exact and fast twins.
+
 Other common types (Q4_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16, ...) have no product here: the loader
 dequantizes them (gguf's own dequantization) to bf16 at load (`DENSE_BF16`).
 """
@@ -117,6 +122,48 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
     p, e = quantize_input(x.reshape(-1, x.shape[-1]), weights)
     xq = (p * e.unsqueeze(-1)).reshape(-1, x.shape[-1]).to(x.dtype)
     return rows_product(xq, dequantize(raw, qtype).to(x.dtype)).reshape(*x.shape[:-1], raw.shape[0])
+
+
+def q8_0_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
+    """x [..., K] fp32 @ packed Q8_0 rows [N, K * 9 / 8]^T -> [..., N], the input quantized to Q8_0 blocks
+    (quant_ops.cpp's `q8_0_mm`); None where the kernel does not apply (as `product`)."""
+    k = ops()
+    if (k is None or x.dtype != torch.float32 or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and x.requires_grad)):
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    return k.q8_0_mm(x2, packed).view(*x.shape[:-1], packed.shape[0])
+
+
+def q8_0_block_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """The fast torch twin of `q8_0_product`: the input's Q8_0 values times the blocks' values (dequantized in
+    chunks of 8192 rows, so no fp32 copy of a large head is held), torch's product."""
+    from dspark.kernels.blocks import q8_0_packed_values
+    p, e = quantize_input(x.reshape(-1, x.shape[-1]), 32)
+    xq = (p * e.unsqueeze(-1)).reshape(-1, x.shape[-1]).to(x.dtype)
+    out = xq.new_empty(xq.shape[0], packed.shape[0])
+    for n0 in range(0, packed.shape[0], 8192):
+        out[:, n0:n0 + 8192] = rows_product(xq, q8_0_packed_values(packed[n0:n0 + 8192]).to(x.dtype))
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def q8_0_product_reference(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 times packed Q8_0 rows [N, K * 9 / 8] -> [M, N] fp32, bit for bit `q8_0_product`: exact
+    integer block sums, then lane b % 8 of each output += (d e) * sum, group by group, the lanes summed in the
+    kernel's order."""
+    from dspark.kernels.blocks import q8_0_fields
+    q, d = q8_0_fields(packed)  # [N, nb, 32] int8, [N, nb] fp32
+    p, e = quantize_input(x, 32)  # [M, nb, 32], [M, nb]
+    M, N, nb = x.shape[0], packed.shape[0], d.shape[1]
+    isum = torch.einsum("mbi,nbi->mnb", p.double(), q.double()).float()  # [M, N, nb], exact (|sum| < 2^24)
+    val = (d[None] * e[:, None]) * isum  # [M, N, nb]: (d e), then times the sum, each rounded to fp32
+    groups = -(-nb // 8)
+    val = torch.cat([val, val.new_zeros(M, N, groups * 8 - nb)], -1).reshape(M, N, groups, 8)
+    acc = torch.zeros(M, N, 8)
+    for g in range(groups):
+        acc = acc + val[:, :, g]
+    a = acc.unbind(-1)
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 
 
 # ------------------------------------------------------------------------------ the kernels' integers

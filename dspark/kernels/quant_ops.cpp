@@ -15,6 +15,17 @@
 //
 //   block_mm(x [M, K] fp32, w [N, row bytes] uint8, ggml type id) -> [M, N] fp32
 //
+// Q8_0 x Q8_0 (llama.cpp's product of a Q8_0 matrix, `q8_0_mm`) on the rows as `kernels.pack_q8_0` packs them
+// (the K int8 q, then the K / 32 scales d as fp32): the input quantized in blocks of 32 as above, the exact integer
+// sum of each block (signed x signed: |q| times p with q's sign, VPMADDUBSW + VPMADDWD or VPDPBUSD), then per
+// output 8 fp32 lanes, block b on lane b % 8, group after group of 8 blocks (a short last group adds nothing to
+// its missing lanes):
+//   lane_j = lane_j + (d_b e_b) * float(isum_b)        b = 8 g + j
+//   out = ((lane_0 + lane_4) + (lane_2 + lane_6)) + ((lane_1 + lane_5) + (lane_3 + lane_7))
+// so 8 blocks' sums and scales are one vector each (the scales lie in order at the row's end).
+//
+//   q8_0_mm(x [M, K] fp32, w [N, K * 9 / 8] int8 packed) -> [M, N] fp32
+//
 // Built by dspark.kernels.ggml (torch's extension loader, the flags of cpu_ops.cpp); DSPARK_QUANT_AVX2 builds
 // the AVX2 integer sums on an AVX-512 machine (the tests compare the two).
 #include <torch/extension.h>
@@ -45,6 +56,12 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 #endif
+
+// acc (8 int32 lanes) += the sums of 4 products int8 x int8 per lane: |q| (uint8, 128 for -128) times p
+// with q's sign (|p| <= 127, so VPMADDUBSW's pair sums stay within int16)
+inline __m256i signed_dot_acc(__m256i acc, __m256i q, __m256i p) {
+  return dot_acc(acc, _mm256_abs_epi8(q), _mm256_sign_epi8(p, q));
+}
 
 inline int32_t hsum4(__m128i v) {
   v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
@@ -102,7 +119,8 @@ struct Prepared {
 };
 
 Prepared prepare(const float* x, int64_t M, int64_t K, int64_t S) {
-  Prepared r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / S)), std::vector<int32_t>(M * (K / 16))};
+  // p has 256 bytes past its end: a short last group of 8 Q8_0 blocks reads them (against zero weights)
+  Prepared r{std::vector<int8_t>(M * K + 256), std::vector<float>(M * (K / S)), std::vector<int32_t>(M * (K / 16))};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / S; ++b) {
       const float* v = x + m * K + b * S;
@@ -248,6 +266,81 @@ void q6_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
     for (int64_t m = 0; m < M; ++m) out[m * N + n] = acc[m];
   }
 }
+
+// The 8 sums of the 8 int32 lanes of v[0] .. v[7], in order (exact: integers).
+inline __m256i hsum8x8(const __m256i* v) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  // a: v0..v3's low-half sums | their high-half sums; b: the same for v4..v7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+inline float lanes_sum(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// Output rows [n0, n1) for MB prepared input rows (p [MB, K] int8 at `p`, e [MB, K / 32] at `e`); packed
+// Q8_0 rows of rb = K * 9 / 8 bytes; out rows MB of stride N. A short last group holds zero weights past
+// the row's blocks (their products are 0 whatever p holds there) and adds 0 to its missing lanes.
+template <int MB>
+void q8_0_rows(const int8_t* p, const float* e, const int32_t* ps, int64_t K, const int8_t* w, int64_t rb, float* out,
+               int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / 32;
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * rb;
+    const float* d = reinterpret_cast<const float*>(row + K);
+    __builtin_prefetch(row + 4 * rb, 0, 0);
+    __builtin_prefetch(row + 4 * rb + 64, 0, 0);
+    __builtin_prefetch(row + 4 * rb + 128, 0, 0);
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb; g += 8) {
+      const int cnt = static_cast<int>(std::min<int64_t>(8, nb - g));
+      __m256i q[8];
+      __m256 dv;
+      if (cnt == 8) {
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) q[i] = load32(row + 32 * (g + i));
+        dv = _mm256_loadu_ps(d + g);
+      } else {
+        for (int i = 0; i < 8; ++i) q[i] = i < cnt ? load32(row + 32 * (g + i)) : _mm256_setzero_si256();
+        dv = _mm256_maskload_ps(d + g, _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), lanes));
+      }
+      __builtin_prefetch(row + 4 * rb + 192 + 256 * (g / 8), 0, 0);
+      __builtin_prefetch(row + 4 * rb + 256 + 256 * (g / 8), 0, 0);
+      // VPDPBUSD: (q + 128) as uint8 times p, less 128 sum p (ps: the blocks' sums of p); AVX2: |q| times p with
+      // q's sign (VPMADDUBSW's int16 pair sums would overflow with q + 128)
+      __m256i u[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+        u[i] = kVnni ? _mm256_xor_si256(q[i], _mm256_set1_epi8(static_cast<char>(0x80))) : _mm256_abs_epi8(q[i]);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* pm = p + m * K + 32 * g;
+        __m256i s[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i)
+          s[i] = kVnni ? dot_acc(_mm256_setzero_si256(), u[i], load32(pm + 32 * i))
+                       : dot_acc(_mm256_setzero_si256(), u[i], _mm256_sign_epi8(load32(pm + 32 * i), q[i]));
+        __m256i isum = hsum8x8(s);
+        if (kVnni)
+          isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(load32(ps + m * (nb + 8) + g), 7));
+        const __m256 ev = cnt == 8 ? _mm256_loadu_ps(e + m * nb + g)
+                                   : _mm256_maskload_ps(e + m * nb + g, _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), lanes));
+        acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(_mm256_mul_ps(dv, ev), _mm256_cvtepi32_ps(isum)));
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[m * N + n] = lanes_sum(acc[m]);
+  }
+}
+
+constexpr int kQ8PassRows = 4;
+using Q8RowsFn = void (*)(const int8_t*, const float*, const int32_t*, int64_t, const int8_t*, int64_t, float*,
+                          int64_t, int64_t, int64_t);
+constexpr Q8RowsFn kQ8Rows[kQ8PassRows] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_rows<4>};
 #endif
 
 struct TypeInfo {
@@ -291,9 +384,46 @@ torch::Tensor block_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t t
   return out;
 }
 
+torch::Tensor q8_0_mm(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(kHasQuant, "q8_0_mm: the block products need a CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
+                  x.device().is_cpu() && w.device().is_cpu(),
+              "q8_0_mm: x [M, K] fp32 and packed Q8_0 w [N, K * 9 / 8] int8 on the CPU, got ", x.sizes(), " and ",
+              w.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * 36, "q8_0_mm: K = ", K, " needs whole blocks of 32 and w ",
+              K / 32 * 36, " bytes a row; w has ", w.size(1));
+  const torch::Tensor xc = x.contiguous(), wc = w.contiguous();
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const Prepared in = prepare(xc.data_ptr<float>(), M, K, 32);
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t rb = w.size(1), nb = K / 32;
+  std::vector<int32_t> ps(M * (nb + 8), 0);  // per input row the blocks' sums of p, 8 zeros past the last
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) ps[m * (nb + 8) + b] = in.psum16[m * (K / 16) + 2 * b] + in.psum16[m * (K / 16) + 2 * b + 1];
+  const int64_t passes = (M + kQ8PassRows - 1) / kQ8PassRows, per_pass = (M + passes - 1) / passes;
+  // more than one pass: tiles of ~256 KB of weight rows, each read from memory once and from L2 per pass
+  const int64_t tile = passes == 1 ? N : std::max<int64_t>(16, (1 << 18) / rb);
+  const int64_t grain = std::max<int64_t>(16, (N + at::get_num_threads() - 1) / at::get_num_threads());
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += tile)
+      for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
+        const int64_t rows = std::min(per_pass, M - m0);
+        kQ8Rows[rows - 1](in.p.data() + m0 * K, in.e.data() + m0 * nb, ps.data() + m0 * (nb + 8), K, wp, rb,
+                          op + m0 * N, N, t0, std::min(n1, t0 + tile));
+      }
+  });
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("block_mm", &block_mm, "x[M,K] fp32 @ GGUF blocks w[N, row bytes]^T (Q5_0, Q4_K, Q6_K; CPU)", release());
+  m.def("q8_0_mm", &q8_0_mm, "x[M,K] fp32 (quantized to Q8_0) @ packed Q8_0 w[N, K*9/8]^T (CPU)", release());
   m.attr("has_quant") = kHasQuant;
   m.attr("vnni") = kVnni;
 }

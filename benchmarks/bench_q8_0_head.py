@@ -1,0 +1,79 @@
+"""The LM head of a Q8_0 embedding (gemma-3-270m's tied 262144 x 640 rows, packed by `kernels.pack_q8_0`): the
+two products on the same packed rows, side by side in one process, alternating call by call — the fp32
+input (cpu_ops' `small_mm`, the exact product of the file's weights) and the input quantized to Q8_0
+blocks with integer sums (quant_ops' `q8_0_mm`, llama.cpp's Q8_0 x Q8_0, what the resident model's head
+runs). Median milliseconds per call per input-row count, the ratio, and the bytes read per second.
+
+    python benchmarks/bench_q8_0_head.py --threads 1 --out benchmarks/results/q8_0_head_gemma.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def head_rows() -> tuple[torch.Tensor, str]:
+    """gemma-3-270m's packed embedding rows when installed, else random rows of the same shape."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from dspark import kernels
+    try:
+        from dspark.models.blocks import gguf_rows
+        from dspark.models.gguf_format import gguf_reader
+        from dspark.models.loader import resolve_model_path
+        reader = gguf_reader(resolve_model_path("gemma-3-270m"))
+        tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        qtype, raw = gguf_rows(tensor)
+        return kernels.pack_q8_0(raw), "gemma-3-270m token_embd.weight (Q8_0)"
+    except (FileNotFoundError, StopIteration):
+        g = torch.Generator().manual_seed(0)
+        packed = torch.randint(-127, 128, (262144, 720), dtype=torch.int8, generator=g)
+        packed[:, 640:].view(torch.float32)[:] = 0.01
+        return packed, "random int8 rows, 262144 x 640"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", default="1,2,5,8", help="input rows per call (decode: 1; verification: 1 + drafts)")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from dspark import kernels
+    from dspark.bench.report import run_info, write_result_file
+    from dspark.kernels import ggml
+    if kernels.ops() is None or ggml.ops() is None:
+        raise SystemExit("the CPU kernels are not built (python -m dspark.kernels)")
+    packed, source = head_rows()
+    products = {"fp32_input": lambda x: kernels.ops().small_mm(x, packed),
+                "q8_0_input": lambda x: ggml.q8_0_product(x, packed)}
+    results = {}
+    for m in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(m, 640, generator=torch.Generator().manual_seed(m))
+        times: dict[str, list[float]] = {k: [] for k in products}
+        for _ in range(args.repeats + 1):  # the first call of each warms up and is dropped
+            for name, f in products.items():
+                t0 = time.perf_counter()
+                f(x)
+                times[name].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+        results[str(m)] = {"median_ms": med, "fp32_over_q8_0": med["fp32_input"] / med["q8_0_input"],
+                           "q8_0_input_gb_s": packed.numel() / (med["q8_0_input"] / 1e3) / 1e9}
+        print(f"rows {m}: fp32 input {med['fp32_input']:.2f} ms, Q8_0 input {med['q8_0_input']:.2f} ms "
+              f"({results[str(m)]['fp32_over_q8_0']:.2f}x)", flush=True)
+    result = {"benchmark": "q8_0_head", "rows_source": source, "shape": list(packed.shape),
+              "threads": torch.get_num_threads(), "results": results, **run_info()}
+    if args.out:
+        write_result_file(args.out, result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
