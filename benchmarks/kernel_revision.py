@@ -1,6 +1,7 @@
 """The CPU kernels' source at a git revision, for the benchmarks that compare a revision's kernels with the
 working tree's (ab_kernels.py, bench_q4_kernel.py, bench_decode_kernels.py): `dspark/kernels/cpu_ops.cpp`
-and the parts it includes (`cpu_ops_*.inc`, where the revision has them), written into one folder.
+and the parts it includes (`cpu_ops_*.inc`, where the revision has them), written into one folder; and the
+block products `quant_ops.cpp` (ab_quant_ops.py).
 
     from kernel_revision import build_revision
     ops = build_revision("734ca1d")  # compiled once, cached beside the working tree's build
@@ -46,3 +47,16 @@ def build_revision(rev: str):
     root = kernels.build_dir().parent / f"ab_{digest}"
     entry = write_revision(rev, root)
     return kernels.build(f"dspark_cpu_ops_base_{digest}", root, source=entry)
+
+
+def build_quant_revision(rev: str):
+    """The block products (`dspark/kernels/quant_ops.cpp`) of revision `rev`, compiled as their own module."""
+    import torch
+
+    from dspark import kernels
+    text = _git("show", f"{rev}:{KERNELS}/quant_ops.cpp")
+    digest = hashlib.sha256(text.encode() + torch.__version__.encode()).hexdigest()[:16]
+    root = kernels.build_dir().parent / f"ab_quant_{digest}"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "quant_ops.cpp").write_text(text)
+    return kernels.build(f"dspark_quant_ops_base_{digest}", root, source=root / "quant_ops.cpp")

@@ -12,6 +12,7 @@
 //   Q6_K (w = d sc_j (q - 32)):           acc = acc + (d e) * float(sum_j sc_j (sum q p - 32 sum p))
 // so the AVX2 and AVX-512 builds agree bit for bit, with each other and with the torch twin that repeats
 // these steps (dspark.kernels.ggml.product_reference). Parallel over output rows; any number of input rows.
+// Q5_0 multiplies 8 weight rows at a time, one row a lane of the fp32 sums (each lane's steps as above).
 //
 //   block_mm(x [M, K] fp32, w [N, row bytes] uint8, ggml type id) -> [M, N] fp32
 //
@@ -81,6 +82,13 @@ inline void hsum4x4x2(__m256i a, __m256i b, __m256i c, __m256i d, int32_t* out) 
   const __m256i pairs = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), pairs);
 }
+// The 8 sums of the 8 int32 lanes of v[0] .. v[7], in order (exact: integers).
+inline __m256i hsum8x8(const __m256i* v) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  // a: v0..v3's low-half sums | their high-half sums; b: the same for v4..v7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -100,12 +108,17 @@ inline __m256i bits_to_16s(uint32_t bits) {
 }
 
 // Q5_0 block (22 bytes: fp16 d, 32 high bits, 16 bytes: q_j low nibble, q_{j+16} high) -> q 0..31 in order.
+// With AVX-512BW the fifth bits select the bytes that get 16 (a mask register); else bits_to_16s.
 inline __m256i q5_0_values(const uint8_t* blk) {
   uint32_t qh;
   std::memcpy(&qh, blk + 2, 4);
   const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)), low4 = _mm_set1_epi8(0x0F);
   const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), _mm_and_si128(qs, low4));
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(DSPARK_QUANT_AVX2)
+  return _mm256_mask_blend_epi8(static_cast<__mmask32>(qh), lo, _mm256_or_si256(lo, _mm256_set1_epi8(0x10)));
+#else
   return _mm256_or_si256(lo, bits_to_16s(qh));
+#endif
 }
 #else
 constexpr bool kHasQuant = false, kVnni = false;
@@ -140,10 +153,42 @@ Prepared prepare(const float* x, int64_t M, int64_t K, int64_t S) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Output rows [n0, n1) of out [M, N]; w rows of `rb` bytes.
+// The fp16 scales d of block b of 8 rows (row r at w + r * rb) as fp32.
+inline __m256 q5_0_scales8(const uint8_t* w, int64_t rb, int64_t b) {
+  uint16_t h[8];
+  for (int r = 0; r < 8; ++r) std::memcpy(h + r, w + r * rb + 22 * b, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// Output rows [n, n + 8) at once, lane r of each fp32 accumulator row n + r: a lane's steps are the scalar
+// code's (below) in its order, block after block, so the results are the same bit for bit.
+void q5_0_rows8(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64_t rb, float* out, int64_t N,
+                int64_t n) {
+  const int64_t nb = K / 32;
+  const uint8_t* rows = w + n * rb;
+  std::vector<__m256> acc(M, _mm256_setzero_ps());
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i q[8];
+    for (int r = 0; r < 8; ++r) q[r] = q5_0_values(rows + r * rb + 22 * b);
+    const __m256 d = q5_0_scales8(rows, rb, b);
+    for (int64_t m = 0; m < M; ++m) {
+      const __m256i p = load32(in.p.data() + m * K + 32 * b);
+      __m256i dots[8];
+      for (int r = 0; r < 8; ++r) dots[r] = dot_acc(_mm256_setzero_si256(), q[r], p);
+      const int32_t* s = in.psum16.data() + m * (K / 16) + 2 * b;
+      const __m256i isum = _mm256_sub_epi32(hsum8x8(dots), _mm256_set1_epi32(16 * (s[0] + s[1])));
+      const __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(in.e[m * nb + b]));
+      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(de, _mm256_cvtepi32_ps(isum)));
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(out + m * N + n, acc[m]);
+}
+
+// Output rows [n0, n1) of out [M, N]; w rows of `rb` bytes: 8 rows at a time (q5_0_rows8), then one by one.
 void q5_0_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64_t rb, float* out, int64_t N,
                int64_t n0, int64_t n1) {
   const int64_t nb = K / 32;
+  for (; n0 + 8 <= n1; n0 += 8) q5_0_rows8(in, M, K, w, rb, out, N, n0);
   std::vector<float> acc(M);
   for (int64_t n = n0; n < n1; ++n) {
     std::fill(acc.begin(), acc.end(), 0.0f);
@@ -267,19 +312,12 @@ void q6_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
   }
 }
 
-// The 8 sums of the 8 int32 lanes of v[0] .. v[7], in order (exact: integers).
-inline __m256i hsum8x8(const __m256i* v) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  // a: v0..v3's low-half sums | their high-half sums; b: the same for v4..v7
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
 
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
 inline float lanes_sum(__m256 v) {
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
 // Output rows [n0, n1) for MB prepared input rows (p [MB, K] int8 at `p`, e [MB, K / 32] at `e`); packed
