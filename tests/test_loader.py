@@ -101,6 +101,75 @@ def test_smollm2_gguf_header(gguf_source):
     assert c.max_position_embeddings == 8192 and c.eos_token_ids == (2,) and c.bos_token_id == 1
 
 
+def _same_header(compact, reader):
+    """Every metadata field (its contents whole and indexed) and every tensor of two parsed GGUF headers."""
+    import gguf
+    assert list(compact.fields) == list(reader.fields)
+    for key, want in reader.fields.items():
+        got = compact.fields[key]
+        assert (got.offset, got.name, list(got.types)) == (want.offset, want.name, list(want.types)), key
+        assert got.contents() == want.contents(), key
+        if want.types[0] == gguf.GGUFValueType.ARRAY and want.data:
+            for i in (0, len(want.data) - 1, -1, slice(1, 4), slice(None, None, 7)):
+                assert got.contents(i) == want.contents(i), (key, i)
+    assert (compact.data_offset, compact.alignment) == (reader.data_offset, reader.alignment)
+    assert [(t.name, t.tensor_type, t.data_offset, t.data.shape) for t in compact.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, t.data.shape) for t in reader.tensors]
+
+
+def test_compact_gguf_reader_same_header(tmp_path):
+    """gguf_reader's metadata arrays held whole read as gguf's own reader reads them: strings, scalars,
+    an empty array, and the shipped GGUF's vocabulary and merges."""
+    import gguf
+    import numpy as np
+    from dspark.models.gguf_format import _compact_reader_class
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("s", "héllo")
+    w.add_uint32("u", 7)
+    w.add_array("tokens", ["a", "", "ü€", "<0x0A>", "longer token"])
+    w.add_array("scores", [0.5, -1.25, 3.0])
+    w.add_array("types", [1, 2, 3, 6])
+    w.add_array("flags", [True, False])
+    w.add_array("empty", [])
+    w.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_header(_compact_reader_class()(str(path)), gguf.GGUFReader(str(path)))
+    assert _compact_reader_class()(str(path)).fields["tokens"].contents(2) == "ü€"
+    try:
+        shipped = resolve_model_path(DEFAULT_MODEL)
+    except FileNotFoundError:
+        return
+    _same_header(_compact_reader_class()(str(shipped)), gguf.GGUFReader(str(shipped)))
+
+
+def test_cached_tokenizer_reads_no_model_config(smollm2, tmp_path):
+    """The converted tokenizer loads from its cache folder by the class its tokenizer_config.json names, not by
+    AutoTokenizer reading the fp32 conversion cache's config.json beside it (a Llama config imports
+    transformers' model-loading stack, sympy among it); the same tokenizer as AutoTokenizer's."""
+    import shutil
+    import subprocess
+    import sys
+    from transformers import AutoTokenizer
+    from dspark.models.tokenizer import _cached_tokenizer, gguf_cache_dir
+    cache = gguf_cache_dir(resolve_model_path(DEFAULT_MODEL))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (cache / name).is_file():
+            shutil.copy(cache / name, tmp_path / name)
+    (tmp_path / "config.json").write_text(json.dumps(smollm2[1].to_hf()))
+    ours, auto = _cached_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    text = "Hello <|im_start|> world\n\n  ü€ 12345 \t tabs"
+    assert type(ours) is type(auto) and ours.encode(text) == auto.encode(text)
+    assert ours.get_vocab() == auto.get_vocab() and ours.chat_template == auto.chat_template
+    code = (f"import sys; from pathlib import Path; from dspark.models.tokenizer import _cached_tokenizer; "
+            f"_cached_tokenizer(Path({str(tmp_path)!r})); assert 'sympy' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_resolve_default_and_missing():
     assert resolve_model_path("default") == resolve_model_path(DEFAULT_MODEL)
     with pytest.raises(FileNotFoundError, match="no-such-model"):

@@ -41,3 +41,37 @@ def test_gemma_drafter_fits_its_target_and_is_calibrated():
     assert len(calibration["temperatures"]) == len(calibration["greedy_temperatures"]) == gamma
     train = json.loads((folder / "train_config.json").read_text())
     assert train["model"] == "gemma-3-270m" and train["warm_start"] == "none"
+
+
+def test_smollm2_drafter_loads_lean():
+    """Checking and loading the shipped SmolLM2 drafter (built on the meta device) imports none of torch's Python
+    meta decompositions (sympy: ~70 MiB resident for the rest of a served process), its model has the buffers
+    and initialization it had, and what it loads keeps no view of its mapped checkpoint file (33 MiB)."""
+    import subprocess
+    import sys
+    code = """
+import sys, torch
+from pathlib import Path
+from dspark.drafters.checkpoint import load_tensors
+from dspark.drafters.dspark_checkpoint import load_dspark, read_dspark_config, expected_shapes
+from dspark.drafters.dspark_model import DSparkModel
+from dspark.drafters.shipped import drafter_dir
+folder = drafter_dir("default", "dspark")
+cfg = read_dspark_config(folder, num_target_layers=30)
+expected_shapes(cfg)
+tensors = load_tensors(folder)
+model, temps = load_dspark(folder, num_target_layers=30, embed_weight=torch.zeros(49152, 576),
+                           lm_head_weight=torch.zeros(49152, 576))
+assert "sympy" not in sys.modules
+assert not any("model.safetensors" in line for line in Path("/proc/self/maps").read_text().splitlines())
+assert torch.equal(model.d2t, tensors["d2t"]) and int(model.t2d[model.d2t[5]]) == 5
+assert int((model.t2d >= 0).sum()) == cfg.draft_vocab_size and model.inv_freq.device.type == "cpu"
+torch.manual_seed(0)
+a = DSparkModel(cfg)
+torch.manual_seed(0)
+w = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).weight
+assert torch.equal(a.embed_tokens.weight, w) and torch.equal(a.d2t, torch.arange(cfg.draft_vocab_size))
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -16,6 +16,7 @@ frozen and, when the shapes and dtype match, alias the target's tensors (no seco
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,7 +28,7 @@ from dspark import kernels
 from dspark.kernels import Linear  # nn.Linear; few-row fp32 inference through the CPU kernel
 
 from dspark.drafters.dspark_config import DSparkConfig
-from dspark.drafters.heads import build_heads
+from dspark.drafters.heads import build_heads, embedding
 from dspark.models.layers import ROPE_INIT, rope_type
 
 IGNORE_INDEX = -100
@@ -151,7 +152,7 @@ class DSparkModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, vocab, draft_vocab = cfg.hidden_size, cfg.vocab_size, cfg.effective_draft_vocab_size
-        self.embed_tokens = nn.Embedding(vocab, d)
+        self.embed_tokens = embedding(vocab, d)
         self.layers = nn.ModuleList(DSparkDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = Linear(cfg.num_taps * d, d, bias=False)
         self.hidden_norm = _RMSNorm(d, cfg.rms_norm_eps)
@@ -161,26 +162,32 @@ class DSparkModel(nn.Module):
         for p in (self.embed_tokens.weight, self.lm_head.weight):
             p.requires_grad_(False)
         # d2t: draft id → target id (persistent only for a reduced vocab); t2d: target id → draft id or -1
-        self.register_buffer("d2t", torch.arange(draft_vocab), persistent=cfg.draft_vocab_size is not None)
+        self.register_buffer("d2t", torch.empty(draft_vocab, dtype=torch.long),
+                             persistent=cfg.draft_vocab_size is not None)
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.long), persistent=False)
         self.register_buffer("inv_freq", torch.zeros(cfg.head_dim // 2), persistent=False)
-        self.reset_buffers(d2t=self.d2t)
+        self.reset_buffers()  # d2t the identity
 
     def reset_buffers(self, *, d2t: torch.Tensor | None = None, device=None) -> None:
         """(Re)compute the derived buffers: after loading a reduced-vocab `d2t`, or after building on the
-        meta device.
+        meta device. For the meta device they are computed on the CPU and moved: torch's meta `arange` and
+        index assignment are Python decompositions whose first call imports ~500 modules (sympy among them,
+        ~35 MiB resident for the rest of a served process that built its drafter on the meta device).
         d2t [draft_vocab] long (None: identity)."""
-        device = device if device is not None else self.fc.weight.device
+        device = torch.device(device if device is not None else self.fc.weight.device)
+        meta = device.type == "meta"
+        work = torch.device("cpu") if meta else device
         if d2t is None:
-            d2t = torch.arange(self.cfg.effective_draft_vocab_size, device=device)
+            d2t = torch.arange(self.cfg.effective_draft_vocab_size, device=work)
         if d2t.shape != (self.cfg.effective_draft_vocab_size,):
             raise ValueError(f"d2t shape {list(d2t.shape)} != [{self.cfg.effective_draft_vocab_size}]")
-        self.d2t = d2t.to(device=device, dtype=torch.long)
-        t2d = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=device)
-        t2d[self.d2t] = torch.arange(len(self.d2t), device=device)
-        self.t2d = t2d  # [vocab_size]
+        d2t = d2t.to(device=work, dtype=torch.long)
+        t2d = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=work)
+        t2d[d2t] = torch.arange(len(d2t), device=work)
+        self.d2t, self.t2d = d2t.to(device), t2d.to(device)  # t2d [vocab_size]
         cfg = self.cfg
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        with torch.device("cpu") if meta else contextlib.nullcontext():
+            self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
 
     def share_target_weights(self, *, embed_weight: torch.Tensor | None = None,
                              lm_head_weight: torch.Tensor | None = None) -> None:

@@ -29,13 +29,24 @@ from torch import nn
 from dspark.kernels import Linear  # nn.Linear; few-row fp32 inference through the CPU kernel
 
 
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """nn.Embedding(num_embeddings, embedding_dim), left uninitialized where it is built on the meta device (the
+    shapes of a checkpoint, a model its tensors are then assigned to). There torch's `normal_` initializes
+    nothing, and having no native meta kernel its first call imports torch's Python meta registrations (sympy,
+    mpmath, ~800 modules: ~70 MiB resident for the rest of a served process). Elsewhere it is initialized as
+    nn.Embedding always is."""
+    weight = torch.empty(num_embeddings, embedding_dim)  # on the default device (a `torch.device` context)
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=weight) if weight.is_meta else \
+        nn.Embedding(num_embeddings, embedding_dim)
+
+
 class MarkovHead(nn.Module):
     """Vanilla first-order Markov bias: logits_k = base_k + W2 · W1[x_{k-1}]."""
 
     def __init__(self, *, vocab_size: int, draft_vocab_size: int, hidden_size: int, rank: int):
         super().__init__()
         self.rank = rank
-        self.markov_w1 = nn.Embedding(vocab_size, rank)  # rows: target ids
+        self.markov_w1 = embedding(vocab_size, rank)  # rows: target ids
         self.markov_w2 = Linear(rank, draft_vocab_size, bias=False)  # weight [draft_vocab, rank]
 
     def embed_prev(self, prev_ids: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,9 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
                matmul_dtype: str = "float32") -> tuple[torch.nn.Module, ModelConfig, TokenizerBundle]:
     """-> (eval-mode model with weights, its ModelConfig, its TokenizerBundle). `matmul_dtype`
     "bfloat16": bf16 matrix products (`use_bf16_products`, a float32 model only); "q4_1": the layers
-    multiply the GGUF's Q4_1 blocks (`use_q4_1_products`; a Q4_1 GGUF only, see `q4_1_problem`)."""
+    multiply the GGUF's Q4_1 blocks (`use_q4_1_products`; a Q4_1 GGUF only, see `q4_1_problem`). The
+    tokenizer loads last, after the GGUF's header and mapped pages are released and (on a CPU) the heap
+    trimmed: the load's peak is then the larger of the two phases', not their sum."""
     path = resolve_model_path(path_or_name)
     if matmul_dtype == "q4_1":
         problem = q4_1_problem(path)
@@ -130,11 +132,14 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
         pass
     elif decode_layout and torch.device(device).type == "cpu" and not (dtype == torch.float32 and kernels.enabled()):
         add_decode_layout(model)  # the fp32 CPU kernels read the [out, in] layout directly
-    tokenizer = load_tokenizer(path, eos_token_ids=source.config.eos_token_ids)
     config = source.config
-    if blocks:  # the parsed header and the file's mapped pages (~2x the file here) are not needed again
+    if blocks:  # the parsed header and the file's mapped pages are not needed again
         del source
         _gguf_reader.cache_clear()
+    if torch.device(device).type == "cpu":
+        from dspark.utils.host import trim_heap
+        trim_heap()  # the weights' freed temporaries go back before the tokenizer's peak stacks on them
+    tokenizer = load_tokenizer(path, eos_token_ids=config.eos_token_ids)
     return model, config, tokenizer
 
 

@@ -10,6 +10,7 @@ cache cannot be written, every load converts).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -117,12 +118,27 @@ def gguf_cache_dir(path: Path) -> Path:
     return CACHE_ROOT / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
+def _cached_tokenizer(cache: Path) -> Any:
+    """The converted tokenizer saved in `cache`, built by the class its tokenizer_config.json names: the class
+    AutoTokenizer picks for a folder of tokenizer files, but without AutoTokenizer reading the config.json that
+    the loader's fp32 conversion cache puts in the same folder (for a Llama config that imports transformers'
+    model-loading stack, accelerate and sympy among it: ~50 MiB resident for the rest of a served process,
+    the same tokenizer). AutoTokenizer where the named class is not transformers' own."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+    name = json.loads((cache / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    cls = tokenizer_class_from_name(name) if isinstance(name, str) else None
+    if cls is None or cls.__name__ == "PythonBackend":
+        return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
+    return cls.from_pretrained(str(cache), local_files_only=True)
+
+
 def _load_gguf_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
     cache = gguf_cache_dir(path)
     if (cache / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
+            return _cached_tokenizer(cache)
         except Exception as e:  # a damaged cache entry: convert again
             logger.warning("ignoring tokenizer cache %s: %s", cache, e)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
