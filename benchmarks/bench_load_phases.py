@@ -56,6 +56,8 @@ VARIANTS = {
     "noswitch": {**DEFAULT, "measured_switch": False},
     "nocache": {**DEFAULT, "lookup_cache_entries": 0},
     "upkeep": {**DEFAULT, "online_upkeep": True},
+    "topk0": {**DEFAULT, "draft_topk": 0},  # the full Markov head
+    "topk16": {**DEFAULT, "draft_topk": 16},
     "profiled": DEFAULT,  # with --cost-table
 }
 

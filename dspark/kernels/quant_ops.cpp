@@ -12,7 +12,7 @@
 //   Q6_K (w = d sc_j (q - 32)):           acc = acc + (d e) * float(sum_j sc_j (sum q p - 32 sum p))
 // so the AVX2 and AVX-512 builds agree bit for bit, with each other and with the torch twin that repeats
 // these steps (dspark.kernels.ggml.product_reference). Parallel over output rows; any number of input rows.
-// Q5_0 multiplies 8 weight rows at a time, one row a lane of the fp32 sums (each lane's steps as above).
+// Q5_0 takes a row's blocks 8 at a time: their integer sums, d e and products as vectors, then added in order.
 //
 //   block_mm(x [M, K] fp32, w [N, row bytes] uint8, ggml type id) -> [M, N] fp32
 //
@@ -153,46 +153,46 @@ Prepared prepare(const float* x, int64_t M, int64_t K, int64_t S) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// The fp16 scales d of block b of 8 rows (row r at w + r * rb) as fp32.
-inline __m256 q5_0_scales8(const uint8_t* w, int64_t rb, int64_t b) {
+// The fp16 scales d of 8 neighbouring Q5_0 blocks (22 bytes apart from `blk`) as fp32.
+inline __m256 q5_0_scales8(const uint8_t* blk) {
   uint16_t h[8];
-  for (int r = 0; r < 8; ++r) std::memcpy(h + r, w + r * rb + 22 * b, 2);
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  for (int i = 0; i < 8; ++i) std::memcpy(h + i, blk + 22 * i, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
 }
 
-// Output rows [n, n + 8) at once, lane r of each fp32 accumulator row n + r: a lane's steps are the scalar
-// code's (below) in its order, block after block, so the results are the same bit for bit.
-void q5_0_rows8(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64_t rb, float* out, int64_t N,
-                int64_t n) {
-  const int64_t nb = K / 32;
-  const uint8_t* rows = w + n * rb;
-  std::vector<__m256> acc(M, _mm256_setzero_ps());
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i q[8];
-    for (int r = 0; r < 8; ++r) q[r] = q5_0_values(rows + r * rb + 22 * b);
-    const __m256 d = q5_0_scales8(rows, rb, b);
-    for (int64_t m = 0; m < M; ++m) {
-      const __m256i p = load32(in.p.data() + m * K + 32 * b);
-      __m256i dots[8];
-      for (int r = 0; r < 8; ++r) dots[r] = dot_acc(_mm256_setzero_si256(), q[r], p);
-      const int32_t* s = in.psum16.data() + m * (K / 16) + 2 * b;
-      const __m256i isum = _mm256_sub_epi32(hsum8x8(dots), _mm256_set1_epi32(16 * (s[0] + s[1])));
-      const __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(in.e[m * nb + b]));
-      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(de, _mm256_cvtepi32_ps(isum)));
-    }
-  }
-  for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(out + m * N + n, acc[m]);
-}
-
-// Output rows [n0, n1) of out [M, N]; w rows of `rb` bytes: 8 rows at a time (q5_0_rows8), then one by one.
+// Output rows [n0, n1) of out [M, N]; w rows of `rb` bytes, one row after the other (the weights stream in
+// order). Per row, groups of 8 blocks: their integer sums, d e and the products are vectors, then added to the
+// row's sum one by one in block order; then groups of 4 and single blocks, scalar. Every block's steps are the
+// same, so the result does not depend on the grouping.
 void q5_0_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64_t rb, float* out, int64_t N,
                int64_t n0, int64_t n1) {
   const int64_t nb = K / 32;
-  for (; n0 + 8 <= n1; n0 += 8) q5_0_rows8(in, M, K, w, rb, out, N, n0);
+  const __m256i pair_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
   std::vector<float> acc(M);
   for (int64_t n = n0; n < n1; ++n) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      const uint8_t* blk = w + n * rb + 22 * b;
+      __m256i q[8];
+      for (int i = 0; i < 8; ++i) q[i] = q5_0_values(blk + 22 * i);
+      const __m256 d = q5_0_scales8(blk);
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* p = in.p.data() + m * K + 32 * b;
+        __m256i dots[8];
+        for (int i = 0; i < 8; ++i) dots[i] = dot_acc(_mm256_setzero_si256(), q[i], load32(p + 32 * i));
+        const int32_t* s = in.psum16.data() + m * (K / 16) + 2 * b;  // 16 sums of 16: the 8 blocks' pairs
+        const __m256i psum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(load32(s), load32(s + 8)), pair_order);
+        const __m256i isum = _mm256_sub_epi32(hsum8x8(dots), _mm256_slli_epi32(psum, 4));
+        const __m256 v = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_loadu_ps(in.e.data() + m * nb + b)),
+                                       _mm256_cvtepi32_ps(isum));
+        alignas(32) float terms[8];
+        _mm256_store_ps(terms, v);
+        float a = acc[m];
+        for (int i = 0; i < 8; ++i) a = a + terms[i];
+        acc[m] = a;
+      }
+    }
     for (; b + 4 <= nb; b += 4) {  // 4 blocks' integer sums reduced together (exact), then added in order
       const uint8_t* blk = w + n * rb + 22 * b;
       const __m256i q[4] = {q5_0_values(blk), q5_0_values(blk + 22), q5_0_values(blk + 44), q5_0_values(blk + 66)};
