@@ -12,7 +12,8 @@
 //   Q6_K (w = d sc_j (q - 32)):           acc = acc + (d e) * float(sum_j sc_j (sum q p - 32 sum p))
 // so the AVX2 and AVX-512 builds agree bit for bit, with each other and with the torch twin that repeats
 // these steps (dspark.kernels.ggml.product_reference). Parallel over output rows; any number of input rows.
-// Q5_0 takes a row's blocks 8 at a time: their integer sums, d e and products as vectors, then added in order.
+// Q5_0 takes a row's blocks 8 at a time: their integer sums, d e and products as vectors, then added in order;
+// Q6_K's 16 sub-block sums times their scales are two vectors and one horizontal sum (the same integers).
 //
 //   block_mm(x [M, K] fp32, w [N, row bytes] uint8, ggml type id) -> [M, N] fp32
 //
@@ -76,11 +77,16 @@ inline void hsum8x4(__m256i a, __m256i b, __m256i c, __m256i d, int32_t* out) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
                    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
-// The sums of each 128-bit half of a, b, c, d (4 int32 each) into out[0..7]: a's low, a's high, b's low, ...
-inline void hsum4x4x2(__m256i a, __m256i b, __m256i c, __m256i d, int32_t* out) {
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// The sums of each 128-bit half of a, b, c, d (4 int32 each), in order: a's low, a's high, b's low, ...
+inline __m256i hsum4x4x2(__m256i a, __m256i b, __m256i c, __m256i d) {
   const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));  // lows | highs
-  const __m256i pairs = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), pairs);
+  return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+// The 8 sums of 16 consecutive pairs of psum16 (s[0] + s[1], s[2] + s[3], ...): the sums of p per 32.
+inline __m256i pair_sums(const int32_t* s) {
+  const __m256i h = _mm256_hadd_epi32(load32(s), load32(s + 8));  // per half: s's pairs 0-1, then 4-5 | 2-3, 6-7
+  return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 // The 8 sums of the 8 int32 lanes of v[0] .. v[7], in order (exact: integers).
 inline __m256i hsum8x8(const __m256i* v) {
@@ -89,7 +95,6 @@ inline __m256i hsum8x8(const __m256i* v) {
   // a: v0..v3's low-half sums | their high-half sums; b: the same for v4..v7
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -167,7 +172,6 @@ inline __m256 q5_0_scales8(const uint8_t* blk) {
 void q5_0_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64_t rb, float* out, int64_t N,
                int64_t n0, int64_t n1) {
   const int64_t nb = K / 32;
-  const __m256i pair_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
   std::vector<float> acc(M);
   for (int64_t n = n0; n < n1; ++n) {
     std::fill(acc.begin(), acc.end(), 0.0f);
@@ -181,8 +185,7 @@ void q5_0_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
         const int8_t* p = in.p.data() + m * K + 32 * b;
         __m256i dots[8];
         for (int i = 0; i < 8; ++i) dots[i] = dot_acc(_mm256_setzero_si256(), q[i], load32(p + 32 * i));
-        const int32_t* s = in.psum16.data() + m * (K / 16) + 2 * b;  // 16 sums of 16: the 8 blocks' pairs
-        const __m256i psum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(load32(s), load32(s + 8)), pair_order);
+        const __m256i psum = pair_sums(in.psum16.data() + m * (K / 16) + 2 * b);  // the 8 blocks' sums of p
         const __m256i isum = _mm256_sub_epi32(hsum8x8(dots), _mm256_slli_epi32(psum, 4));
         const __m256 v = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_loadu_ps(in.e.data() + m * nb + b)),
                                        _mm256_cvtepi32_ps(isum));
@@ -280,6 +283,8 @@ void q6_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = w + n * rb + 210 * b;
       const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))),
+                    sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8)));
       const float d = half(blk + 208);
       __m256i q[8];  // group g = 4 h + s: weights 128 h + 32 s .. + 31, q in 0..63
       for (int h = 0; h < 2; ++h) {
@@ -295,16 +300,16 @@ void q6_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* p = in.p.data() + m * K + 256 * b;
         const int32_t* s = in.psum16.data() + m * (K / 16) + 16 * b;
-        int32_t isum = 0, half_sums[16];  // per group g: the sums of its first and its second 16 products
+        __m256i half_sums[2];  // the sums of q p over each 16 weights: groups 0-3, then 4-7 (first, second half)
         for (int g = 0; g < 8; g += 4)
-          hsum4x4x2(dot_acc(_mm256_setzero_si256(), q[g], load32(p + 32 * g)),
-                    dot_acc(_mm256_setzero_si256(), q[g + 1], load32(p + 32 * g + 32)),
-                    dot_acc(_mm256_setzero_si256(), q[g + 2], load32(p + 32 * g + 64)),
-                    dot_acc(_mm256_setzero_si256(), q[g + 3], load32(p + 32 * g + 96)), half_sums + 2 * g);
-        for (int g = 0; g < 8; ++g) {
-          const int32_t a = half_sums[2 * g], c = half_sums[2 * g + 1];
-          isum += scales[2 * g] * (a - 32 * s[2 * g]) + scales[2 * g + 1] * (c - 32 * s[2 * g + 1]);
-        }
+          half_sums[g / 4] = hsum4x4x2(dot_acc(_mm256_setzero_si256(), q[g], load32(p + 32 * g)),
+                                       dot_acc(_mm256_setzero_si256(), q[g + 1], load32(p + 32 * g + 32)),
+                                       dot_acc(_mm256_setzero_si256(), q[g + 2], load32(p + 32 * g + 64)),
+                                       dot_acc(_mm256_setzero_si256(), q[g + 3], load32(p + 32 * g + 96)));
+        // isum = sum over the 16 sub-blocks of scale (half sum - 32 sum p)
+        const __m256i t0 = _mm256_mullo_epi32(_mm256_sub_epi32(half_sums[0], _mm256_slli_epi32(load32(s), 5)), sc0);
+        const __m256i t1 = _mm256_mullo_epi32(_mm256_sub_epi32(half_sums[1], _mm256_slli_epi32(load32(s + 8), 5)), sc1);
+        const int32_t isum = hsum8(_mm256_add_epi32(t0, t1));
         acc[m] = acc[m] + (d * in.e[m * nb + b]) * static_cast<float>(isum);
       }
     }
