@@ -10,10 +10,11 @@ header gives each type's formula). `product_reference` repeats those steps in to
 `block_linear` is the fast twin (the input's quantized values times the dequantized blocks, torch's
 product), what a layer runs when the kernels are off.
 
-Q8_0 matrices in the resident model multiply the same way (`q8_0_product`, llama.cpp's Q8_0 x Q8_0): on the
+A resident model's Q8_0 LM head multiplies the same way (`q8_0_product`, llama.cpp's Q8_0 x Q8_0): on the
 rows `kernels.pack_q8_0` packs (the embedding's, for a tied head), the input quantized in blocks of 32, exact
 integer sums per block, then fp32 on 8 lanes (quant_ops.cpp); `q8_0_product_reference` and
-`q8_0_block_linear` are its exact and fast twins.
+`q8_0_block_linear` are its exact and fast twins. (The layers' Q8_0 parts keep the fp32 input:
+`models.blocks`.)
 
 Other common types (Q4_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16, ...) have no product here: the loader
 dequantizes them (gguf's own dequantization) to bf16 at load (`DENSE_BF16`).
