@@ -190,10 +190,15 @@ def pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     n, row = blocks.shape
     if blocks.dtype != torch.uint8 or row % Q8_0_BLOCK_BYTES:
         raise ValueError(f"Q8_0 rows must be uint8 with whole blocks; got {tuple(blocks.shape)} {blocks.dtype}")
-    b = blocks.contiguous().view(n, row // Q8_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES)
-    d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1).float()  # [N, nb]
-    q = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)  # [N, K]
-    return torch.cat([q, d.contiguous().view(torch.int8)], 1).contiguous()
+    nb = row // Q8_0_BLOCK_BYTES
+    k = nb * 32
+    out = torch.empty(n, k + 4 * nb, dtype=torch.int8)
+    for i in range(0, n, 8192):  # in chunks of rows: no whole-matrix temporaries (a 262144-row embedding)
+        b = blocks[i:i + 8192].contiguous().view(-1, nb, Q8_0_BLOCK_BYTES)
+        out[i:i + 8192, :k] = b[..., 2:].contiguous().view(torch.int8).reshape(-1, k)  # [rows, K]
+        d = b[..., 0:2].contiguous().view(torch.float16).reshape(-1, nb).float()  # [rows, nb]
+        out[i:i + 8192, k:] = d.view(torch.int8)
+    return out
 
 
 def q8_0_packed_cols(packed: torch.Tensor) -> int:

@@ -26,6 +26,7 @@ rounding alone moves them by 0.0005 (tests/test_gemma3_270m.py).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -148,10 +149,17 @@ class BlockRows:
         return BlockMatrix([(BF16, torch.cat(chunks))], self.hidden)
 
 
-def gguf_rows(t) -> tuple[int, torch.Tensor]:
-    """A gguf ReaderTensor -> (its GGML type id, its rows [n, row bytes] uint8, or [n, K] fp32 for F32)."""
-    data = np.array(t.data, copy=True)
+def gguf_rows(t, *, copy: bool = True) -> tuple[int, torch.Tensor]:
+    """A gguf ReaderTensor -> (its GGML type id, its rows [n, row bytes] uint8, or [n, K] fp32 for F32).
+    `copy=False`: a read-only view of the mapped file, for a caller that builds its own tensor from it (the
+    Q8_0 embedding's packing) and keeps nothing of the view."""
     qtype = int(t.tensor_type)
+    if not copy and qtype != F32:
+        with warnings.catch_warnings():  # the view is read, never written
+            warnings.simplefilter("ignore", UserWarning)
+            data = np.asarray(t.data)
+            return qtype, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1))
+    data = np.array(t.data, copy=True)
     if qtype == F32:
         return qtype, torch.from_numpy(data.astype(np.float32)).reshape(-1, int(t.shape[0]))
     return qtype, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1))
@@ -206,8 +214,10 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
                              f"{module.out_features} rows of {module_name}")
         module.blocks, module.weight, module.weight_t = blocks, None, None
     embed, head = model.model.embed_tokens, model.lm_head
-    qtype, raw = gguf_rows(tensors["token_embd.weight"])
+    embed_tensor = tensors["token_embd.weight"]  # Q8_0: packed straight from the mapped file (one copy at load)
+    qtype, raw = gguf_rows(embed_tensor, copy=int(embed_tensor.tensor_type) != Q8_0)
     embed.block_rows = BlockRows(qtype, raw, config.hidden_size)
+    del raw
     covered.add("token_embd.weight")
     if "output.weight" in tensors:
         head.blocks = BlockMatrix.from_gguf([gguf_rows(tensors["output.weight"])], config.hidden_size, q8_0_input=True)
