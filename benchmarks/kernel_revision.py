@@ -36,27 +36,26 @@ def write_revision(rev: str, dest: Path) -> Path:
     return dest / "cpu_ops.cpp"
 
 
-def build_revision(rev: str):
-    """The kernels of revision `rev`, compiled as their own module (in a folder named by their hash)."""
+def _build_sources(sources: dict[str, str], entry: str, tag: str):
+    """Compile the source files `sources` ({file name: text}, `entry` the one to build) as their own module,
+    in a folder named by their hash beside the working tree's build (written there once)."""
     import torch
 
     from dspark import kernels
-    sources = revision_sources(rev)
     digest = hashlib.sha256("".join(sources[n] for n in sorted(sources)).encode()
                             + torch.__version__.encode()).hexdigest()[:16]
-    root = kernels.build_dir().parent / f"ab_{digest}"
-    entry = write_revision(rev, root)
-    return kernels.build(f"dspark_cpu_ops_base_{digest}", root, source=entry)
+    root = kernels.build_dir().parent / f"ab_{tag}{digest}"
+    root.mkdir(parents=True, exist_ok=True)
+    for name, text in sources.items():
+        (root / name).write_text(text)
+    return kernels.build(f"dspark_{entry.split('.')[0]}_base_{digest}", root, source=root / entry)
+
+
+def build_revision(rev: str):
+    """The kernels of revision `rev`, compiled as their own module (in a folder named by their hash)."""
+    return _build_sources(revision_sources(rev), "cpu_ops.cpp", "")
 
 
 def build_quant_revision(rev: str):
     """The block products (`dspark/kernels/quant_ops.cpp`) of revision `rev`, compiled as their own module."""
-    import torch
-
-    from dspark import kernels
-    text = _git("show", f"{rev}:{KERNELS}/quant_ops.cpp")
-    digest = hashlib.sha256(text.encode() + torch.__version__.encode()).hexdigest()[:16]
-    root = kernels.build_dir().parent / f"ab_quant_{digest}"
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "quant_ops.cpp").write_text(text)
-    return kernels.build(f"dspark_quant_ops_base_{digest}", root, source=root / "quant_ops.cpp")
+    return _build_sources({"quant_ops.cpp": _git("show", f"{rev}:{KERNELS}/quant_ops.cpp")}, "quant_ops.cpp", "quant_")

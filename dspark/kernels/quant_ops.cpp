@@ -19,7 +19,8 @@
 //
 // Q8_0 x Q8_0 (llama.cpp's product of a Q8_0 matrix, `q8_0_mm`) on the rows as `kernels.pack_q8_0` packs them
 // (the K int8 q, then the K / 32 scales d as fp32): the input quantized in blocks of 32 as above, the exact integer
-// sum of each block (signed x signed: |q| times p with q's sign, VPMADDUBSW + VPMADDWD or VPDPBUSD), then per
+// sum of each block (signed x signed: AVX2 |q| times p with q's sign, VPMADDUBSW + VPMADDWD; VNNI (q + 128) times p
+// by VPDPBUSD, less 128 sum p), then per
 // output 8 fp32 lanes, block b on lane b % 8, group after group of 8 blocks (a short last group adds nothing to
 // its missing lanes):
 //   lane_j = lane_j + (d_b e_b) * float(isum_b)        b = 8 g + j
@@ -58,12 +59,6 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 #endif
-
-// acc (8 int32 lanes) += the sums of 4 products int8 x int8 per lane: |q| (uint8, 128 for -128) times p
-// with q's sign (|p| <= 127, so VPMADDUBSW's pair sums stay within int16)
-inline __m256i signed_dot_acc(__m256i acc, __m256i q, __m256i p) {
-  return dot_acc(acc, _mm256_abs_epi8(q), _mm256_sign_epi8(p, q));
-}
 
 inline int32_t hsum4(__m128i v) {
   v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
@@ -317,7 +312,6 @@ void q6_k_rows(const Prepared& in, int64_t M, int64_t K, const uint8_t* w, int64
   }
 }
 
-
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
 inline float lanes_sum(__m256 v) {
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -326,8 +320,9 @@ inline float lanes_sum(__m256 v) {
 }
 
 // Output rows [n0, n1) for MB prepared input rows (p [MB, K] int8 at `p`, e [MB, K / 32] at `e`); packed
-// Q8_0 rows of rb = K * 9 / 8 bytes; out rows MB of stride N. A short last group holds zero weights past
-// the row's blocks (their products are 0 whatever p holds there) and adds 0 to its missing lanes.
+// Q8_0 rows of rb = K * 9 / 8 bytes (ps [MB, K / 32 + 8]: the blocks' sums of p, computed once per product
+// outside this hot loop, then 8 zeros); out rows MB of stride N. A short last group holds zero weights past
+// the row's blocks and multiplies its missing lanes by d = e = 0 (adds nothing to them, whatever p holds there).
 template <int MB>
 void q8_0_rows(const int8_t* p, const float* e, const int32_t* ps, int64_t K, const int8_t* w, int64_t rb, float* out,
                int64_t N, int64_t n0, int64_t n1) {

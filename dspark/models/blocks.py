@@ -154,15 +154,12 @@ def gguf_rows(t, *, copy: bool = True) -> tuple[int, torch.Tensor]:
     `copy=False`: a read-only view of the mapped file, for a caller that builds its own tensor from it (the
     Q8_0 embedding's packing) and keeps nothing of the view."""
     qtype = int(t.tensor_type)
-    if not copy and qtype != F32:
-        with warnings.catch_warnings():  # the view is read, never written
-            warnings.simplefilter("ignore", UserWarning)
-            data = np.asarray(t.data)
-            return qtype, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1))
-    data = np.array(t.data, copy=True)
+    data = np.array(t.data, copy=True) if copy or qtype == F32 else np.asarray(t.data)
     if qtype == F32:
         return qtype, torch.from_numpy(data.astype(np.float32)).reshape(-1, int(t.shape[0]))
-    return qtype, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1))
+    with warnings.catch_warnings():  # torch warns of a read-only view (copy=False); it is read, never written
+        warnings.simplefilter("ignore", UserWarning)
+        return qtype, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1))
 
 
 def held_bytes(model: torch.nn.Module) -> int:
