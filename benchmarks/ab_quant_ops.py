@@ -1,4 +1,4 @@
-"""The block products (quant_ops.cpp: Q5_0, Q4_K, Q6_K) of a git revision against the working tree's, side by
+"""The block products (cpu_ops_blocks.inc: Q5_0, Q4_K, Q6_K) of a git revision against the working tree's, side by
 side in one process on gemma-3-270m's own layer matrices, as a decode step meets them: every matrix of a type
 once per sweep, so the weights come from memory, not from a cache a repeated call would warm (a product
 timed alone on one matrix measures another thing). The builds alternate sweep by sweep; median ms per sweep
@@ -31,7 +31,7 @@ def main() -> None:
     from dspark.models.layers import Linear
     from dspark.models.loader import load_model
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base", required=True, help="git revision whose quant_ops.cpp is the baseline")
+    ap.add_argument("--base", required=True, help="git revision whose block products are the baseline")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="1,5")
     ap.add_argument("--sweeps", type=int, default=20)

@@ -1,7 +1,7 @@
 """The LM head of a Q8_0 embedding (gemma-3-270m's tied 262144 x 640 rows, packed by `kernels.pack_q8_0`): the
 two products on the same packed rows, side by side in one process, alternating call by call — the fp32
 input (cpu_ops' `small_mm`, the exact product of the file's weights) and the input quantized to Q8_0
-blocks with integer sums (quant_ops' `q8_0_mm`, llama.cpp's Q8_0 x Q8_0, what the resident model's head
+blocks with integer sums (cpu_ops' `q8_0_mm`, llama.cpp's Q8_0 x Q8_0, what the resident model's head
 runs). Median milliseconds per call per input-row count, the ratio, and the bytes read per second.
 
     python benchmarks/bench_q8_0_head.py --threads 1 --out benchmarks/results/q8_0_head_gemma.json

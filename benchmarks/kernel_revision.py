@@ -1,7 +1,8 @@
 """The CPU kernels' source at a git revision, for the benchmarks that compare a revision's kernels with the
-working tree's (ab_kernels.py, bench_q4_kernel.py, bench_decode_kernels.py): `dspark/kernels/cpu_ops.cpp`
-and the parts it includes (`cpu_ops_*.inc`, where the revision has them), written into one folder; and the
-block products `quant_ops.cpp` (ab_quant_ops.py).
+working tree's (ab_kernels.py, bench_q4_kernel.py, bench_decode_kernels.py, ab_quant_ops.py):
+`dspark/kernels/cpu_ops.cpp` and the parts it includes (`cpu_ops_*.inc`, where the revision has them), written
+into one folder; a revision from before the block products joined them (`quant_ops.cpp`, a module of its own)
+builds that file for ab_quant_ops.py.
 
     from kernel_revision import build_revision
     ops = build_revision("734ca1d")  # compiled once, cached beside the working tree's build
@@ -57,5 +58,8 @@ def build_revision(rev: str):
 
 
 def build_quant_revision(rev: str):
-    """The block products (`dspark/kernels/quant_ops.cpp`) of revision `rev`, compiled as their own module."""
+    """The block products (`block_mm`, `q8_0_mm`) of revision `rev`: its kernels, or where it kept them in
+    `dspark/kernels/quant_ops.cpp`, that file compiled as its own module."""
+    if "quant_ops.cpp" not in _git("ls-tree", "--name-only", rev, f"{KERNELS}/"):
+        return build_revision(rev)
     return _build_sources({"quant_ops.cpp": _git("show", f"{rev}:{KERNELS}/quant_ops.cpp")}, "quant_ops.cpp", "quant_")

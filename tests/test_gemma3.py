@@ -118,6 +118,27 @@ def test_chunked_prefill_verify_windows_and_decode_match_one_shot(cpu_kernels, t
         assert err < ATOL, f"request {name}: chunked logits differ from HF by {err:.2e}"
 
 
+def test_one_call_stack_equals_the_layer_modules_bit_for_bit():
+    """`kernels.block_layers` (every decoder layer of a few-row step in one call) against the per-layer
+    modules on the same steps: two requests' prompt chunks, verify-style windows of 2-8 rows and decodes
+    past the sliding window, with taps; hidden states and taps bit for bit, and the stack did run."""
+    if kernels.ops() is None or not kernels.ops().has_quant:
+        pytest.skip("CPU kernels unavailable")
+    model, _ = tiny_target(TINY_GEMMA3, seed=7)
+    a, b = _ids(44, 8), _ids(40, 9)
+    plan = [((0, 6), (0, 5)), ((6, 14), (5, 7)), ((14, 17), (7, 15))]
+    plan += [((t, t + 1), (t - 2, t - 1)) for t in range(17, 30)] + [((30, 37), (28, 33)), ((37, 44), (33, 40))]
+    results = {}
+    for mode in ("modules", "stack"):
+        model._block_stack_list = False if mode == "modules" else None
+        kv = PagedKV.create(model, num_requests=2, max_len=44, kv_block_size=4, seed=6)
+        results[mode] = [kv.step(model, [(a[a0:a1], a0), (b[b0:b1], b0)], tap_layer_ids=(-1, 1, 3))
+                         for (a0, a1), (b0, b1) in plan]
+    assert isinstance(model._block_stack_list, tuple)  # built, so every step above ran through the kernel
+    for (h0, t0), (h1, t1) in zip(results["modules"], results["stack"]):
+        assert torch.equal(h0, h1) and torch.equal(t0, t1)
+
+
 @pytest.mark.parametrize("trim", [True, False], ids=["trimmed", "mask_only"])
 def test_window_metadata_equals_dense_sliding_mask(trim):
     """Every query of a verify window, a prompt chunk and a decode reads exactly keys

@@ -2,7 +2,7 @@
 native blocks:
 
 * each native-block product (Q4_1, Q8_0 x fp32 in cpu_ops.cpp; Q5_0, Q4_K, Q6_K and Q8_0 x Q8_0, the resident
-  model's Q8_0 product, in quant_ops.cpp) bit for bit equal to its torch twin that dequantizes the same blocks
+  model's Q8_0 product, in cpu_ops_blocks.inc) bit for bit equal to its torch twin that dequantizes the same blocks
   and repeats the kernel's arithmetic (`kernels.blocks`, `kernels.ggml.product_reference`,
   `kernels.ggml.q8_0_product_reference`), on this build and on the AVX2 build (`ops_variant`);
 * the fields the kernels read are gguf's weights (the blocks' values equal gguf's dequantization);
@@ -218,6 +218,7 @@ def test_every_listed_type_loads_resident_as_quantized(tmp_path, layer_type):
              for m in ours.modules() if isinstance(m, Linear)]
     prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     logits, hiddens = {}, {}
+    ours._block_stack_list = False  # the per-layer modules (each product seen by the hooks), not the one-call stack
     for tag, model in (("ours", ours), ("dense", dense)):
         kv = PagedKV.create(model, num_requests=1, max_len=32, kv_block_size=4, seed=1)
         hidden = torch.cat([kv.step(model, [(prompt[:8], 0)])[0], kv.step(model, [(prompt[8:], 8)])[0]])
@@ -225,6 +226,12 @@ def test_every_listed_type_loads_resident_as_quantized(tmp_path, layer_type):
     for h in hooks:
         h.remove()
     assert len(seen) == 2 * 4 * LAYERS
+    ours._block_stack_list = None  # the one-call stack (where its types apply): the modules' numbers bit for bit
+    kv = PagedKV.create(ours, num_requests=1, max_len=32, kv_block_size=4, seed=1)
+    stacked = torch.cat([kv.step(ours, [(prompt[:8], 0)])[0], kv.step(ours, [(prompt[8:], 8)])[0]])
+    assert torch.equal(stacked, hiddens["ours"])
+    if ggml.ops() is not None:  # the stack ran where every part has its product there
+        assert (ours._block_stack_list is False) == (layer_type not in (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K))
     head = ours.lm_head.blocks  # the tied Q8_0 embedding's rows, the input quantized to Q8_0 (Q8_0 x Q8_0)
     assert head.types == (int(T.Q8_0),) and head.q8_0_input
     assert torch.equal(logits["ours"], _part_reference(hiddens["ours"], int(T.Q8_0), head.parts[0][1], True))

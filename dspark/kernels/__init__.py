@@ -312,6 +312,38 @@ def decoder_layers(
     return True
 
 
+def block_layers(
+    x: torch.Tensor,  # [T, hidden] residual stream, updated in place
+    norms: list[torch.Tensor],  # 6 per layer, see cpu_ops_block_layers.inc (an empty tensor when absent)
+    matrices: list[list[tuple[int, torch.Tensor]]],  # 4 per layer (qkv, o, gate_up, down): [(GGML type, part)]
+    k_caches: list[torch.Tensor],  # per layer [num_kv_blocks, kv_block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor],
+    rope: dict[bool, tuple[torch.Tensor, torch.Tensor]],  # local? -> (cos, sin) [T, head_dim]
+    slot_mapping: torch.Tensor,  # [T] long, every row stored
+    rows: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],  # local? -> (token_index, key_limit, kv_slots)
+    local: list[bool],  # per layer
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    scale: float,
+    gelu_tanh: bool,
+    taps: torch.Tensor | None = None,  # [T, n * hidden]
+    tap_layers: tuple[int, ...] = (),
+    tap_cols: tuple[int, ...] = (),
+) -> bool:
+    """Every decoder layer of a few-row step whose matrices are GGUF block parts (or fp32) in one kernel call;
+    False (nothing done) when the kernels do not apply, so the caller runs its per-op path (the same numbers)."""
+    k = ops() if _eligible(x, *k_caches[:1]) else None
+    if k is None or not k.has_quant or x.shape[0] > MAX_ROWS or not x.is_contiguous():
+        return False
+    k.block_layers_(x, norms, [w for m in matrices for _, w in m], [t for m in matrices for t, _ in m],
+                    [len(m) for m in matrices], k_caches, v_caches, *rope[False], *rope[True], slot_mapping,
+                    list(rows[False]), list(rows[True]), [int(v) for v in local], num_heads, num_kv_heads, eps, scale,
+                    gelu_tanh, list(tap_layers), list(tap_cols), taps if taps is not None else torch.empty(0))
+    return True
+
+
 def short_attention_reference(q, k_flat, v_flat, token_index, key_limit, kv_slots, out, scale) -> None:
     """The torch twin of `short_attention`: one query at a time, plain softmax."""
     num_heads, num_kv_heads = q.shape[1], k_flat.shape[1]

@@ -9,7 +9,5 @@ if __name__ == "__main__":
     os.environ.setdefault("DSPARK_CPU_KERNELS", "require")
     if kernels._mode() == "0":
         sys.exit("DSPARK_CPU_KERNELS=0: kernels are off, nothing to build")
-    kernels.ops()
-    from dspark.kernels import ggml
-    ggml.ops()  # the block products (quant_ops.cpp)
+    kernels.ops()  # with the block products (cpu_ops_blocks.inc)
     print(f"dspark CPU kernels built in {kernels.build_dir()}")

@@ -1,18 +1,18 @@
 """GGUF block types beyond Q4_1 / Q8_0 (those: `kernels.blocks`): which types the CPU products multiply in
-their own blocks (Q5_0, Q4_K, Q6_K: `quant_ops.cpp`, `block_mm`), the torch twins of those products, and the
+their own blocks (Q5_0, Q4_K, Q6_K: `cpu_ops_blocks.inc`, `block_mm`), the torch twins of those products, and the
 dequantization every other type gets at load.
 
 A matrix of a kernel type stays as the GGUF's bytes, [N, K / S * block bytes] uint8 (S weights a block).
 The input is quantized per product in blocks of S (e = max |x| / 127, p = round(x / e) to nearest even —
 the Q8_1 rule of the Q4_1 products over Q8_K's 256-long blocks for the K types; `quantize_input`), and
-the kernel sums exact integer dot products per block, then fp32 block after block (quant_ops.cpp's
+the kernel sums exact integer dot products per block, then fp32 block after block (cpu_ops_blocks.inc's
 header gives each type's formula). `product_reference` repeats those steps in torch, bit for bit;
 `block_linear` is the fast twin (the input's quantized values times the dequantized blocks, torch's
 product), what a layer runs when the kernels are off.
 
 A resident model's Q8_0 LM head multiplies the same way (`q8_0_product`, llama.cpp's Q8_0 x Q8_0): on the
 rows `kernels.pack_q8_0` packs (the embedding's, for a tied head), the input quantized in blocks of 32, exact
-integer sums per block, then fp32 on 8 lanes (quant_ops.cpp); `q8_0_product_reference` and
+integer sums per block, then fp32 on 8 lanes (cpu_ops_blocks.inc); `q8_0_product_reference` and
 `q8_0_block_linear` are its exact and fast twins. (The layers' Q8_0 parts keep the fp32 input:
 `models.blocks`.)
 
@@ -22,11 +22,6 @@ dequantizes them (gguf's own dequantization) to bf16 at load (`DENSE_BF16`).
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-from functools import cache
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -34,43 +29,24 @@ import torch
 
 from dspark.kernels.blocks import rows_product
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("quant_ops.cpp")
 # GGML type id -> (name, weights a block, bytes a block)
 BLOCK_TYPES: dict[int, tuple[str, int, int]] = {6: ("Q5_0", 32, 22), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
 TYPE_IDS = {name: t for t, (name, _, _) in BLOCK_TYPES.items()}
 
 
-def _build(tag: str, defines: tuple[str, ...]) -> ModuleType:
-    from dspark import kernels
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
-    return kernels.build(f"dspark_quant_ops{tag}", root / "kernels" / f"quant-{digest}{tag}", source=SOURCE,
-                         defines=defines)
-
-
-@cache
 def ops() -> ModuleType | None:
-    """The compiled block products, or None when the kernels are off, fail to build or the CPU lacks AVX2."""
+    """The compiled kernels when they multiply blocks (cpu_ops.cpp with cpu_ops_blocks.inc), or None when the
+    kernels are off, fail to build or the CPU lacks AVX2 / FMA / F16C."""
     from dspark import kernels
-    if kernels.ops() is None:  # DSPARK_CPU_KERNELS=0, or no compiler: the same switch as the other kernels
-        return None
-    try:
-        k = _build("", ())
-    except Exception as e:
-        if kernels._mode() == "require":
-            raise RuntimeError(f"DSPARK_CPU_KERNELS=require but the block kernels failed to build: {e}") from e
-        logger.warning("dspark block kernels unavailable, using torch (slower): %s", e)
-        return None
-    return k if k.has_quant else None
+    k = kernels.ops()
+    return k if k is not None and k.has_quant else None
 
 
-@cache
 def ops_variant(*defines: str) -> ModuleType:
-    """The block products built with preprocessor `defines` ("DSPARK_QUANT_AVX2": the AVX2 integer sums on an
+    """The kernels built with preprocessor `defines` ("DSPARK_QUANT_AVX2": the AVX2 integer sums on an
     AVX512-VNNI CPU), for the tests that compare builds."""
-    return _build("_" + "_".join(d.lower() for d in defines), defines)
+    from dspark import kernels
+    return kernels.ops_variant(*defines)
 
 
 def type_id(qtype) -> int:
@@ -127,7 +103,7 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
 
 def q8_0_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] fp32 @ packed Q8_0 rows [N, K * 9 / 8]^T -> [..., N], the input quantized to Q8_0 blocks
-    (quant_ops.cpp's `q8_0_mm`); None where the kernel does not apply (as `product`)."""
+    (cpu_ops_blocks.inc's `q8_0_mm`); None where the kernel does not apply (as `product`)."""
     k = ops()
     if (k is None or x.dtype != torch.float32 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and x.requires_grad)):
@@ -204,7 +180,7 @@ def _q6_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def product_reference(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
     """x [M, K] fp32 times the GGUF rows `raw` [N, row bytes] of `qtype` -> [M, N] fp32, bit for bit the
-    kernel's: the integer sums exact in fp64, the fp32 steps of quant_ops.cpp's formulas in its order."""
+    kernel's: the integer sums exact in fp64, the fp32 steps of cpu_ops_blocks.inc's formulas in its order."""
     name, weights, nbytes = BLOCK_TYPES[type_id(qtype)]
     M, N = x.shape[0], raw.shape[0]
     blocks = raw.reshape(N, -1, nbytes)

@@ -7,8 +7,8 @@ each held in the form its product reads:
 | GGUF type | held as | product (kernel; torch twin with the kernels off) |
 |---|---|---|
 | Q4_1 | `kernels.pack_q4_1` tiles | Q4_1 x Q8_1 (cpu_ops.cpp); `blocks.q4_1_linear` |
-| Q8_0 | `kernels.pack_q8_0` rows | Q8_0 x fp32 (cpu_ops.cpp); `blocks.q8_0_linear`; the LM head: Q8_0 x Q8_0 (quant_ops.cpp); `ggml.q8_0_block_linear` |
-| Q5_0, Q4_K, Q6_K | the file's bytes | `ggml.product` (quant_ops.cpp); `ggml.block_linear` |
+| Q8_0 | `kernels.pack_q8_0` rows | Q8_0 x fp32 (cpu_ops.cpp); `blocks.q8_0_linear`; the LM head: Q8_0 x Q8_0 (cpu_ops_blocks.inc); `ggml.q8_0_block_linear` |
+| Q5_0, Q4_K, Q6_K | the file's bytes | `ggml.product` (cpu_ops_blocks.inc); `ggml.block_linear` |
 | F32 | fp32 | the fp32 product |
 | any other (Q4_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16, ...) | bf16, dequantized at load | bf16 products (input rounded to bf16, as `--matmul-dtype bfloat16`) |
 
@@ -224,8 +224,7 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     embed.weight, head.weight, head.weight_t = None, None, None
     model.load_weights(source.weights(skip=covered))
     model.matmul_dtype = "gguf"
-    if hasattr(model, "_layer_weight_list"):
-        model._layer_weight_list = None
+    model._layer_weight_list = model._block_stack_list = None  # the fused stacks' lists pick the blocks up
 
 
 BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")  # models whose GGUF loads as blocks

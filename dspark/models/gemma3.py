@@ -15,8 +15,9 @@ Differences from Llama, all from the config (`ModelConfig`'s Gemma fields):
 
 Every layer stores the K/V of every position (the pool has one block table per request for all layers),
 so prefix caching, rollback and preemption work as for Llama; local layers only read fewer keys.
-The per-layer modules run (no fused CPU decoder stack for this family); the matrix products, norms and
-attention still go through `dspark.kernels` where they apply.
+A few-row CPU step (decode, verification) runs every decoder layer in one kernel call
+(`kernels.block_layers`, for matrices resident as GGUF blocks or fp32: the per-layer modules' numbers bit
+for bit); other steps run the per-layer modules.
 """
 
 from __future__ import annotations
@@ -154,6 +155,39 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Loading (`load_weights`, HF names, fused q|k|v and gate|up) and taps as `LlamaForCausalLM`."""
 
     model_cls = Gemma3Model
+    stack_gelu_tanh = True
+
+    def _stack_norms(self, layer: nn.Module) -> list[torch.Tensor | None]:
+        a = layer.self_attn  # the (1 + weight) factors the norms apply
+        return [layer.input_layernorm.scale, a.q_norm.scale, a.k_norm.scale, layer.post_attention_layernorm.scale,
+                layer.pre_feedforward_layernorm.scale, layer.post_feedforward_layernorm.scale]
+
+    def _gemma_stack(self, x: torch.Tensor, tables: dict, meta: AttnMetadata, kv_caches: list[KVCache],
+                     taps: torch.Tensor | None, tap_slots: dict[int, list[int]]) -> bool:
+        """Every decoder layer in one `kernels.block_layers` call where the step allows (`_stack_applies`):
+        local layers with the local RoPE and each query's own key window (the rows the per-layer attention
+        reads); False: the modules run."""
+        if not self._stack_applies(x, meta):
+            return False
+        m, T = self.model, x.shape[0]
+        kinds = [layer.self_attn.layer_type for layer in m.layers]
+        local_kind, global_kind = "sliding_attention", "full_attention"
+        rope = {is_local: tuple(t.view(T, -1) for t in tables[kind])
+                for is_local, kind in ((False, global_kind), (True, local_kind)) if kind in tables}
+        rope.setdefault(False, rope.get(True))
+        rope.setdefault(True, rope[False])
+        g = meta.groups[0]
+        rows = {False: (g.token_index, g.key_limit, g.kv_slots)}
+        windows = {layer.self_attn.window for layer in m.layers if layer.self_attn.window is not None}
+        if len(windows) > 1:
+            return False
+        if windows:
+            wg = sliding_window_metadata(meta, windows.pop()).groups[0]
+            rows[True] = wg.query_rows if wg.key_start is not None else (wg.token_index, wg.key_limit, wg.kv_slots)
+        else:
+            rows[True] = rows[False]
+        return self._block_layers(x, rope, meta, rows, [k == local_kind for k in kinds], kv_caches, taps,
+                                  tap_slots)
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -190,6 +224,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 taps[:, j * hidden_size:(j + 1) * hidden_size] = value
 
         capture(-1, x)
+        if self._gemma_stack(x, tables, attn_meta, kv_caches, taps, tap_slots):
+            return m.norm(x), taps
         for i, (layer, kv_cache) in enumerate(zip(m.layers, kv_caches)):
             x = layer(x, *tables[layer.self_attn.layer_type], attn_meta, kv_cache)
             capture(i, x)

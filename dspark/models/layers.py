@@ -383,8 +383,7 @@ def use_q4_1_products(model: nn.Module, packed: dict[str, torch.Tensor], *, head
         if isinstance(module, LMHead) and head_bf16:
             added += use_bf16_products(module)
     model.matmul_dtype = "q4_1"
-    if hasattr(model, "_layer_weight_list"):
-        model._layer_weight_list = None  # the fused stack's list picks the packed weights up
+    model._layer_weight_list = model._block_stack_list = None  # the fused stacks' lists pick the packed weights up
     return added
 
 
@@ -410,6 +409,5 @@ def use_bf16_products(model: nn.Module) -> int:
             module.weight_t = None
             added += module.weight_bf16.numel() * 2
     model.matmul_dtype = "bfloat16"
-    if hasattr(model, "_layer_weight_list"):
-        model._layer_weight_list = None  # the fused stack's list picks the bf16 copies up
+    model._layer_weight_list = model._block_stack_list = None  # the fused stacks' lists pick the bf16 copies up
     return added

@@ -184,25 +184,87 @@ class LlamaForCausalLM(nn.Module):
                 capture(i, x)
         return m.norm(x), taps
 
+    def _stack_applies(self, x: torch.Tensor, meta: AttnMetadata) -> bool:
+        """Does a one-call decoder stack serve this step: a few-row fp32 CPU step whose queries form one short
+        attention group (decode, verification), every row stored, no bias, no tensor parallelism?"""
+        return not (len(meta.groups) != 1 or not meta.all_stored
+                    or meta.groups[0].token_index.shape[1] > SHORT_QUERY_MAX or self.config.attention_bias
+                    or x.dtype != torch.float32 or x.device.type != "cpu"
+                    or getattr(self, "tp", None) is not None)  # tensor parallelism: all-reduces between layers
+
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                       kv_caches: list[KVCache], taps: torch.Tensor | None, tap_slots: dict[int, list[int]]) -> bool:
-        """A few-row step whose queries form one short attention group (decode, verification) runs all
-        decoder layers in one CPU kernel call (`kernels.decoder_layers`, the same arithmetic as the
-        per-layer modules). False when it does not apply: the modules run instead."""
-        if (getattr(self, "matmul_dtype", None) == "gguf" or len(meta.groups) != 1 or not meta.all_stored or meta.groups[0].token_index.shape[1] > SHORT_QUERY_MAX
-                or self.config.attention_bias or x.dtype != torch.float32 or x.device.type != "cpu"
-                or getattr(self, "tp", None) is not None):  # tensor parallelism: all-reduces between layers
+        """A step `_stack_applies` to runs all decoder layers in one CPU kernel call (`kernels.decoder_layers`,
+        or `kernels.block_layers` for matrices resident as GGUF blocks: the same arithmetic as the per-layer
+        modules). False when it does not apply: the modules run instead."""
+        if not self._stack_applies(x, meta):
             return False
+        rope = (cos.view(x.shape[0], -1), sin.view(x.shape[0], -1))
+        if getattr(self, "matmul_dtype", None) == "gguf":
+            g = meta.groups[0]
+            rows = (g.token_index, g.key_limit, g.kv_slots)
+            return self._block_layers(x, {False: rope, True: rope}, meta, {False: rows, True: rows},
+                                      [False] * len(kv_caches), kv_caches, taps, tap_slots)
         attn = self.model.layers[0].self_attn
-        hidden = x.shape[-1]
-        tap_items = [(i, j * hidden) for i, js in tap_slots.items() if i >= 0 for j in js]
+        tap_layers, tap_cols = self._tap_columns(tap_slots, x.shape[-1])
         g = meta.groups[0]
         return kernels.decoder_layers(
-            x, self._layer_weights(), [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
-            cos.view(x.shape[0], -1), sin.view(x.shape[0], -1), meta.slot_mapping, g.token_index, g.key_limit,
-            g.kv_slots, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, eps=self.config.rms_norm_eps,
-            scale=attn.scale, taps=taps, tap_layers=tuple(i for i, _ in tap_items),
-            tap_cols=tuple(c for _, c in tap_items))
+            x, self._layer_weights(), [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], *rope,
+            meta.slot_mapping, g.token_index, g.key_limit, g.kv_slots, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, eps=self.config.rms_norm_eps, scale=attn.scale, taps=taps,
+            tap_layers=tap_layers, tap_cols=tap_cols)
+
+    @staticmethod
+    def _tap_columns(tap_slots: dict[int, list[int]], hidden: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(layer ids, first columns) of the decoder layers' taps (-1, the embedding, is the caller's)."""
+        items = [(i, j * hidden) for i, js in tap_slots.items() if i >= 0 for j in js]
+        return tuple(i for i, _ in items), tuple(c for _, c in items)
+
+    def _block_layers(self, x: torch.Tensor, rope: dict, meta: AttnMetadata, rows: dict, local: list[bool],
+                      kv_caches: list[KVCache], taps: torch.Tensor | None, tap_slots: dict[int, list[int]]) -> bool:
+        """All decoder layers through `kernels.block_layers` (rope / rows: local? -> the layer kind's RoPE
+        tables and attention rows); False when a matrix has a part it does not multiply (bf16, Q4_1)."""
+        stack = self._block_stack()
+        if stack is None:
+            return False
+        norms, matrices = stack
+        attn = self.model.layers[0].self_attn
+        tap_layers, tap_cols = self._tap_columns(tap_slots, x.shape[-1])
+        return kernels.block_layers(
+            x, norms, matrices, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], rope, meta.slot_mapping,
+            rows, local, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, eps=self.config.rms_norm_eps,
+            scale=attn.scale, gelu_tanh=self.stack_gelu_tanh, taps=taps, tap_layers=tap_layers, tap_cols=tap_cols)
+
+    stack_gelu_tanh = False  # the MLP's activation in `kernels.block_layers` (else SiLU)
+    STACK_TYPES = (0, 6, 8, 12, 14)  # GGML types `kernels.block_layers` multiplies: F32, Q5_0, Q8_0, Q4_K, Q6_K
+
+    def _stack_norms(self, layer: nn.Module) -> list[torch.Tensor | None]:
+        """A layer's 6 norm vectors for `kernels.block_layers` (cpu_ops_block_layers.inc; None: absent)."""
+        a = layer.self_attn
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        return [layer.input_layernorm.weight, q_norm.weight if q_norm is not None else None,
+                k_norm.weight if k_norm is not None else None, None, layer.post_attention_layernorm.weight, None]
+
+    def _block_stack(self) -> tuple[list[torch.Tensor], list[list[tuple[int, torch.Tensor]]]] | None:
+        """(norms, matrices) for `kernels.block_layers`, built once: each Linear's BlockMatrix parts, or its
+        fp32 weight; None when some matrix has another form (bf16 or Q4_1 copies, a part of another type)."""
+        if getattr(self, "_block_stack_list", None) is None:
+            none = torch.empty(0)
+            norms, matrices = [], []
+            for layer in self.model.layers:
+                norms += [none if w is None else w for w in self._stack_norms(layer)]
+                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                            layer.mlp.down_proj):
+                    if lin.blocks is not None:
+                        matrices.append(list(lin.blocks.parts))
+                    elif (getattr(lin, "weight_q4", None) is None and getattr(lin, "weight_bf16", None) is None
+                          and lin.weight.dtype == torch.float32):
+                        matrices.append([(0, lin.weight)])
+                    else:
+                        matrices.append([(-1, lin.weight)])
+            ok = all(t in self.STACK_TYPES for m in matrices for t, _ in m)
+            self._block_stack_list = (norms, matrices) if ok else False
+        return self._block_stack_list or None
 
     def _layer_weights(self) -> list[torch.Tensor]:
         """The 8 tensors per layer that `kernels.decoder_layers` reads (Parameters: later in-place loads and
