@@ -75,6 +75,23 @@ def test_the_kernels_fields_are_gguf_s_weights(qtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q5_0_decode_rows_in_pairs_with_odd_counts_and_short_groups(threads):
+    """One input row takes the weight rows two at a time: an odd count of rows (and thread shares starting at
+    odd rows) and 19 blocks a row (two groups of 8, then single blocks) stay bit for bit the twin's."""
+    raw = gguf_rows(41, 608, T.Q5_0, seed=3)
+    x = torch.randn(1, 608, generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, avx2 = ggml.product(x, raw, T.Q5_0), ggml.ops_variant("DSPARK_QUANT_AVX2").block_mm(x, raw, int(T.Q5_0))
+    finally:
+        torch.set_num_threads(before)
+    ref = ggml.product_reference(x, raw, T.Q5_0)
+    assert torch.equal(out, ref) and torch.equal(avx2, ref)
+
+
+@needs_kernels
 def test_a_block_product_row_does_not_depend_on_the_batch():
     raw = gguf_rows(24, 256, T.Q4_K, seed=4)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
