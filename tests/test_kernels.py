@@ -146,6 +146,32 @@ def test_rms_norm_and_fused_add():
     torch.testing.assert_close(normed, F.rms_norm(expect_r, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 16, 49152, 262144])
+def test_row_argmax_is_torch_max(vocab):
+    """Values and first indices equal torch.max(x, -1)'s: ties (first wins), +-0, a NaN (the first NaN), +inf,
+    a row of -inf, a row of -inf but one entry, and plain random rows."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1] = float("-inf")
+    x[2] = float("-inf")
+    x[2, vocab - 1] = -3.0
+    x[3, vocab // 2] = float("inf")
+    x[4, vocab // 3] = float("nan")
+    x[4, vocab - 1] = float("nan")
+    x[5] = 0.0
+    x[5, vocab // 2] = -0.0
+    x[6, vocab // 4] = x[6, vocab - 1] = 1e9  # a tie: the first
+    x[7, vocab // 5] = float("inf")
+    x[7, vocab - 1] = float("nan")
+    values, indices = kernels.row_argmax(x)
+    ref = x.max(dim=-1)
+    assert torch.equal(indices, ref.indices)
+    assert torch.equal(values.isnan(), ref.values.isnan())
+    same = ~ref.values.isnan()
+    assert torch.equal(values[same], ref.values[same])
+    assert torch.equal(torch.signbit(values[same]), torch.signbit(ref.values[same]))
+
+
 def test_short_attention_matches_reference():
     """Three requests of 1, 4 (causal) and 3 (bidirectional block) queries over scattered pool slots,
     H=6 query heads on 2 KV heads, padding rows left untouched."""

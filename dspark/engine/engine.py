@@ -181,9 +181,12 @@ class Engine:
             start = time.perf_counter()
             emitting = [s for s in sched.scheduled if s.emits]
             # an all-greedy step reads each row's argmax only: a vocabulary-parallel head gathers no rows
-            batch = self.runner.prepare(sched, argmax_only=argmax_suffices(emitting))
+            argmax_only = argmax_suffices(emitting)
+            batch = self.runner.prepare(sched, argmax_only=argmax_only)
             logits, taps = self.runner.forward(  # taps only where the drafter keeps a context
                 batch, with_taps=any(s.request.needs_draft_context for s in sched.scheduled))
+            if argmax_only and not isinstance(logits, RowArgmax):  # one pass over the rows serves the fault
+                logits = RowArgmax.of(logits)  # check and the verification (the row maxima show the faults)
             logits, faults = isolate_target_faults(emitting, logits)  # rows, or their RowArgmax
             result = self._verify(sched, logits)
             if self.upkeep is not None:  # verify synchronised the device: the timing is complete

@@ -250,6 +250,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x [R, V] -> (each row's maximum [R], the index of its first occurrence [R] long), torch.max(x, -1)'s
+    answer (NaN: the first NaN), through the kernel; None when it does not apply (not fp32 CPU, or off)."""
+    k = ops() if _eligible(x) else None
+    if k is None or x.dim() != 2 or x.shape[1] == 0 or not x.is_contiguous():
+        return None
+    return k.row_argmax(x)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, its rms_norm) (fp32). The kernel adds in place into `residual` (outside autograd

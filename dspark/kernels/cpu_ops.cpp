@@ -13,6 +13,7 @@
 //                                  parallel over output rows.
 //   rms_norm(x, w, eps)            y = x / rms(x) * w, one pass per row.
 //   add_rms_norm_(x, r, w, eps)    r += x in place, returns rms_norm(r) (the residual add fused in).
+//   row_argmax(x)                  each row's maximum and its first index (torch.max(x, -1)'s answer).
 //   short_attention(...)           paged attention for short queries: each query reads its request's keys
 //                                  straight from the pool through the slot table, up to a per-query key
 //                                  limit (causal or block-bidirectional); scores, one vectorised exp pass,
@@ -240,6 +241,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 128 (fp32 x; fp32, bf16, Q4_1- or Q8_0-packed w; CPU)", release());
   m.def("rms_norm", &rms_norm, "x / rms(x) * w (fp32, CPU)", release());
+  m.def("row_argmax", &row_argmax, "each row's max and its first index, as torch.max(x, -1) (fp32, CPU)", release());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) (fp32, CPU)", release());
   m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());
   m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32, bf16 or Q4_1)", release());
