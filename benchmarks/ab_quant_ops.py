@@ -1,6 +1,6 @@
-"""The block products (cpu_ops_blocks.inc: Q5_0, Q4_K, Q6_K) of a git revision against the working tree's, side by
-side in one process on gemma-3-270m's own layer matrices, as a decode step meets them: every matrix of a type
-once per sweep, so the weights come from memory, not from a cache a repeated call would warm (a product
+"""The block products (cpu_ops_blocks.inc: Q5_0, Q4_K, Q6_K, and the Q8_0 head's q8_0_mm) of a git revision against
+the working tree's, side by side in one process on gemma-3-270m's own layer matrices and head, as a decode step
+meets them: every matrix of a type once per sweep, so the weights come from memory, not from a cache a repeated call would warm (a product
 timed alone on one matrix measures another thing). The builds alternate sweep by sweep; median ms per sweep
 and the ratio, for 1 input row (decode) and 5 (an n-gram γ 4 verification). The two builds' outputs are
 checked equal bit for bit on every matrix first.
@@ -21,7 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TYPES = {6: "Q5_0", 12: "Q4_K", 14: "Q6_K"}
+TYPES = {6: "Q5_0", 12: "Q4_K", 14: "Q6_K", 8: "Q8_0 head"}  # the head: q8_0_mm on the tied embedding's rows
+
+
+def product(build, t: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return build.q8_0_mm(x, w) if t == 8 else build.block_mm(x, w, t)
 
 
 def main() -> None:
@@ -43,12 +47,13 @@ def main() -> None:
         raise SystemExit("the working tree's block kernels are unavailable")
     model, _, _ = load_model("gemma-3-270m", matmul_dtype="gguf")
     parts = [(t, w, m.in_features) for m in model.modules() if isinstance(m, Linear)
-             for t, w in m.blocks.parts if t in TYPES]
+             for t, w in m.blocks.parts if t in TYPES and t != 8]
+    parts += [(8, model.lm_head.blocks.parts[0][1], model.config.hidden_size)]
     results = []
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=torch.Generator().manual_seed(k)) for k in {k for _, _, k in parts}}
         for t, w, k in parts:
-            if not torch.equal(builds["base"].block_mm(xs[k], w, t), builds["tree"].block_mm(xs[k], w, t)):
+            if not torch.equal(product(builds["base"], t, xs[k], w), product(builds["tree"], t, xs[k], w)):
                 raise SystemExit(f"{TYPES[t]} {tuple(w.shape)}, {m} rows: the builds' outputs differ")
         times = {(name, t): [] for name in builds for t in TYPES}
         for _ in range(args.sweeps):
@@ -57,7 +62,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     for t, w, k in parts:
                         if t == qtype:
-                            build.block_mm(xs[k], w, t)
+                            product(build, t, xs[k], w)
                     times[(name, qtype)].append(time.perf_counter() - t0)
         for qtype, label in TYPES.items():
             mine = [w for t, w, _ in parts if t == qtype]
