@@ -5,7 +5,7 @@ timed alone on one matrix measures another thing). The builds alternate sweep by
 and the ratio, for 1 input row (decode) and 5 (an n-gram γ 4 verification). The two builds' outputs are
 checked equal bit for bit on every matrix first.
 
-    python benchmarks/ab_quant_ops.py --base 577ea14 --out benchmarks/results/ab_quant_ops_gemma.json
+    python benchmarks/ab_quant_ops.py --base 4d1e6eb --out benchmarks/results/ab_quant_ops_head_prefetch.json
 """
 
 from __future__ import annotations

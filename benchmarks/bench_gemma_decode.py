@@ -1,6 +1,6 @@
 """Batch-1 greedy decode on gemma-3-270m (Q4_K_M GGUF), side by side in one run, alternating: dspark plain and
 with each drafter chosen (default: n-gram prompt lookup; also a layer-truncated draft model of the target, and
-that with prompt lookup first), plus llama.cpp on the same GGUF, plain and with its prompt-lookup decoding, when
+that with prompt lookup first; `plain_layer_modules`: plain with the one-call decoder stack off), plus llama.cpp on the same GGUF, plain and with its prompt-lookup decoding, when
 llama-cpp-python is installed (PEERS=1 scripts/setup.sh). Every engine is loaded once, then each prompt goes to
 each engine in turn (the order rotating per prompt), so a load change on a shared machine hits all of them.
 Prompts: gsm8k questions as plain text (a base model continues them), NEW tokens each, EOS ignored.
@@ -35,14 +35,19 @@ SPECS = {  # label -> speculative_config (None: plain)
     "dspark": {"method": "dspark", "model": DRAFTER, "num_speculative_tokens": 7},
     "dspark_ngram_first": {"method": "dspark", "model": DRAFTER,
                            "num_speculative_tokens": 7, "ngram_first": True},
+    # plain, with the one-call decoder stack (kernels.block_layers) off: the per-layer modules, the same numbers
+    "plain_layer_modules": None,
 }
+STACK_OFF = {"plain_layer_modules"}
 
 
 class DsparkRunner:
-    def __init__(self, spec: dict | None, matmul_dtype: str, warm_ids: list[int]) -> None:
+    def __init__(self, spec: dict | None, matmul_dtype: str, warm_ids: list[int], *, stack: bool = True) -> None:
         from dspark import LLM, SamplingParams
         self.params = SamplingParams
         self.llm = LLM(NAME, max_num_seqs=1, matmul_dtype=matmul_dtype, speculative_config=spec)
+        if not stack:
+            self.llm.engine.runner.model._block_stack_list = False  # the per-layer modules run every step
         self.llm.generate([warm_ids], SamplingParams(temperature=0, max_tokens=8))  # warm-up
 
     def __call__(self, ids: list[int], new: int) -> tuple[float, list[int]]:
@@ -100,7 +105,8 @@ def main() -> None:
     tok = load_tokenizer(path)
     prompt_ids = [tok.encode(p.prompt) for p in load_prompts("gsm8k", num_prompts=args.num_prompts, seed=0)]
     labels = args.only.split(",")
-    runners: dict = {label: DsparkRunner(SPECS[label], args.matmul_dtype, prompt_ids[0]) for label in labels}
+    runners: dict = {label: DsparkRunner(SPECS[label], args.matmul_dtype, prompt_ids[0], stack=label not in STACK_OFF)
+                     for label in labels}
     try:
         import llama_cpp  # noqa: F401
         peer = "llama-cpp-python " + llama_cpp.__version__ + " (defaults: weight repacking on)"

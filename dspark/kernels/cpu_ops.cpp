@@ -21,8 +21,8 @@
 //   decoder_layers_(...)           every Llama/Qwen3 decoder layer of a decode/verify step in one call and
 //                                  one OpenMP region (the ops above + RoPE, K/V store, SiLU), bit-identical
 //                                  to the per-layer modules.
-//   block_mm, q8_0_mm              products on a GGUF's Q5_0 / Q4_K / Q6_K blocks and a Q8_0 LM head with the
-//                                  input quantized (cpu_ops_blocks.inc).
+//   block_mm, q8_0_mm              products on a GGUF's Q5_0 / Q4_K / Q6_K blocks (cpu_ops_blocks.inc) and a
+//                                  Q8_0 LM head with the input quantized (cpu_ops_head.inc).
 //   block_layers_(...)             the decoder stack for matrices held as GGUF block parts, Llama and Gemma 3
 //                                  (cpu_ops_block_layers.inc).
 //
@@ -50,6 +50,7 @@
 #include "cpu_ops_quant.inc"
 #include "cpu_ops_ops.inc"
 #include "cpu_ops_blocks.inc"
+#include "cpu_ops_head.inc"
 
 // The decoder layers of a Llama/Qwen3 model for a few-row step whose queries all fit one short attention
 // group, in one call: per layer RMSNorm -> qkv -> (per-head q/k RMSNorm) -> RoPE -> K/V stored at

@@ -12,7 +12,7 @@ product), what a layer runs when the kernels are off.
 
 A resident model's Q8_0 LM head multiplies the same way (`q8_0_product`, llama.cpp's Q8_0 x Q8_0): on the
 rows `kernels.pack_q8_0` packs (the embedding's, for a tied head), the input quantized in blocks of 32, exact
-integer sums per block, then fp32 on 8 lanes (cpu_ops_blocks.inc); `q8_0_product_reference` and
+integer sums per block, then fp32 on 8 lanes (cpu_ops_head.inc); `q8_0_product_reference` and
 `q8_0_block_linear` are its exact and fast twins. (The layers' Q8_0 parts keep the fp32 input:
 `models.blocks`.)
 
@@ -103,7 +103,7 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
 
 def q8_0_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] fp32 @ packed Q8_0 rows [N, K * 9 / 8]^T -> [..., N], the input quantized to Q8_0 blocks
-    (cpu_ops_blocks.inc's `q8_0_mm`); None where the kernel does not apply (as `product`)."""
+    (cpu_ops_head.inc's `q8_0_mm`); None where the kernel does not apply (as `product`)."""
     k = ops()
     if (k is None or x.dtype != torch.float32 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and x.requires_grad)):

@@ -7,7 +7,7 @@ each held in the form its product reads:
 | GGUF type | held as | product (kernel; torch twin with the kernels off) |
 |---|---|---|
 | Q4_1 | `kernels.pack_q4_1` tiles | Q4_1 x Q8_1 (cpu_ops.cpp); `blocks.q4_1_linear` |
-| Q8_0 | `kernels.pack_q8_0` rows | Q8_0 x fp32 (cpu_ops.cpp); `blocks.q8_0_linear`; the LM head: Q8_0 x Q8_0 (cpu_ops_blocks.inc); `ggml.q8_0_block_linear` |
+| Q8_0 | `kernels.pack_q8_0` rows | Q8_0 x fp32 (cpu_ops.cpp); `blocks.q8_0_linear`; the LM head: Q8_0 x Q8_0 (cpu_ops_head.inc); `ggml.q8_0_block_linear` |
 | Q5_0, Q4_K, Q6_K | the file's bytes | `ggml.product` (cpu_ops_blocks.inc); `ggml.block_linear` |
 | F32 | fp32 | the fp32 product |
 | any other (Q4_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16, ...) | bf16, dequantized at load | bf16 products (input rounded to bf16, as `--matmul-dtype bfloat16`) |
@@ -18,7 +18,7 @@ multiplies the same bytes where its type has a product, else holds a bf16 copy.
 
 The LM head's Q8_0 product quantizes its input to Q8_0 blocks and sums integers, as llama.cpp does: with the
 fp32 input it is compute-bound (gemma-3-270m's 262144 x 640 head: 31.6 ms on one AMD EPYC thread), with the
-int8 input near the memory's speed (12.3 ms; docs/benchmarks.md). The layers' Q8_0 parts keep the fp32 input:
+int8 input near the memory's speed (~10 ms; docs/benchmarks.md). The layers' Q8_0 parts keep the fp32 input:
 they are a small share of the step, and their rounding, carried down the residual stream, moved gemma-3-270m's
 logits further from the dense model's (mean KL 0.0060 -> 0.0093 nats on the test prompt) where the head's
 rounding alone moves them by 0.0005 (tests/test_gemma3_270m.py).
