@@ -261,6 +261,24 @@ def test_every_listed_type_loads_resident_as_quantized(tmp_path, layer_type):
     assert err < 0.05 * logits["dense"].abs().max().item(), err
 
 
+def test_a_layer_truncated_view_of_a_block_model_runs_its_stack(tmp_path):
+    """A draft_model view of a target held as blocks (the view carries no `matmul_dtype`) takes the block stack
+    or the modules by what its layers hold, never the dense stack's weights (None here): equal to its modules."""
+    from conftest import PagedKV
+    from dspark.drafters.draft_model import truncated_view
+    path = tmp_path / "tiny-q5_0.gguf"
+    write_tiny_gguf(path, T.Q5_0)
+    ours, _ = _models(path)
+    view = truncated_view(ours, 1)
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(2)).tolist()
+    hidden = {}
+    for mode in ("modules", "stack"):
+        view._block_stack_list = False if mode == "modules" else None
+        kv = PagedKV.create(view, num_requests=1, max_len=8, kv_block_size=4, seed=1)
+        hidden[mode] = kv.step(view, [(prompt, 0)])[0]
+    assert torch.equal(hidden["stack"], hidden["modules"])
+
+
 def _part_reference(x, qtype, w, q8_0_input: bool = False):
     from dspark.models.blocks import BF16, F32
     if qtype == int(T.Q4_1):

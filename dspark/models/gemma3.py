@@ -169,26 +169,17 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         reads); False: the modules run."""
         if not self._stack_applies(x, meta):
             return False
-        if getattr(self, "_stack_layout", None) is None:  # (local? per layer, the local layers' window)
-            attns = [layer.self_attn for layer in self.model.layers]
-            windows = {a.window for a in attns if a.window is not None}
-            self._stack_layout = ([a.window is not None for a in attns], windows.pop() if len(windows) == 1 else None)
-        local, window = self._stack_layout
-        if any(local) and window is None:
-            return False
         T = x.shape[0]
-        rope = {is_local: tuple(t.view(T, -1) for t in tables[kind])
-                for is_local, kind in ((False, "full_attention"), (True, "sliding_attention")) if kind in tables}
-        rope.setdefault(False, rope.get(True))
-        rope.setdefault(True, rope[False])
+        full = tables.get("full_attention", tables.get("sliding_attention"))  # a kind no layer has: unused
+        local = tables.get("sliding_attention", full)
+        rope = {False: tuple(t.view(T, -1) for t in full), True: tuple(t.view(T, -1) for t in local)}
         g = meta.groups[0]
         rows = {False: (g.token_index, g.key_limit, g.kv_slots)}
-        if any(local):
-            wg = sliding_window_metadata(meta, window).groups[0]
+        rows[True] = rows[False]
+        if any(self._local_layers):  # every local layer has the config's one window
+            wg = sliding_window_metadata(meta, self.config.sliding_window).groups[0]
             rows[True] = wg.query_rows if wg.key_start is not None else (wg.token_index, wg.key_limit, wg.kv_slots)
-        else:
-            rows[True] = rows[False]
-        return self._block_layers(x, rope, meta, rows, local, kv_caches, taps, tap_slots)
+        return self._block_layers(x, rope, meta, rows, self._local_layers, kv_caches, taps, tap_slots)
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -198,6 +189,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
                               dtype=dtype, device=device)
+        kinds = [cfg.layer_type(i) for i in range(cfg.num_hidden_layers)]
+        self._layer_kinds = set(kinds)  # the RoPE tables a step needs
+        self._local_layers = [k == "sliding_attention" for k in kinds]
 
     def forward(
         self,
@@ -214,8 +208,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(m.layers)} layers")
         x = m.embed_tokens(input_ids)  # [T, hidden]: the weights' dtype (fp32 rows from resident blocks)
         x = x * torch.tensor(m.embed_scale, dtype=x.dtype, device=x.device)
-        if getattr(self, "_layer_kinds", None) is None:
-            self._layer_kinds = {layer.self_attn.layer_type for layer in m.layers}
         tables = {kind: m.rotary_emb.lookup(positions, kind, x.dtype) for kind in self._layer_kinds}
         tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
         taps = x.new_empty(x.shape[0], len(tap_layer_ids) * x.shape[1]) if tap_slots else None

@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         if not self._stack_applies(x, meta):
             return False
         rope = (cos.view(x.shape[0], -1), sin.view(x.shape[0], -1))
-        if getattr(self, "matmul_dtype", None) == "gguf":
+        if self.model.layers[0].self_attn.qkv_proj.blocks is not None:  # resident as GGUF blocks (a layer view too)
             g = meta.groups[0]
             rows = (g.token_index, g.key_limit, g.kv_slots)
             return self._block_layers(x, {False: rope, True: rope}, meta, {False: rows, True: rows},
@@ -245,24 +245,27 @@ class LlamaForCausalLM(nn.Module):
         return [layer.input_layernorm.weight, q_norm.weight if q_norm is not None else None,
                 k_norm.weight if k_norm is not None else None, None, layer.post_attention_layernorm.weight, None]
 
+    @staticmethod
+    def _stack_parts(lin: nn.Module) -> list[tuple[int, torch.Tensor]] | None:
+        """A Linear's matrix as [(GGML type, part)]: its BlockMatrix parts, or its fp32 weight (type 0) when no
+        bf16 / Q4_1 copy is what its products read; None otherwise."""
+        if lin.blocks is not None:
+            return list(lin.blocks.parts)
+        if getattr(lin, "weight_q4", None) is None and getattr(lin, "weight_bf16", None) is None and \
+                lin.weight.dtype == torch.float32:
+            return [(0, lin.weight)]
+        return None
+
     def _block_stack(self) -> tuple[list[torch.Tensor], list[list[tuple[int, torch.Tensor]]]] | None:
         """(norms, matrices) for `kernels.block_layers`, built once: each Linear's BlockMatrix parts, or its
         fp32 weight; None when some matrix has another form (bf16 or Q4_1 copies, a part of another type)."""
         if getattr(self, "_block_stack_list", None) is None:
             none = torch.empty(0)
-            norms, matrices = [], []
-            for layer in self.model.layers:
-                norms += [none if w is None else w for w in self._stack_norms(layer)]
-                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                            layer.mlp.down_proj):
-                    if lin.blocks is not None:
-                        matrices.append(list(lin.blocks.parts))
-                    elif (getattr(lin, "weight_q4", None) is None and getattr(lin, "weight_bf16", None) is None
-                          and lin.weight.dtype == torch.float32):
-                        matrices.append([(0, lin.weight)])
-                    else:
-                        matrices.append([(-1, lin.weight)])
-            ok = all(t in self.STACK_TYPES for m in matrices for t, _ in m)
+            norms = [none if w is None else w for layer in self.model.layers for w in self._stack_norms(layer)]
+            matrices = [self._stack_parts(lin) for layer in self.model.layers
+                        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                    layer.mlp.down_proj)]
+            ok = all(m is not None and all(t in self.STACK_TYPES for t, _ in m) for m in matrices)
             self._block_stack_list = (norms, matrices) if ok else False
         return self._block_stack_list or None
 
