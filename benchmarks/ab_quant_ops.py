@@ -1,7 +1,7 @@
-"""The block products (cpu_ops_blocks.inc: Q5_0, Q4_K, Q6_K, and the Q8_0 head's q8_0_mm) of a git revision against
-the working tree's, side by side in one process on gemma-3-270m's own layer matrices and head, as a decode step
-meets them: every matrix of a type once per sweep, so the weights come from memory, not from a cache a repeated call would warm (a product
-timed alone on one matrix measures another thing). The builds alternate sweep by sweep; median ms per sweep
+"""The block products (cpu_ops_blocks.inc: Q5_0, Q4_K, Q6_K, and the Q8_0 head's q8_0_mm) of a git revision
+against the working tree's, side by side in one process on gemma-3-270m's own layer matrices and head, as a
+decode step meets them: every matrix of a type once per sweep, so the weights come from memory, not from a
+cache a repeated call would warm (a product timed alone on one matrix measures another thing). The builds alternate sweep by sweep; median ms per sweep
 and the ratio, for 1 input row (decode) and 5 (an n-gram γ 4 verification). The two builds' outputs are
 checked equal bit for bit on every matrix first.
 

@@ -1,7 +1,8 @@
 """Batch-1 greedy decode on gemma-3-270m (Q4_K_M GGUF), side by side in one run, alternating: dspark plain and
 with each drafter chosen (default: n-gram prompt lookup; also a layer-truncated draft model of the target, and
-that with prompt lookup first; `plain_layer_modules`: plain with the one-call decoder stack off), plus llama.cpp on the same GGUF, plain and with its prompt-lookup decoding, when
-llama-cpp-python is installed (PEERS=1 scripts/setup.sh). Every engine is loaded once, then each prompt goes to
+that with prompt lookup first; `plain_layer_modules`: plain with the one-call decoder stack off), plus llama.cpp
+on the same GGUF, plain and with its prompt-lookup decoding, when llama-cpp-python is installed (PEERS=1
+scripts/setup.sh). Every engine is loaded once, then each prompt goes to
 each engine in turn (the order rotating per prompt), so a load change on a shared machine hits all of them.
 Prompts: gsm8k questions as plain text (a base model continues them), NEW tokens each, EOS ignored.
 
