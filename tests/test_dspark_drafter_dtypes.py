@@ -10,6 +10,7 @@ random DSpark drafter (fp32 or bf16 products) == greedy output without a drafter
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -21,6 +22,7 @@ from dspark.config import SpecConfig
 from dspark.drafters.base import ContextSegment, ContextUpdate, ProposeBatch
 from dspark.drafters.dspark import DSparkDrafter, build, save_dspark
 from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.dspark_model import stacked_rows
 from tests.dspark_helpers import (TAPS, TARGET, greedy_engine_run, make_pool, propose_request, random_model,
                                   random_target, spec, tiny_cfg)
 
@@ -61,7 +63,9 @@ def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, 
     m = b16.model
     backbone = [m.fc, m.layers[0].self_attn.q_proj, m.layers[1].self_attn.o_proj, m.layers[0].mlp.down_proj]
     assert all(lin.lowp_weight.dtype == torch.bfloat16 for lin in backbone)
-    assert all(p.dtype == torch.float32 for p in m.parameters()), "the weights themselves stay fp32"
+    assert all(p.dtype == torch.float32 for p in m.parameters()), "the weights kept stay fp32"
+    assert all(lin.weight is None for lin in backbone), "an engine's drafter keeps only the bf16 copies"
+    assert all(lin.weight is not None for lin in m.markov_head.modules() if isinstance(lin, kernels.Linear))
     assert not any(hasattr(lin, "lowp_weight") for lin in f32.model.modules())
     heads = [*m.markov_head.modules(), *m.confidence_head.modules()]
     assert not any(hasattr(lin, "lowp_weight") for lin in heads), "the heads keep their products"
@@ -138,11 +142,12 @@ def test_draft_matmul_dtype_q4_1_quantizes_the_backbone_and_keeps_heads(tmp_path
     assert not any(hasattr(lin, "lowp_weight") for lin in heads), "the heads keep their products"
     fp32_down = f32.model.layers[0].mlp.down_proj.weight
     raw = gguf.quantize(fp32_down.detach().numpy(), gguf.GGMLQuantizationType.Q4_1)
-    assert torch.equal(m.layers[0].mlp.down_proj.weight,
+    assert m.layers[0].mlp.down_proj.weight is None, "the blocks alone stay"
+    assert torch.equal(m.layers[0].mlp.down_proj.dense_weight(),
                        torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).copy()))
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
     down = m.layers[0].mlp.down_proj
-    ref = (kernels.q8_1_dequantized(x).double() @ down.weight.double().t()).float()
+    ref = (kernels.q8_1_dequantized(x).double() @ down.dense_weight().double().t()).float()
     with torch.inference_mode():  # (with autograd the module trains on the blocks' values in fp32)
         torch.testing.assert_close(down(x), ref, rtol=1e-5, atol=1e-5)
     logits32, _ = _drafts_on_shared_context(f32)
@@ -196,6 +201,13 @@ def test_fused_block_forward_matches_the_module_path(tmp_path, monkeypatch, draf
     fused_logits, fused_hidden, _ = drafter.forward_blocks(batch)
     fused = drafter.propose(batch)
     assert len(ran) == 2, "the fused stack did not run"
+    if draft_matmul_dtype != "float32":  # the stack reads each layer's packed copies in place, no second copy
+        layer, weights = drafter.model.layers[1], drafter.model._fused_weights()[8:16]
+        a, mlp = layer.self_attn, layer.mlp
+        for stacked, parts in ((weights[1], (a.q_proj, a.k_proj, a.v_proj)), (weights[4], (a.o_proj,)),
+                               (weights[6], (mlp.gate_proj, mlp.up_proj)), (weights[7], (mlp.down_proj,))):
+            assert stacked.data_ptr() == parts[0].lowp_weight.data_ptr()
+            assert torch.equal(stacked, torch.cat([m.lowp_weight for m in parts]))
     with monkeypatch.context() as m:  # more block rows than one call takes: calls of whole blocks, same rows
         m.setattr(kernels, "MAX_ROWS", 2 * cfg.block_size)
         assert torch.equal(drafter.forward_blocks(batch)[1], fused_hidden) and len(ran) == 4
@@ -216,6 +228,49 @@ def test_fused_block_forward_matches_the_module_path(tmp_path, monkeypatch, draf
     ran.clear()
     monkeypatch.setattr(kernels, "decoder_layers", lambda *a, **k: ran.append(True) or original(*a, **k))
     assert torch.equal(drafter.propose(short).draft_ids, module.draft_ids) and not ran
+
+
+def test_stacked_rows_is_a_view_only_of_adjacent_row_ranges():
+    base = torch.randn(10, 4)
+    parts = [base[0:3], base[3:4], base[4:10]]
+    view = stacked_rows(parts)
+    assert torch.equal(view, base) and view.data_ptr() == base.data_ptr()
+    for apart in ([base[0:3], base[4:10]], [base[3:4], base[0:3]], [base[0:3], torch.randn(2, 4)]):
+        out = stacked_rows(apart)
+        assert torch.equal(out, torch.cat(apart)) and out.data_ptr() != base.data_ptr()
+    assert stacked_rows([base[2:5]]).data_ptr() == base[2:5].data_ptr()  # one contiguous matrix: itself
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "q4_1"])
+def test_a_released_linear_serves_every_row_count_from_its_copy(monkeypatch, dtype):
+    """`release_dense_weights` frees the fp32 weight of a Linear holding a low-precision copy; at every row
+    count (the kernels' and torch's ranges) its inference products equal the unreleased module's where
+    both read the copy, and the fp32 products of the copy's values otherwise; the path no kernel serves
+    dequantizes the copy (`dense_weight`)."""
+    if dtype == "q4_1" and not kernels.has_q4_1_kernels():
+        pytest.skip("no Q4_1 products on this CPU")
+    lin = kernels.Linear(64, 40, bias=True)
+    if dtype == "q4_1":
+        kernels.set_q4_1_products(lin)
+    else:
+        kernels.set_matmul_dtype(lin, torch.bfloat16)
+    kept = copy.deepcopy(lin)
+    assert kernels.release_dense_weights(lin) == 40 * 64 * 4 and lin.weight is None
+    values = kept.weight if dtype == "q4_1" else kept.lowp_weight.float()
+    assert torch.equal(lin.dense_weight(), values)
+    g = torch.Generator().manual_seed(8)
+    for rows in (1, 16, 17, kernels.MAX_ROWS + 3):
+        x = torch.randn(rows, 64, generator=g)
+        with torch.inference_mode():
+            out, ref = lin(x), kept(x)
+        if dtype == "q4_1" or rows <= kernels.bf16_kernel_rows() or not kernels.has_bf16w_kernels():
+            assert torch.equal(out, ref), rows  # the same copy through the same path
+        torch.testing.assert_close(out, x @ values.t() + lin.bias, rtol=3e-2, atol=3e-2)  # input rounding
+    monkeypatch.setattr(kernels, "linear", lambda *a, **k: None)  # no kernel: torch on the copy's values
+    x = torch.randn(3, 64, generator=g)
+    with torch.inference_mode():
+        twin = kernels.q8_1_dequantized(x) if dtype == "q4_1" else x
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(twin, values, lin.bias), rtol=0, atol=1e-6)
 
 
 def test_draft_matmul_dtype_auto_and_validation(monkeypatch):

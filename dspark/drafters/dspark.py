@@ -30,7 +30,8 @@ from dspark.drafters.dspark_checkpoint import (CALIBRATION_KEYS, CALIBRATION_NAM
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.heads import MarkovHead
 from dspark import kernels
-from dspark.kernels import cpu_has_bf16_dot, has_bf16w_kernels, set_matmul_dtype, set_q4_1_products
+from dspark.kernels import (cpu_has_bf16_dot, has_bf16w_kernels, release_dense_weights, set_matmul_dtype,
+                            set_q4_1_products)
 from dspark.models.attention import SeqSpec, build_attn_metadata, slots_for
 from dspark.sampling import GREEDY_EPS, greedy_ids, logits_to_probs
 
@@ -75,7 +76,7 @@ class DSparkDrafter(Drafter):
 
     @property
     def device(self) -> torch.device:
-        return self.model.fc.weight.device
+        return self.model.norm.weight.device
 
     def kv_layer_specs(self) -> list[tuple[int, int]]:
         return [(self.cfg.num_key_value_heads, self.cfg.head_dim)] * self.cfg.num_hidden_layers
@@ -331,6 +332,8 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
             set_q4_1_products(model, skip=skip)
         else:
             set_matmul_dtype(model, matmul_dtype, skip=skip)
+        model.pack_layer_products()  # the fused stack reads the copies in place
+        release_dense_weights(model)  # an engine's drafter only infers: the copies alone stay
     return DSparkDrafter(model, num_draft_tokens=spec.num_speculative_tokens,
                          confidence_temperatures=temps.get("temperatures"),
                          greedy_confidence_temperatures=temps.get("greedy_temperatures"),

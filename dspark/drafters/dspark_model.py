@@ -34,6 +34,23 @@ from dspark.models.layers import ROPE_INIT, rope_type
 IGNORE_INDEX = -100
 
 
+def stacked_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The row-wise concatenation of `parts`: a view where they are consecutive row ranges of one
+    contiguous buffer (`DSparkModel.pack_layer_products`, or a single contiguous matrix), else a copy."""
+    first = parts[0]
+    step = first.element_size() * first[0].numel() if first.shape[0] else 0
+    adjacent = all(p.is_contiguous() and p.shape[1:] == first.shape[1:] and p.dtype == first.dtype
+                   and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts)
+    offset = first.data_ptr()
+    for p in parts:
+        adjacent = adjacent and p.data_ptr() == offset
+        offset += p.shape[0] * step
+    if not adjacent:
+        return torch.cat(parts).contiguous()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 @dataclass
 class DSparkTrainOutput:
     draft_logits: torch.Tensor  # [batch, num_anchors, num_draft, draft_vocab] float32, head-corrected
@@ -298,7 +315,7 @@ class DSparkModel(nn.Module):
             return cached[1]
 
         def product(*linears: Linear) -> torch.Tensor:
-            return torch.cat([getattr(m, "lowp_weight", m.weight).detach() for m in linears]).contiguous()
+            return stacked_rows([getattr(m, "lowp_weight", m.weight).detach() for m in linears])
 
         weights: list[torch.Tensor] | None = []
         for layer in self.layers:
@@ -315,6 +332,23 @@ class DSparkModel(nn.Module):
             weights = None
         self._fused_cache = (key, weights)
         return weights
+
+    def pack_layer_products(self) -> None:
+        """Put each layer's q|k|v and gate|up low-precision copies (`lowp_weight`) in one buffer, each
+        module's copy a row range of it, so that the fused stack (`_fused_weights`) reads them in place
+        instead of concatenating a second copy. Inference only, after `set_matmul_dtype` /
+        `set_q4_1_products`."""
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            for group in ((a.q_proj, a.k_proj, a.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                copies = [getattr(m, "lowp_weight", None) for m in group]
+                if any(c is None for c in copies):
+                    continue
+                packed = torch.cat(copies)  # [sum of rows, ...]
+                start = 0
+                for m, c in zip(group, copies):
+                    m.register_buffer("lowp_weight", packed[start:start + c.shape[0]], persistent=False)
+                    start += c.shape[0]
 
     def block_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[...] anchor ids → [..., block_size] = [anchor, mask × (block_size - 1)]."""

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels.blocks import (Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, pack_q4_1, pack_q8_0, q4_1_group_rows,  # noqa: F401
-                                   q4_1_packed_cols, q8_1_dequantized, quantize_q4_1)
+                                   q4_1_packed_cols, q4_1_packed_values, q8_1_dequantized, quantize_q4_1)
 from dspark.kernels.compiled import (CFLAGS, MAX_ROWS, SOURCE, _load, _mode, build, build_dir,  # noqa: F401
                                      ops, ops_variant, source_files)
 
@@ -140,7 +140,8 @@ class Linear(torch.nn.Linear):
     there than the kernel in chunks); other low-precision
     copies through torch beyond `LOWP_MIN_ROWS` rows, fewer rows keeping the fp32 kernel. On AVX2 (no
     bf16 dot products) a bf16 copy takes the kernel's widening path up to MAX_ROWS rows (`linear`,
-    fp32_input: the fp32 product of the same values, half the bytes) and the fp32 weight above. The DSpark
+    fp32_input: the fp32 product of the same values, half the bytes) and the fp32 weight above. Once
+    `release_dense_weights` freed the weight, the kernel takes the rows the fp32 weight took. The DSpark
     drafter's step, side by side against fp32 kernel products up to 16 rows and torch's bf16 above:
     1 request 3.7 vs 5.1 ms, 4: 6.7 vs 8.5, 16: 20.1 vs 21.7."""
 
@@ -148,24 +149,48 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lowp = getattr(self, "lowp_weight", None)
-        inference = lowp is not None and not (torch.is_grad_enabled() and self.weight.requires_grad)
+        weight = self.weight  # None once `release_dense_weights` freed it: the copy alone serves
+        inference = lowp is not None and not (torch.is_grad_enabled() and weight is not None and weight.requires_grad)
         if inference and lowp.dtype == torch.uint8:  # Q4_1 blocks (`set_q4_1_products`): any number of rows
             out = linear(x, lowp)
-            if out is None:  # the twin: the input's Q8_1 values times the blocks' values (`weight`)
-                out = F.linear(q8_1_dequantized(x), self.weight)
+            if out is None:  # the twin: the input's Q8_1 values times the blocks' values
+                out = F.linear(q8_1_dequantized(x), self.dense_weight())
             return out if self.bias is None else out + self.bias
         widened = inference and lowp.dtype == torch.bfloat16 and has_bf16w_kernels()
-        if inference and lowp.dtype == torch.bfloat16 and x.numel() <= bf16_kernel_rows() * x.shape[-1]:
-            out = linear(x, lowp, fp32_input=widened)
+        to_torch = inference and not widened and x.numel() > self.LOWP_MIN_ROWS * x.shape[-1]
+        if inference and lowp.dtype == torch.bfloat16 and (x.numel() <= bf16_kernel_rows() * x.shape[-1]
+                                                            or (weight is None and not to_torch)):
+            out = linear(x, lowp, fp32_input=widened)  # without the dense weight: at any number of rows
             if out is not None:
                 return out if self.bias is None else out + self.bias
-        if inference and not widened and x.numel() > self.LOWP_MIN_ROWS * x.shape[-1]:
+        if to_torch:
             bias = None if self.bias is None else self.bias.to(lowp.dtype)
             return bucketed_linear(x, lowp, bias).to(x.dtype)
-        out = linear(x, self.weight)
+        out = linear(x, weight) if weight is not None else None
         if out is None:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.dense_weight().to(x.dtype), self.bias)
         return out if self.bias is None else out + self.bias
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight; where `release_dense_weights` freed it, the values of its low-precision copy (made per
+        call: only the paths no kernel serves read it)."""
+        if self.weight is not None:
+            return self.weight
+        lowp = self.lowp_weight
+        return q4_1_packed_values(lowp) if lowp.dtype == torch.uint8 else lowp.float()
+
+
+def release_dense_weights(module: torch.nn.Module) -> int:
+    """Inference only: free the weight of every `Linear` under `module` that holds a low-precision copy
+    (`set_matmul_dtype`, `set_q4_1_products`), so only the copy its products read stays in memory (the
+    paths no kernel serves dequantize it per call, `Linear.dense_weight`). Such a module cannot be trained
+    or re-quantized afterwards. Returns the bytes freed."""
+    freed = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and m.weight is not None and getattr(m, "lowp_weight", None) is not None:
+            freed += m.weight.numel() * m.weight.element_size()
+            m.weight = None
+    return freed
 
 
 def set_q4_1_products(module: torch.nn.Module, *, skip: tuple = ()) -> int:
