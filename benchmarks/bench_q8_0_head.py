@@ -1,10 +1,13 @@
-"""The LM head of a Q8_0 embedding (gemma-3-270m's tied 262144 x 640 rows, packed by `kernels.pack_q8_0`): the
-two products on the same packed rows, side by side in one process, alternating call by call — the fp32
-input (cpu_ops' `small_mm`, the exact product of the file's weights) and the input quantized to Q8_0
-blocks with integer sums (cpu_ops' `q8_0_mm`, llama.cpp's Q8_0 x Q8_0, what the resident model's head
-runs). Median milliseconds per call per input-row count, the ratio, and the bytes read per second.
+"""The LM head of a Q8_0 embedding (gemma-3-270m's tied 262144 x 640 rows, or with --model default SmolLM2's
+49152 x 576, packed by `kernels.pack_q8_0`): the products on the same rows, side by side in one process,
+alternating call by call — the fp32 input (cpu_ops' `small_mm`, the exact product of the file's weights), the
+input quantized to Q8_0 blocks with integer sums (cpu_ops' `q8_0_mm`, llama.cpp's Q8_0 x Q8_0, what the
+resident Gemma's head runs) and, on a CPU with bf16 dot products, the bf16 rounding of the rows (what the
+default model's head multiplies there). Median milliseconds per call per input-row count, the ratio, and the
+bytes read per second.
 
     python benchmarks/bench_q8_0_head.py --threads 1 --out benchmarks/results/q8_0_head_gemma.json
+    python benchmarks/bench_q8_0_head.py --model default --threads 1 --out benchmarks/results/q8_0_head_smollm2.json
 """
 
 from __future__ import annotations
@@ -19,18 +22,20 @@ from pathlib import Path
 import torch
 
 
-def head_rows() -> tuple[torch.Tensor, str]:
-    """gemma-3-270m's packed embedding rows when installed, else random rows of the same shape."""
+def head_rows(model: str) -> tuple[torch.Tensor, str]:
+    """The model's packed Q8_0 embedding rows when installed, else random rows of gemma-3-270m's shape."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from dspark import kernels
     try:
         from dspark.models.blocks import gguf_rows
         from dspark.models.gguf_format import gguf_reader
         from dspark.models.loader import resolve_model_path
-        reader = gguf_reader(resolve_model_path("gemma-3-270m"))
+        reader = gguf_reader(resolve_model_path(model))
         tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
         qtype, raw = gguf_rows(tensor)
-        return kernels.pack_q8_0(raw), "gemma-3-270m token_embd.weight (Q8_0)"
+        if qtype != 8:
+            raise SystemExit(f"{model}: token_embd.weight is GGML type {qtype}, not Q8_0")
+        return kernels.pack_q8_0(raw), f"{model} token_embd.weight (Q8_0)"
     except (FileNotFoundError, StopIteration):
         g = torch.Generator().manual_seed(0)
         packed = torch.randint(-127, 128, (262144, 720), dtype=torch.int8, generator=g)
@@ -40,6 +45,7 @@ def head_rows() -> tuple[torch.Tensor, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma-3-270m", help="a GGUF whose embedding is Q8_0")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="1,2,5,8", help="input rows per call (decode: 1; verification: 1 + drafts)")
     ap.add_argument("--repeats", type=int, default=9)
@@ -51,12 +57,16 @@ def main() -> None:
     from dspark.kernels import ggml
     if kernels.ops() is None or ggml.ops() is None:
         raise SystemExit("the CPU kernels are not built (python -m dspark.kernels)")
-    packed, source = head_rows()
+    packed, source = head_rows(args.model)
+    hidden = packed.shape[1] * 8 // 9
     products = {"fp32_input": lambda x: kernels.ops().small_mm(x, packed),
                 "q8_0_input": lambda x: ggml.q8_0_product(x, packed)}
+    if kernels.has_bf16_kernels():
+        rows_bf16 = kernels.blocks.q8_0_packed_values(packed).to(torch.bfloat16)
+        products["bf16"] = lambda x: kernels.linear(x, rows_bf16)
     results = {}
     for m in (int(r) for r in args.rows.split(",")):
-        x = torch.randn(m, 640, generator=torch.Generator().manual_seed(m))
+        x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(m))
         times: dict[str, list[float]] = {k: [] for k in products}
         for _ in range(args.repeats + 1):  # the first call of each warms up and is dropped
             for name, f in products.items():
@@ -66,8 +76,9 @@ def main() -> None:
         med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
         results[str(m)] = {"median_ms": med, "fp32_over_q8_0": med["fp32_input"] / med["q8_0_input"],
                            "q8_0_input_gb_s": packed.numel() / (med["q8_0_input"] / 1e3) / 1e9}
-        print(f"rows {m}: fp32 input {med['fp32_input']:.2f} ms, Q8_0 input {med['q8_0_input']:.2f} ms "
-              f"({results[str(m)]['fp32_over_q8_0']:.2f}x)", flush=True)
+        if "bf16" in med:
+            results[str(m)]["bf16_over_q8_0"] = med["bf16"] / med["q8_0_input"]
+        print(f"rows {m}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()), flush=True)
     result = {"benchmark": "q8_0_head", "rows_source": source, "shape": list(packed.shape),
               "threads": torch.get_num_threads(), "results": results, **run_info()}
     if args.out:

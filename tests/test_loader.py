@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY_LLAMA, TINY_QWEN3, PagedKV, hf_twin
+from conftest import TINY_LLAMA, TINY_QWEN3, PagedKV, _require, hf_twin
 from dspark.models.loader import (DEFAULT_MODEL, GGUFSource, SafetensorsSource, load_model,
                                   resolve_model_path, unpermute_rope_rows)
 
@@ -146,24 +146,40 @@ def test_compact_gguf_reader_same_header(tmp_path):
     _same_header(_compact_reader_class()(str(shipped)), gguf.GGUFReader(str(shipped)))
 
 
-def test_cached_tokenizer_reads_no_model_config(smollm2, tmp_path):
-    """The converted tokenizer loads from its cache folder by the class its tokenizer_config.json names, not by
-    AutoTokenizer reading the fp32 conversion cache's config.json beside it (a Llama config imports
-    transformers' model-loading stack, sympy among it); the same tokenizer as AutoTokenizer's."""
+@pytest.mark.parametrize("name", [DEFAULT_MODEL, "gemma-3-270m"])
+def test_cached_tokenizer_reads_no_model_config(name, tmp_path):
+    """The converted tokenizer loads from its cache folder without AutoTokenizer reading the fp32 conversion
+    cache's config.json beside it (a Llama config imports transformers' model-loading stack, sympy among it),
+    and without the class its tokenizer_config.json names rebuilding the Rust tokenizer (tokenizer.json goes
+    straight into the generic fast class): the same encodings, decodings, token strings, vocabulary, special
+    tokens, chat template and padding side as AutoTokenizer's."""
     import shutil
     import subprocess
     import sys
     from transformers import AutoTokenizer
-    from dspark.models.tokenizer import _cached_tokenizer, gguf_cache_dir
-    cache = gguf_cache_dir(resolve_model_path(DEFAULT_MODEL))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (cache / name).is_file():
-            shutil.copy(cache / name, tmp_path / name)
-    (tmp_path / "config.json").write_text(json.dumps(smollm2[1].to_hf()))
+    from dspark.models.loader import read_model_config
+    from dspark.models.tokenizer import _cached_tokenizer, gguf_cache_dir, load_tokenizer
+    _require(resolve_model_path, name)
+    load_tokenizer(resolve_model_path(name))  # the cache entry
+    cache = gguf_cache_dir(resolve_model_path(name))
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (cache / file).is_file():
+            shutil.copy(cache / file, tmp_path / file)
+    (tmp_path / "config.json").write_text(json.dumps(read_model_config(name).to_hf()))
     ours, auto = _cached_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
-    text = "Hello <|im_start|> world\n\n  ü€ 12345 \t tabs"
-    assert type(ours) is type(auto) and ours.encode(text) == auto.encode(text)
+    texts = ["Hello <|im_start|> world\n\n  ü€ 12345 \t tabs", "Hello , world . isn't it ?  don 't",
+             "<start_of_turn>user\nhi<end_of_turn>\n<eos>", " lead\n", "<bos><pad><unk>x 你好 é"]
+    for text in texts:
+        ids = auto.encode(text)
+        assert ours.encode(text) == ids and ours.convert_ids_to_tokens(ids) == auto.convert_ids_to_tokens(ids)
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip)
     assert ours.get_vocab() == auto.get_vocab() and ours.chat_template == auto.chat_template
+    assert ours.all_special_ids == auto.all_special_ids and ours.padding_side == auto.padding_side
+    assert [ours.bos_token_id, ours.eos_token_id, ours.pad_token_id] == [auto.bos_token_id, auto.eos_token_id,
+                                                                       auto.pad_token_id]
+    assert {i: str(t) for i, t in ours.added_tokens_decoder.items()} == \
+        {i: str(t) for i, t in auto.added_tokens_decoder.items()}
     code = (f"import sys; from pathlib import Path; from dspark.models.tokenizer import _cached_tokenizer; "
             f"_cached_tokenizer(Path({str(tmp_path)!r})); assert 'sympy' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
