@@ -24,8 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TYPES = {6: "Q5_0", 12: "Q4_K", 14: "Q6_K", 8: "Q8_0 head"}  # the head: q8_0_mm on the tied embedding's rows
 
 
-def product(build, t: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return build.q8_0_mm(x, w) if t == 8 else build.block_mm(x, w, t)
+def product(build, t: int, x: torch.Tensor, w) -> torch.Tensor:
+    """`w`: the head's rows as {layout: tensor}, each build reading its own (interleaved by 8 or plain)."""
+    if t == 8:
+        return build.q8_0_mm(x, w["x8" if getattr(build, "q8_0_interleaved", False) else "plain"])
+    return build.block_mm(x, w, t)
+
+
+def head_layouts(x8: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The head's rows interleaved by 8 (`blocks.pack_q8_0x8`) and in the plain packing earlier builds read."""
+    from dspark.kernels.blocks import q8_0x8_fields
+    q, d = q8_0x8_fields(x8)
+    return {"x8": x8, "plain": torch.cat([q.reshape(q.shape[0], -1), d.view(torch.int8)], 1).contiguous()}
 
 
 def main() -> None:
@@ -48,13 +58,13 @@ def main() -> None:
     model, _, _ = load_model("gemma-3-270m", matmul_dtype="gguf")
     parts = [(t, w, m.in_features) for m in model.modules() if isinstance(m, Linear)
              for t, w in m.blocks.parts if t in TYPES and t != 8]
-    parts += [(8, model.lm_head.blocks.parts[0][1], model.config.hidden_size)]
+    parts += [(8, head_layouts(model.lm_head.blocks.parts[0][1]), model.config.hidden_size)]
     results = []
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=torch.Generator().manual_seed(k)) for k in {k for _, _, k in parts}}
         for t, w, k in parts:
             if not torch.equal(product(builds["base"], t, xs[k], w), product(builds["tree"], t, xs[k], w)):
-                raise SystemExit(f"{TYPES[t]} {tuple(w.shape)}, {m} rows: the builds' outputs differ")
+                raise SystemExit(f"{TYPES[t]}, {m} rows: the builds' outputs differ")
         times = {(name, t): [] for name in builds for t in TYPES}
         for _ in range(args.sweeps):
             for name, build in builds.items():
@@ -65,7 +75,7 @@ def main() -> None:
                             product(build, t, xs[k], w)
                     times[(name, qtype)].append(time.perf_counter() - t0)
         for qtype, label in TYPES.items():
-            mine = [w for t, w, _ in parts if t == qtype]
+            mine = [w["x8"] if t == 8 else w for t, w, _ in parts if t == qtype]
             med = {name: statistics.median(times[(name, qtype)]) * 1e3 for name in builds}
             results.append({"type": label, "rows": m, "matrices": len(mine),
                             "mbytes": sum(w.numel() for w in mine) / 1e6, "median_ms_per_sweep": med,

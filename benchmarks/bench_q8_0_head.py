@@ -1,10 +1,9 @@
 """The LM head of a Q8_0 embedding (gemma-3-270m's tied 262144 x 640 rows, or with --model default SmolLM2's
-49152 x 576, packed by `kernels.pack_q8_0`): the products on the same rows, side by side in one process,
-alternating call by call — the fp32 input (cpu_ops' `small_mm`, the exact product of the file's weights), the
-input quantized to Q8_0 blocks with integer sums (cpu_ops' `q8_0_mm`, llama.cpp's Q8_0 x Q8_0, what the
-resident Gemma's head runs) and, on a CPU with bf16 dot products, the bf16 rounding of the rows (what the
-default model's head multiplies there). Median milliseconds per call per input-row count, the ratio, and the
-bytes read per second.
+49152 x 576): the products on the same rows, side by side in one process, alternating call by call — the fp32
+input (cpu_ops' `small_mm`, the exact product of the file's weights), the input quantized to Q8_0 blocks with
+integer sums (cpu_ops' `q8_0_mm` on the rows interleaved by `blocks.pack_q8_0x8`, llama.cpp's Q8_0 x Q8_0, what
+a resident head runs) and, on a CPU with bf16 dot products, the bf16 rounding of the rows. Median milliseconds
+per call per input-row count, the ratios, and the bytes read per second.
 
     python benchmarks/bench_q8_0_head.py --threads 1 --out benchmarks/results/q8_0_head_gemma.json
     python benchmarks/bench_q8_0_head.py --model default --threads 1 --out benchmarks/results/q8_0_head_smollm2.json
@@ -23,9 +22,8 @@ import torch
 
 
 def head_rows(model: str) -> tuple[torch.Tensor, str]:
-    """The model's packed Q8_0 embedding rows when installed, else random rows of gemma-3-270m's shape."""
+    """The model's Q8_0 embedding rows (GGUF blocks) when installed, else random blocks of gemma-3-270m's shape."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from dspark import kernels
     try:
         from dspark.models.blocks import gguf_rows
         from dspark.models.gguf_format import gguf_reader
@@ -35,12 +33,12 @@ def head_rows(model: str) -> tuple[torch.Tensor, str]:
         qtype, raw = gguf_rows(tensor)
         if qtype != 8:
             raise SystemExit(f"{model}: token_embd.weight is GGML type {qtype}, not Q8_0")
-        return kernels.pack_q8_0(raw), f"{model} token_embd.weight (Q8_0)"
+        return raw, f"{model} token_embd.weight (Q8_0)"
     except (FileNotFoundError, StopIteration):
         g = torch.Generator().manual_seed(0)
-        packed = torch.randint(-127, 128, (262144, 720), dtype=torch.int8, generator=g)
-        packed[:, 640:].view(torch.float32)[:] = 0.01
-        return packed, "random int8 rows, 262144 x 640"
+        raw = torch.randint(0, 256, (262144, 20, 34), dtype=torch.uint8, generator=g)
+        raw[..., :2] = torch.tensor([0x1F, 0x24], dtype=torch.uint8)  # d = 0.0101 (fp16)
+        return raw.reshape(262144, -1), "random Q8_0 blocks, 262144 x 640"
 
 
 def main() -> None:
@@ -57,10 +55,11 @@ def main() -> None:
     from dspark.kernels import ggml
     if kernels.ops() is None or ggml.ops() is None:
         raise SystemExit("the CPU kernels are not built (python -m dspark.kernels)")
-    packed, source = head_rows(args.model)
+    raw, source = head_rows(args.model)
+    packed, interleaved = kernels.pack_q8_0(raw), kernels.blocks.pack_q8_0x8(raw)
     hidden = packed.shape[1] * 8 // 9
     products = {"fp32_input": lambda x: kernels.ops().small_mm(x, packed),
-                "q8_0_input": lambda x: ggml.q8_0_product(x, packed)}
+                "q8_0_input": lambda x: ggml.q8_0_product(x, interleaved)}
     if kernels.has_bf16_kernels():
         rows_bf16 = kernels.blocks.q8_0_packed_values(packed).to(torch.bfloat16)
         products["bf16"] = lambda x: kernels.linear(x, rows_bf16)

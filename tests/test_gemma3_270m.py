@@ -114,7 +114,7 @@ def test_engine_ngram_speculative_equals_plain_across_the_window(which, request)
 def test_auto_picks_the_resident_blocks_and_no_dense_copy_is_kept(gemma_blocks):
     from dspark.engine.build import resolve_matmul_dtype
     from dspark.kernels import ggml
-    from dspark.models.blocks import Q8_0, held_bytes
+    from dspark.models.blocks import Q8_0, Q8_0X8, held_bytes
     from dspark.models.layers import LMHead, Linear, VocabEmbedding
     from dspark.models.loader import resolve_model_path
     model, cfg, _ = gemma_blocks
@@ -123,22 +123,22 @@ def test_auto_picks_the_resident_blocks_and_no_dense_copy_is_kept(gemma_blocks):
     kept = [n for n, m in model.named_modules() if isinstance(m, (Linear, VocabEmbedding, LMHead)) and m.weight is not None]
     assert not kept, kept
     embed, head = model.model.embed_tokens, model.lm_head
-    assert embed.block_rows.qtype == Q8_0 and head.blocks.types == (Q8_0,)
+    assert embed.block_rows.qtype == Q8_0X8 and head.blocks.types == (Q8_0X8,)  # interleaved by 8 for the head
     assert head.blocks.parts[0][1].data_ptr() == embed.block_rows.data.data_ptr()  # tied: one copy of the rows
     types = {t for m in model.modules() if isinstance(m, Linear) for t in m.blocks.types}
     assert types == {Q8_0, *ggml.BLOCK_TYPES}  # Q5_0, Q4_K, Q6_K and Q8_0, each on its own product
     assert held_bytes(model) < 1.05 * resolve_model_path(NAME).stat().st_size  # (Q8_0 packed: 36 bytes a block, not 34)
 
 
-def _assert_product(out, x, qtype, w, head: bool = False):
+def _assert_product(out, x, qtype, w):
     """With the kernels: bitwise their exact twin. Off (DSPARK_CPU_KERNELS=0) the layer ran the fast twin on
     all 700 rows, checked here on 4: the same values up to torch's summation order. The head's Q8_0 product
     quantizes its input (Q8_0 x Q8_0), the layers' Q8_0 parts multiply the fp32 input."""
     from dspark import kernels
     from dspark.kernels import blocks as qb
     from dspark.kernels import ggml
-    from dspark.models.blocks import Q8_0
-    if qtype == Q8_0 and head:
+    from dspark.models.blocks import Q8_0, Q8_0X8
+    if qtype == Q8_0X8:
         exact, fast, on = ggml.q8_0_product_reference, ggml.q8_0_block_linear, ggml.ops() is not None
     elif qtype == Q8_0:
         exact, fast, on = qb.q8_0_product_reference, qb.q8_0_linear, kernels.has_q8_0_kernels()
@@ -179,7 +179,7 @@ def test_resident_products_are_their_twins_and_logits_stay_with_dense_past_the_w
             _assert_product(out[:, start:start + w.shape[0]], x, qtype, w)
             start += w.shape[0]
     (qtype, w), = ours.lm_head.blocks.parts
-    _assert_product(ours.lm_head.blocks.matmul(head_x)[:, :4096], head_x, qtype, w[:4096], head=True)
+    _assert_product(ours.lm_head.blocks.matmul(head_x)[:, :4096], head_x, qtype, w[:4096])
     ours_lp, dense_lp = (torch.log_softmax(logits[t], -1) for t in ("ours", "dense"))
     kl = (dense_lp.exp() * (dense_lp - ours_lp)).sum(-1)  # [100] KL(dense || ours), nats
     assert kl.mean() < 0.015 and kl.max() < 0.1, (kl.mean(), kl.max())

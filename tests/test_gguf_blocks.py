@@ -22,6 +22,7 @@ gguf = pytest.importorskip("gguf")
 from dspark import kernels  # noqa: E402
 from dspark.kernels import blocks as qb  # noqa: E402
 from dspark.kernels import ggml  # noqa: E402
+from dspark.models.blocks import Q8_0X8  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 needs_kernels = pytest.mark.skipif(ggml.ops() is None, reason="no block kernels (AVX2/FMA/F16C, kernels on)")
@@ -123,24 +124,46 @@ def test_q8_0_product_is_bitwise_its_twin(rows):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows,k,n", [(1, 640, 40), (1, 576, 33), (3, 256, 24), (4, 32, 17), (5, 1024, 16),
+@pytest.mark.parametrize("rows,k,n", [(1, 640, 40), (1, 576, 32), (3, 256, 24), (4, 32, 16), (5, 1024, 16),
                                       (9, 640, 800)])
 def test_q8_0_x_q8_0_product_is_bitwise_its_twin_on_both_builds(rows, k, n):
-    """K of 8 blocks a group and of short last groups (576: 8 + 8 + 2, 640: 8 + 8 + 4); 9 rows: three
-    passes over tiles of weight rows (800 rows of 720 bytes are more than one 256 KB tile)."""
+    """K of 8 blocks a group and of short last groups (576: 8 + 8 + 2, 640: 8 + 8 + 4); odd and even input row
+    counts (rows go two at a time); the rows interleaved by 8 (`pack_q8_0x8`) hold the same values as the
+    plain packing, read whole or by row ids (the embedding's lookups)."""
     raw = gguf_rows(n, k, T.Q8_0, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :32] = 0  # an all-zero block: e = 0
-    packed = kernels.pack_q8_0(raw)
+    packed = qb.pack_q8_0x8(raw)
+    values = qb.q8_0_packed_values(kernels.pack_q8_0(raw))
+    assert torch.equal(qb.q8_0x8_values(packed), values)
+    ids = torch.tensor([n - 1, 0, 5, 5])
+    assert torch.equal(qb.q8_0x8_values(packed, ids), values[ids])
     ref = ggml.q8_0_product_reference(x, packed)
     assert torch.equal(ggml.q8_0_product(x, packed), ref)
     assert torch.equal(ggml.ops_variant("DSPARK_QUANT_AVX2").q8_0_mm(x, packed), ref)
     alone = torch.cat([ggml.q8_0_product(x[i:i + 1], packed) for i in range(rows)])
     assert torch.equal(alone, ref)  # a row's result does not depend on the batch
     fast = ggml.q8_0_block_linear(x, packed)  # the input's Q8_0 values times the weights: summation order only
-    dense = x @ qb.q8_0_packed_values(packed).t()  # the unquantized input: the input rounding's effect
+    dense = x @ values.t()  # the unquantized input: the input rounding's effect
     assert (fast - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
     assert (dense - ref).abs().max() > 10 * (fast - ref).abs().max()
+    with pytest.raises(ValueError, match="groups of 8"):
+        qb.pack_q8_0x8(raw[:n - 1])
+
+
+@needs_kernels
+def test_a_q8_0_head_of_rows_not_in_groups_of_8_keeps_the_plain_packing():
+    """An embedding / tied head of 33 rows cannot interleave by 8: its rows keep `pack_q8_0`'s layout, lookups
+    read them, and the head multiplies the fp32 input (the layers' Q8_0 product)."""
+    from dspark.models.blocks import Q8_0, BlockRows
+    raw = gguf_rows(33, 256, T.Q8_0, seed=4)
+    rows = BlockRows(int(T.Q8_0), raw, 256)
+    assert rows.qtype == Q8_0 and torch.equal(rows.data, kernels.pack_q8_0(raw))
+    assert torch.equal(rows.lookup(torch.tensor([32, 1])), ggml.dequantize(raw, T.Q8_0)[[32, 1]])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    head = rows.product_matrix()
+    assert head.types == (Q8_0,) and torch.equal(head.matmul(x), qb.q8_0_product_reference(x, rows.data))
+    assert BlockRows(int(T.Q8_0), raw[:32], 256).qtype == Q8_0X8
 
 
 def test_fma32_rounds_once():
@@ -249,13 +272,13 @@ def test_every_listed_type_loads_resident_as_quantized(tmp_path, layer_type):
     assert torch.equal(stacked, hiddens["ours"])
     if ggml.ops() is not None:  # the stack ran where every part has its product there
         assert (ours._block_stack_list is False) == (layer_type not in (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K))
-    head = ours.lm_head.blocks  # the tied Q8_0 embedding's rows, the input quantized to Q8_0 (Q8_0 x Q8_0)
-    assert head.types == (int(T.Q8_0),) and head.q8_0_input
-    assert torch.equal(logits["ours"], _part_reference(hiddens["ours"], int(T.Q8_0), head.parts[0][1], True))
+    head = ours.lm_head.blocks  # the tied Q8_0 embedding's rows interleaved by 8, the input quantized (Q8_0 x Q8_0)
+    assert head.types == (Q8_0X8,)
+    assert torch.equal(logits["ours"], _part_reference(hiddens["ours"], Q8_0X8, head.parts[0][1]))
     for blocks, x, out in seen:  # every product: its parts' references on the input it got
         refs = []
         for qtype, w in blocks.parts:
-            refs.append(_part_reference(x, qtype, w, blocks.q8_0_input))
+            refs.append(_part_reference(x, qtype, w))
         assert torch.equal(out, torch.cat(refs, -1)), blocks.types
     err = (logits["ours"] - logits["dense"]).abs().max().item()
     assert err < 0.05 * logits["dense"].abs().max().item(), err
@@ -279,11 +302,11 @@ def test_a_layer_truncated_view_of_a_block_model_runs_its_stack(tmp_path):
     assert torch.equal(hidden["stack"], hidden["modules"])
 
 
-def _part_reference(x, qtype, w, q8_0_input: bool = False):
+def _part_reference(x, qtype, w):
     from dspark.models.blocks import BF16, F32
     if qtype == int(T.Q4_1):
         return qb.q4_1_product_reference(x, w) if kernels.has_q4_1_kernels() else qb.q4_1_linear(x, w)
-    if qtype == int(T.Q8_0) and q8_0_input:
+    if qtype == Q8_0X8:
         return ggml.q8_0_product_reference(x, w) if ggml.ops() is not None else ggml.q8_0_block_linear(x, w)
     if qtype == int(T.Q8_0):
         return qb.q8_0_product_reference(x, w) if kernels.has_q8_0_kernels() else qb.q8_0_linear(x, w)

@@ -212,6 +212,40 @@ def q8_0_fields(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed[:, :k].reshape(n, k // 32, 32), packed[:, k:].contiguous().view(torch.float32)
 
 
+def pack_q8_0x8(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 rows [N, K / 32 * 34] uint8, N a multiple of 8 -> the Q8_0 x Q8_0 head's interleaved rows
+    [N, K * 9 / 8] int8 (cpu_ops_head.inc): per group of 8 rows and block of 32 columns, 9 chunks of [8 rows x
+    4 bytes], chunk c < 8 each row's q of columns 4c .. 4c + 3, chunk 8 each row's d as fp32. The same bytes
+    as `pack_q8_0`'s rows, reordered."""
+    n = blocks.shape[0]
+    if n % 8:
+        raise ValueError(f"interleaved Q8_0 needs rows in groups of 8; got {n}")
+    out = torch.empty(n, (blocks.shape[1] // Q8_0_BLOCK_BYTES) * 36, dtype=torch.int8)
+    for i in range(0, n, 8192):  # in chunks of rows: no whole-matrix temporaries
+        q, d = q8_0_fields(pack_q8_0(blocks[i:i + 8192]))  # [r, nb, 32], [r, nb]
+        r, nb = d.shape
+        chunks = torch.cat([q.reshape(r // 8, 8, nb, 8, 4).permute(0, 2, 3, 1, 4),  # [groups, nb, 8, 8 rows, 4]
+                            d.view(torch.int8).reshape(r // 8, 8, nb, 1, 4).permute(0, 2, 3, 1, 4)], 2)
+        out[i:i + 8192] = chunks.reshape(r, -1)
+    return out
+
+
+def q8_0x8_fields(packed: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved Q8_0 rows (`pack_q8_0x8`) [N, K * 9 / 8] -> (q [n, K / 32, 32] int8, d [n, K / 32] fp32) of
+    all rows, or of `rows` (long ids) only."""
+    n, nb = packed.shape[0], q8_0_packed_cols(packed) // 32
+    groups = packed.view(n // 8, nb, 9, 8, 4)
+    ids = torch.arange(n) if rows is None else rows.reshape(-1).long()
+    picked = groups[ids // 8, :, :, ids % 8]  # [n, nb, 9, 4]
+    return picked[:, :, :8].reshape(-1, nb, 32), picked[:, :, 8].contiguous().view(torch.float32).reshape(-1, nb)
+
+
+def q8_0x8_values(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights [n, K] fp32 of interleaved Q8_0 rows (all, or `rows`): d * q, bit for bit gguf's."""
+    q, d = q8_0x8_fields(packed, rows)
+    return (q.float() * d.unsqueeze(-1)).reshape(q.shape[0], -1)
+
+
 def q8_0_packed_values(packed: torch.Tensor) -> torch.Tensor:
     """The weights [N, K] fp32 of packed Q8_0 rows (d * q, exact: bit for bit gguf's); pass a row subset
     (`packed[ids]`) to dequantize only those rows (the embedding lookup)."""

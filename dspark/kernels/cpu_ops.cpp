@@ -22,7 +22,7 @@
 //                                  one OpenMP region (the ops above + RoPE, K/V store, SiLU), bit-identical
 //                                  to the per-layer modules.
 //   block_mm, q8_0_mm              products on a GGUF's Q5_0 / Q4_K / Q6_K blocks (cpu_ops_blocks.inc) and a
-//                                  Q8_0 LM head with the input quantized (cpu_ops_head.inc).
+//                                  Q8_0 LM head, rows interleaved by 8, the input quantized (cpu_ops_head.inc).
 //   block_layers_(...)             the decoder stack for matrices held as GGUF block parts, Llama and Gemma 3
 //                                  (cpu_ops_block_layers.inc).
 //
@@ -247,7 +247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());
   m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32, bf16 or Q4_1)", release());
   m.def("block_mm", &block_mm, "x[M,K] fp32 @ GGUF blocks w[N, row bytes]^T (Q5_0, Q4_K, Q6_K; CPU)", release());
-  m.def("q8_0_mm", &q8_0_mm, "x[M,K] fp32 (quantized to Q8_0) @ packed Q8_0 w[N, K*9/8]^T (CPU)", release());
+  m.def("q8_0_mm", &q8_0_mm, "x[M,K] fp32 (quantized to Q8_0) @ interleaved Q8_0 w[N, K*9/8]^T (CPU)", release());
   m.def("block_layers_", &block_layers_, "all decoder layers of a few-row step, matrices as GGUF block parts (Llama, Gemma 3)", release());
   m.attr("has_bf16") = kHasBf16;
   m.attr("has_bf16w") = kHasBf16W;  // small_mm multiplies bf16 weights by the unrounded fp32 input (AVX2)
@@ -255,6 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("q4_1_vnni") = kQ4Vnni;  // Q4_1 products in pairs of tiles by AVX512-VNNI (q4_tile_pair)
   m.attr("q4_1_group_rows") = kQ4GroupRows;  // the packing kernels.pack_q4_1 must give these kernels
   m.attr("has_q8_0") = kHasQ8;
+  m.attr("q8_0_interleaved") = true;  // q8_0_mm reads rows interleaved by blocks.pack_q8_0x8 (ab_quant_ops.py)
   m.attr("has_quant") = kHasQuant;  // block_mm, q8_0_mm and block_layers_'s block parts (AVX2, FMA, F16C)
   m.attr("vnni") = kVnni;  // their integer sums by AVX512-VNNI (else AVX2; DSPARK_QUANT_AVX2 forces AVX2)
 }

@@ -11,8 +11,9 @@ header gives each type's formula). `product_reference` repeats those steps in to
 product), what a layer runs when the kernels are off.
 
 A resident model's Q8_0 LM head multiplies the same way (`q8_0_product`, llama.cpp's Q8_0 x Q8_0): on the
-rows `kernels.pack_q8_0` packs (the embedding's, for a tied head), the input quantized in blocks of 32, exact
-integer sums per block, then fp32 on 8 lanes (cpu_ops_head.inc); `q8_0_product_reference` and
+rows `blocks.pack_q8_0x8` interleaves in groups of 8 (the embedding's, for a tied head), the input quantized in
+blocks of 32, exact integer sums per block for 8 rows at once, then fp32 on 8 accumulators a row
+(cpu_ops_head.inc); `q8_0_product_reference` and
 `q8_0_block_linear` are its exact and fast twins. (The layers' Q8_0 parts keep the fp32 input:
 `models.blocks`.)
 
@@ -102,8 +103,9 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
 
 
 def q8_0_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
-    """x [..., K] fp32 @ packed Q8_0 rows [N, K * 9 / 8]^T -> [..., N], the input quantized to Q8_0 blocks
-    (cpu_ops_head.inc's `q8_0_mm`); None where the kernel does not apply (as `product`)."""
+    """x [..., K] fp32 @ interleaved Q8_0 rows [N, K * 9 / 8]^T (`blocks.pack_q8_0x8`) -> [..., N], the input
+    quantized to Q8_0 blocks (cpu_ops_head.inc's `q8_0_mm`); None where the kernel does not apply (as
+    `product`)."""
     k = ops()
     if (k is None or x.dtype != torch.float32 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and x.requires_grad)):
@@ -113,20 +115,24 @@ def q8_0_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
 
 
 def q8_0_block_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """The fast torch twin of `q8_0_product`: the input's Q8_0 values times the blocks' values
-    (`blocks.q8_0_linear`, the fp32 input's twin, on the quantized input)."""
-    from dspark.kernels.blocks import q8_0_linear
+    """The fast torch twin of `q8_0_product`: the input's Q8_0 values times the interleaved blocks' values
+    (dequantized in chunks of rows, so no whole fp32 copy of a large head is ever held)."""
+    from dspark.kernels.blocks import q8_0x8_values
     p, e = quantize_input(x.reshape(-1, x.shape[-1]), 32)
-    xq = (p * e.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
-    return q8_0_linear(xq, packed)
+    xq = (p * e.unsqueeze(-1)).reshape(-1, x.shape[-1]).to(x.dtype)
+    out = xq.new_empty(xq.shape[0], packed.shape[0])
+    for n0 in range(0, packed.shape[0], 8192):
+        rows = torch.arange(n0, min(n0 + 8192, packed.shape[0]))
+        out[:, n0:n0 + 8192] = rows_product(xq, q8_0x8_values(packed, rows).to(x.dtype))
+    return out.reshape(*x.shape[:-1], packed.shape[0])
 
 
 def q8_0_product_reference(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 times packed Q8_0 rows [N, K * 9 / 8] -> [M, N] fp32, bit for bit `q8_0_product`: exact
-    integer block sums, then lane b % 8 of each output += (d e) * sum, group by group, the lanes summed in the
-    kernel's order."""
-    from dspark.kernels.blocks import q8_0_fields
-    q, d = q8_0_fields(packed)  # [N, nb, 32] int8, [N, nb] fp32
+    """x [M, K] fp32 times interleaved Q8_0 rows [N, K * 9 / 8] -> [M, N] fp32, bit for bit `q8_0_product`:
+    exact integer block sums, then accumulator b % 8 of each output += (d e) * sum, group by group, the
+    accumulators summed in the kernel's order."""
+    from dspark.kernels.blocks import q8_0x8_fields
+    q, d = q8_0x8_fields(packed)  # [N, nb, 32] int8, [N, nb] fp32
     p, e = quantize_input(x, 32)  # [M, nb, 32], [M, nb]
     M, N, nb = x.shape[0], packed.shape[0], d.shape[1]
     isum = torch.einsum("mbi,nbi->mnb", p.double(), q.double()).float()  # [M, N, nb], exact (|sum| < 2^24)

@@ -7,14 +7,15 @@ each held in the form its product reads:
 | GGUF type | held as | product (kernel; torch twin with the kernels off) |
 |---|---|---|
 | Q4_1 | `kernels.pack_q4_1` tiles | Q4_1 x Q8_1 (cpu_ops.cpp); `blocks.q4_1_linear` |
-| Q8_0 | `kernels.pack_q8_0` rows | Q8_0 x fp32 (cpu_ops.cpp); `blocks.q8_0_linear`; the LM head: Q8_0 x Q8_0 (cpu_ops_head.inc); `ggml.q8_0_block_linear` |
+| Q8_0 | `kernels.pack_q8_0` rows | Q8_0 x fp32 (cpu_ops.cpp); `blocks.q8_0_linear` |
+| Q8_0, an LM head or embedding of rows in groups of 8 | `blocks.pack_q8_0x8` (rows interleaved by 8) | Q8_0 x Q8_0 (cpu_ops_head.inc); `ggml.q8_0_block_linear` |
 | Q5_0, Q4_K, Q6_K | the file's bytes | `ggml.product` (cpu_ops_blocks.inc); `ggml.block_linear` |
 | F32 | fp32 | the fp32 product |
 | any other (Q4_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16, ...) | bf16, dequantized at load | bf16 products (input rounded to bf16, as `--matmul-dtype bfloat16`) |
 
 An embedding keeps its rows in the file's bytes whatever the type (`lookup` dequantizes only the rows it
-reads, with gguf's own dequantization; Q8_0 from the packed rows, bit for bit the same values); a tied head
-multiplies the same bytes where its type has a product, else holds a bf16 copy.
+reads, with gguf's own dequantization; Q8_0 from the interleaved rows, bit for bit the same values); a tied
+head multiplies the same bytes where its type has a product, else holds a bf16 copy.
 
 The LM head's Q8_0 product quantizes its input to Q8_0 blocks and sums integers, as llama.cpp does: with the
 fp32 input it is compute-bound (gemma-3-270m's 262144 x 640 head: 31.6 ms on one AMD EPYC thread), with the
@@ -37,12 +38,16 @@ from dspark.kernels import blocks as qb
 from dspark.kernels import ggml
 
 F32, F16, Q4_1, Q8_0, BF16 = 0, 1, 3, 8, 30  # GGML type ids
+Q8_0X8 = 1008  # not a GGML id: Q8_0 rows interleaved by 8 (`pack_q8_0x8`), multiplied with the input quantized
 
 
-def _product_form(qtype: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """GGUF rows [n, row bytes] uint8 (F32: [n, K] fp32) of `qtype` -> (the form's type id, its tensor)."""
+def _product_form(qtype: int, raw: torch.Tensor, q8_0_input: bool = False) -> tuple[int, torch.Tensor]:
+    """GGUF rows [n, row bytes] uint8 (F32: [n, K] fp32) of `qtype` -> (the form's type id, its tensor).
+    `q8_0_input`: Q8_0 rows in groups of 8 are interleaved for the product with the input quantized."""
     if qtype == Q4_1 and raw.shape[0] % 8 == 0:
         return Q4_1, qb.pack_q4_1(raw)
+    if qtype == Q8_0 and q8_0_input and raw.shape[0] % 8 == 0:
+        return Q8_0X8, qb.pack_q8_0x8(raw)
     if qtype == Q8_0:
         return Q8_0, qb.pack_q8_0(raw)
     if qtype in ggml.BLOCK_TYPES:
@@ -52,11 +57,11 @@ def _product_form(qtype: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
     return BF16, ggml.dequantize(raw, qtype).to(torch.bfloat16)
 
 
-def _part_product(x: torch.Tensor, qtype: int, w: torch.Tensor, q8_0_input: bool) -> torch.Tensor:
+def _part_product(x: torch.Tensor, qtype: int, w: torch.Tensor) -> torch.Tensor:
     if qtype == Q4_1:
         out = kernels.linear(x, w)
         return qb.q4_1_linear(x, w) if out is None else out
-    if qtype == Q8_0 and q8_0_input:
+    if qtype == Q8_0X8:
         out = ggml.q8_0_product(x, w)
         return ggml.q8_0_block_linear(x, w) if out is None else out
     if qtype == Q8_0:
@@ -77,6 +82,8 @@ def _part_values(qtype: int, w: torch.Tensor) -> torch.Tensor:
         return qb.q4_1_packed_values(w)
     if qtype == Q8_0:
         return qb.q8_0_packed_values(w)
+    if qtype == Q8_0X8:
+        return qb.q8_0x8_values(w)
     if qtype in ggml.BLOCK_TYPES:
         return ggml.dequantize(w, qtype)
     return w.float()
@@ -84,24 +91,25 @@ def _part_values(qtype: int, w: torch.Tensor) -> torch.Tensor:
 
 class BlockMatrix:
     """A matrix [out_features, in_features] held as GGUF blocks: `parts` [(type id, tensor)] stacked along the
-    output rows in order, each in its product's form (module docstring). `q8_0_input`: Q8_0 parts multiply
-    the input quantized to Q8_0 blocks (the LM head's)."""
+    output rows in order, each in its product's form (module docstring)."""
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int, *, q8_0_input: bool = False) -> None:
-        self.parts, self.in_features, self.q8_0_input = parts, in_features, q8_0_input
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int) -> None:
+        self.parts, self.in_features = parts, in_features
         self.out_features = sum(w.shape[0] for _, w in parts)
 
     @classmethod
     def from_gguf(cls, pieces: list[tuple[int, torch.Tensor]], in_features: int, *,
                   q8_0_input: bool = False) -> "BlockMatrix":
-        """pieces [(GGML type id, GGUF rows)] in output-row order; neighbours of one type are stacked."""
+        """pieces [(GGML type id, GGUF rows)] in output-row order; neighbours of one type are stacked.
+        `q8_0_input`: Q8_0 parts multiply the input quantized to Q8_0 blocks (the LM head's) where their rows
+        come in groups of 8."""
         merged: list[tuple[int, torch.Tensor]] = []
         for qtype, raw in pieces:
             if merged and merged[-1][0] == qtype:
                 merged[-1] = (qtype, torch.cat([merged[-1][1], raw]))
             else:
                 merged.append((qtype, raw))
-        return cls([_product_form(t, raw) for t, raw in merged], in_features, q8_0_input=q8_0_input)
+        return cls([_product_form(t, raw, q8_0_input) for t, raw in merged], in_features)
 
     @property
     def nbytes(self) -> int:
@@ -113,7 +121,7 @@ class BlockMatrix:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] fp32 (x's dtype)."""
-        outs = [_part_product(x, t, w, self.q8_0_input) for t, w in self.parts]
+        outs = [_part_product(x, t, w) for t, w in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
     def dense(self) -> torch.Tensor:
@@ -126,13 +134,18 @@ class BlockRows:
 
     def __init__(self, qtype: int, raw: torch.Tensor, hidden: int) -> None:
         self.qtype, self.hidden = qtype, hidden
-        self.data = qb.pack_q8_0(raw) if qtype == Q8_0 else raw.contiguous()
+        if qtype == Q8_0:  # as a tied head's product reads them: interleaved by 8 where the rows allow
+            self.qtype, self.data = _product_form(Q8_0, raw, q8_0_input=True)
+        else:
+            self.data = raw.contiguous()
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # [n] long -> [n, hidden] fp32
+        if self.qtype == Q8_0X8:
+            return qb.q8_0x8_values(self.data, ids)
         rows = self.data[ids]
         if self.qtype == Q8_0:
             return qb.q8_0_packed_values(rows)
@@ -142,8 +155,8 @@ class BlockRows:
 
     def product_matrix(self) -> BlockMatrix:
         """The same bytes as an LM head's BlockMatrix where its type has a product; else a bf16 copy."""
-        if self.qtype in (Q8_0, *ggml.BLOCK_TYPES):
-            return BlockMatrix([(self.qtype, self.data)], self.hidden, q8_0_input=True)
+        if self.qtype in (Q8_0, Q8_0X8, *ggml.BLOCK_TYPES):
+            return BlockMatrix([(self.qtype, self.data)], self.hidden)
         chunks = [self.lookup(torch.arange(i, min(i + 8192, self.data.shape[0]))).to(torch.bfloat16)
                   for i in range(0, self.data.shape[0], 8192)]
         return BlockMatrix([(BF16, torch.cat(chunks))], self.hidden)
