@@ -5,10 +5,11 @@ RSS: one `python -m dspark serve MODEL` per code revision (the shipped speculati
 has one), warmed up with chat completions, then VmRSS / RssAnon / RssFile of the server process read from
 /proc; the budget is 1.3 x the GGUF's size + the KV pool (--kv-cache-memory-gb) + 300 MB runtime.
 llama.cpp's RSS on the same file beside it when llama-cpp-python is installed (PEERS=1 scripts/setup.sh).
-Decode: bench_decode.py's batch-1 greedy decode (plain, --matmul-dtype auto) in one child process per
-revision, alternating, `--rounds` times; tok/s medians and work ÷ base.
+Decode: bench_decode.py's batch-1 greedy decode (plain, or with --spec the shipped speculative default;
+--matmul-dtype auto) in one child process per revision, alternating, `--rounds` times; tok/s medians and
+work ÷ base. `--rss-of ""` skips the serve RSS.
 
-    python benchmarks/bench_resident.py --base 7a03242 --out benchmarks/results/resident_memory.json
+    DSPARK_DATASETS=../shared/datasets python benchmarks/bench_resident.py --base e7cc629 --rounds 4 --num-prompts 2 --out benchmarks/results/resident_default_q8_head.json
     python benchmarks/bench_resident.py --models default,gemma-3-270m --rounds 0 --out benchmarks/results/resident_memory_vs_llamacpp.json
 """
 
@@ -40,7 +41,7 @@ from dspark.models.loader import resolve_model_path
 from dspark.models.tokenizer import load_tokenizer
 tok = load_tokenizer(resolve_model_path("default"))
 chat_ids = [tok.apply_chat_template([{{"role": "user", "content": p}}]) for p in prompts({num_prompts}, "gsm8k,humaneval")]
-print(json.dumps(bench_dspark(chat_ids, resolve_matmul_dtype("auto", model="default"))))
+print(json.dumps(bench_dspark(chat_ids, resolve_matmul_dtype("auto", model="default"), spec={spec})))
 """
 
 
@@ -132,8 +133,8 @@ def llama_cpp_rss(model_path: Path) -> dict | None:
     return None
 
 
-def decode_rates(tree: Path, num_prompts: int) -> list[float]:
-    code = DECODE_CHILD.format(bench_dir=str(tree / "benchmarks"), num_prompts=num_prompts)
+def decode_rates(tree: Path, num_prompts: int, spec: bool = False) -> list[float]:
+    code = DECODE_CHILD.format(bench_dir=str(tree / "benchmarks"), num_prompts=num_prompts, spec=spec)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tree, check=True,
                           env={**os.environ, "PYTHONPATH": str(tree)})
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -148,6 +149,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="decode rounds (0: no decode comparison)")
     ap.add_argument("--num-prompts", type=int, default=1, help="decode prompts per dataset")
+    ap.add_argument("--spec", action="store_true", help="decode with the shipped speculative default, not plain")
     ap.add_argument("--rss-of", default="work,base", help="which revisions' serve RSS to measure")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -178,10 +180,10 @@ def main() -> None:
             rates: dict[str, list[float]] = {"work": [], "base": []}
             for r in range(args.rounds):
                 for tag in (("work", "base") if r % 2 == 0 else ("base", "work")):
-                    rates[tag].append(statistics.median(decode_rates(trees[tag], args.num_prompts)))
+                    rates[tag].append(statistics.median(decode_rates(trees[tag], args.num_prompts, args.spec)))
                     print(tag, "decode tok/s", rates[tag][-1], flush=True)
             med = {tag: statistics.median(v) for tag, v in rates.items()}
-            result["decode"] = {"per_round_median_tok_s": rates, "median_tok_s": med,
+            result["decode"] = {"spec": args.spec, "per_round_median_tok_s": rates, "median_tok_s": med,
                                 "work_over_base": round(med["work"] / med["base"], 3)}
     result["run"] = run_info()
     print(json.dumps(result))

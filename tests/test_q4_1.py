@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from dspark import kernels
+from dspark.kernels import ggml
+from dspark.models.blocks import Q8_0X8
 from dspark.models.config import ModelConfig
 from dspark.verify.cost_table import CostTable
 
@@ -322,7 +324,8 @@ def test_smollm2_q4_1_blocks_are_its_weights(smollm2, smollm2_q4):
     fp32 = dict(smollm2[0].named_modules())
     ids = torch.tensor([[0, 5, 49151], [7, 7, 100]])
     ref_rows = smollm2[0].model.embed_tokens(ids)
-    if kernels.has_bf16_kernels():
+    interleaved = ggml.ops() is not None  # the Q8_0 x Q8_0 head on the embedding's rows, interleaved by 8
+    if kernels.has_bf16_kernels() and not interleaved:
         ref_rows = ref_rows.to(torch.bfloat16).float()
     assert torch.equal(model.model.embed_tokens(ids), ref_rows)
     x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(8))
@@ -339,7 +342,12 @@ def test_smollm2_q4_1_blocks_are_its_weights(smollm2, smollm2_q4):
                 checked += 1
     assert checked >= 9
     head = smollm2_q4[0].lm_head
-    if kernels.has_bf16_kernels():
+    if interleaved:  # the tied head multiplies the embedding's own bytes, the input quantized to Q8_0
+        assert head.blocks.types == (Q8_0X8,) and model.model.embed_tokens.block_rows.qtype == Q8_0X8
+        assert head.blocks.parts[0][1].data_ptr() == model.model.embed_tokens.block_rows.data.data_ptr()
+        h = torch.randn(4, 576, generator=torch.Generator().manual_seed(9))
+        assert torch.equal(head(h), ggml.q8_0_product_reference(h, head.blocks.parts[0][1]))
+    elif kernels.has_bf16_kernels():
         assert torch.equal(head.weight_bf16, smollm2[0].lm_head.weight.to(torch.bfloat16))
     elif kernels.has_q8_0_kernels():  # the GGUF's Q8_0 embedding as the head: the fp32 model's logits
         assert head.weight_q8.dtype == torch.int8

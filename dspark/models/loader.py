@@ -13,7 +13,7 @@ that as an HF directory. Checkpoints are read with `safetensors` only (never pic
 
 `matmul_dtype="q4_1"` loads a Q4_1 GGUF resident as quantized (`load_gguf_blocks`): the layer matrices
 stay in their blocks for the CPU kernels (rows un-interleaved the same way, packed by `kernels.pack_q4_1`),
-the embedding and LM head in their Q8_0 blocks (the head a bf16 copy where the kernels multiply bf16), and
+the embedding and LM head in their Q8_0 blocks (interleaved by 8 for the head's Q8_0 x Q8_0 product), and
 no dense fp32 copy is kept; `matmul_dtype="gguf"` does the same for a GGUF of any mix of types
 (`models.blocks.load_gguf_matrices`). Neither reads nor writes the fp32 conversion cache.
 """
@@ -162,19 +162,47 @@ def q4_1_problem(path_or_name: str | Path) -> str | None:
 
 def load_gguf_blocks(model: torch.nn.Module, source: "GGUFSource") -> None:
     """Fill `model` from the Q4_1 GGUF of `source` resident as quantized: every Linear keeps the file's Q4_1
-    blocks (`use_q4_1_products`), the embedding and LM head their Q8_0 blocks where stored so (lookups
-    dequantize the rows they read; the head multiplies them), except that where the kernels multiply bf16 the
-    head is a bf16 copy (faster there; a tied embedding then reads the same rounded rows, as the dense model
-    did); the other tensors (norms) load as usual. No dense copy of a quantized matrix is kept."""
+    blocks (`use_q4_1_products`); a Q8_0 embedding keeps its blocks, interleaved by 8 for the LM head's Q8_0 x
+    Q8_0 product (`models.blocks.BlockRows`; a tied head multiplies the same bytes, an untied Q8_0 head its own)
+    where the block kernels are built and the rows come in groups of 8 (the lookups dequantize the rows they
+    read); else the plain Q8_0 packing, the head a bf16 copy where the kernels multiply bf16 (a tied embedding
+    then reads the same rounded rows) or its Q8_0 blocks with the fp32 input. The other tensors (norms) load as
+    usual. No dense copy of a quantized matrix is kept."""
+    from dspark.kernels import ggml
+    from dspark.models.blocks import Q8_0, BlockMatrix, BlockRows, gguf_rows
     path = source.path
-    head_bf16 = kernels.has_bf16_kernels()
     use_q4_1_products(model, gguf_q4_1_weights(path, model), head_bf16=False)
     covered = {t.name for t in source.reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
     tensors = {t.name: t for t in source.reader.tensors}
     embed, head = model.model.embed_tokens, model.lm_head
     tied = "output.weight" not in tensors
-    embed_q8 = gguf_q8_0_matrix(tensors.get("token_embd.weight"))
-    head_q8 = embed_q8 if tied else gguf_q8_0_matrix(tensors.get("output.weight"))
+    embed_t, head_t = tensors.get("token_embd.weight"), tensors.get("token_embd.weight" if tied else "output.weight")
+    interleave = ggml.ops() is not None and all(  # the Q8_0 x Q8_0 head on rows interleaved by 8
+        t is not None and int(t.tensor_type) == Q8_0 and int(t.shape[1]) % 8 == 0 for t in (embed_t, head_t))
+    if interleave:
+        qtype, raw = gguf_rows(embed_t, copy=False)  # packed straight from the mapped file
+        embed.block_rows = BlockRows(qtype, raw, model.config.hidden_size)
+        del raw
+        head.blocks = (embed.block_rows.product_matrix() if tied else
+                       BlockMatrix.from_gguf([gguf_rows(head_t)], model.config.hidden_size, q8_0_input=True))
+        embed.weight, head.weight, head.weight_t = None, None, None
+        covered |= {"token_embd.weight", "output.weight"}
+    else:
+        _q8_0_or_bf16_head(embed, head, embed_t, head_t, tied, covered)
+    drop_dense_weights(model)
+    model.load_weights(source.weights(skip=covered))
+    if head.weight is not None and kernels.has_bf16_kernels():
+        use_bf16_products(head)
+    drop_dense_weights(model)
+    model.matmul_dtype = "q4_1"
+
+
+def _q8_0_or_bf16_head(embed, head, embed_t, head_t, tied: bool, covered: set[str]) -> None:
+    """The embedding's and head's Q8_0 blocks in the plain packing (`weight_q8`), the head a bf16 copy where
+    the kernels multiply bf16 (a tied embedding then reads the same rounded rows)."""
+    head_bf16 = kernels.has_bf16_kernels()
+    embed_q8 = gguf_q8_0_matrix(embed_t)
+    head_q8 = embed_q8 if tied else gguf_q8_0_matrix(head_t)
     if head_q8 is not None:
         if head_bf16:  # the bf16 rounding of the blocks' values, dequantized a chunk at a time
             rounded = torch.cat([q8_0_packed_values(head_q8[i:i + 8192]).to(torch.bfloat16)
@@ -189,12 +217,6 @@ def load_gguf_blocks(model: torch.nn.Module, source: "GGUFSource") -> None:
         else:
             embed.register_buffer("weight_q8", embed_q8, persistent=False)
         covered.add("token_embd.weight")
-    drop_dense_weights(model)
-    model.load_weights(source.weights(skip=covered))
-    if head.weight is not None and head_bf16:
-        use_bf16_products(head)
-    drop_dense_weights(model)
-    model.matmul_dtype = "q4_1"
 
 
 def gguf_q8_0_matrix(t) -> torch.Tensor | None:
