@@ -127,7 +127,8 @@ def test_auto_picks_the_resident_blocks_and_no_dense_copy_is_kept(gemma_blocks):
     assert head.blocks.parts[0][1].data_ptr() == embed.block_rows.data.data_ptr()  # tied: one copy of the rows
     types = {t for m in model.modules() if isinstance(m, Linear) for t in m.blocks.types}
     assert types == {Q8_0, *ggml.BLOCK_TYPES}  # Q5_0, Q4_K, Q6_K and Q8_0, each on its own product
-    assert held_bytes(model) < 1.05 * resolve_model_path(NAME).stat().st_size  # (Q8_0 packed: 36 bytes a block, not 34)
+    # less than the file: the embedding keeps the file's 34 bytes a block (interleaved), the v parts' Q8_0 36
+    assert held_bytes(model) < resolve_model_path(NAME).stat().st_size
 
 
 def _assert_product(out, x, qtype, w):

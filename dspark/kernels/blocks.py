@@ -214,30 +214,33 @@ def q8_0_fields(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pack_q8_0x8(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF Q8_0 rows [N, K / 32 * 34] uint8, N a multiple of 8 -> the Q8_0 x Q8_0 head's interleaved rows
-    [N, K * 9 / 8] int8 (cpu_ops_head.inc): per group of 8 rows and block of 32 columns, 9 chunks of [8 rows x
-    4 bytes], chunk c < 8 each row's q of columns 4c .. 4c + 3, chunk 8 each row's d as fp32. The same bytes
-    as `pack_q8_0`'s rows, reordered."""
-    n = blocks.shape[0]
+    [N, K / 32 * 34] int8 (cpu_ops_head.inc): per group of 8 rows and block of 32 columns, 8 chunks of [8 rows x
+    4 bytes] (chunk c: each row's q of columns 4c .. 4c + 3), then the 8 rows' scales d as fp16. The file's
+    bytes, reordered."""
+    n, row = blocks.shape
+    if blocks.dtype != torch.uint8 or row % Q8_0_BLOCK_BYTES:
+        raise ValueError(f"Q8_0 rows must be uint8 with whole blocks; got {tuple(blocks.shape)} {blocks.dtype}")
     if n % 8:
         raise ValueError(f"interleaved Q8_0 needs rows in groups of 8; got {n}")
-    out = torch.empty(n, (blocks.shape[1] // Q8_0_BLOCK_BYTES) * 36, dtype=torch.int8)
+    nb = row // Q8_0_BLOCK_BYTES
+    out = torch.empty(n, row, dtype=torch.int8)
     for i in range(0, n, 8192):  # in chunks of rows: no whole-matrix temporaries
-        q, d = q8_0_fields(pack_q8_0(blocks[i:i + 8192]))  # [r, nb, 32], [r, nb]
-        r, nb = d.shape
-        chunks = torch.cat([q.reshape(r // 8, 8, nb, 8, 4).permute(0, 2, 3, 1, 4),  # [groups, nb, 8, 8 rows, 4]
-                            d.view(torch.int8).reshape(r // 8, 8, nb, 1, 4).permute(0, 2, 3, 1, 4)], 2)
-        out[i:i + 8192] = chunks.reshape(r, -1)
+        b = blocks[i:i + 8192].contiguous().view(torch.int8).view(-1, 8, nb, Q8_0_BLOCK_BYTES)  # [groups, 8, nb, 34]
+        q = b[..., 2:].reshape(-1, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, nb, 256)  # [groups, nb, c r 4]
+        d = b[..., :2].permute(0, 2, 1, 3).reshape(-1, nb, 16)  # [groups, nb, 8 rows x fp16]
+        out[i:i + 8192] = torch.cat([q, d], -1).reshape(-1, row)
     return out
 
 
 def q8_0x8_fields(packed: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Interleaved Q8_0 rows (`pack_q8_0x8`) [N, K * 9 / 8] -> (q [n, K / 32, 32] int8, d [n, K / 32] fp32) of
-    all rows, or of `rows` (long ids) only."""
-    n, nb = packed.shape[0], q8_0_packed_cols(packed) // 32
-    groups = packed.view(n // 8, nb, 9, 8, 4)
+    """Interleaved Q8_0 rows (`pack_q8_0x8`) [N, K / 32 * 34] -> (q [n, K / 32, 32] int8, d [n, K / 32] fp32)
+    of all rows, or of `rows` (long ids) only."""
+    n, nb = packed.shape[0], packed.shape[1] // Q8_0_BLOCK_BYTES
+    groups = packed.view(n // 8, nb, 8 * Q8_0_BLOCK_BYTES)
     ids = torch.arange(n) if rows is None else rows.reshape(-1).long()
-    picked = groups[ids // 8, :, :, ids % 8]  # [n, nb, 9, 4]
-    return picked[:, :, :8].reshape(-1, nb, 32), picked[:, :, 8].contiguous().view(torch.float32).reshape(-1, nb)
+    q = groups[..., :256].view(n // 8, nb, 8, 8, 4)[ids // 8, :, :, ids % 8]  # [n, nb, 8, 4]
+    d = groups[..., 256:].view(torch.float16)[ids // 8, :, ids % 8]  # [n, nb] (a view: no copy of all scales)
+    return q.reshape(-1, nb, 32), d.float()
 
 
 def q8_0x8_values(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -103,7 +103,7 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
 
 
 def q8_0_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
-    """x [..., K] fp32 @ interleaved Q8_0 rows [N, K * 9 / 8]^T (`blocks.pack_q8_0x8`) -> [..., N], the input
+    """x [..., K] fp32 @ interleaved Q8_0 rows [N, K / 32 * 34]^T (`blocks.pack_q8_0x8`) -> [..., N], the input
     quantized to Q8_0 blocks (cpu_ops_head.inc's `q8_0_mm`); None where the kernel does not apply (as
     `product`)."""
     k = ops()
@@ -128,7 +128,7 @@ def q8_0_block_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def q8_0_product_reference(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 times interleaved Q8_0 rows [N, K * 9 / 8] -> [M, N] fp32, bit for bit `q8_0_product`:
+    """x [M, K] fp32 times interleaved Q8_0 rows [N, K / 32 * 34] -> [M, N] fp32, bit for bit `q8_0_product`:
     exact integer block sums, then accumulator b % 8 of each output += (d e) * sum, group by group, the
     accumulators summed in the kernel's order."""
     from dspark.kernels.blocks import q8_0x8_fields
