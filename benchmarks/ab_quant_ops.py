@@ -31,11 +31,13 @@ def product(build, t: int, x: torch.Tensor, w) -> torch.Tensor:
     return build.block_mm(x, w, t)
 
 
-def head_layouts(x8: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The head's rows interleaved by 8 (`blocks.pack_q8_0x8`) and in the plain packing earlier builds read."""
-    from dspark.kernels.blocks import q8_0x8_fields
-    q, d = q8_0x8_fields(x8)
-    return {"x8": x8, "plain": torch.cat([q.reshape(q.shape[0], -1), d.view(torch.int8)], 1).contiguous()}
+def head_layouts() -> dict[str, torch.Tensor]:
+    """gemma-3-270m's tied head rows interleaved by 8 (`blocks.pack_q8_0x8`) and in the plain packing
+    (`blocks.pack_q8_0`) that earlier builds read."""
+    from bench_q8_0_head import head_rows
+    from dspark.kernels.blocks import pack_q8_0, pack_q8_0x8
+    raw, _ = head_rows("gemma-3-270m")
+    return {"x8": pack_q8_0x8(raw), "plain": pack_q8_0(raw)}
 
 
 def main() -> None:
@@ -58,7 +60,7 @@ def main() -> None:
     model, _, _ = load_model("gemma-3-270m", matmul_dtype="gguf")
     parts = [(t, w, m.in_features) for m in model.modules() if isinstance(m, Linear)
              for t, w in m.blocks.parts if t in TYPES and t != 8]
-    parts += [(8, head_layouts(model.lm_head.blocks.parts[0][1]), model.config.hidden_size)]
+    parts += [(8, head_layouts(), model.config.hidden_size)]
     results = []
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=torch.Generator().manual_seed(k)) for k in {k for _, _, k in parts}}

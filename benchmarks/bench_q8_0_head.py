@@ -57,7 +57,7 @@ def main() -> None:
         raise SystemExit("the CPU kernels are not built (python -m dspark.kernels)")
     raw, source = head_rows(args.model)
     packed, interleaved = kernels.pack_q8_0(raw), kernels.blocks.pack_q8_0x8(raw)
-    hidden = packed.shape[1] * 8 // 9
+    hidden = kernels.blocks.q8_0_packed_cols(packed)
     products = {"fp32_input": lambda x: kernels.ops().small_mm(x, packed),
                 "q8_0_input": lambda x: ggml.q8_0_product(x, interleaved)}
     if kernels.has_bf16_kernels():

@@ -184,13 +184,18 @@ def q4_1_product_reference(x: torch.Tensor, packed: torch.Tensor) -> torch.Tenso
 # ------------------------------------------------------------------------------------------- Q8_0
 
 
-def pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF Q8_0 rows [N, K / 32 * 34] uint8 (per block of 32: fp16 d, 32 int8 q) -> the kernels' packed
-    rows [N, K * 9 / 8] int8: the K q in order, then the K / 32 scales as fp32 bytes. The same weights."""
+def q8_0_row_blocks(blocks: torch.Tensor) -> tuple[int, int]:
+    """(rows, blocks a row) of GGUF Q8_0 rows [N, K / 32 * 34] uint8; a ValueError for anything else."""
     n, row = blocks.shape
     if blocks.dtype != torch.uint8 or row % Q8_0_BLOCK_BYTES:
         raise ValueError(f"Q8_0 rows must be uint8 with whole blocks; got {tuple(blocks.shape)} {blocks.dtype}")
-    nb = row // Q8_0_BLOCK_BYTES
+    return n, row // Q8_0_BLOCK_BYTES
+
+
+def pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 rows [N, K / 32 * 34] uint8 (per block of 32: fp16 d, 32 int8 q) -> the kernels' packed
+    rows [N, K * 9 / 8] int8: the K q in order, then the K / 32 scales as fp32 bytes. The same weights."""
+    n, nb = q8_0_row_blocks(blocks)
     k = nb * 32
     out = torch.empty(n, k + 4 * nb, dtype=torch.int8)
     for i in range(0, n, 8192):  # in chunks of rows: no whole-matrix temporaries (a 262144-row embedding)
@@ -217,12 +222,10 @@ def pack_q8_0x8(blocks: torch.Tensor) -> torch.Tensor:
     [N, K / 32 * 34] int8 (cpu_ops_head.inc): per group of 8 rows and block of 32 columns, 8 chunks of [8 rows x
     4 bytes] (chunk c: each row's q of columns 4c .. 4c + 3), then the 8 rows' scales d as fp16. The file's
     bytes, reordered."""
-    n, row = blocks.shape
-    if blocks.dtype != torch.uint8 or row % Q8_0_BLOCK_BYTES:
-        raise ValueError(f"Q8_0 rows must be uint8 with whole blocks; got {tuple(blocks.shape)} {blocks.dtype}")
+    n, nb = q8_0_row_blocks(blocks)
     if n % 8:
         raise ValueError(f"interleaved Q8_0 needs rows in groups of 8; got {n}")
-    nb = row // Q8_0_BLOCK_BYTES
+    row = blocks.shape[1]
     out = torch.empty(n, row, dtype=torch.int8)
     for i in range(0, n, 8192):  # in chunks of rows: no whole-matrix temporaries
         b = blocks[i:i + 8192].contiguous().view(torch.int8).view(-1, 8, nb, Q8_0_BLOCK_BYTES)  # [groups, 8, nb, 34]
@@ -256,13 +259,14 @@ def q8_0_packed_values(packed: torch.Tensor) -> torch.Tensor:
     return (q.float() * d.unsqueeze(-1)).reshape(packed.shape[0], -1)
 
 
-def q8_0_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, values=q8_0_packed_values) -> torch.Tensor:
     """The fast torch twin of the Q8_0 product: the fp32 input times the blocks' values (dequantized in
-    chunks of rows, so no whole fp32 copy of a large head is ever held)."""
+    chunks of rows, so no whole fp32 copy of a large head is ever held). `values`: the layout's
+    dequantization (`q8_0x8_values` for rows interleaved by 8; the chunks are whole groups)."""
     x2 = x.reshape(-1, x.shape[-1])
     out = x2.new_empty(x2.shape[0], packed.shape[0])
     for n0 in range(0, packed.shape[0], 8192):
-        out[:, n0:n0 + 8192] = rows_product(x2, q8_0_packed_values(packed[n0:n0 + 8192]).to(x.dtype))
+        out[:, n0:n0 + 8192] = rows_product(x2, values(packed[n0:n0 + 8192]).to(x.dtype))
     return out.reshape(*x.shape[:-1], packed.shape[0])
 
 

@@ -247,7 +247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());
   m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32, bf16 or Q4_1)", release());
   m.def("block_mm", &block_mm, "x[M,K] fp32 @ GGUF blocks w[N, row bytes]^T (Q5_0, Q4_K, Q6_K; CPU)", release());
-  m.def("q8_0_mm", &q8_0_mm, "x[M,K] fp32 (quantized to Q8_0) @ interleaved Q8_0 w[N, K*9/8]^T (CPU)", release());
+  m.def("q8_0_mm", &q8_0_mm, "x[M,K] fp32 (quantized to Q8_0) @ interleaved Q8_0 w[N, K/32*34]^T (CPU)", release());
   m.def("block_layers_", &block_layers_, "all decoder layers of a few-row step, matrices as GGUF block parts (Llama, Gemma 3)", release());
   m.attr("has_bf16") = kHasBf16;
   m.attr("has_bf16w") = kHasBf16W;  // small_mm multiplies bf16 weights by the unrounded fp32 input (AVX2)

@@ -116,15 +116,11 @@ def q8_0_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
 
 def q8_0_block_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """The fast torch twin of `q8_0_product`: the input's Q8_0 values times the interleaved blocks' values
-    (dequantized in chunks of rows, so no whole fp32 copy of a large head is ever held)."""
-    from dspark.kernels.blocks import q8_0x8_values
+    (`blocks.q8_0_linear`, the fp32 input's twin, on the quantized input)."""
+    from dspark.kernels.blocks import q8_0_linear, q8_0x8_values
     p, e = quantize_input(x.reshape(-1, x.shape[-1]), 32)
-    xq = (p * e.unsqueeze(-1)).reshape(-1, x.shape[-1]).to(x.dtype)
-    out = xq.new_empty(xq.shape[0], packed.shape[0])
-    for n0 in range(0, packed.shape[0], 8192):
-        rows = torch.arange(n0, min(n0 + 8192, packed.shape[0]))
-        out[:, n0:n0 + 8192] = rows_product(xq, q8_0x8_values(packed, rows).to(x.dtype))
-    return out.reshape(*x.shape[:-1], packed.shape[0])
+    xq = (p * e.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
+    return q8_0_linear(xq, packed, values=q8_0x8_values)
 
 
 def q8_0_product_reference(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -223,21 +223,29 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
             raise ValueError(f"{source.path.name}: GGUF tensors cover {blocks.out_features} of the "
                              f"{module.out_features} rows of {module_name}")
         module.blocks, module.weight, module.weight_t = blocks, None, None
-    embed, head = model.model.embed_tokens, model.lm_head
-    embed_tensor = tensors["token_embd.weight"]  # Q8_0: packed straight from the mapped file (one copy at load)
+    load_vocab_blocks(model, tensors, covered)
+    model.load_weights(source.weights(skip=covered))
+    model.matmul_dtype = "gguf"
+    model._layer_weight_list = model._block_stack_list = None  # the fused stacks' lists pick the blocks up
+
+
+def load_vocab_blocks(model: torch.nn.Module, tensors: dict, covered: set[str]) -> None:
+    """The embedding as a BlockRows of the GGUF's `token_embd.weight` rows (Q8_0 packed straight from the mapped
+    file, one copy at load; interleaved by 8 where the rows allow) and the LM head as the same bytes when tied,
+    else as a BlockMatrix of `output.weight` with its Q8_0 input; neither keeps a dense weight. `tensors`: the
+    GGUF's tensors by name; the names loaded are added to `covered`."""
+    embed, head, hidden = model.model.embed_tokens, model.lm_head, model.config.hidden_size
+    embed_tensor = tensors["token_embd.weight"]
     qtype, raw = gguf_rows(embed_tensor, copy=int(embed_tensor.tensor_type) != Q8_0)
-    embed.block_rows = BlockRows(qtype, raw, config.hidden_size)
+    embed.block_rows = BlockRows(qtype, raw, hidden)
     del raw
     covered.add("token_embd.weight")
     if "output.weight" in tensors:
-        head.blocks = BlockMatrix.from_gguf([gguf_rows(tensors["output.weight"])], config.hidden_size, q8_0_input=True)
+        head.blocks = BlockMatrix.from_gguf([gguf_rows(tensors["output.weight"])], hidden, q8_0_input=True)
         covered.add("output.weight")
     else:
         head.blocks = embed.block_rows.product_matrix()
     embed.weight, head.weight, head.weight_t = None, None, None
-    model.load_weights(source.weights(skip=covered))
-    model.matmul_dtype = "gguf"
-    model._layer_weight_list = model._block_stack_list = None  # the fused stacks' lists pick the blocks up
 
 
 BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")  # models whose GGUF loads as blocks

@@ -169,7 +169,7 @@ def load_gguf_blocks(model: torch.nn.Module, source: "GGUFSource") -> None:
     then reads the same rounded rows) or its Q8_0 blocks with the fp32 input. The other tensors (norms) load as
     usual. No dense copy of a quantized matrix is kept."""
     from dspark.kernels import ggml
-    from dspark.models.blocks import Q8_0, BlockMatrix, BlockRows, gguf_rows
+    from dspark.models.blocks import Q8_0, load_vocab_blocks
     path = source.path
     use_q4_1_products(model, gguf_q4_1_weights(path, model), head_bf16=False)
     covered = {t.name for t in source.reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
@@ -180,13 +180,7 @@ def load_gguf_blocks(model: torch.nn.Module, source: "GGUFSource") -> None:
     interleave = ggml.ops() is not None and all(  # the Q8_0 x Q8_0 head on rows interleaved by 8
         t is not None and int(t.tensor_type) == Q8_0 and int(t.shape[1]) % 8 == 0 for t in (embed_t, head_t))
     if interleave:
-        qtype, raw = gguf_rows(embed_t, copy=False)  # packed straight from the mapped file
-        embed.block_rows = BlockRows(qtype, raw, model.config.hidden_size)
-        del raw
-        head.blocks = (embed.block_rows.product_matrix() if tied else
-                       BlockMatrix.from_gguf([gguf_rows(head_t)], model.config.hidden_size, q8_0_input=True))
-        embed.weight, head.weight, head.weight_t = None, None, None
-        covered |= {"token_embd.weight", "output.weight"}
+        load_vocab_blocks(model, tensors, covered)
     else:
         _q8_0_or_bf16_head(embed, head, embed_t, head_t, tied, covered)
     drop_dense_weights(model)
