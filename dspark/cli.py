@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Sequence
 
 # subcommand → module exposing register(subparsers)
 COMMANDS = {
@@ -24,10 +25,10 @@ COMMANDS = {
     "train": "dspark.train.cli",
     "eval": "dspark.train.eval_accept",
 }
-# subcommand groups: `dspark bench serve|sweep|offline`
+# subcommand groups: `dspark bench serve|sweep|offline` → (help, {its subcommand: module exposing register})
 GROUPS = {
     "bench": ("serving and offline benchmarks",
-              ["dspark.bench.cli", "dspark.bench.sweep", "dspark.bench.offline"]),
+              {"serve": "dspark.bench.cli", "sweep": "dspark.bench.sweep", "offline": "dspark.bench.offline"}),
 }
 
 
@@ -55,26 +56,46 @@ def engine_config_from_args(args: argparse.Namespace, *, default_spec=None):
     return config
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The `dspark` parser. Where `argv` names a known subcommand (or a group and one of its subcommands),
+    only that command's module is imported and registered (`dspark serve` never imports the benchmarks'
+    HTTP client); else every command is, for the help, the errors and no arguments."""
+    named = _named(list(argv))
+    commands, groups = named or (COMMANDS, GROUPS)
     parser = argparse.ArgumentParser(prog="dspark", description="Speculative-decoding inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for module in COMMANDS.values():
-        _register(module, sub)
-    for name, (help_text, modules) in GROUPS.items():
+    # one command registered: the usage line still names them all, as argparse writes a full parser's choices
+    metavar = "{%s}" % ",".join([*COMMANDS, *GROUPS]) if named else None
+    sub = parser.add_subparsers(dest="command", required=True, metavar=metavar)
+    found = [_register(module, sub) for module in commands.values()]
+    for name, (help_text, modules) in groups.items():
         group = sub.add_parser(name, help=help_text).add_subparsers(dest=f"{name}_command", required=True)
-        for module in modules:
-            _register(module, group)
+        found += [_register(module, group) for module in modules.values()]
+    if named and not all(found):  # the named command's module is not in this checkout: the full parser's error
+        return build_parser()
     return parser
 
 
-def _register(module: str, sub) -> None:
+def _named(argv: list[str]) -> tuple[dict, dict] | None:
+    """(COMMANDS, GROUPS) narrowed to the one command `argv` starts with; None where it names none."""
+    first = argv[0] if argv else None
+    if first in COMMANDS:
+        return {first: COMMANDS[first]}, {}
+    if first in GROUPS and len(argv) > 1 and argv[1] in GROUPS[first][1]:
+        help_text, modules = GROUPS[first]
+        return {}, {first: (help_text, {argv[1]: modules[argv[1]]})}
+    return None
+
+
+def _register(module: str, sub) -> bool:
+    """`module`'s commands added to `sub`; False where the module is not in this checkout."""
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name == module:
-            return  # not in this checkout
+            return False
         raise
     mod.register(sub)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark.config import EngineConfig
     from dspark.engine_args import expand_dotted, json_flags
     argv = expand_dotted(list(sys.argv[1:] if argv is None else argv), json_flags(EngineConfig))
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -97,11 +97,18 @@ class LLM:
             self.engine, self.tokenizer = build_engine(config)
         self.detokenizer = Detokenizer(self.tokenizer.tokenizer) if self.tokenizer else None
         self._default_params: SamplingParams | None = None
+        self._hf_tokenizer = None
 
     # -- public API ------------------------------------------------------------------------------
     def get_tokenizer(self):
-        """The transformers tokenizer the engine's prompts are encoded with."""
-        return self.tokenizer.tokenizer if self.tokenizer is not None else None
+        """The transformers tokenizer the engine's prompts are encoded with (a cached GGUF tokenizer, which the
+        engine reads without transformers, is built as transformers' on the first call)."""
+        if self.tokenizer is None:
+            return None
+        if self._hf_tokenizer is None:
+            from dspark.models.tokenizer import as_transformers
+            self._hf_tokenizer = as_transformers(self.tokenizer.tokenizer)
+        return self._hf_tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults (`generation_config`)."""

@@ -18,6 +18,7 @@ advances only by committed tokens (`advance`).
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, Callable
 
@@ -69,16 +70,21 @@ class GrammarCompiler:
 
     @classmethod
     def for_tokenizer(cls, tokenizer, *, vocab_size: int, eos_token_ids: tuple[int, ...]) -> "GrammarCompiler":
-        """From a transformers fast tokenizer, or anything with `token_bytes()` (tests' tokenizers)."""
-        import llguidance
+        """From anything with a Rust `backend_tokenizer` (transformers' fast tokenizers, FastTokenizer), or with
+        `token_bytes()` (tests' tokenizers). llguidance is imported on first use."""
 
         def make():
+            import llguidance
             hf = getattr(tokenizer, "tokenizer", tokenizer)
             if hasattr(hf, "token_bytes"):
                 vocab = llguidance.TokenizerWrapper(_BytesVocab(hf.token_bytes(), eos_token_ids[0]))
                 return llguidance.LLTokenizer(vocab, n_vocab=vocab_size, eos_token=list(eos_token_ids))
-            from llguidance.hf import from_tokenizer
-            return from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+            if not hasattr(hf, "backend_tokenizer"):
+                raise ValueError(f"structured output needs a fast (Rust-backed) tokenizer, not {type(hf).__name__}")
+            backend = copy.copy(hf.backend_tokenizer)  # its JSON, without padding or truncation
+            backend.no_padding()
+            backend.no_truncation()
+            return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         return cls(make, vocab_size)
 
     @property

@@ -123,3 +123,18 @@ def _require(resolve, name):
         if os.environ.get("CI"):
             raise
         pytest.skip(str(e))
+
+
+def copy_gguf_tokenizer(name: str, folder) -> None:
+    """The converted tokenizer files of shipped GGUF model `name` (its cache entry, made if missing) copied
+    into `folder`, without the fp32 conversion's config.json that the cache holds beside them."""
+    import shutil
+
+    from dspark.models.loader import resolve_model_path
+    from dspark.models.tokenizer import gguf_cache_dir, load_tokenizer
+    _require(resolve_model_path, name)
+    load_tokenizer(resolve_model_path(name))  # the cache entry
+    cache = gguf_cache_dir(resolve_model_path(name))
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (cache / file).is_file():
+            shutil.copy(cache / file, folder / file)

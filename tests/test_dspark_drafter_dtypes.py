@@ -305,3 +305,28 @@ def test_engine_greedy_parity_with_random_dspark(tmp_path, matmul_dtype):
     assert spec_out == plain
     assert engine.metrics.verify_lens, "the drafter never proposed"
 
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_markov_rows_held_in_bf16_read_the_same_values(tmp_path, head_type):
+    """An engine's drafter holds a bf16 checkpoint's Markov W1 (a row per target token) as bf16, its rows read
+    back in fp32: the same embeddings, block logits and proposals bit for bit as the fp32 rows; W1 values that
+    bf16 would round stay fp32."""
+    cfg = tiny_cfg(markov_head_type=head_type)
+    model = random_model(cfg, seed=3)
+    assert model.markov_head.hold_rows_bf16() == 0 and model.markov_head.markov_w1.weight.dtype == torch.float32
+    save_dspark(model, cfg, tmp_path / "d", dtype="bfloat16")
+    kw = dict(target_config=TARGET, target_model=random_target(), dtype=torch.float32, device="cpu")
+    held = build(spec(tmp_path / "d", draft_matmul_dtype="float32"), **kw)
+    full = build(spec(tmp_path / "d", draft_matmul_dtype="float32"), **kw)
+    head = full.model.markov_head
+    head.markov_w1.weight = torch.nn.Parameter(head.markov_w1.weight.float(), requires_grad=False)
+    head.rows_dtype = None  # the fp32 twin: the checkpoint's values as fp32 rows
+    w1 = held.model.markov_head.markov_w1.weight
+    assert w1.dtype == torch.bfloat16 and torch.equal(w1.float(), head.markov_w1.weight)
+    ids = torch.randint(0, cfg.vocab_size, (5, 3))
+    assert torch.equal(held.model.markov_head.embed_prev(ids), head.embed_prev(ids))
+    assert held.model.markov_head.embed_prev(ids).dtype == torch.float32
+    logits_a, conf_a = _drafts_on_shared_context(held)
+    logits_b, conf_b = _drafts_on_shared_context(full)
+    assert torch.equal(logits_a, logits_b) and torch.equal(conf_a, conf_b)

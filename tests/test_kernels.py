@@ -250,3 +250,45 @@ def test_decoder_layers_widened_bf16_is_the_fp32_stack_on_the_same_values():
     (xb, cb), (xf, cf) = results
     assert not torch.equal(xb, x0) and torch.equal(xb, xf)
     assert all(torch.equal(a, b) for a, b in zip(cb, cf))
+
+
+def test_finished_build_loads_without_torchs_extension_loader():
+    """A fresh process loads the stamped build as it is: the same module file and functions, and neither
+    torch.utils.cpp_extension nor setuptools imported."""
+    import json
+    import subprocess
+    import sys
+    from dspark.kernels import compiled
+    assert (compiled.build_dir() / "dspark_cpu_ops.stamp").is_file()
+    code = ("import json, sys, torch\nfrom dspark.kernels import compiled\nk = compiled.ops()\n"
+            "print(json.dumps([k.__file__, sorted(n for n in dir(k) if not n.startswith('_')),"
+            " [m for m in ('torch.utils.cpp_extension', 'setuptools') if m in sys.modules]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    file, names, imported = json.loads(out.splitlines()[-1])
+    assert file == ops.__file__ and names == sorted(n for n in dir(ops) if not n.startswith("_"))
+    assert imported == []
+
+
+def test_build_without_a_matching_stamp_goes_through_torchs_loader(tmp_path, monkeypatch):
+    """No stamp (a build stopped part way, or one from before stamps) or a stamp of other flags: torch's
+    loader builds, and the finished build is stamped; a matching stamp and the .so: imported as they are."""
+    import torch.utils.cpp_extension
+    from dspark.kernels import compiled
+    loads, imports = [], []
+
+    def load(name, build_directory, extra_cflags, **kw):
+        loads.append(extra_cflags)
+        (tmp_path / f"{name}.so").write_bytes(b"")
+        return "built"
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    monkeypatch.setattr(compiled, "_import_built", lambda name, so: imports.append((name, so)) or "imported")
+    stamp = tmp_path / "dspark_test.stamp"
+    assert compiled.build("dspark_test", tmp_path) == "built" and stamp.is_file()
+    assert compiled.build("dspark_test", tmp_path) == "imported"
+    assert imports == [("dspark_test", tmp_path / "dspark_test.so")] and len(loads) == 1
+    stamp.unlink()
+    assert compiled.build("dspark_test", tmp_path) == "built" and stamp.is_file()
+    assert compiled.build("dspark_test", tmp_path, defines=("DSPARK_X",)) == "built"
+    assert loads[-1][-1] == "-DDSPARK_X" and len(loads) == 3 and len(imports) == 1
+    assert (tmp_path / "src" / compiled.SOURCE.name).is_file()  # the build compiled the staged copy

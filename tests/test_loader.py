@@ -101,72 +101,121 @@ def test_smollm2_gguf_header(gguf_source):
     assert c.max_position_embeddings == 8192 and c.eos_token_ids == (2,) and c.bos_token_id == 1
 
 
-def _same_header(compact, reader):
-    """Every metadata field (its contents whole and indexed) and every tensor of two parsed GGUF headers."""
+def _same_header(ours, reader):
+    """Every metadata field (its contents whole and indexed) and every tensor (its shape, type, place and
+    values) of two parsed GGUF headers."""
     import gguf
-    assert list(compact.fields) == list(reader.fields)
+    import numpy as np
+    assert list(ours.fields) == list(reader.fields)
     for key, want in reader.fields.items():
-        got = compact.fields[key]
+        got = ours.fields[key]
         assert (got.offset, got.name, list(got.types)) == (want.offset, want.name, list(want.types)), key
         assert got.contents() == want.contents(), key
         if want.types[0] == gguf.GGUFValueType.ARRAY and want.data:
             for i in (0, len(want.data) - 1, -1, slice(1, 4), slice(None, None, 7)):
                 assert got.contents(i) == want.contents(i), (key, i)
-    assert (compact.data_offset, compact.alignment) == (reader.data_offset, reader.alignment)
-    assert [(t.name, t.tensor_type, t.data_offset, t.data.shape) for t in compact.tensors] == \
-        [(t.name, t.tensor_type, t.data_offset, t.data.shape) for t in reader.tensors]
+    assert (ours.data_offset, ours.alignment) == (reader.data_offset, reader.alignment)
+    assert len(ours.tensors) == len(reader.tensors)
+    for got, want in zip(ours.tensors, reader.tensors):
+        assert (got.name, got.tensor_type, got.tensor_type.name, got.shape, got.n_elements, got.n_bytes,
+                got.data_offset, got.data.shape, got.data.dtype) == \
+            (want.name, want.tensor_type, want.tensor_type.name, tuple(int(d) for d in want.shape), want.n_elements,
+             want.n_bytes, want.data_offset, want.data.shape, want.data.dtype), got.name
+        assert np.array_equal(got.data, want.data), got.name
 
 
-def test_compact_gguf_reader_same_header(tmp_path):
-    """gguf_reader's metadata arrays held whole read as gguf's own reader reads them: strings, scalars,
-    an empty array, and the shipped GGUF's vocabulary and merges."""
+def test_gguf_file_reads_as_gguf_reader(tmp_path):
+    """GGUFFile reads a header as gguf's own reader: strings, scalars of each type, arrays held whole, tensors of
+    values and of blocks; and the shipped GGUF's vocabulary, merges and tensors."""
     import gguf
     import numpy as np
-    from dspark.models.gguf_format import _compact_reader_class
+    from dspark.models.gguf_format import GGUFFile
     path = tmp_path / "t.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_string("s", "héllo")
     w.add_uint32("u", 7)
+    w.add_int8("i8", -3)
+    w.add_int64("i64", -2 ** 40)
+    w.add_float32("f", 0.1)
+    w.add_float64("f64", 0.1)
+    w.add_bool("b", True)
     w.add_array("tokens", ["a", "", "ü€", "<0x0A>", "longer token"])
     w.add_array("scores", [0.5, -1.25, 3.0])
     w.add_array("types", [1, 2, 3, 6])
     w.add_array("flags", [True, False])
-    w.add_array("empty", [])
     w.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("h", np.arange(6, dtype=np.float16).reshape(2, 3))
+    q = np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64)
+    for name, qtype in (("q4_1", gguf.GGMLQuantizationType.Q4_1), ("q8_0", gguf.GGMLQuantizationType.Q8_0)):
+        w.add_tensor(name, gguf.quantize(q, qtype), raw_dtype=qtype)
+    k_blocks = np.random.default_rng(0).integers(0, 256, (3, 2 * 210), dtype=np.uint8)  # two Q6_K blocks a row
+    w.add_tensor("q6_k", k_blocks, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _same_header(_compact_reader_class()(str(path)), gguf.GGUFReader(str(path)))
-    assert _compact_reader_class()(str(path)).fields["tokens"].contents(2) == "ü€"
+    _same_header(GGUFFile(path), gguf.GGUFReader(str(path)))
+    assert GGUFFile(path).fields["tokens"].contents(2) == "ü€"
     try:
         shipped = resolve_model_path(DEFAULT_MODEL)
     except FileNotFoundError:
         return
-    _same_header(_compact_reader_class()(str(shipped)), gguf.GGUFReader(str(shipped)))
+    _same_header(GGUFFile(shipped), gguf.GGUFReader(str(shipped)))
+
+
+def test_gguf_types_are_ggufs_and_other_files_go_to_its_reader(tmp_path):
+    """GGML_TYPES names and sizes the types as gguf.constants does; a file GGUFFile leaves (an array of
+    arrays) is read by gguf's own reader."""
+    import gguf
+    import numpy as np
+    from dspark.models.gguf_format import GGML_TYPES, gguf_reader
+    for type_id, (name, block, size) in GGML_TYPES.items():
+        qtype = gguf.GGMLQuantizationType(type_id)
+        assert (qtype.name, *gguf.GGML_QUANT_SIZES[qtype]) == (name, block, size)
+    path = tmp_path / "nested.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("nested", [[1, 2], [3]])
+    w.add_tensor("t", np.zeros((2, 3), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf_reader(path)
+    assert isinstance(reader, gguf.GGUFReader) and reader.fields["nested"].contents() == [1, 2, 3]
+
+
+def test_serving_a_gguf_imports_no_gguf_package():
+    """The header reads and the resident-as-quantized load of the default GGUF (what `dspark serve default`
+    does) import no `gguf` (its import takes yaml and its writer along)."""
+    import subprocess
+    import sys
+    _require(resolve_model_path, DEFAULT_MODEL)
+    code = ("import sys\nfrom dspark.models.loader import load_model, q4_1_problem, read_model_config\n"
+            f"read_model_config({DEFAULT_MODEL!r})\nassert q4_1_problem({DEFAULT_MODEL!r}) is None\n"
+            f"load_model({DEFAULT_MODEL!r}, matmul_dtype='q4_1')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gguf'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("name", [DEFAULT_MODEL, "gemma-3-270m"])
 def test_cached_tokenizer_reads_no_model_config(name, tmp_path):
-    """The converted tokenizer loads from its cache folder without AutoTokenizer reading the fp32 conversion
+    """As transformers' tokenizer, the converted tokenizer loads from its cache folder without AutoTokenizer reading the fp32 conversion
     cache's config.json beside it (a Llama config imports transformers' model-loading stack, sympy among it),
     and without the class its tokenizer_config.json names rebuilding the Rust tokenizer (tokenizer.json goes
     straight into the generic fast class): the same encodings, decodings, token strings, vocabulary, special
     tokens, chat template and padding side as AutoTokenizer's."""
-    import shutil
     import subprocess
     import sys
     from transformers import AutoTokenizer
+    from conftest import copy_gguf_tokenizer
     from dspark.models.loader import read_model_config
-    from dspark.models.tokenizer import _cached_tokenizer, gguf_cache_dir, load_tokenizer
-    _require(resolve_model_path, name)
-    load_tokenizer(resolve_model_path(name))  # the cache entry
-    cache = gguf_cache_dir(resolve_model_path(name))
-    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (cache / file).is_file():
-            shutil.copy(cache / file, tmp_path / file)
+    from dspark.models.tokenizer import _cached_tokenizer
+    copy_gguf_tokenizer(name, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(read_model_config(name).to_hf()))
-    ours, auto = _cached_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    ours = _cached_tokenizer(tmp_path, thin=False)  # transformers' (the engine's FastTokenizer: test_fast_tokenizer)
+    auto = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
     texts = ["Hello <|im_start|> world\n\n  ü€ 12345 \t tabs", "Hello , world . isn't it ?  don 't",
              "<start_of_turn>user\nhi<end_of_turn>\n<eos>", " lead\n", "<bos><pad><unk>x 你好 é"]
     for text in texts:
@@ -181,7 +230,7 @@ def test_cached_tokenizer_reads_no_model_config(name, tmp_path):
     assert {i: str(t) for i, t in ours.added_tokens_decoder.items()} == \
         {i: str(t) for i, t in auto.added_tokens_decoder.items()}
     code = (f"import sys; from pathlib import Path; from dspark.models.tokenizer import _cached_tokenizer; "
-            f"_cached_tokenizer(Path({str(tmp_path)!r})); assert 'sympy' not in sys.modules")
+            f"_cached_tokenizer(Path({str(tmp_path)!r}), thin=False); assert 'sympy' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
 

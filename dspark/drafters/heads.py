@@ -51,7 +51,21 @@ class MarkovHead(nn.Module):
 
     def embed_prev(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """W1[x_{k-1}]: [...] target ids → [..., rank] (also the confidence head's input)."""
-        return self.markov_w1(prev_ids)
+        rows = self.markov_w1(prev_ids)
+        return rows if self.rows_dtype is None else rows.to(self.rows_dtype)
+
+    rows_dtype: torch.dtype | None = None  # the dtype W1's rows are read as, where `hold_rows_bf16` narrowed it
+
+    def hold_rows_bf16(self) -> int:
+        """Inference only: hold W1 (one row per target token: 12 MiB in fp32 for a 49152-token vocabulary) as
+        bf16 where every value is a bf16 value (a checkpoint stored in bf16), its rows read back in the former
+        dtype: the same values bit for bit. Returns the bytes freed (0 where a value would round)."""
+        w = self.markov_w1.weight
+        if w.dtype != torch.float32 or w.is_meta or not torch.equal(w.to(torch.bfloat16).float(), w):
+            return 0
+        self.rows_dtype = w.dtype
+        self.markov_w1.weight = nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False)
+        return w.numel() * 2
 
     def _rank_input(self, prev_embed: torch.Tensor, hidden: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
         """u_k [..., rank] (the bias is W2 · u_k) and the next state."""

@@ -1,12 +1,17 @@
 """The compiled CPU kernels: their source files, the build folder named by the sources' hash, the build
 itself (torch's C++ extension loader), and `ops()`, the loaded module or None (off, or no compiler).
+A finished build leaves a stamp beside its `<name>.so` (what it compiled, with which flags); a load whose
+stamp matches imports the .so directly, without torch's loader (which imports setuptools and runs ninja).
 Imported by `dspark.kernels` and by `kernels.blocks` (which asks the build how it packs Q4_1 rows)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import logging
 import os
+import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -41,15 +46,55 @@ def build_dir() -> Path:
 
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
 
 
 def build(name: str, path: Path, *, source: Path = SOURCE, defines: tuple[str, ...] = ()) -> ModuleType:
     """Compile `source` (default: these kernels) as module `name` in folder `path` with the kernels' flags and
-    preprocessor `defines`: the main build, `ops_variant`, and the benchmarks' builds of another revision."""
+    preprocessor `defines`: the main build, `ops_variant`, and the benchmarks' builds of another revision.
+    A build already there whose stamp matches is imported as it is."""
+    cflags = [*CFLAGS, *(f"-D{d}" for d in defines)]
+    stamp, so = path / f"{name}.stamp", path / f"{name}.so"
+    expected = _stamp_text(name, source, cflags)
+    if so.is_file() and stamp.is_file() and stamp.read_text() == expected:
+        try:
+            return _import_built(name, so)
+        except ImportError as e:  # a damaged file: torch's loader below (which rebuilds what ninja finds stale)
+            logger.warning("rebuilding %s: %s", so, e)
     from torch.utils.cpp_extension import load
     path.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(_staged(source, path))], build_directory=str(path),
-                extra_cflags=[*CFLAGS, *(f"-D{d}" for d in defines)], extra_ldflags=["-fopenmp"], verbose=False)
+    stamp.unlink(missing_ok=True)  # a build stopped part way leaves no stamp
+    module = load(name=name, sources=[str(_staged(source, path))], build_directory=str(path),
+                  extra_cflags=cflags, extra_ldflags=list(LDFLAGS), verbose=False)
+    if so.is_file():
+        tmp = path / f".{stamp.name}.{os.getpid()}"
+        tmp.write_text(expected)
+        os.replace(tmp, stamp)
+    return module
+
+
+def _stamp_text(name: str, source: Path, cflags: list[str]) -> str:
+    """What a build of `name` from `source` with `cflags` is: the module name, the compiled files' hash, the
+    flags, torch's version and the Python ABI (the stamp a finished build writes beside its .so)."""
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in _compiled_files(source))).hexdigest()
+    return json.dumps({"name": name, "sources": digest, "cflags": cflags, "ldflags": list(LDFLAGS),
+                       "torch": torch.__version__, "python": sys.implementation.cache_tag}, indent=1) + "\n"
+
+
+def _import_built(name: str, so: Path) -> ModuleType:
+    """The built extension `so` imported as module `name`, as torch's loader imports it (torch imported first)."""
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{so} is not an importable extension")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiled_files(source: Path) -> list[Path]:
+    """`source` and the parts beside it that it includes (by name): the files a build compiles."""
+    text = source.read_text()
+    return [source, *(f for f in source_files(source)[1:] if f'"{f.name}"' in text)]
 
 
 def _staged(source: Path, path: Path) -> Path:
@@ -58,8 +103,7 @@ def _staged(source: Path, path: Path) -> Path:
     asks, so checkouts of one source share the build instead of recompiling it for each other in turn."""
     staged = path / "src"
     staged.mkdir(exist_ok=True)
-    text = source.read_text()
-    for f in [source, *(f for f in source_files(source)[1:] if f'"{f.name}"' in text)]:
+    for f in _compiled_files(source):
         target, data = staged / f.name, f.read_bytes()
         if not target.is_file() or target.read_bytes() != data:
             tmp = staged / f".{f.name}.{os.getpid()}"

@@ -1,22 +1,47 @@
-"""GGUF headers and names: the parsed reader (once per file version), llama.cpp -> HF tensor names, the
-ModelConfig a header implies, and llama.cpp's q/k row interleave. Shared by the dense loader
-(`models.loader`) and the resident-block loader (`models.blocks`), which import it, never each other."""
+"""GGUF headers and names: the file's header parsed without the `gguf` package (`GGUFFile`, once per file
+version), llama.cpp -> HF tensor names, the ModelConfig a header implies, and llama.cpp's q/k row interleave.
+Shared by the dense loader (`models.loader`) and the resident-block loader (`models.blocks`), which import it,
+never each other. The `gguf` package (its import takes yaml and its writer's stack along) is left to writing
+files, dequantizing types other than F32, first-time conversion, and the files `GGUFFile` leaves to it."""
 
 from __future__ import annotations
 
 import functools
+import math
 import re
+import struct
+from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from dspark.models.config import ModelConfig
 
+# GGML tensor type id -> (name, weights a block, bytes a block): gguf.constants' GGMLQuantizationType names
+# and GGML_QUANT_SIZES (test_loader checks the two agree)
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}
+GGMLType = IntEnum("GGMLType", {name: i for i, (name, _, _) in GGML_TYPES.items()})
+# the types whose tensors read as arrays of their values (as gguf reads them); every other type as its bytes
+_VALUE_DTYPES = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
+# GGUF metadata value types (gguf.GGUFValueType): the scalars' struct codes, then the two composite types
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+UINT32, UINT64, STRING, ARRAY = 4, 10, 8, 9
+
 
 def gguf_reader(path: str | Path):
-    """gguf.GGUFReader for the file at `path` (`_compact_reader_class`: metadata arrays held whole), parsed
-    once per process and file version (the config check, the Q4_1 blocks and the head read it)."""
+    """The parsed header of the GGUF file at `path` (`GGUFFile`), parsed once per process and file version
+    (the config check, the Q4_1 blocks and the head read it)."""
     path = Path(path).resolve()
     stat = path.stat()
     return _gguf_reader(str(path), stat.st_mtime_ns, stat.st_size)
@@ -24,75 +49,149 @@ def gguf_reader(path: str | Path):
 
 @functools.lru_cache(maxsize=2)
 def _gguf_reader(path: str, mtime_ns: int, size: int):
-    return _compact_reader_class()(path)
+    try:
+        return GGUFFile(path)
+    except _LeftToGGUF:  # another byte order, an array of arrays, a type GGML_TYPES lacks
+        import gguf
+        return gguf.GGUFReader(path)
 
 
-@functools.cache
-def _compact_reader_class():
-    """A gguf.GGUFReader whose metadata arrays (the vocabulary, merges, scores, token types) are held as one
-    view of the file each (`PackedArrayField`), not as the two numpy memmaps per element gguf's own reader
-    makes: for gemma-3-270m's 262144 tokens and 514906 merges those were ~700 MiB of Python objects (and ~5 s
-    of parsing); for SmolLM2's 49152 ~150 MiB. Fields' `contents()` and the tensors are as gguf's. A file
-    of the other byte order, or an array of arrays, is parsed by gguf's own code."""
-    import struct
+class _LeftToGGUF(Exception):
+    """A file GGUFFile leaves to gguf's own reader."""
 
-    import gguf
-    import numpy as np
 
-    STRING, ARRAY = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
+class GGUFField:
+    """A metadata key and value as gguf's ReaderField reads them (`offset`, `name`, `types`, `contents()`); an
+    array's items are held as one view of the file and decoded on demand (gguf's own reader holds two numpy
+    memmaps per item: for gemma-3-270m's 262144 tokens and 514906 merges ~700 MiB of Python objects)."""
+    __slots__ = ("offset", "name", "types", "value", "count")
 
-    class PackedArrayField(gguf.ReaderField):
-        """A metadata array as [..., item type, length, the items' bytes]; `contents()` decodes on demand."""
-        __slots__ = ()
+    def __init__(self, offset: int, name: str, types: list[int], value: Any, count: int = 0) -> None:
+        self.offset, self.name, self.types, self.value, self.count = offset, name, types, value, count
 
-        def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
-            region, count = self.parts[-1], int(self.parts[-2][0])
-            if self.types[-1] != STRING:
-                return region.tolist()[index_or_slice]
-            buf, offs, items = memoryview(region), 0, []
+    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+        if self.types[0] != ARRAY:
+            return self.value
+        if self.types[-1] != STRING:
+            return self.value.tolist()[index_or_slice]
+        buf, offs, items = memoryview(self.value), 0, []
+        for _ in range(self.count):
+            (n,) = struct.unpack_from("<Q", buf, offs)
+            items.append(str(bytes(buf[offs + 8:offs + 8 + n]), encoding="utf-8"))
+            offs += 8 + n
+        return items[index_or_slice]
+
+
+class GGUFTensor(NamedTuple):
+    """A tensor of the file: `shape` in GGUF order (the reverse of `data`'s), `data` a read-only view of the
+    mapped file, shaped as gguf's reader shapes it (values for F32 / F16 / integer types, else bytes)."""
+    name: str
+    tensor_type: GGMLType
+    shape: tuple[int, ...]
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray
+
+
+class GGUFFile:
+    """A GGUF (version 2 or 3, little-endian) file's header: `fields` {key: GGUFField} (gguf's GGUF.version,
+    GGUF.tensor_count and GGUF.kv_count first), `tensors` [GGUFTensor], `alignment`, `data_offset`; the file
+    mapped once (`data`), as gguf.GGUFReader reads it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.data = np.memmap(path, mode="r")
+        self._buf = memoryview(self.data)
+        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", self._buf, 0)
+        if magic != b"GGUF":
+            raise ValueError("GGUF magic invalid")
+        if version & 0xFFFF == 0:
+            raise _LeftToGGUF("the other byte order")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported")
+        self.fields = {"GGUF.version": GGUFField(4, "GGUF.version", [UINT32], version),
+                       "GGUF.tensor_count": GGUFField(8, "GGUF.tensor_count", [UINT64], n_tensors),
+                       "GGUF.kv_count": GGUFField(16, "GGUF.kv_count", [UINT64], n_kv)}
+        offs = 24
+        for _ in range(n_kv):
+            start = offs
+            key, offs = self._string(offs)
+            field, offs = self._field(start, key, self._unpack("<I", offs), offs + 4)
+            if key in self.fields:
+                raise KeyError(f"Duplicate {key} already in list at offset {start}")
+            self.fields[key] = field
+        infos = []
+        for _ in range(n_tensors):
+            name, offs = self._string(offs)
+            n_dims = self._unpack("<I", offs)
+            dims = struct.unpack_from(f"<{n_dims}Q", self._buf, offs + 4)
+            offs += 4 + 8 * n_dims
+            infos.append((name, dims, *struct.unpack_from("<IQ", self._buf, offs)))
+            offs += 12
+        align = self.fields.get("general.alignment")
+        self.alignment = 32 if align is None else align.value
+        if align is not None and (align.types != [UINT32] or self.alignment & (self.alignment - 1) or not self.alignment):
+            raise ValueError("Bad general.alignment field")
+        self.data_offset = offs + -offs % self.alignment
+        self.tensors = [self._tensor(*info) for info in infos]
+        if len({t.name for t in self.tensors}) != len(self.tensors):
+            raise ValueError("GGUF file names a tensor twice")
+
+    def _unpack(self, fmt: str, offs: int) -> Any:
+        return struct.unpack_from(fmt, self._buf, offs)[0]
+
+    def _string(self, offs: int) -> tuple[str, int]:
+        n = self._unpack("<Q", offs)
+        return str(bytes(self._buf[offs + 8:offs + 8 + n]), encoding="utf-8"), offs + 8 + n
+
+    def _field(self, start: int, key: str, vtype: int, offs: int) -> tuple[GGUFField, int]:
+        """The value of type `vtype` at `offs` -> (its field, the offset after it)."""
+        if vtype == STRING:
+            text, end = self._string(offs)
+            return GGUFField(start, key, [STRING], text), end
+        if vtype in _SCALARS:
+            code = "<" + _SCALARS[vtype]
+            return GGUFField(start, key, [vtype], self._unpack(code, offs)), offs + struct.calcsize(code)
+        if vtype != ARRAY:
+            raise ValueError(f"GGUF field {key!r} has the unknown value type {vtype}")
+        itype, count = struct.unpack_from("<IQ", self._buf, offs)
+        begin = end = offs + 12
+        if itype == STRING:
             for _ in range(count):
-                (n,) = struct.unpack_from("<Q", buf, offs)
-                items.append(str(bytes(buf[offs + 8:offs + 8 + n]), encoding="utf-8"))
-                offs += 8 + n
-            return items[index_or_slice]
+                end += 8 + self._unpack("<Q", end)
+            region = self.data[begin:end]
+        elif itype in _SCALARS:
+            dtype = np.dtype("<" + _SCALARS[itype])
+            end = begin + count * dtype.itemsize
+            region = self.data[begin:end].view(dtype)
+        else:
+            raise _LeftToGGUF("an array of arrays")
+        return GGUFField(start, key, [ARRAY, itype] if count else [ARRAY], region, count), end
 
-    class CompactGGUFReader(gguf.GGUFReader):
-        def _build_fields(self, offs: int, count: int) -> int:
-            """gguf's own loop over the metadata key/values, with `_packed_array` for arrays."""
-            for _ in range(count):
-                orig_offs = offs
-                kv_klen, kv_kdata = self._get_str(offs)
-                offs += int(kv_klen.nbytes + kv_kdata.nbytes)
-                raw_kv_type = self._get(offs, np.uint32)
-                offs += int(raw_kv_type.nbytes)
-                packed = self._packed_array(offs) if raw_kv_type[0] == ARRAY else None
-                size, parts, idxs, types = packed or self._get_field_parts(offs, raw_kv_type[0])
-                field_class = PackedArrayField if packed else gguf.ReaderField
-                self._push_field(field_class(orig_offs, str(bytes(kv_kdata), encoding="utf-8"),
-                                             [kv_klen, kv_kdata, raw_kv_type, *parts], [i + 3 for i in idxs],
-                                             types), skip_sum=True)
-                offs += size
-            return offs
+    def _tensor(self, name: str, dims: tuple[int, ...], type_id: int, offset: int) -> GGUFTensor:
+        if type_id not in GGML_TYPES:
+            raise _LeftToGGUF(f"GGML type {type_id}")
+        _, block, size = GGML_TYPES[type_id]
+        n = math.prod(dims)
+        start, n_bytes, shape = self.data_offset + offset, n * size // block, tuple(reversed(dims))
+        region = self.data[start:start + n_bytes]
+        if type_id in _VALUE_DTYPES:
+            data = region.view(_VALUE_DTYPES[type_id]).reshape(shape)
+        elif shape[-1] % block:
+            raise ValueError(f"GGUF tensor {name!r}: {shape[-1]} columns are not whole blocks of {block}")
+        else:
+            data = region.reshape(*shape[:-1], shape[-1] // block * size)
+        return GGUFTensor(name, GGMLType(type_id), tuple(dims), n, n_bytes, start, data)
 
-        def _packed_array(self, start: int):
-            """The array at `start` -> (its size, [item type, length, one view of the items' bytes], [2],
-            [ARRAY, item type]); None for an array of arrays or a file of the other byte order."""
-            raw_itype, alen = self._get(start, np.uint32), self._get(start + 4, np.uint64)
-            itype, count, begin = gguf.GGUFValueType(int(raw_itype[0])), int(alen[0]), start + 12
-            nptype = self.gguf_scalar_to_np.get(itype)
-            if self.byte_order != "I" or (nptype is None and itype != STRING):
-                return None
-            if nptype is not None:
-                region = self._get(begin, nptype, count)
-            else:
-                buf, end = memoryview(self.data), begin
-                for _ in range(count):
-                    end += 8 + struct.unpack_from("<Q", buf, end)[0]
-                region = self._get(begin, np.uint8, end - begin)
-            size = begin + int(region.nbytes) - start
-            return size, [raw_itype, alen, region], [2], [ARRAY, itype]
 
-    return CompactGGUFReader
+def gguf_values(t) -> np.ndarray:
+    """A GGUF tensor's values as gguf's dequantize gives them: an F32 tensor as stored (without importing gguf),
+    every other type through gguf.quants."""
+    if int(t.tensor_type) == GGMLType.F32:
+        return t.data.view(np.float32)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    return dequantize(t.data, GGMLQuantizationType(int(t.tensor_type)))
 
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}

@@ -5,11 +5,11 @@ chunk packages on first use).
 
 Every source is turned into a stream of (HF parameter name, tensor) pairs and handed to the model's
 `load_weights`, which routes names through the packed-name map and per-parameter weight loaders.
-GGUF tensors are dequantised with the `gguf` library and renamed from llama.cpp names; llama.cpp's
-converter interleaves the rows of q_proj/k_proj of Llama models for its rope kernel, which is undone
-here. Parsing and dequantising a GGUF takes seconds, so the first load also writes the HF-named fp32
-tensors and config.json to the file's cache directory (`tokenizer.gguf_cache_dir`); later loads read
-that as an HF directory. Checkpoints are read with `safetensors` only (never pickle).
+GGUF tensors are dequantised with the `gguf` library (F32 ones read as stored) and renamed from llama.cpp
+names; llama.cpp's converter interleaves the rows of q_proj/k_proj of Llama models for its rope kernel,
+which is undone here. Parsing and dequantising a GGUF takes seconds, so the first load also writes the
+HF-named fp32 tensors and config.json to the file's cache directory (`tokenizer.gguf_cache_dir`); later
+loads read that as an HF directory. Checkpoints are read with `safetensors` only (never pickle).
 
 `matmul_dtype="q4_1"` loads a Q4_1 GGUF resident as quantized (`load_gguf_blocks`): the layer matrices
 stay in their blocks for the CPU kernels (rows un-interleaved the same way, packed by `kernels.pack_q4_1`),
@@ -36,8 +36,8 @@ from dspark.kernels.blocks import q8_0_packed_values
 from dspark.models.layers import (Linear, add_decode_layout, drop_dense_weights, use_bf16_products,
                                   use_q4_1_products)
 from dspark.models.config import ModelConfig
-from dspark.models.gguf_format import (_gguf_reader, gguf_field, gguf_model_config, gguf_reader,  # noqa: F401
-                                       gguf_to_hf_name, unpermute_rope_rows)
+from dspark.models.gguf_format import (GGMLType, _gguf_reader, gguf_field, gguf_model_config,  # noqa: F401
+                                       gguf_reader, gguf_to_hf_name, gguf_values, unpermute_rope_rows)
 from dspark.models.tokenizer import TokenizerBundle, check_tokenizer_files, gguf_cache_dir, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -149,11 +149,10 @@ def q4_1_problem(path_or_name: str | Path) -> str | None:
     path = resolve_model_path(path_or_name)
     if not (path.is_file() and path.suffix == ".gguf"):
         return f"{path} is not a GGUF file (Q4_1 products multiply a Q4_1 GGUF's own blocks)"
-    import gguf
     for t in gguf_reader(path).tensors:
         if not t.name.startswith("blk.") or len(t.shape) != 2:
             continue  # the embedding / LM head: bf16, Q8_0 or fp32 products; norms are vectors
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+        if t.tensor_type != GGMLType.Q4_1:
             return f"{path.name}: {t.name} is {t.tensor_type.name}, not Q4_1"
         if int(t.shape[0]) % 64:
             return f"{path.name}: {t.name} has {int(t.shape[0])} input columns, not a multiple of 64"
@@ -215,8 +214,7 @@ def _q8_0_or_bf16_head(embed, head, embed_t, head_t, tied: bool, covered: set[st
 
 def gguf_q8_0_matrix(t) -> torch.Tensor | None:
     """A GGUF tensor's Q8_0 rows packed for the kernels (`kernels.pack_q8_0`), None when it is another type."""
-    import gguf
-    if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+    if t is None or t.tensor_type != GGMLType.Q8_0:
         return None
     return kernels.pack_q8_0(torch.from_numpy(np.array(t.data, copy=True)))
 
@@ -332,7 +330,6 @@ class GGUFSource:
 
     def weights(self, skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 tensor) of every tensor but those named (GGUF names) in `skip`."""
-        from gguf.quants import dequantize
         permute = self.config.architecture == "LlamaForCausalLM"  # llama.cpp permutes Llama q/k only
         arch = self.field("general.architecture")
         norm_shift = arch == "gemma3"  # llama.cpp stores Gemma's RMSNorm weights as 1 + weight
@@ -344,7 +341,7 @@ class GGUFSource:
                                  "supported; load the HF safetensors checkpoint instead")
             name = gguf_to_hf_name(t.name, arch)
             # numpy shape is the reverse of the GGUF dims: [out, in], the HF layout
-            array = dequantize(t.data, t.tensor_type)
+            array = gguf_values(t)
             tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C",
                                                copy=not array.flags.writeable or None))
             if permute and name.endswith("self_attn.q_proj.weight"):

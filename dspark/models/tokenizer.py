@@ -1,5 +1,7 @@
-"""TokenizerBundle: a transformers tokenizer plus what the engine and server need from it (encode,
-decode, chat template → ids, the set of end-of-sequence ids).
+"""TokenizerBundle: a tokenizer plus what the engine and server need from it (encode, decode, chat template
+→ ids, the set of end-of-sequence ids). The tokenizer is transformers' for an HF model folder, and for a GGUF
+file the Rust tokenizer of its cached conversion (`FastTokenizer`, models/fast_tokenizer.py: no transformers
+import in a served process) where that reproduces the conversion's settings.
 
 A GGUF file embeds its tokenizer; converting it with transformers takes seconds, so the converted
 tokenizer is saved once under `gguf_cache_dir(file)` (`~/.cache/dspark/gguf/<hash of the file
@@ -25,7 +27,7 @@ CACHE_ROOT = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspar
 
 @dataclass(frozen=True)
 class TokenizerBundle:
-    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase, or a FastTokenizer (a cached GGUF tokenizer)
     eos_token_ids: tuple[int, ...]
 
     @property
@@ -100,6 +102,17 @@ def load_tokenizer(path: Path, *, eos_token_ids: tuple[int, ...] = ()) -> Tokeni
     return TokenizerBundle(tokenizer=tok, eos_token_ids=tuple(dict.fromkeys(eos)))
 
 
+def as_transformers(tok: Any) -> Any:
+    """`tok` as transformers' tokenizer: a FastTokenizer's folder loaded by transformers (with its current chat
+    template; imports transformers), anything else as it is."""
+    from dspark.models.fast_tokenizer import FastTokenizer
+    if not isinstance(tok, FastTokenizer):
+        return tok
+    hf = _cached_tokenizer(Path(tok.name_or_path), thin=False)
+    hf.chat_template = tok.chat_template
+    return hf
+
+
 def _drop_constructor_tables(tok: Any) -> None:
     """transformers 5's BPE tokenizers (Gemma, GPT-2, ...) keep the vocabulary and merges they built their
     Rust tokenizer from as Python objects (`_vocab`, `_merges`), read by their constructor only; for Gemma 3's
@@ -112,14 +125,16 @@ def _drop_constructor_tables(tok: Any) -> None:
 
 def gguf_cache_dir(path: Path) -> Path:
     """Cache directory of one GGUF file, keyed by its path, size, mtime and the transformers version."""
-    import transformers
+    from importlib.metadata import version  # not transformers.__version__: importing transformers costs ~20 MiB
     st = path.resolve().stat()
-    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{version('transformers')}"
     return CACHE_ROOT / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def _cached_tokenizer(cache: Path) -> Any:
-    """The converted tokenizer saved in `cache`. Where the class its tokenizer_config.json names is a fast one,
+def _cached_tokenizer(cache: Path, *, thin: bool = True) -> Any:
+    """The converted tokenizer saved in `cache`: a `FastTokenizer` (no transformers import) where it reproduces
+    the folder's settings and `thin`; else transformers' tokenizer, built as follows. Where the class its
+    tokenizer_config.json names is a fast one,
     tokenizer.json goes straight into transformers' generic fast class (`PreTrainedTokenizerFast`, with the
     config's settings, the chat template beside it and the named class's padding side): the named class
     (GemmaTokenizer, ...) rebuilds the Rust tokenizer from Python copies of the vocabulary and merges, and
@@ -129,6 +144,9 @@ def _cached_tokenizer(cache: Path) -> Any:
     the same folder (for a Llama config that imports transformers' model-loading stack, accelerate and sympy
     among it: ~50 MiB resident for the rest of a served process). AutoTokenizer where the named class is not
     transformers' own."""
+    from dspark.models.fast_tokenizer import FastTokenizer
+    if thin and FastTokenizer.supports(cache):
+        return FastTokenizer(cache)
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
     config = json.loads((cache / "tokenizer_config.json").read_text())
@@ -148,13 +166,13 @@ def _cached_tokenizer(cache: Path) -> Any:
 
 
 def _load_gguf_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
     cache = gguf_cache_dir(path)
     if (cache / "tokenizer_config.json").is_file():
         try:
             return _cached_tokenizer(cache)
         except Exception as e:  # a damaged cache entry: convert again
             logger.warning("ignoring tokenizer cache %s: %s", cache, e)
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     try:
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
