@@ -2,8 +2,9 @@
 revision's (before weights stayed quantized), side by side in one run.
 
 RSS: one `python -m dspark serve MODEL` per code revision (the shipped speculative default where the model
-has one), warmed up with chat completions, then VmRSS / RssAnon / RssFile of the server process read from
-/proc; the budget is 1.3 x the GGUF's size + the KV pool (--kv-cache-memory-gb) + 300 MB runtime.
+has one), warmed up with chat completions, then, 2 s later (the idle server has trimmed its heap), VmRSS /
+RssAnon / RssFile of the server process read from /proc; the budget is 1.3 x the GGUF's size + the KV pool
+(--kv-cache-memory-gb) + 300 MB runtime.
 llama.cpp's RSS on the same file beside it when llama-cpp-python is installed (PEERS=1 scripts/setup.sh).
 Decode: bench_decode.py's batch-1 greedy decode (plain, or with --spec the shipped speculative default;
 --matmul-dtype auto) in one child process per revision, alternating, `--rounds` times; tok/s medians and
@@ -31,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 2**20
+SETTLE_S = 2.0  # after the warm-ups, before RSS is read
 
 DECODE_CHILD = """
 import json, sys, torch
@@ -105,6 +107,7 @@ def serve_rss(tree: Path, model: str, kv_gb: float, warmup: int, timeout: float)
                                                      "messages": [{"role": "user", "content": text}]})
             except urllib.error.HTTPError:  # a base model (no chat template): a plain completion
                 _post(port, "/v1/completions", {"model": model, "max_tokens": 64, "temperature": 0, "prompt": text})
+        time.sleep(SETTLE_S)  # an idle server hands the requests' freed memory back (async_engine.IDLE_TRIM_S)
         return {"startup_s": round(startup, 1), **proc_status(proc.pid)}
     finally:
         proc.terminate()

@@ -267,3 +267,21 @@ def test_fused_decoder_layers_equal_per_layer_modules(tiny_config, matmul_dtype)
     for layer, (c1, c2) in enumerate(zip(fused_kv, module_kv)):
         for name, x, y in (("K", c1[0], c2[0]), ("V", c1[1], c2[1])):
             assert torch.equal(x.nan_to_num(), y.nan_to_num()), f"layer {layer} {name} cache differs"
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+def test_rope_per_step_equals_a_table_of_every_position(scaling):
+    """RotaryEmbedding computes cos/sin from the positions each step; the values equal, bit for bit, a table of
+    every position built from the same inverse frequencies (the elementwise products and functions it holds)."""
+    from dspark.models.layers import ROPE_INIT, RotaryEmbedding, rope_type
+    rope = RotaryEmbedding(head_dim=64, max_positions=8192, theta=1e5, scaling=scaling, dtype=torch.float32,
+                           device="cpu")
+    assert not any(b.numel() > 64 for b in rope.buffers())  # no table of positions is held
+    freqs = torch.outer(torch.arange(8192, dtype=torch.float32),
+                        ROPE_INIT[rope_type(scaling)](64, 1e5, dict(scaling or {})))  # [8192, 32]
+    cos_table = torch.cat((freqs.cos(), freqs.cos()), -1)
+    sin_table = torch.cat((-freqs.sin(), freqs.sin()), -1)
+    for positions in (torch.tensor([0]), torch.tensor([8191, 3, 4]), torch.arange(8192)):
+        cos, sin = rope.lookup(positions)
+        assert torch.equal(cos[:, 0], cos_table[positions]) and torch.equal(sin[:, 0], sin_table[positions])

@@ -406,3 +406,22 @@ def test_non_stream_disconnect_aborts(tiny_model):
         assert engine.metrics.num_generation_tokens < 100
         abort = ("vllm:request_success_total", (("finished_reason", "abort"),))
         assert srv.metrics()[abort] == 1
+
+
+@pytest.mark.parametrize("idle_s", [0.2, 60.0])
+def test_heap_trim_waits_for_an_idle_engine(monkeypatch, idle_s):
+    """The heap goes back to the OS once the engine has been idle `IDLE_TRIM_S` after its last request (the
+    response sent, its objects freed), once, never while a request runs; not at the moment the request ends."""
+    import dspark.server.async_engine as async_engine
+    calls = []
+    monkeypatch.setattr(async_engine, "IDLE_TRIM_S", idle_s)
+    engine = make_engine(build_tiny_model())
+    monkeypatch.setattr(async_engine, "_trim_when_idle", lambda e: calls.append(e.has_unfinished()))
+    with serve(engine) as srv:
+        assert srv.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 6}
+                        ).status_code == 200
+        deadline = time.monotonic() + (20 if idle_s < 1 else 1.0)
+        while time.monotonic() < deadline and not calls:
+            time.sleep(0.02)
+        time.sleep(0.5)
+        assert calls == ([False] if idle_s < 1 else [])

@@ -1,5 +1,5 @@
 """Building blocks shared by the target-model families: RMSNorm, rotary embeddings (default / linear /
-llama3 scaling, precomputed cos/sin tables), SiLU-and-mul, plain and merged (fused qkv, gate_up) linear
+llama3 scaling, cos/sin computed per step from the positions), SiLU-and-mul, plain and merged (fused qkv, gate_up) linear
 layers, the vocab embedding and the LM head.
 
 Every parameter that a checkpoint fills carries a `weight_loader(param, tensor, shard_id=None)`, so the
@@ -101,7 +101,9 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) RoPE with cos/sin tables precomputed for every position.
+    """Neox-style (rotate-half) RoPE, cos/sin computed per forward from the positions (a table of every
+    position would hold 4 MiB for SmolLM2's 8192 positions, 64 MiB at 32k and head_dim 256; the per-step values
+    are the same elementwise fp32 products and functions as such a table's).
 
     `lookup(positions)` is called once per forward; `apply_rope` then costs three ops per tensor.
     """
@@ -112,19 +114,17 @@ class RotaryEmbedding(nn.Module):
         kind = rope_type(scaling)
         if kind not in ROPE_INIT:
             raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_INIT)}")
-        inv_freq = ROPE_INIT[kind](head_dim, theta, dict(scaling or {}))  # [hd/2] fp32
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [max_pos, hd/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        self.max_positions = max_positions
-        self.register_buffer("cos_table", torch.cat((cos, cos), -1).to(device=device, dtype=dtype),
-                             persistent=False)  # [max_pos, hd]
-        # sign folded in: rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin)
-        self.register_buffer("sin_table", torch.cat((-sin, sin), -1).to(device=device, dtype=dtype),
-                             persistent=False)  # [max_pos, hd]
+        self.max_positions, self.dtype = max_positions, dtype
+        self.register_buffer("inv_freq", ROPE_INIT[kind](head_dim, theta, dict(scaling or {})).to(device),
+                             persistent=False)  # [hd/2] fp32
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim]."""
-        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+        """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim], the sign of rotate-half folded
+        into sin (rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin))."""
+        freqs = positions.float().unsqueeze(1) * self.inv_freq  # [num_tokens, hd/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        return (torch.cat((cos, cos), -1).to(self.dtype).unsqueeze(1),
+                torch.cat((-sin, sin), -1).to(self.dtype).unsqueeze(1))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -114,9 +114,13 @@ class AdmissionError(Exception):
         self.status_code = status_code
 
 
+IDLE_TRIM_S = 0.5  # the engine idle this long after its last request ended: `_trim_when_idle`
+
+
 def _trim_when_idle(engine) -> None:
-    """The last request ended: the steps' temporaries that glibc keeps cached (`tune_malloc`'s fixed thresholds)
-    back to the OS, on a CPU engine (`utils.host.trim_heap`, milliseconds)."""
+    """The server has been idle `IDLE_TRIM_S` since its last request ended (its response sent, the objects that
+    served it freed): the freed memory that glibc keeps cached (`tune_malloc`'s fixed thresholds) back to the
+    OS, on a CPU engine (`utils.host.trim_heap`, milliseconds)."""
     from dspark.config import resolve_device
     from dspark.utils.host import trim_heap
     device = getattr(getattr(engine, "config", None), "device", None)  # (test doubles may have no config)
@@ -312,14 +316,21 @@ class AsyncEngine:
     def _loop(self) -> None:
         engine = self.engine
         busy = False
+        trim_at = None  # idle since the last request ended: when its memory goes back (`_trim_when_idle`)
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or busy
                            or self._drain_deadline_s is not None):
-                    self._cond.wait()
+                    if trim_at is not None and time.perf_counter() >= trim_at:
+                        break
+                    self._cond.wait(None if trim_at is None else trim_at - time.perf_counter())
                 if self._stopping:
                     return
                 commands, self._commands = self._commands, []
+            if trim_at is not None and not (commands or busy) and time.perf_counter() >= trim_at:
+                trim_at = None
+                _trim_when_idle(engine)  # outside the lock: a submission never waits for it
+                continue
             if self._drain_deadline_s is not None and not commands and not busy:
                 if self.is_drained:
                     return  # every admitted request has finished: the drain is done
@@ -341,8 +352,10 @@ class AsyncEngine:
                     for out in outs:
                         self._process(out, failed.get(out.request_id))
                 was_busy, busy = busy, engine.has_unfinished() or self._reap
-                if was_busy and not busy:
-                    _trim_when_idle(engine)
+                if busy:
+                    trim_at = None
+                elif was_busy:  # after the ended requests' responses are out and their objects freed
+                    trim_at = time.perf_counter() + IDLE_TRIM_S
             except Exception as e:  # a bug or device error: fail every request, refuse new ones
                 log.exception("engine step failed; the server stops accepting requests")
                 self._die(f"{type(e).__name__}: {e}")
