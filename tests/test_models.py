@@ -285,3 +285,7 @@ def test_rope_per_step_equals_a_table_of_every_position(scaling):
     for positions in (torch.tensor([0]), torch.tensor([8191, 3, 4]), torch.arange(8192)):
         cos, sin = rope.lookup(positions)
         assert torch.equal(cos[:, 0], cos_table[positions]) and torch.equal(sin[:, 0], sin_table[positions])
+    rope.to(torch.bfloat16)  # a converted module: its frequencies stay fp32, cos/sin come out in bf16
+    cos, sin = rope.lookup(torch.arange(8192))
+    assert rope.inv_freq.dtype == torch.float32 and cos.dtype == sin.dtype == torch.bfloat16
+    assert torch.equal(cos[:, 0], cos_table.bfloat16()) and torch.equal(sin[:, 0], sin_table.bfloat16())

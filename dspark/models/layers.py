@@ -114,17 +114,25 @@ class RotaryEmbedding(nn.Module):
         kind = rope_type(scaling)
         if kind not in ROPE_INIT:
             raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_INIT)}")
-        self.max_positions, self.dtype = max_positions, dtype
+        self.max_positions = max_positions
         self.register_buffer("inv_freq", ROPE_INIT[kind](head_dim, theta, dict(scaling or {})).to(device),
-                             persistent=False)  # [hd/2] fp32
+                             persistent=False)  # [hd/2] fp32 whatever the module is converted to (`_apply`)
+        # cos/sin come out in this empty buffer's dtype, which follows the module's conversions (`.to(bf16)`)
+        self.register_buffer("out_like", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.out_like.device)  # moved with the module, never narrowed
+        return self
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim], the sign of rotate-half folded
         into sin (rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin))."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq  # [num_tokens, hd/2]
         cos, sin = freqs.cos(), freqs.sin()
-        return (torch.cat((cos, cos), -1).to(self.dtype).unsqueeze(1),
-                torch.cat((-sin, sin), -1).to(self.dtype).unsqueeze(1))
+        dtype = self.out_like.dtype
+        return torch.cat((cos, cos), -1).to(dtype).unsqueeze(1), torch.cat((-sin, sin), -1).to(dtype).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,8 @@ from typing import Callable
 from dspark.detokenizer import Detokenizer, StreamState
 from dspark.request import SpecStats
 from dspark.sampling import SamplingParams
+from dspark.utils.host import IDLE_TRIM_S
+from dspark.utils.host import trim_heap_on_cpu as _trim_when_idle
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +114,6 @@ class AdmissionError(Exception):
     def __init__(self, status_code: int, message: str):
         super().__init__(message)
         self.status_code = status_code
-
-
-IDLE_TRIM_S = 0.5  # the engine idle this long after its last request ended: `_trim_when_idle`
-
-
-def _trim_when_idle(engine) -> None:
-    """The server has been idle `IDLE_TRIM_S` since its last request ended (its response sent, the objects that
-    served it freed): the freed memory that glibc keeps cached (`tune_malloc`'s fixed thresholds) back to the
-    OS, on a CPU engine (`utils.host.trim_heap`, milliseconds)."""
-    from dspark.config import resolve_device
-    from dspark.utils.host import trim_heap
-    device = getattr(getattr(engine, "config", None), "device", None)  # (test doubles may have no config)
-    if device is not None and resolve_device(str(device)).startswith("cpu"):
-        trim_heap()
 
 
 class RequestStream:

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 MMAP_THRESHOLD = 256 * 2**20
 TRIM_THRESHOLD = 512 * 2**20
+IDLE_TRIM_S = 0.5  # a server idle this long after its last request ended trims its heap (`trim_heap_on_cpu`)
 _done = False
 
 
@@ -60,3 +61,13 @@ def trim_heap() -> bool:
         return bool(libc.malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def trim_heap_on_cpu(engine) -> None:
+    """`trim_heap` for an engine on the CPU: the server calls it once it has been idle `IDLE_TRIM_S` since its last
+    request ended (the response sent, the objects that served it freed), so the memory glibc keeps cached under
+    `tune_malloc`'s fixed thresholds goes back to the OS (milliseconds)."""
+    from dspark.config import resolve_device
+    device = getattr(getattr(engine, "config", None), "device", None)  # (test doubles may have no config)
+    if device is not None and resolve_device(str(device)).startswith("cpu"):
+        trim_heap()
