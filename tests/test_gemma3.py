@@ -264,3 +264,17 @@ def test_dspark_drafter_for_gemma_starts_from_the_norm_it_applies_and_is_lossles
     engine = make_engine(model, TINY_GEMMA3, drafter=dspark, spec=spec, budget=20)
     assert run(engine, prompts, greedy(20)) == plain
     assert engine.metrics.num_draft_tokens > 0
+
+
+def test_rope_frequencies_stay_fp32_when_the_model_is_converted():
+    """`.to(bfloat16)` converts the weights; the global and local RoPE frequencies stay fp32 (as HF computes
+    them), so a bf16 model's cos/sin are the fp32 values rounded once."""
+    from dspark.models.gemma3 import GemmaRotary
+    rotary = GemmaRotary(TINY_GEMMA3, device="cpu")
+    positions = torch.arange(0, 4000, 37)
+    want = {kind: rotary.lookup(positions, kind, torch.float32) for kind in ("sliding_attention", "full_attention")}
+    rotary.to(torch.bfloat16)
+    assert rotary.inv_freq_global.dtype == rotary.inv_freq_local.dtype == torch.float32
+    for kind, (cos, sin) in want.items():
+        got_cos, got_sin = rotary.lookup(positions, kind, torch.bfloat16)
+        assert torch.equal(got_cos, cos.bfloat16()) and torch.equal(got_sin, sin.bfloat16())

@@ -69,6 +69,13 @@ class GemmaRotary(nn.Module):
         self.register_buffer("inv_freq_global", inv_global.to(device), persistent=False)  # [hd/2] fp32
         self.register_buffer("inv_freq_local", inv_local.to(device), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """The frequencies move with the module and stay fp32 whatever it is converted to (`.to(bfloat16)`)."""
+        kept = self.inv_freq_global, self.inv_freq_local
+        super()._apply(fn, recurse)
+        self.inv_freq_global, self.inv_freq_local = (t.to(self.inv_freq_global.device) for t in kept)
+        return self
+
     def lookup(self, positions: torch.Tensor, kind: str, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin) [T, 1, hd], the sign of rotate-half folded into sin."""
