@@ -5,6 +5,7 @@ GGUF tokenizer loading without importing transformers."""
 
 from __future__ import annotations
 
+import enum
 import json
 import subprocess
 import sys
@@ -83,6 +84,9 @@ def test_chats_match_transformers(name, tmp_path):
                 text = auto.apply_chat_template(chat, tokenize=False, **kw)
                 assert ours.apply_chat_template(chat, tokenize=False, **kw) == text
                 assert ours.apply_chat_template(chat, **kw) == auto.encode(text, add_special_tokens=False)
+    flavour = enum.Enum("Flavour", {"SPICY": "spicy"}, type=str).SPICY  # a str subclass: its plain value
+    assert ours.apply_chat_template(CHATS[0], chat_template=CUSTOM, tokenize=False, flavour=flavour) == \
+        auto.apply_chat_template(CHATS[0], chat_template=CUSTOM, tokenize=False, flavour=flavour)
     thinking = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning": "greet"}]
     assert ours.apply_chat_template(thinking, chat_template=CUSTOM, tokenize=False) == \
         auto.apply_chat_template(thinking, chat_template=CUSTOM, tokenize=False)

@@ -125,8 +125,8 @@ def _same_header(ours, reader):
 
 
 def test_gguf_file_reads_as_gguf_reader(tmp_path):
-    """GGUFFile reads a header as gguf's own reader: strings, scalars of each type, arrays held whole, tensors of
-    values and of blocks; and the shipped GGUF's vocabulary, merges and tensors."""
+    """GGUFFile reads a header as gguf's own reader: strings, scalars of each type, arrays held whole (an empty
+    one too), tensors of values and of blocks; and the shipped GGUF's vocabulary, merges and tensors."""
     import gguf
     import numpy as np
     from dspark.models.gguf_format import GGUFFile
@@ -143,6 +143,7 @@ def test_gguf_file_reads_as_gguf_reader(tmp_path):
     w.add_array("scores", [0.5, -1.25, 3.0])
     w.add_array("types", [1, 2, 3, 6])
     w.add_array("flags", [True, False])
+    w.add_array("empty", [])
     w.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
     w.add_tensor("h", np.arange(6, dtype=np.float16).reshape(2, 3))
     q = np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64)
@@ -201,8 +202,9 @@ def test_serving_a_gguf_imports_no_gguf_package():
 
 @pytest.mark.parametrize("name", [DEFAULT_MODEL, "gemma-3-270m"])
 def test_cached_tokenizer_reads_no_model_config(name, tmp_path):
-    """As transformers' tokenizer, the converted tokenizer loads from its cache folder without AutoTokenizer reading the fp32 conversion
-    cache's config.json beside it (a Llama config imports transformers' model-loading stack, sympy among it),
+    """As transformers' tokenizer, the converted tokenizer loads from its cache folder without AutoTokenizer
+    reading the fp32 conversion cache's config.json beside it (a Llama config imports transformers'
+    model-loading stack, sympy among it),
     and without the class its tokenizer_config.json names rebuilding the Rust tokenizer (tokenizer.json goes
     straight into the generic fast class): the same encodings, decodings, token strings, vocabulary, special
     tokens, chat template and padding side as AutoTokenizer's."""

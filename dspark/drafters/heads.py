@@ -43,6 +43,8 @@ def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
 class MarkovHead(nn.Module):
     """Vanilla first-order Markov bias: logits_k = base_k + W2 · W1[x_{k-1}]."""
 
+    rows_dtype: torch.dtype | None = None  # the dtype W1's rows are read as, where `hold_rows_bf16` narrowed it
+
     def __init__(self, *, vocab_size: int, draft_vocab_size: int, hidden_size: int, rank: int):
         super().__init__()
         self.rank = rank
@@ -53,8 +55,6 @@ class MarkovHead(nn.Module):
         """W1[x_{k-1}]: [...] target ids → [..., rank] (also the confidence head's input)."""
         rows = self.markov_w1(prev_ids)
         return rows if self.rows_dtype is None else rows.to(self.rows_dtype)
-
-    rows_dtype: torch.dtype | None = None  # the dtype W1's rows are read as, where `hold_rows_bf16` narrowed it
 
     def hold_rows_bf16(self) -> int:
         """Inference only: hold W1 (one row per target token: 12 MiB in fp32 for a 49152-token vocabulary) as

@@ -36,8 +36,9 @@ import torch
 from dspark import kernels
 from dspark.kernels import blocks as qb
 from dspark.kernels import ggml
+from dspark.models.gguf_format import GGMLType, gguf_model_config, gguf_reader, gguf_to_hf_name, unpermute_rope_rows
 
-F32, F16, Q4_1, Q8_0, BF16 = 0, 1, 3, 8, 30  # GGML type ids
+F32, F16, Q4_1, Q8_0, BF16 = (int(GGMLType[name]) for name in ("F32", "F16", "Q4_1", "Q8_0", "BF16"))
 Q8_0X8 = 1008  # not a GGML id: Q8_0 rows interleaved by 8 (`pack_q8_0x8`), multiplied with the input quantized
 
 
@@ -194,7 +195,6 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     un-interleaved as the dense load does), the embedding a BlockRows, the head the embedding's bytes when
     tied (or its own tensor); the other tensors (norms, biases) load as usual. No dense copy is kept."""
     from dspark.models.layers import Linear
-    from dspark.models.gguf_format import gguf_to_hf_name, unpermute_rope_rows
     config = source.config
     permute = config.architecture == "LlamaForCausalLM"
     arch = source.field("general.architecture")
@@ -254,7 +254,6 @@ BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalL
 def takes_gguf_blocks(path) -> bool:
     """Does `--matmul-dtype auto` keep this model's GGUF blocks (`gguf`)? A GGUF of a family in
     BLOCK_ARCHITECTURES with a layer matrix in a type the kernels multiply, and the kernels built."""
-    from dspark.models.gguf_format import gguf_model_config, gguf_reader
     path = Path(path)
     if not (path.is_file() and path.suffix == ".gguf") or kernels.ops() is None:
         return False

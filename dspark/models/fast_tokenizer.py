@@ -7,8 +7,9 @@ Only a cache folder whose settings it reproduces exactly loads this way (`FastTo
 tokenizer.json, and a tokenizer_config.json naming no more than the special tokens, the length limit, the
 padding side and the chat template; anything else goes through transformers (models/tokenizer.py).
 `models.tokenizer.as_transformers` builds transformers' own tokenizer from the same folder for callers that
-want its whole interface (`LLM.get_tokenizer()`). tests/test_loader.py holds both shipped GGUFs' tokenizers against
-AutoTokenizer: encodings, decodings, token strings, vocabulary, special and added tokens, rendered chats.
+want its whole interface (`LLM.get_tokenizer()`). tests/test_fast_tokenizer.py holds both shipped GGUFs'
+tokenizers against AutoTokenizer: encodings, decodings, token strings, vocabulary, special and added tokens,
+rendered chats.
 
 The chat template renders in a sandboxed Jinja environment with the conventions Hugging Face chat templates
 are written for: trimmed blocks, `tojson` without HTML escaping, `raise_exception`, `strftime_now`, loop
@@ -149,16 +150,15 @@ class FastTokenizer:
         if self.chat_template is not None:
             (folder / "chat_template.jinja").write_text(self.chat_template)
 
+
 def _plain(value: Any) -> Any:
     """What a template sees: plain JSON types (pydantic models and dataclasses as dicts, other objects as a
     "<TypeName>" placeholder), so the sandbox never meets an object with methods of its own."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    for kind in (str, int, float):
-        if isinstance(value, kind) and not isinstance(value, bool):
-            return kind(value)
-    if isinstance(value, bool):
-        return bool(value)
+    for kind, plain in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):
+        if isinstance(value, kind):  # a subclass (an enum, a numpy float) as its plain value; bool has none
+            return plain(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -28,8 +28,8 @@ from torch import nn
 
 from dspark.models.attention import AttnMetadata, paged_attention, sliding_window_metadata, store_kv
 from dspark.models.config import ModelConfig
-from dspark.models.layers import (LMHead, Linear, MergedLinear, RMSNorm, VocabEmbedding, apply_rope,
-                                  default_weight_loader, rope_type, ROPE_INIT)
+from dspark.models.layers import (LMHead, Fp32Buffers, Linear, MergedLinear, RMSNorm, VocabEmbedding, apply_rope,
+                                  default_weight_loader, rope_cos_sin, rope_type, ROPE_INIT)
 from dspark.models.llama import KVCache, LlamaForCausalLM
 
 
@@ -55,9 +55,10 @@ class GemmaRMSNorm(RMSNorm):
         return (F.rms_norm(x.float(), self.shape, None, self.eps) * self.scale.float()).to(x.dtype)
 
 
-class GemmaRotary(nn.Module):
+class GemmaRotary(Fp32Buffers):
     """cos/sin of the global and the local RoPE, computed per step from the positions (no tables: at
     Gemma's 32k-128k contexts and head_dim 256 they would cost 30-130 MB each), rotate-half layout."""
+    fp32_buffers = ("inv_freq_global", "inv_freq_local")
 
     def __init__(self, cfg: ModelConfig, *, device: torch.device | str) -> None:
         super().__init__()
@@ -69,21 +70,11 @@ class GemmaRotary(nn.Module):
         self.register_buffer("inv_freq_global", inv_global.to(device), persistent=False)  # [hd/2] fp32
         self.register_buffer("inv_freq_local", inv_local.to(device), persistent=False)
 
-    def _apply(self, fn, recurse=True):
-        """The frequencies move with the module and stay fp32 whatever it is converted to (`.to(bfloat16)`)."""
-        kept = self.inv_freq_global, self.inv_freq_local
-        super()._apply(fn, recurse)
-        self.inv_freq_global, self.inv_freq_local = (t.to(self.inv_freq_global.device) for t in kept)
-        return self
-
     def lookup(self, positions: torch.Tensor, kind: str, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin) [T, 1, hd], the sign of rotate-half folded into sin."""
         inv = self.inv_freq_local if kind == "sliding_attention" else self.inv_freq_global
-        freqs = positions.float().unsqueeze(1) * inv  # [T, hd/2], HF's fp32 product
-        cos, sin = freqs.cos(), freqs.sin()
-        return (torch.cat((cos, cos), -1).to(dtype).unsqueeze(1),
-                torch.cat((-sin, sin), -1).to(dtype).unsqueeze(1))
+        return rope_cos_sin(positions, inv, dtype)
 
 
 class Gemma3Attention(nn.Module):

@@ -100,13 +100,27 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
     return str(scaling.get("rope_type", scaling.get("type", "default")))
 
 
-class RotaryEmbedding(nn.Module):
+class Fp32Buffers(nn.Module):
+    """A module whose buffers named in `fp32_buffers` move with it but stay fp32 whatever it is converted to
+    (`.to(bfloat16)`): the RoPE frequencies, computed in fp32 as HF computes them."""
+    fp32_buffers: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: getattr(self, name) for name in self.fp32_buffers}
+        super()._apply(fn, recurse)
+        for name, t in kept.items():
+            setattr(self, name, t.to(getattr(self, name).device))
+        return self
+
+
+class RotaryEmbedding(Fp32Buffers):
     """Neox-style (rotate-half) RoPE, cos/sin computed per forward from the positions (a table of every
     position would hold 4 MiB for SmolLM2's 8192 positions, 64 MiB at 32k and head_dim 256; the per-step values
     are the same elementwise fp32 products and functions as such a table's).
 
     `lookup(positions)` is called once per forward; `apply_rope` then costs three ops per tensor.
     """
+    fp32_buffers = ("inv_freq",)
 
     def __init__(self, *, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -116,23 +130,22 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_INIT)}")
         self.max_positions = max_positions
         self.register_buffer("inv_freq", ROPE_INIT[kind](head_dim, theta, dict(scaling or {})).to(device),
-                             persistent=False)  # [hd/2] fp32 whatever the module is converted to (`_apply`)
+                             persistent=False)  # [hd/2] fp32 whatever the module is converted to
         # cos/sin come out in this empty buffer's dtype, which follows the module's conversions (`.to(bf16)`)
         self.register_buffer("out_like", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
-    def _apply(self, fn, recurse=True):
-        inv_freq = self.inv_freq
-        super()._apply(fn, recurse)
-        self.inv_freq = inv_freq.to(self.out_like.device)  # moved with the module, never narrowed
-        return self
-
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim], the sign of rotate-half folded
-        into sin (rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin))."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq  # [num_tokens, hd/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        dtype = self.out_like.dtype
-        return torch.cat((cos, cos), -1).to(dtype).unsqueeze(1), torch.cat((-sin, sin), -1).to(dtype).unsqueeze(1)
+        """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim] (`rope_cos_sin`)."""
+        return rope_cos_sin(positions, self.inv_freq, self.out_like.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T], inv_freq [hd/2] fp32 -> (cos, sin), each [T, 1, hd] in `dtype`, rotate-half layout with
+    its sign folded into sin (rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin)); HF's fp32 product."""
+    freqs = positions.float().unsqueeze(1) * inv_freq  # [T, hd/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), -1).to(dtype).unsqueeze(1), torch.cat((-sin, sin), -1).to(dtype).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
