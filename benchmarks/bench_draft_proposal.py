@@ -13,7 +13,8 @@ modules: the drafter path before the fused stack), `q4_1` (`draft_matmul_dtype` 
 the reduced-vocab head quantized to Q4_1 blocks, the fused stack), and `kernel-rows-128` (the
 defaults with bf16 products of up to 128 rows through the kernel, the earlier default, instead of
 `kernels.bf16_kernel_rows()`: 16 on CPUs with AMX, where torch's oneDNN products are faster past that),
-`topk-K` (the defaults with top-K Markov drafting, spec "draft_topk": K). The target is the default model at `auto` (q4_1 on AVX2
+`topk-K` (the defaults with top-K Markov drafting, spec "draft_topk": K), `markov-loop` (the defaults with the greedy
+Markov walk position by position in Python instead of one `kernels.markov_walk` call). The target is the default model at `auto` (q4_1 on AVX2
 CPUs), context 256 positions per request (`dspark profile`'s `StepProfiler`).
 """
 
@@ -28,7 +29,7 @@ from dspark.bench.report import run_info, write_result_file
 DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
 PATHS = {"current": {}, "module-bf16": {"fused": False}, "module-fp32": {"fused": False, "draft_matmul_dtype": "float32"},
          "q4_1": {"draft_matmul_dtype": "q4_1"}, "kernel-rows-128": {"bf16_kernel_rows": 128},
-         "topk-4": {"draft_topk": 4}, "topk-8": {"draft_topk": 8}, "topk-16": {"draft_topk": 16}}
+         "markov-loop": {"markov_loop": True}, "topk-4": {"draft_topk": 4}, "topk-8": {"draft_topk": 8}, "topk-16": {"draft_topk": 16}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -48,7 +49,10 @@ def main(argv: list[str] | None = None) -> dict:
         opts = dict(PATHS[name])
         fused = opts.pop("fused", True)
         kernel_rows[name] = opts.pop("bf16_kernel_rows", None)
+        markov_loop = opts.pop("markov_loop", False)
         llm = LLM(speculative_config={"method": "dspark", "model": DRAFTER, **opts})
+        if markov_loop:
+            llm.engine.drafter._walks_in_kernel = lambda head: False
         if not fused:
             llm.engine.drafter.model.fused_backbone = lambda *a, **k: None  # the module path
         profilers[name] = StepProfiler(llm.engine)

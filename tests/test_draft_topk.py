@@ -6,7 +6,9 @@ best base logits are its candidates and the sequential head corrects only those 
   proposal distribution when sampling (same seeds);
 * with a small K sampled proposals put no mass outside the candidates and still sum to one;
 * greedy speculative output equals plain greedy output with any K;
-* bad values are refused with the key's name.
+* bad values are refused with the key's name;
+* the greedy walk of the vanilla head in one kernel call (`kernels.markov_walk`) drafts what the per-position
+  loop drafts, with W1's rows fp32 or held as bf16.
 
     pytest tests/test_draft_topk.py -q
 """
@@ -19,6 +21,7 @@ import torch
 from dspark.config import SpecConfig
 from dspark.drafters.base import ContextSegment, ContextUpdate, ProposeBatch
 from dspark.drafters.dspark import DSparkDrafter, save_dspark
+from dspark import kernels
 from dspark.drafters.heads import SEQUENTIAL_HEADS
 from dspark.sampling import SamplingParams
 from tests.dspark_helpers import greedy_engine_run
@@ -127,3 +130,24 @@ def test_draft_topk_validation(tmp_path):
     from dspark.drafters.dspark import check
     with pytest.raises(ValueError, match="markov_rank"):
         check(SpecConfig(method="dspark", model=str(tmp_path / "d"), num_speculative_tokens=4, draft_topk=4), TARGET)
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("draft_vocab_size", [None, 48])
+@pytest.mark.parametrize("rows_bf16", [False, True])
+def test_greedy_walk_in_one_kernel_call_equals_the_loop(monkeypatch, draft_vocab_size, rows_bf16):
+    cfg = tiny_cfg(enable_confidence_head=True, draft_vocab_size=draft_vocab_size)
+    kernel, loop = _drafter(cfg, 0), _drafter(cfg, 0)
+    for d in (kernel, loop):
+        if rows_bf16:  # the served layout of a bf16 checkpoint: W1 held as bf16, its rows read back as fp32
+            w1 = d.model.markov_head.markov_w1.weight
+            w1.data = w1.data.to(torch.bfloat16).float()
+            assert d.model.markov_head.hold_rows_bf16() > 0
+    calls = []
+    walk = kernels.markov_walk
+    monkeypatch.setattr(kernels, "markov_walk", lambda *a: calls.append(1) or walk(*a))
+    monkeypatch.setattr(loop, "_walks_in_kernel", lambda head: False)
+    fast, slow = _propose(kernel, "greedy"), _propose(loop, "greedy")
+    assert calls == [1], "the kernel walk did not run"
+    assert torch.equal(fast.draft_ids, slow.draft_ids)
+    assert torch.equal(fast.confidence, slow.confidence)

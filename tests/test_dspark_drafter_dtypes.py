@@ -330,3 +330,18 @@ def test_markov_rows_held_in_bf16_read_the_same_values(tmp_path, head_type):
     logits_a, conf_a = _drafts_on_shared_context(held)
     logits_b, conf_b = _drafts_on_shared_context(full)
     assert torch.equal(logits_a, logits_b) and torch.equal(conf_a, conf_b)
+
+
+def test_fused_weights_follow_a_weight_changed_in_place_or_replaced():
+    """The fused stack's weight list is cached while its tensors stay as they are, and rebuilt when one is
+    updated in place (a training step) or replaced (a new low-precision copy)."""
+    model = random_model(tiny_cfg(), seed=2)
+    first = model._fused_weights()
+    assert first is not None and model._fused_weights() is first
+    down = model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        down.weight.add_(1.0)
+    second = model._fused_weights()
+    assert second is not first and torch.equal(second[7], down.weight)
+    down.register_buffer("lowp_weight", down.weight.detach() * 2, persistent=False)
+    assert torch.equal(model._fused_weights()[7], down.weight * 2)

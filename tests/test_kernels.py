@@ -172,6 +172,32 @@ def test_row_argmax_is_torch_max(vocab):
     assert torch.equal(torch.signbit(values[same]), torch.signbit(ref.values[same]))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("w1_dtype", [torch.float32, torch.bfloat16])
+def test_markov_walk_is_the_step_loop(rows, w1_dtype):
+    """The greedy vanilla Markov walk in one call drafts what the loop does position by position: the bias
+    W2 · W1[prev] (small_mm, W1's rows widened from bf16), the first argmax of base + bias (a tie, and a
+    NaN row: its first NaN), then prev = d2t[draft]."""
+    g = torch.Generator().manual_seed(rows)
+    vocab, target_vocab, rank, gamma = 300, 1000, 16, 7
+    base = torch.randn(rows, gamma, vocab, generator=g)
+    base[0, 2, 5] = base[0, 2, 9] = 1e4  # a tie: the first index
+    base[-1, 4, 17] = float("nan")
+    w1 = torch.randn(target_vocab, rank, generator=g).to(w1_dtype)
+    w2 = torch.randn(vocab, rank, generator=g)
+    d2t = torch.randperm(target_vocab, generator=g)[:vocab]
+    anchor = torch.randint(0, target_vocab, (rows,), generator=g)
+    prev, expect = anchor, []
+    for k in range(gamma):
+        logits = base[:, k] + ops.small_mm(w1[prev].float(), w2)
+        prev = d2t[logits.max(dim=-1).indices]
+        expect.append(prev)
+    assert torch.equal(kernels.markov_walk(base, w1, w2, d2t, anchor), torch.stack(expect, dim=1))
+    assert kernels.markov_walk(base.requires_grad_(), w1, w2, d2t, anchor) is None  # autograd: the caller's loop
+    with pytest.raises(RuntimeError, match="outside W1"):
+        ops.markov_walk(base.detach(), w1[:10], w2, d2t, anchor % 10 + 10)
+
+
 def test_short_attention_matches_reference():
     """Three requests of 1, 4 (causal) and 3 (bidirectional block) queries over scattered pool slots,
     H=6 query heads on 2 KV heads, padding rows left untouched."""

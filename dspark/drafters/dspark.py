@@ -206,6 +206,13 @@ class DSparkDrafter(Drafter):
             conf_logits = model.confidence_logits(hidden, prev_ids=prev_ids)  # [num_reqs, γ]
             return DraftProposal(draft_ids=draft_ids.cpu(), draft_probs=None,
                                  confidence=self._confidence(conf_logits, greedy_rows))
+        if head is not None and cand is None and not probabilistic and self._walks_in_kernel(head):
+            # the greedy walk of the vanilla head in one kernel call: the loop below's arithmetic
+            walked = kernels.markov_walk(base_logits, head.markov_w1.weight, head.markov_w2.weight, model.d2t, prev)
+            if walked is not None:
+                prev_ids = torch.cat([prev.unsqueeze(1), walked[:, :-1]], dim=1)  # [num_reqs, γ]
+                return DraftProposal(draft_ids=walked.cpu(), draft_probs=None, confidence=self._confidence(
+                    model.confidence_logits(hidden, prev_ids=prev_ids), greedy_rows))
         draft_ids, draft_probs, prev_ids = [], [], []
         for k in range(self.num_draft_tokens):
             prev_ids.append(prev)
@@ -236,6 +243,15 @@ class DSparkDrafter(Drafter):
             draft_ids=torch.stack(draft_ids, dim=1).cpu(),  # [num_reqs, num_draft]
             draft_probs=self._target_probs(draft_probs) if probabilistic and not all(greedy_rows) else None,
             confidence=self._confidence(conf_logits, greedy_rows))
+
+    @staticmethod
+    def _walks_in_kernel(head) -> bool:
+        """Whether `kernels.markov_walk` computes what `MarkovHead.step` does: the vanilla head, W2 fp32 without a
+        low-precision copy, contiguous (its product is small_mm's fp32 one), W1's rows fp32 or bf16 read back as fp32."""
+        w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+        return (type(head) is MarkovHead and w2.dtype == torch.float32 and w2.is_contiguous()
+                and getattr(head.markov_w2, "lowp_weight", None) is None
+                and (w1.dtype == torch.float32 or head.rows_dtype == torch.float32))
 
     def _greedy_topk_vanilla(self, head, base: torch.Tensor, cand: torch.Tensor, anchor: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor]:

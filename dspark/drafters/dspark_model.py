@@ -308,22 +308,20 @@ class DSparkModel(nn.Module):
         """The 8 tensors per layer `kernels.decoder_layers` reads (norms; q|k|v and gate|up stacked), each
         matrix in its product dtype (the `lowp_weight` copy where `set_matmul_dtype` gave one); rebuilt
         when a weight changed in place (training), None for product dtypes the kernels do not take."""
-        sources = [t for layer in self.layers for t in (*layer.parameters(), *layer.buffers())]  # + lowp copies
-        key = tuple((id(t), t._version) for t in sources)
+        parts = []  # per layer the 8 entries, each a tuple of the tensors it is made of (the matrices' product copies)
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            parts += [(layer.input_layernorm.weight,), product_sources(a.q_proj, a.k_proj, a.v_proj),
+                      (a.q_norm.weight,), (a.k_norm.weight,), product_sources(a.o_proj),
+                      (layer.post_attention_layernorm.weight,), product_sources(mlp.gate_proj, mlp.up_proj),
+                      product_sources(mlp.down_proj)]
+        key = tuple((id(t), t._version) for part in parts for t in part)  # a replaced or updated tensor rebuilds
         cached = getattr(self, "_fused_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-
-        def product(*linears: Linear) -> torch.Tensor:
-            return stacked_rows([getattr(m, "lowp_weight", m.weight).detach() for m in linears])
-
-        weights: list[torch.Tensor] | None = []
-        for layer in self.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            weights += [layer.input_layernorm.weight.detach(), product(a.q_proj, a.k_proj, a.v_proj),
-                        a.q_norm.weight.detach(), a.k_norm.weight.detach(), product(a.o_proj),
-                        layer.post_attention_layernorm.weight.detach(), product(mlp.gate_proj, mlp.up_proj),
-                        product(mlp.down_proj)]
+        weights: list[torch.Tensor] | None = [
+            stacked_rows([t.detach() for t in part]) if i % 8 in (1, 4, 6, 7) else part[0].detach()
+            for i, part in enumerate(parts)]
         takes = {torch.float32: True, torch.bfloat16: kernels.has_bf16_kernels() or kernels.has_bf16w_kernels(),
                  torch.uint8: kernels.has_q4_1_kernels()}  # uint8: Q4_1 blocks (`set_q4_1_products`)
         matrices = [w for i, w in enumerate(weights) if i % 8 in (1, 4, 6, 7)]
@@ -424,6 +422,11 @@ class DSparkModel(nn.Module):
             return None
         prev_embed = self.markov_head.embed_prev(prev_ids) if self.confidence_head.with_markov else None
         return self.confidence_head(hidden=hidden, prev_embed=prev_embed)
+
+
+def product_sources(*linears: Linear) -> tuple[torch.Tensor, ...]:
+    """The tensors a fused matrix is stacked from: each module's low-precision copy where it has one, else its weight."""
+    return tuple(getattr(m, "lowp_weight", m.weight) for m in linears)
 
 
 def _gather_pos(input_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

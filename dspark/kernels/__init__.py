@@ -286,6 +286,20 @@ def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return k.row_argmax(x)
 
 
+def markov_walk(base: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, d2t: torch.Tensor, anchor: torch.Tensor
+                ) -> torch.Tensor | None:
+    """DSpark's greedy walk with the vanilla Markov head over a drafted block in one kernel call: position by
+    position the bias W2 · W1[prev] (W1's rows fp32 or bf16 widened, W2 fp32), the first argmax of base + bias
+    and prev = d2t[that draft id]. base [R, G, V] fp32 (R <= MAX_ROWS), w1 [target_vocab, rank], w2 [V, rank],
+    d2t [V] long, anchor [R] long target ids → the drafts' target ids [R, G] long: what the per-position loop
+    (`MarkovHead.step`, `greedy_ids`) drafts. None when it does not apply (not CPU, autograd, off)."""
+    k = ops() if _eligible(base, w2) else None
+    if (k is None or base.dim() != 3 or not 1 <= base.shape[0] <= MAX_ROWS or w1.dtype not in (torch.float32, torch.bfloat16)
+            or w1.device.type != "cpu" or (torch.is_grad_enabled() and w1.requires_grad)):
+        return None
+    return k.markov_walk(base.contiguous(), w1.contiguous(), w2.contiguous(), d2t.contiguous(), anchor.contiguous())
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, its rms_norm) (fp32). The kernel adds in place into `residual` (outside autograd

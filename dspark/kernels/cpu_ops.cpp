@@ -14,6 +14,8 @@
 //   rms_norm(x, w, eps)            y = x / rms(x) * w, one pass per row.
 //   add_rms_norm_(x, r, w, eps)    r += x in place, returns rms_norm(r) (the residual add fused in).
 //   row_argmax(x)                  each row's maximum and its first index (torch.max(x, -1)'s answer).
+//   markov_walk(...)               DSpark's greedy vanilla Markov walk over a drafted block (bias, add, argmax
+//                                  per position), the Python loop's arithmetic.
 //   short_attention(...)           paged attention for short queries: each query reads its request's keys
 //                                  straight from the pool through the slot table, up to a per-query key
 //                                  limit (causal or block-bidirectional); scores, one vectorised exp pass,
@@ -243,6 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_mm", &small_mm, "x[M,K] @ w[N,K]^T for M <= 128 (fp32 x; fp32, bf16, Q4_1- or Q8_0-packed w; CPU)", release());
   m.def("rms_norm", &rms_norm, "x / rms(x) * w (fp32, CPU)", release());
   m.def("row_argmax", &row_argmax, "each row's max and its first index, as torch.max(x, -1) (fp32, CPU)", release());
+  m.def("markov_walk", &markov_walk, "the greedy vanilla Markov walk over a drafted block (fp32 bias, CPU)", release());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) (fp32, CPU)", release());
   m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());
   m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32, bf16 or Q4_1)", release());
