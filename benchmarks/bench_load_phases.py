@@ -23,7 +23,8 @@ time ÷ tokens per step, both terms measured. Medians over repeats, and each var
 Variants: plain (no speculation), default (the shipped config: DSpark + lookup first + prefix
 scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), q4-draft (default
 with the drafter's backbone and head quantized to Q4_1 blocks, `draft_matmul_dtype` "q4_1"), nogate
-(default without the draft gate), nocache (default without the lookup's cross-request cache), noswitch (default without the measured
+(default without the draft gate), nocache (default without the lookup's cross-request cache), nocorpus (default
+without the lookup corpus), noswitch (default without the measured
 switch, dspark.verify.switch), upkeep (default with online upkeep of
 the cost table and calibration from live steps); each as NAME-fp32 with fp32 matrix
 products instead of the default (auto: bf16 or q4_1 where the CPU kernels support it; the shipped cost table of the
@@ -44,8 +45,9 @@ from pathlib import Path
 from dspark.bench.report import run_info, write_result_file
 
 DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
+CORPUS = "dspark/assets/drafters/lookup-smollm2-135m/corpus.safetensors"
 DEFAULT = {"method": "dspark", "model": DRAFTER, "num_speculative_tokens": 7, "length_policy": "prefix",
-           "cost_table": f"{DRAFTER}/cost_table.json", "ngram_first": True}
+           "cost_table": f"{DRAFTER}/cost_table.json", "ngram_first": True, "lookup_corpus": CORPUS}
 VARIANTS = {
     "plain": None,
     "default": DEFAULT,
@@ -55,6 +57,7 @@ VARIANTS = {
     "nogate": {**DEFAULT, "draft_gate": False},
     "noswitch": {**DEFAULT, "measured_switch": False},
     "nocache": {**DEFAULT, "lookup_cache_entries": 0},
+    "nocorpus": {**DEFAULT, "lookup_corpus": None},
     "upkeep": {**DEFAULT, "online_upkeep": True},
     "topk0": {**DEFAULT, "draft_topk": 0},  # the full Markov head
     "topk16": {**DEFAULT, "draft_topk": 16},

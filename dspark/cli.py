@@ -22,6 +22,7 @@ COMMANDS = {
     "profile": "dspark.verify.profile_cli",
     "calibrate": "dspark.train.calibrate_cli",
     "prepare-data": "dspark.train.prepare_data",
+    "build-corpus": "dspark.train.corpus_cli",
     "train": "dspark.train.cli",
     "eval": "dspark.train.eval_accept",
 }

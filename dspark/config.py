@@ -150,6 +150,9 @@ class SpecConfig:
     ngram_first: bool = False  # model drafters: prompt lookup first, the model where it cannot do better
     # ngram / ngram_first: n-grams kept from finished requests for cross-request lookup (0: own context only)
     lookup_cache_entries: int = 65536
+    # ngram / ngram_first: a lookup corpus (`dspark build-corpus`: the target's own answers to training prompts)
+    # asked where the context and the cache have no match (dspark.drafters.corpus); None: none
+    lookup_corpus: str | None = None
     draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target
     # dspark / dflash: dtype of the drafter backbone's matrix products (activations and
     # weights keep the engine dtype, a copy is kept in this one). "auto": bfloat16 for a float32 engine
@@ -196,6 +199,8 @@ class SpecConfig:
             raise ValueError(f"draft_topk applies to method 'dspark' (its Markov head); {self.method!r} has none")
         if self.lookup_cache_entries < 0:
             raise ValueError(f"lookup_cache_entries must be >= 0, got {self.lookup_cache_entries}")
+        if self.lookup_corpus and not (self.ngram_first or self.method == "ngram"):
+            raise ValueError(f"lookup_corpus applies to method 'ngram' or ngram_first, not {self.method!r} alone")
         if self.ngram_first and self.method == "ngram":
             raise ValueError("ngram_first wraps a model drafter; method 'ngram' is prompt lookup already")
         if self.method in ("dspark", "dflash", "eagle3") and not self.model:

@@ -27,7 +27,7 @@ import torch
 from dspark.config import SpecConfig
 from dspark.drafters.base import DraftProposal, Drafter, ProposeBatch, ProposeRequest
 from dspark.drafters.lookup_first import LookupAcceptance, LookupFirstDrafter
-from dspark.drafters.ngram import NgramCache, NgramDrafter
+from dspark.drafters.ngram import CACHE, OWN, NgramCache, NgramDrafter
 from dspark.sampling import SamplingParams
 from tests.engine_helpers import greedy
 from tests.scheduled_helpers import (  # noqa: F401  (fixtures)
@@ -79,9 +79,9 @@ def test_ngram_cache_longest_latest_and_bounded():
 def test_cache_is_asked_only_where_the_own_context_has_no_match():
     drafter = NgramDrafter(num_draft_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3, cache_entries=100)
     drafter.observe_finished([5, 6, 7, 8, 9, 10], 3)
-    assert drafter.lookup_with_source([1, 5, 6, 7]) == ([8, 9, 10], 3, True)
-    assert drafter.lookup_with_source([6, 7, 0, 6, 7]) == ([0, 6, 7], 2, False)  # own match first
-    assert NgramDrafter(num_draft_tokens=3).lookup_with_source([1, 5, 6, 7]) == ([], 0, False)  # no cache
+    assert drafter.lookup_with_source([1, 5, 6, 7]) == ([8, 9, 10], 3, CACHE)
+    assert drafter.lookup_with_source([6, 7, 0, 6, 7]) == ([0, 6, 7], 2, OWN)  # own match first
+    assert NgramDrafter(num_draft_tokens=3).lookup_with_source([1, 5, 6, 7]) == ([], 0, OWN)  # no cache
 
 
 def test_lookup_acceptance_counts_conditional_acceptance():

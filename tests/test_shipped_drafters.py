@@ -1,6 +1,6 @@
 """The drafters shipped in dspark/assets/drafters/ and what `dspark serve` drafts with by default per model
-(dspark.drafters.shipped): the embedded default gets its DSpark drafter with prompt lookup first and the prefix
-scheduler, gemma-3-270m prompt lookup (its DSpark drafter is shipped but measured slower than plain at batch
+(dspark.drafters.shipped): the embedded default gets its DSpark drafter with prompt lookup first (its shipped
+lookup corpus, written for its vocabulary from the train split) and the prefix scheduler, gemma-3-270m prompt lookup (its DSpark drafter is shipped but measured slower than plain at batch
 1), any other model nothing; the gemma-3-270m drafter's folder fits that target and carries both calibration
 fits.
 
@@ -12,15 +12,21 @@ from __future__ import annotations
 import json
 
 from dspark.config import DEFAULT_MODEL
-from dspark.drafters.shipped import ASSETS, SHIPPED, default_spec_config, drafter_dir
+from dspark.drafters.corpus import check_corpus
+from dspark.drafters.shipped import ASSETS, CORPORA, SHIPPED, default_spec_config, drafter_dir
+from dspark.models.loader import read_model_config
 
 
 def test_served_default_per_model():
     smollm2 = default_spec_config(DEFAULT_MODEL, "q4_1")
     assert smollm2.method == "dspark" and smollm2.ngram_first and smollm2.length_policy == "prefix"
     assert default_spec_config("default").model == smollm2.model
+    assert smollm2.lookup_corpus == str(ASSETS / CORPORA[DEFAULT_MODEL])
+    meta = check_corpus(smollm2.lookup_corpus, vocab_size=read_model_config(DEFAULT_MODEL).vocab_size)
+    assert meta["model"] == DEFAULT_MODEL and "train split" in meta["source"], meta
     gemma = default_spec_config("gemma-3-270m", "gguf")
     assert gemma.method == "ngram" and gemma.model is None and gemma.num_speculative_tokens == 4
+    assert gemma.lookup_corpus is None
     assert default_spec_config("some/other-model") is None
 
 

@@ -33,6 +33,9 @@ def check_drafter(spec: SpecConfig, target_config) -> None:
     check = getattr(_module(spec.method), "check", None)
     if check is not None:
         check(spec, target_config)
+    if spec.lookup_corpus:
+        from dspark.drafters.corpus import check_corpus
+        check_corpus(spec.lookup_corpus, vocab_size=target_config.vocab_size)
 
 
 def build_drafter(spec: SpecConfig, *, target_config, target_model, dtype, device) -> Drafter:
@@ -40,9 +43,11 @@ def build_drafter(spec: SpecConfig, *, target_config, target_model, dtype, devic
                                          dtype=dtype, device=device)
     if spec.ngram_first:
         from dspark.drafters.lookup_first import LookupFirstDrafter
+        from dspark.drafters.ngram import load_corpus
         drafter = LookupFirstDrafter(drafter, prompt_lookup_min=spec.prompt_lookup_min,
                                      prompt_lookup_max=spec.prompt_lookup_max,
-                                     lookup_cache_entries=spec.lookup_cache_entries)
+                                     lookup_cache_entries=spec.lookup_cache_entries,
+                                     corpus=load_corpus(spec, target_config))
     return drafter
 
 

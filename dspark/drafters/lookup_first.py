@@ -6,9 +6,10 @@ costs a forward per step (the shipped DSpark: ~5 ms at batch 1, 30% of a decode 
 asks the lookup first for every request and runs the model drafter only for the requests where the
 lookup found nothing or is expected to keep fewer drafts than the model does.
 
-The lookup asks the request's own context first and then the cross-request cache (`ngram.NgramCache`:
-n-grams of finished requests → what followed them; `"lookup_cache_entries"`, 0 turns it off); the two
-sources are separate match classes in the acceptance counts below (own: n, cache: `cache_class` + n).
+The lookup asks the request's own context first, then the cross-request cache (`ngram.NgramCache`:
+n-grams of finished requests → what followed them; `"lookup_cache_entries"`, 0 turns it off), then the
+lookup corpus where one is configured (`corpus.LookupCorpus`, `"lookup_corpus"`); the sources are separate
+match classes in the acceptance counts below (own: n, cache: `cache_class` + n, corpus: 2 `cache_class` + n).
 
 "Expected to keep" is measured on the same scale for both: the expected accepted drafts Σ_k Π_{i≤k} c_i
 of a proposal. The model's c_k are its calibrated confidences (EMA of the sums over its recent
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from dspark.drafters.base import DraftProposal, Drafter, ProposeBatch
+from dspark.drafters.corpus import LookupCorpus
 from dspark.drafters.ngram import NgramDrafter
 
 
@@ -81,16 +83,18 @@ class LookupFirstDrafter(Drafter):
     MAX_PENDING = 4096  # lookup proposals awaiting their verification outcome
 
     def __init__(self, model_drafter: Drafter, *, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5,
-                 model_decay: float = 0.9, explore_rounds: int = 8, lookup_cache_entries: int = 0) -> None:
+                 model_decay: float = 0.9, explore_rounds: int = 8, lookup_cache_entries: int = 0,
+                 corpus: LookupCorpus | None = None) -> None:
         self.model_drafter = model_drafter
         self.num_draft_tokens = model_drafter.num_draft_tokens
         self.tap_layer_ids = model_drafter.tap_layer_ids
         self.has_confidence = model_drafter.has_confidence
         self.lookup = NgramDrafter(num_draft_tokens=self.num_draft_tokens, prompt_lookup_min=prompt_lookup_min,
-                                   prompt_lookup_max=prompt_lookup_max, cache_entries=lookup_cache_entries)
-        # match classes: n for the request's own context, CACHE_CLASS + n for the cross-request cache
+                                   prompt_lookup_max=prompt_lookup_max, cache_entries=lookup_cache_entries,
+                                   corpus=corpus)
+        # match classes: source × cache_class + n (the source: 0 own context, 1 cross-request cache, 2 corpus)
         self.cache_class = max(prompt_lookup_max, 3)
-        self.acceptance = LookupAcceptance(num_positions=self.num_draft_tokens, max_match=2 * self.cache_class)
+        self.acceptance = LookupAcceptance(num_positions=self.num_draft_tokens, max_match=3 * self.cache_class)
         self.model_decay = model_decay
         self.explore_rounds = explore_rounds
         self.model_expected: dict[bool, float | None] = {False: None, True: None}  # EMA Σ survival, per regime
@@ -135,8 +139,8 @@ class LookupFirstDrafter(Drafter):
         model_rows: list[int] = []
         for i, r in enumerate(batch.requests):
             greedy = r.params.is_greedy
-            drafts, n, from_cache = self.lookup.lookup_with_source(r.all_ids)
-            match_len = self.cache_class + n if from_cache else n  # the acceptance class
+            drafts, n, source = self.lookup.lookup_with_source(r.all_ids)
+            match_len = source * self.cache_class + n  # the acceptance class
             self._pending.pop(r.request_id, None)
             if drafts and (not r.allow_model or self._lookup_wins(greedy, match_len, len(drafts))):
                 draft_ids[i, :len(drafts)] = drafts

@@ -5,7 +5,8 @@ propose the tokens that followed it. Drafts are a point mass (`draft_probs=None`
 Where the request's own context has no match, the cross-request cache (`NgramCache`, SuffixDecoding's
 idea in its simplest form) is asked: n-gram → continuation over the committed tokens of requests that
 finished earlier, so phrasing that recurs across a workload's answers (a solution's opening, a code
-idiom) is drafted too. When neither matches, it proposes nothing (the request decodes one token).
+idiom) is drafted too; then, where one is configured (`"lookup_corpus"`), a fixed corpus of the target's
+own answers (`corpus.LookupCorpus`). When none matches, it proposes nothing (the request decodes one token).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import numpy as np
 import torch
 
 from dspark.drafters.base import DraftProposal, Drafter, ProposeBatch
+from dspark.drafters.corpus import LookupCorpus
+
+OWN, CACHE, CORPUS = 0, 1, 2  # where a lookup draft came from (`NgramDrafter.lookup_with_source`)
 
 
 class NgramCache:
@@ -54,7 +58,7 @@ class NgramCache:
 
 class NgramDrafter(Drafter):
     def __init__(self, *, num_draft_tokens: int, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5,
-                 cache_entries: int = 0):
+                 cache_entries: int = 0, corpus: LookupCorpus | None = None):
         self.num_draft_tokens = num_draft_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
@@ -62,18 +66,27 @@ class NgramDrafter(Drafter):
         self.cache = (NgramCache(num_draft_tokens=num_draft_tokens, min_n=max(3, prompt_lookup_min),
                                  max_n=max(3, prompt_lookup_max), max_entries=cache_entries)
                       if cache_entries > 0 else None)
+        self.corpus = corpus  # matches of prompt_lookup_min .. the corpus's max_n tokens
 
     def lookup(self, ids: list[int]) -> list[int]:
         """Draft continuation of `ids` (possibly shorter than num_draft_tokens, possibly empty)."""
         return self.lookup_with_source(ids)[0]
 
-    def lookup_with_source(self, ids: list[int]) -> tuple[list[int], int, bool]:
-        """(drafts, matched n, from the cross-request cache?): the request's own context first."""
+    def lookup_with_source(self, ids: list[int]) -> tuple[list[int], int, int]:
+        """(drafts, matched n, source: OWN, CACHE or CORPUS): the request's own context first, then the
+        cross-request cache, then the corpus."""
         drafts, n = self.lookup_with_length(ids)
-        if drafts or self.cache is None:
-            return drafts, n, False
-        drafts, n = self.cache.lookup(ids)
-        return drafts, n, bool(drafts)
+        if drafts:
+            return drafts, n, OWN
+        if self.cache is not None:
+            drafts, n = self.cache.lookup(ids)
+            if drafts:
+                return drafts, n, CACHE
+        if self.corpus is not None:
+            drafts, n = self.corpus.lookup(ids, min_n=self.min_n)
+            if drafts:
+                return drafts, n, CORPUS
+        return [], 0, OWN
 
     def observe_finished(self, all_ids: list[int], num_prompt_tokens: int = 0) -> None:
         if self.cache is not None:
@@ -113,7 +126,15 @@ class NgramDrafter(Drafter):
                              num_valid=[len(d) for d in drafts])
 
 
+def load_corpus(spec, target_config) -> LookupCorpus | None:
+    """The spec's `lookup_corpus` loaded for the target's vocabulary, or None where it names none."""
+    if not spec.lookup_corpus:
+        return None
+    return LookupCorpus.load(spec.lookup_corpus, vocab_size=target_config.vocab_size, max_n=spec.prompt_lookup_max,
+                             num_draft_tokens=spec.num_speculative_tokens)
+
+
 def build(spec, *, target_config, target_model, dtype, device) -> NgramDrafter:
     return NgramDrafter(num_draft_tokens=spec.num_speculative_tokens,
                         prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
-                        cache_entries=spec.lookup_cache_entries)
+                        cache_entries=spec.lookup_cache_entries, corpus=load_corpus(spec, target_config))

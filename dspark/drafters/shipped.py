@@ -22,6 +22,8 @@ SHIPPED: dict[tuple[str, str], str] = {  # (model, method) → folder under ASSE
     (DEFAULT_MODEL, "eagle3"): "eagle3-smollm2-135m",
     ("gemma-3-270m", "dspark"): "dspark-gemma-3-270m",
 }
+# model -> its shipped lookup corpus under ASSETS (`dspark build-corpus`: the model's own answers to train/ prompts)
+CORPORA: dict[str, str] = {DEFAULT_MODEL: "lookup-smollm2-135m/corpus.safetensors"}
 DEFAULT_NUM_SPECULATIVE_TOKENS = 7
 # model -> the method `dspark serve` drafts with by default (the fastest measured at batch 1)
 SERVED_DEFAULTS: dict[str, str] = {DEFAULT_MODEL: "dspark", "gemma-3-270m": "ngram"}
@@ -63,13 +65,20 @@ def shipped_cost_table(folder: Path, matmul_dtype: str, kind: str | None = None)
     return None
 
 
+def corpus_path(model: str) -> Path | None:
+    """The shipped lookup corpus for `model`, or None when none is shipped."""
+    name = CORPORA.get(_canonical(model))
+    return ASSETS / name if name is not None and (ASSETS / name).is_file() else None
+
+
 def default_spec_config(model: str, matmul_dtype: str = "float32") -> SpecConfig | None:
     """DSpark with prompt lookup first (`ngram_first`) and the prefix scheduler (Algorithm 1) on the cost
     table profiled on this project's machines (2 CPU cores) with the engine's matmul dtype and, where one
     was profiled, this machine's kind of kernels (`shipped_cost_table`); on other hardware run `dspark
     profile` or pass "cost_table": "auto". Lookup first: 1.28-1.54x the tok/s of DSpark alone at batch 1
     on gsm8k and humaneval (a served sweep on a 2-vCPU AMD EPYC, 2026-11-29). A model whose served default
-    is prompt lookup (`SERVED_DEFAULTS`) gets `NGRAM_DEFAULT`."""
+    is prompt lookup (`SERVED_DEFAULTS`) gets `NGRAM_DEFAULT`. The lookup asks the shipped corpus where there is
+    one (`CORPORA`)."""
     method = SERVED_DEFAULTS.get(_canonical(model))
     if method == "ngram":
         return SpecConfig(method="ngram", **NGRAM_DEFAULT)
@@ -77,8 +86,10 @@ def default_spec_config(model: str, matmul_dtype: str = "float32") -> SpecConfig
     if path is None:
         return None
     cost = shipped_cost_table(path, matmul_dtype)
+    corpus = corpus_path(model)
+    lookup = dict(ngram_first=True, lookup_corpus=None if corpus is None else str(corpus))
     if cost is None:
         return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS,
-                          ngram_first=True)
+                          **lookup)
     return SpecConfig(method="dspark", model=str(path), num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS,
-                      length_policy="prefix", cost_table=str(cost), ngram_first=True)
+                      length_policy="prefix", cost_table=str(cost), **lookup)

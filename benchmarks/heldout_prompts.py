@@ -1,0 +1,42 @@
+"""The held-out train/ prompts as prompt files, one per domain (OUT/math.jsonl, code.jsonl, chat.jsonl): the rows `dspark prepare-data --holdout FRAC` puts in the
+validation split (by the hash of their key), which no drafter training step and no lookup corpus built from
+the train split has seen. Benchmarks read them as datasets (`--dataset FILE`, `--datasets A,B,C`): prompts nothing was tuned
+on, beside eval/.
+
+    python benchmarks/heldout_prompts.py --prompts ../shared/datasets/train --out runs/heldout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dspark.train.data import assert_not_eval, is_holdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--prompts", required=True, help="the train/ prompt folder prepare-data read")
+    p.add_argument("--holdout", type=float, default=0.05, help="prepare-data's --holdout")
+    p.add_argument("--out", required=True, help="a folder: one DOMAIN.jsonl per domain")
+    args = p.parse_args(argv)
+    assert_not_eval(args.prompts)
+    rows = []
+    for path in sorted(Path(args.prompts).glob("*.jsonl")):
+        for i, line in enumerate(path.read_text().split("\n")):  # prepare-data's keys: stem:line
+            if line.strip() and is_holdout(f"{path.stem}:{i}", args.holdout):
+                rows.append(json.loads(line))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for domain in sorted({r["domain"] for r in rows}):
+        mine = [r for r in rows if r["domain"] == domain]
+        (out / f"{domain}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mine))
+        counts[domain] = len(mine)
+    print(json.dumps({"out": args.out, "prompts": counts}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

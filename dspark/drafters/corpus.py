@@ -1,0 +1,127 @@
+"""A lookup corpus: the target's own answers to training prompts, searched the way prompt lookup searches a
+request's context (`"lookup_corpus"`; REST's retrieval and SuffixDecoding's frequency-scored continuations over
+a fixed corpus).
+
+Where neither the request's own context nor the cross-request cache matches, the corpus is asked: the longest
+suffix of the context (`min_n` .. max_n tokens: prompt_lookup_min .. prompt_lookup_max) that occurs in it, then the continuation most of its occurrences take,
+token by token (at each depth the most frequent next token among the occurrences still on the path; the
+smallest id on a tie), up to γ tokens or a document's end. It depends on committed tokens only, so it is
+lossless as any lookup. Acceptance per match length is measured like the other lookup sources
+(`LookupFirstDrafter`), so a weak short match loses to the model drafter where that drafts better.
+
+Index: every position q of a token sorted by the tokens read backwards from it (q, q-1, .., q-max_n+1), so the
+occurrences of the context's last n tokens are one contiguous range, and each longer n a sub-range of it (a
+few binary searches a lookup). 8 bytes a corpus token (the tokens and the order, int32), built at load.
+
+File: safetensors, `tokens` int32 [N] (documents joined, each followed by -1), metadata `vocab_size`,
+`documents`, `model`, `source`. `dspark build-corpus` writes one from `dspark prepare-data` output.
+
+    corpus = LookupCorpus.load("corpus.safetensors", vocab_size=49152, max_n=5, num_draft_tokens=7)
+    drafts, n = corpus.lookup(context_ids)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+SEP = -1  # after each document; sorts before every token id
+SAMPLE = 1024  # occurrences a continuation is counted over (evenly spaced across a larger range)
+
+
+class LookupCorpus:
+    def __init__(self, tokens: np.ndarray, *, max_n: int, num_draft_tokens: int) -> None:
+        if max_n < 1 or num_draft_tokens < 1:
+            raise ValueError(f"need max_n >= 1 and num_draft_tokens >= 1, got {max_n}, {num_draft_tokens}")
+        self.max_n, self.num_draft_tokens = max_n, num_draft_tokens
+        body = np.asarray(tokens, dtype=np.int32)
+        # max_n separators before the corpus (a backward read never leaves it), γ after (nor a forward one)
+        self.tokens = np.concatenate([np.full(max_n, SEP, np.int32), body, np.full(num_draft_tokens + 1, SEP, np.int32)])
+        q = np.flatnonzero(body != SEP).astype(np.int32) + max_n  # [num_positions] positions holding a token
+        # lexsort: the last key is the primary one — token q, then q-1, ...
+        self.order = q[np.lexsort([self.tokens[q - j] for j in range(max_n - 1, -1, -1)])].astype(np.int32)
+        head = self.tokens[self.order]  # [num_positions] sorted
+        self.starts = np.searchsorted(head, np.arange(int(head.max(initial=-1)) + 2)).astype(np.int64)
+        self.num_tokens, self.num_documents = int((body != SEP).sum()), int((body == SEP).sum())
+
+    @classmethod
+    def load(cls, path: str | Path, *, vocab_size: int, max_n: int, num_draft_tokens: int) -> "LookupCorpus":
+        from safetensors.numpy import load_file
+        check_corpus(path, vocab_size=vocab_size)
+        tokens = load_file(str(path))["tokens"]
+        if tokens.size and int(tokens.max()) >= vocab_size:
+            raise ValueError(f"lookup_corpus {path}: token id {int(tokens.max())} outside the target's "
+                             f"{vocab_size}-token vocabulary")
+        return cls(tokens, max_n=max_n, num_draft_tokens=num_draft_tokens)
+
+    def lookup(self, ids: list[int], *, min_n: int = 1) -> tuple[list[int], int]:
+        """(continuation, matched n) for the longest suffix of `ids` (min_n .. max_n tokens) found in the
+        corpus; ([], 0) when none is."""
+        if not ids:
+            return [], 0
+        last = ids[-1]
+        if not 0 <= last < len(self.starts) - 1:
+            return [], 0
+        lo, hi = int(self.starts[last]), int(self.starts[last + 1])
+        n = 1 if hi > lo else 0
+        while hi > lo and n < min(self.max_n, len(ids)):
+            # the token n back is sorted within the range of the n matched ones
+            col = self.tokens[self.order[lo:hi] - n]
+            a, b = np.searchsorted(col, ids[-n - 1], "left"), np.searchsorted(col, ids[-n - 1], "right")
+            if b == a:
+                break
+            lo, hi, n = lo + int(a), lo + int(b), n + 1
+        if n < min_n:
+            return [], 0
+        return self._continuation(lo, hi), n
+
+    def _continuation(self, lo: int, hi: int) -> list[int]:
+        """The most frequent path forward from the occurrences order[lo:hi]."""
+        step = max(1, (hi - lo) // SAMPLE)
+        at = self.order[lo:hi:step].astype(np.int64)  # [≤ SAMPLE] positions of the matched suffix's last token
+        out: list[int] = []
+        for d in range(1, self.num_draft_tokens + 1):
+            nxt = self.tokens[at + d]
+            values, counts = np.unique(nxt, return_counts=True)
+            best = int(values[counts.argmax()])  # the first of the most frequent: the smallest id
+            if best == SEP:
+                break
+            out.append(best)
+            at = at[nxt == best]
+        return out
+
+
+def check_corpus(path: str | Path, *, vocab_size: int) -> dict:
+    """The corpus file's metadata, after checking it exists and was written for a `vocab_size`-token
+    vocabulary (reads the header only)."""
+    from safetensors import safe_open
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"lookup_corpus {path}: no such file (write one with `dspark build-corpus`)")
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata() or {}
+        if "tokens" not in f.keys():
+            raise ValueError(f"lookup_corpus {path}: no 'tokens' tensor (not a corpus from `dspark build-corpus`)")
+    if int(meta.get("vocab_size", -1)) != vocab_size:
+        raise ValueError(f"lookup_corpus {path} was written for a {meta.get('vocab_size', 'unknown')}-token "
+                         f"vocabulary; the target has {vocab_size}")
+    return meta
+
+
+def write_corpus(path: str | Path, documents: list[list[int]], *, vocab_size: int, model: str, source: str) -> dict:
+    """Join `documents` (token id lists) into a corpus file; returns its metadata."""
+    from safetensors.numpy import save_file
+    flat = [t for doc in documents for t in (*doc, SEP)]
+    if any(not 0 <= t < vocab_size for doc in documents for t in doc):
+        raise ValueError(f"a document holds a token id outside the {vocab_size}-token vocabulary")
+    meta = {"vocab_size": str(vocab_size), "documents": str(len(documents)), "tokens": str(len(flat) - len(documents)),
+            "model": model, "source": source}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file({"tokens": np.asarray(flat, dtype=np.int32)}, str(path), metadata=meta)
+    return meta
+
+
+def describe(meta: dict) -> str:
+    return json.dumps({k: meta[k] for k in ("documents", "tokens", "model", "source") if k in meta})
