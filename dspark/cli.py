@@ -102,11 +102,14 @@ def _register(module: str, sub) -> bool:
 def main(argv: list[str] | None = None) -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from dspark.config import EngineConfig
+    from dspark.config import EngineConfig, SpecConfigError
     from dspark.engine_args import expand_dotted, json_flags
     argv = expand_dotted(list(sys.argv[1:] if argv is None else argv), json_flags(EngineConfig))
     args = build_parser(argv).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except SpecConfigError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

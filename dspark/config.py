@@ -122,6 +122,11 @@ class ParallelConfig:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
 
+class SpecConfigError(ValueError):
+    """A speculative config that does not fit the target, or names a file that is not there, found before
+    weights load (`engine.build`); the `dspark` CLI prints it as an error naming --speculative-config."""
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding: vLLM's `speculative_config` keys plus dspark's length-policy keys."""

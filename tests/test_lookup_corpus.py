@@ -88,6 +88,10 @@ def test_corpus_file_and_its_refusals(tmp_path):
     # validated with the drafter, before any weight loads: the tiny target has another vocabulary size
     with pytest.raises(ValueError, match=f"the target has {TINY_LLAMA.vocab_size}"):
         check_drafter(SpecConfig(method="ngram", lookup_corpus=str(path)), TINY_LLAMA)
+    with pytest.raises(SystemExit, match="error: --speculative-config: lookup_corpus .*no such file"):
+        from dspark.cli import main
+        main(["generate", "hi", "--max-tokens", "2", "--speculative-config",
+              f'{{"method": "ngram", "lookup_corpus": "{tmp_path / "none.safetensors"}"}}'])
     drafter = NgramDrafter(num_draft_tokens=2, prompt_lookup_min=1, corpus=corpus)
     assert drafter.lookup_with_source([9, 2]) == ([3, 4], 1, CORPUS)
     assert drafter.lookup_with_source([2, 3, 5, 2, 3]) == ([5, 2], 2, OWN)  # the own context first
@@ -109,6 +113,10 @@ def test_build_corpus_takes_train_answers_only(tmp_path, monkeypatch):
     evil.mkdir(parents=True)
     with pytest.raises(AssertionError, match="evaluation prompts"):
         corpus_cli.answers(evil, split="train")
+    with pytest.raises(SystemExit, match="error: --data .*evaluation prompts"):
+        corpus_cli.run_cli(argparse.Namespace(data=[str(evil)], out=str(out), split="train", model="tiny"))
+    with pytest.raises(SystemExit, match="error: --data .*prepare-data"):
+        corpus_cli.run_cli(argparse.Namespace(data=[str(tmp_path)], out=str(out), split="train", model="tiny"))
 
 
 def test_engine_drafts_from_the_corpus_with_parity(target, drafter_dir, plain_outputs, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.config import EngineConfig
+from dspark.config import EngineConfig, SpecConfigError
 from dspark.drafters import build_drafter, check_drafter
 from dspark.engine.engine import Engine
 from dspark.engine.model_runner import DTYPES
@@ -40,7 +40,10 @@ def build_engine(config: EngineConfig):
                                         model=config.model, tensor_parallel_size=config.tensor_parallel_size)
     log.info("target matrix products: %s (matmul_dtype=%s)", matmul_dtype, config.matmul_dtype)
     if config.spec is not None:
-        check_drafter(config.spec, target_config)
+        try:
+            check_drafter(config.spec, target_config)
+        except (ValueError, FileNotFoundError) as e:
+            raise SpecConfigError(f"--speculative-config: {e}") from e
         _check_length_policy(config, matmul_dtype)
     check_tokenizer_files(resolve_model_path(config.model))  # after the config checks, before any weight
     workers = None

@@ -52,7 +52,10 @@ def run_cli(args: argparse.Namespace) -> int:
     from dspark.models.loader import read_model_config
     docs, models = [], set()
     for root in args.data:
-        found, manifest = answers(root, split=args.split)
+        try:
+            found, manifest = answers(root, split=args.split)
+        except (AssertionError, FileNotFoundError) as e:
+            raise SystemExit(f"error: --data {root}: {e}") from None
         docs += found
         models.add(manifest.get("config", {}).get("model", "default"))
     model = args.model or (models.pop() if len(models) == 1 else None)
