@@ -5,6 +5,7 @@ if-chain); parsing happens in `main()` only.
     dspark generate "prompt" [--max-tokens 128]
     dspark bench serve|sweep|offline ...
     dspark parity --speculative-config JSON --dataset gsm8k
+    dspark build-corpus --data data/train --out corpus.safetensors
 """
 
 from __future__ import annotations
