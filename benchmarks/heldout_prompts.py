@@ -12,7 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-from dspark.train.data import assert_not_eval, is_holdout
+from dspark.train.data import is_holdout
+from dspark.train.prepare_data import prompt_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,12 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--holdout", type=float, default=0.05, help="prepare-data's --holdout")
     p.add_argument("--out", required=True, help="a folder: one DOMAIN.jsonl per domain")
     args = p.parse_args(argv)
-    assert_not_eval(args.prompts)
-    rows = []
-    for path in sorted(Path(args.prompts).glob("*.jsonl")):
-        for i, line in enumerate(path.read_text().split("\n")):  # prepare-data's keys: stem:line
-            if line.strip() and is_holdout(f"{path.stem}:{i}", args.holdout):
-                rows.append(json.loads(line))
+    rows = [row for key, row in prompt_rows(args.prompts) if is_holdout(key, args.holdout)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     counts = {}

@@ -4,8 +4,8 @@
   then token by token the most frequent continuation, the smallest id on a tie, stopping at a document's end),
   on random corpora over small vocabularies (many matches, ties and document ends);
 * the file: written and loaded; a missing file, a corpus of another vocabulary size and token ids outside
-  it are refused with messages naming them, before any weight loads (`check_drafter`); the key is refused
-  without prompt lookup;
+  it are refused with messages naming them, before any weight loads (`check_drafter`; the CLI names
+  --speculative-config, as for a missing cost table); the key is refused without prompt lookup;
 * `build-corpus` takes the answers (loss-mask tokens) of the train split only, and refuses eval/ data;
 * in the engine (tiny random Llama, DSpark with prompt lookup first, no cross-request cache): prompts whose
   answers are in the corpus draft from it (its own acceptance class), accepted, with greedy output equal to
@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.cli import main
 from dspark.config import SpecConfig
 from dspark.drafters import check_drafter
 from dspark.drafters.corpus import SEP, LookupCorpus, check_corpus, write_corpus
@@ -89,9 +90,12 @@ def test_corpus_file_and_its_refusals(tmp_path):
     with pytest.raises(ValueError, match=f"the target has {TINY_LLAMA.vocab_size}"):
         check_drafter(SpecConfig(method="ngram", lookup_corpus=str(path)), TINY_LLAMA)
     with pytest.raises(SystemExit, match="error: --speculative-config: lookup_corpus .*no such file"):
-        from dspark.cli import main
         main(["generate", "hi", "--max-tokens", "2", "--speculative-config",
               f'{{"method": "ngram", "lookup_corpus": "{tmp_path / "none.safetensors"}"}}'])
+    with pytest.raises(SystemExit, match="error: --speculative-config: cost_table .*does not exist"):
+        main(["generate", "hi", "--max-tokens", "2", "--speculative-config",  # the length policy's check alike
+              '{"method": "dspark", "model": "dspark/assets/drafters/dspark-smollm2-135m", "length_policy": "prefix", '
+              f'"cost_table": "{tmp_path / "none.json"}"}}'])
     drafter = NgramDrafter(num_draft_tokens=2, prompt_lookup_min=1, corpus=corpus)
     assert drafter.lookup_with_source([9, 2]) == ([3, 4], 1, CORPUS)
     assert drafter.lookup_with_source([2, 3, 5, 2, 3]) == ([5, 2], 2, OWN)  # the own context first

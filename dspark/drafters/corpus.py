@@ -3,9 +3,9 @@ request's context (`"lookup_corpus"`; REST's retrieval and SuffixDecoding's freq
 a fixed corpus).
 
 Where neither the request's own context nor the cross-request cache matches, the corpus is asked: the longest
-suffix of the context (`min_n` .. max_n tokens: prompt_lookup_min .. prompt_lookup_max) that occurs in it, then the continuation most of its occurrences take,
-token by token (at each depth the most frequent next token among the occurrences still on the path; the
-smallest id on a tie), up to γ tokens or a document's end. It depends on committed tokens only, so it is
+suffix of the context (`min_n` .. max_n tokens: prompt_lookup_min .. prompt_lookup_max) that occurs in it,
+then the continuation most of its occurrences take, token by token (at each depth the most frequent next token
+among the occurrences still on the path; the smallest id on a tie), up to γ tokens or a document's end. It depends on committed tokens only, so it is
 lossless as any lookup. Acceptance per match length is measured like the other lookup sources
 (`LookupFirstDrafter`), so a weak short match loses to the model drafter where that drafts better.
 

@@ -42,9 +42,9 @@ def build_engine(config: EngineConfig):
     if config.spec is not None:
         try:
             check_drafter(config.spec, target_config)
+            _check_length_policy(config, matmul_dtype)
         except (ValueError, FileNotFoundError) as e:
             raise SpecConfigError(f"--speculative-config: {e}") from e
-        _check_length_policy(config, matmul_dtype)
     check_tokenizer_files(resolve_model_path(config.model))  # after the config checks, before any weight
     workers = None
     if tp_size > 1:

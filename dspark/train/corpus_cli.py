@@ -8,34 +8,18 @@ answers the target wrote to training prompts, each a document. The held-out spli
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from safetensors import safe_open
-
 from dspark.drafters.corpus import describe, write_corpus
-from dspark.train.data import MANIFEST, assert_not_eval, shard_paths
+from dspark.train.data import TokenDataset
 
 
 def answers(root: str | Path, *, split: str) -> tuple[list[list[int]], dict]:
     """The assistant tokens (loss mask 1) of each sample of `split` (train, val or all) in a prepare-data
-    folder, and its manifest."""
-    root = Path(root)
-    assert_not_eval(root)
-    paths = shard_paths(root)
-    if not paths:
-        raise FileNotFoundError(f"no shard-*.safetensors in {root}; run `dspark prepare-data` first")
-    manifest = json.loads((root / MANIFEST).read_text()) if (root / MANIFEST).exists() else {}
-    docs = []
-    for p in paths:
-        with safe_open(str(p), "pt") as f:
-            ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
-            offsets, is_val = f.get_tensor("offsets").tolist(), f.get_tensor("is_val").tolist()
-        for i, val in enumerate(is_val):
-            if split == "all" or bool(val) == (split == "val"):
-                a, b = offsets[i], offsets[i + 1]
-                docs.append(ids[a:b][mask[a:b].bool()].tolist())
-    return [d for d in docs if d], manifest
+    folder (`TokenDataset`: eval/ refused), and its manifest."""
+    sets = [TokenDataset(root, split=s) for s in (("train", "val") if split == "all" else (split,))]
+    docs = [s.input_ids[s.loss_mask.bool()].tolist() for ds in sets for s in ds.samples]
+    return docs, sets[0].manifest
 
 
 def register(sub) -> None:

@@ -68,17 +68,21 @@ class PrepareConfig:
     device: str = "cpu"
 
 
-def load_prompts(root: str | Path, *, seed: int) -> list[tuple[str, str]]:
-    """(key, first user turn) for every line of root/*.jsonl, shuffled deterministically."""
+def prompt_rows(root: str | Path) -> list[tuple[str, dict]]:
+    """(key, row) for every line of root/*.jsonl, the key `stem:line` (what the held-out split hashes)."""
     assert_not_eval(root)
-    items = []
+    rows = []
     for path in sorted(Path(root).glob("*.jsonl")):
         assert_not_eval(path)
         for i, line in enumerate(path.read_text().split("\n")):  # not splitlines(): U+2028 in strings
             if line.strip():
-                turns = json.loads(line)["turns"]
-                if turns and turns[0].strip():
-                    items.append((f"{path.stem}:{i}", turns[0]))
+                rows.append((f"{path.stem}:{i}", json.loads(line)))
+    return rows
+
+
+def load_prompts(root: str | Path, *, seed: int) -> list[tuple[str, str]]:
+    """(key, first user turn) for every line of root/*.jsonl, shuffled deterministically."""
+    items = [(key, row["turns"][0]) for key, row in prompt_rows(root) if row["turns"] and row["turns"][0].strip()]
     random.Random(seed).shuffle(items)
     return items
 
