@@ -2,7 +2,9 @@
 speculative default, offline, closed loop) run from a git revision's tree and from the working tree in
 alternating child processes, round after round, the first turn alternating from round to round, so the
 VM's drifts hit both alike. Each side reports default ÷ plain within its own process, so the ratio is
-what the revision changed in speculation's overhead, and the raw tok/s what it changed overall.
+what the revision changed in speculation's overhead, and the raw tok/s what it changed overall; and the
+default's proposing and choosing time a step (`Engine._propose_and_choose`: lookup, drafter, fault check,
+length policy), the bookkeeping term itself.
 
     python benchmarks/ab_load_phases.py --base 07201a3 --concurrency 8,32 --rounds 3 \
         --out benchmarks/results/ab_load_phases.json
@@ -65,20 +67,27 @@ def main(argv: list[str] | None = None) -> dict:
                         row = {"plain_tok_s": med["plain"]["output_tok_s"], "default_tok_s": med["default"]["output_tok_s"],
                                "default_over_plain": med["default"]["tok_s_ratio_vs_plain"],
                                "plain_non_forward_s": med["plain"]["non_forward_s"],
-                               "default_non_forward_s": med["default"]["non_forward_s"]}
+                               "default_non_forward_s": med["default"]["non_forward_s"],
+                               "default_propose_ms_per_step": statistics.median(
+                                   1e3 * x["phase_s"].get("_propose_and_choose", 0.0) / max(x["steps"], 1)
+                                   for x in res["runs"]["default"])}
                         runs[side][c].append(row)
                         print(f"round {r} c={c} {side}: plain {row['plain_tok_s']:.1f} tok/s, default "
-                              f"{row['default_tok_s']:.1f} ({row['default_over_plain']:.3f}x plain)", flush=True)
+                              f"{row['default_tok_s']:.1f} ({row['default_over_plain']:.3f}x plain), proposing "
+                              f"{row['default_propose_ms_per_step']:.3f} ms a step", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, capture_output=True)
     summary = {}
     for c in counts:
         for side in ("base", "new"):
             rows = runs[side][c]
-            for key in ("plain_tok_s", "default_tok_s", "default_over_plain", "default_non_forward_s"):
+            for key in ("plain_tok_s", "default_tok_s", "default_over_plain", "default_non_forward_s",
+                        "default_propose_ms_per_step"):
                 summary[f"{side}_c{c}_{key}"] = round(statistics.median(x[key] for x in rows), 4)
         summary[f"new_over_base_c{c}_default_tok_s"] = round(
             summary[f"new_c{c}_default_tok_s"] / summary[f"base_c{c}_default_tok_s"], 3)
+        summary[f"new_over_base_c{c}_default_propose_ms_per_step"] = round(
+            summary[f"new_c{c}_default_propose_ms_per_step"] / summary[f"base_c{c}_default_propose_ms_per_step"], 3)
         summary[f"new_over_base_c{c}_plain_tok_s"] = round(
             summary[f"new_c{c}_plain_tok_s"] / summary[f"base_c{c}_plain_tok_s"], 3)
     result = {"bench": "ab_load_phases", "summary": summary, "config": vars(args), "runs": runs, **run_info(argv)}

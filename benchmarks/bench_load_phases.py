@@ -51,7 +51,7 @@ DEFAULT = {"method": "dspark", "model": DRAFTER, "num_speculative_tokens": 7, "l
 VARIANTS = {
     "plain": None,
     "default": DEFAULT,
-    "dspark": {**DEFAULT, "ngram_first": False},
+    "dspark": {**DEFAULT, "ngram_first": False, "lookup_corpus": None},
     "fp32-draft": {**DEFAULT, "draft_matmul_dtype": "float32"},
     "q4-draft": {**DEFAULT, "draft_matmul_dtype": "q4_1"},
     "nogate": {**DEFAULT, "draft_gate": False},

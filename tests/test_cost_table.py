@@ -45,6 +45,18 @@ def test_sps_array_matches_scalar_lookup():
     assert np.allclose(table.sps_array(sizes), [table.sps(int(n)) for n in sizes])
 
 
+def test_step_seconds_range_is_the_lookup_for_every_range():
+    """The kept step seconds equal 1 / sps_array for any (start, count), before and after the kept range
+    grows, and cannot be written through a returned slice."""
+    table = _table()
+    for start, count in [(0, 1), (3, 5), (1, 40), (0, 3), (30, 90), (7, 1)]:
+        got = table.step_seconds_range(start, count)
+        assert got.shape == (count,)
+        assert np.array_equal(got, 1.0 / table.sps_array(np.arange(start, start + count)))
+        with pytest.raises(ValueError):
+            got[0] = 1.0
+
+
 def test_extrapolation_never_gets_faster():
     table = CostTable(num_tokens=[1, 2], steps_per_second=[10.0, 20.0])  # noisy: 2 tokens faster
     assert table.sps(100) == pytest.approx(20.0)  # slope floored at 0, not extrapolated downwards

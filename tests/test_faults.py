@@ -229,3 +229,35 @@ def test_nonfinite_and_misshapen_draft_probs_are_dropped(target, drafter_dir):
     out = run(engine, SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=2))
     assert all(len(ids) == 12 for ids in out.values())
     assert engine.metrics.num_draft_faults > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_proposal_check_equals_a_row_by_row_scan(seed):
+    """faulty_proposal_rows (a whole-tensor pass first, the row-by-row masks where it fails) against a plain
+    scan of each row's valid positions: planted bad ids and confidences (NaN, ±inf, < 0, > 1), in valid
+    positions and past them, in int64/fp32 and bf16 confidences."""
+    from dspark.drafters.base import DraftProposal
+    from dspark.engine.faults import faulty_proposal_rows
+
+    g = torch.Generator().manual_seed(seed)
+    vocab, gamma = 50, 5
+    bad_ids, bad_conf = [-1, vocab, vocab + 7], [float("nan"), float("inf"), -float("inf"), -0.1, 1.5]
+    for trial in range(60):
+        num_reqs = int(torch.randint(1, 5, (1,), generator=g))
+        ids = torch.randint(0, vocab, (num_reqs, gamma), generator=g)
+        conf = torch.rand(num_reqs, gamma, generator=g)
+        num_valid = torch.randint(0, gamma + 1, (num_reqs,), generator=g).tolist()
+        for _ in range(int(torch.randint(0, 3, (1,), generator=g))):  # trials without plants: the fast path
+            r, j = int(torch.randint(0, num_reqs, (1,), generator=g)), int(torch.randint(0, gamma, (1,), generator=g))
+            if trial % 2:
+                ids[r, j] = bad_ids[trial % len(bad_ids)]
+            else:
+                conf[r, j] = bad_conf[trial % len(bad_conf)]
+        expected = [r for r in range(num_reqs)
+                    if any(not 0 <= int(ids[r, j]) < vocab or not 0.0 <= float(conf[r, j]) <= 1.0
+                           for j in range(num_valid[r]))]
+        for c in (conf, conf.bfloat16(), None):
+            want = expected if c is not None else [r for r in range(num_reqs) if any(
+                not 0 <= int(ids[r, j]) < vocab for j in range(num_valid[r]))]
+            proposal = DraftProposal(draft_ids=ids, draft_probs=None, confidence=c, num_valid=num_valid)
+            assert faulty_proposal_rows(proposal, vocab_size=vocab, num_valid=num_valid) == want

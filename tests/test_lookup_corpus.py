@@ -56,17 +56,24 @@ def _brute_force(docs: list[list[int]], ids: list[int], *, min_n: int, max_n: in
     return [], 0
 
 
-@pytest.mark.parametrize("vocab,max_n", [(3, 5), (6, 4), (20, 5), (50, 2)])
-def test_lookup_matches_brute_force(vocab, max_n):
+@pytest.mark.parametrize("vocab,max_n,spread", [(3, 5, 1), (6, 4, 1), (20, 5, 1), (50, 2, 1), (20, 5, 20011),
+                                                (6, 5, 2 ** 20)])
+def test_lookup_matches_brute_force(vocab, max_n, spread):
+    """`spread` multiplies every token id: large ids leave room for fewer tokens in a packed key (depth 3 and 2
+    of max_n 5), so the longer suffixes are narrowed inside the keys' range, and a context's id past the
+    corpus's largest may not fit a key at all."""
     rng = random.Random(vocab * 10 + max_n)
-    docs = [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(25)]
+    docs = [[rng.randrange(vocab) * spread for _ in range(rng.randint(1, 40))] for _ in range(25)]
     corpus = LookupCorpus(np.array([t for d in docs for t in (*d, SEP)]), max_n=max_n, num_draft_tokens=6)
     assert corpus.num_documents == 25 and corpus.num_tokens == sum(map(len, docs))
+    assert corpus.depth == (max_n if spread == 1 else 3 if spread < 2 ** 20 else 2)
     for trial in range(300):
-        ids = [rng.randrange(vocab + 2) for _ in range(rng.randint(1, 8))]  # ids past the corpus's too
+        ids = [rng.randrange(vocab + 2) * spread for _ in range(rng.randint(1, 8))]  # ids past the corpus's too
         if trial % 3 == 0:  # a context ending in a corpus n-gram
             d = rng.choice(docs)
             ids = ids + d[:rng.randint(1, len(d))]
+        if trial % 5 == 1:  # an id too large for any key, somewhere in the last few
+            ids[-rng.randint(1, min(4, len(ids)))] = 2 ** 30 + 3
         for min_n in (1, 2):
             assert corpus.lookup(ids, min_n=min_n) == _brute_force(docs, ids, min_n=min_n, max_n=max_n, width=6), ids
 

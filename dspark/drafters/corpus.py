@@ -10,8 +10,11 @@ lossless as any lookup. Acceptance per match length is measured like the other l
 (`LookupFirstDrafter`), so a weak short match loses to the model drafter where that drafts better.
 
 Index: every position q of a token sorted by the tokens read backwards from it (q, q-1, .., q-max_n+1), so the
-occurrences of the context's last n tokens are one contiguous range, and each longer n a sub-range of it (a
-few binary searches a lookup). 8 bytes a corpus token (the tokens and the order, int32), built at load.
+occurrences of the context's last n tokens are one contiguous range, and each longer n a sub-range of it. The
+first `depth` tokens of that backward read are also packed into one int64 key per position (token + 1 in
+`bits` bits each, so the keys are sorted like the positions): the range of a suffix up to `depth` tokens long
+is two binary searches over the keys, each longer one a binary search inside the range. 16 bytes a corpus token
+(the tokens and the order, int32; the keys, int64), built at load.
 
 File: safetensors, `tokens` int32 [N] (documents joined, each followed by -1), metadata `vocab_size`,
 `documents`, `model`, `source`. `dspark build-corpus` writes one from `dspark prepare-data` output.
@@ -42,8 +45,12 @@ class LookupCorpus:
         q = np.flatnonzero(body != SEP).astype(np.int32) + max_n  # [num_positions] positions holding a token
         # lexsort: the last key is the primary one — token q, then q-1, ...
         self.order = q[np.lexsort([self.tokens[q - j] for j in range(max_n - 1, -1, -1)])].astype(np.int32)
-        head = self.tokens[self.order]  # [num_positions] sorted
-        self.starts = np.searchsorted(head, np.arange(int(head.max(initial=-1)) + 2)).astype(np.int64)
+        # packed keys of the first `depth` tokens read backwards (SEP -> 0): [num_positions] int64, ascending
+        self.bits = (int(body.max(initial=0)) + 1).bit_length()
+        self.depth = min(max_n, 63 // self.bits)
+        self.keys = np.zeros(len(self.order), dtype=np.int64)
+        for j in range(self.depth):
+            self.keys |= (self.tokens[self.order - j].astype(np.int64) + 1) << (self.bits * (self.depth - 1 - j))
         self.num_tokens, self.num_documents = int((body != SEP).sum()), int((body == SEP).sum())
 
     @classmethod
@@ -59,23 +66,35 @@ class LookupCorpus:
     def lookup(self, ids: list[int], *, min_n: int = 1) -> tuple[list[int], int]:
         """(continuation, matched n) for the longest suffix of `ids` (min_n .. max_n tokens) found in the
         corpus; ([], 0) when none is."""
-        if not ids:
-            return [], 0
-        last = ids[-1]
-        if not 0 <= last < len(self.starts) - 1:
-            return [], 0
-        lo, hi = int(self.starts[last]), int(self.starts[last + 1])
-        n = 1 if hi > lo else 0
-        while hi > lo and n < min(self.max_n, len(ids)):
+        lo, hi, n = self._packed_range(ids)
+        while hi > lo and self.depth <= n < min(self.max_n, len(ids)):
             # the token n back is sorted within the range of the n matched ones
             col = self.tokens[self.order[lo:hi] - n]
             a, b = np.searchsorted(col, ids[-n - 1], "left"), np.searchsorted(col, ids[-n - 1], "right")
             if b == a:
                 break
             lo, hi, n = lo + int(a), lo + int(b), n + 1
-        if n < min_n:
+        if n < max(min_n, 1):
             return [], 0
         return self._continuation(lo, hi), n
+
+    def _packed_range(self, ids: list[int]) -> tuple[int, int, int]:
+        """(lo, hi, n): the keys' range [lo, hi) of the longest suffix of `ids` up to `depth` tokens that occurs,
+        and its length n ((0, 0, 0) when not even the last token does)."""
+        limit = (1 << self.bits) - 1  # a token + 1 must fit its bits: a larger id occurs nowhere here
+        m = 0
+        while m < min(self.depth, len(ids)) and 0 <= ids[-1 - m] < limit:
+            m += 1
+        for n in range(m, 0, -1):
+            shift = self.bits * (self.depth - n)
+            key = 0
+            for j in range(n):
+                key = (key << self.bits) | (ids[-1 - j] + 1)
+            lo = int(np.searchsorted(self.keys, key << shift, "left"))
+            hi = int(np.searchsorted(self.keys, (key + 1) << shift, "left"))
+            if hi > lo:
+                return lo, hi, n
+        return 0, 0, 0
 
     def _continuation(self, lo: int, hi: int) -> list[int]:
         """The most frequent path forward from the occurrences order[lo:hi]."""
@@ -83,9 +102,19 @@ class LookupCorpus:
         at = self.order[lo:hi:step].astype(np.int64)  # [≤ SAMPLE] positions of the matched suffix's last token
         out: list[int] = []
         for d in range(1, self.num_draft_tokens + 1):
+            if at.size == 1:  # one occurrence left: its own tokens, up to the document's end
+                for t in self.tokens[at[0] + d:at[0] + self.num_draft_tokens + 1].tolist():
+                    if t == SEP:
+                        break
+                    out.append(t)
+                break
             nxt = self.tokens[at + d]
-            values, counts = np.unique(nxt, return_counts=True)
-            best = int(values[counts.argmax()])  # the first of the most frequent: the smallest id
+            first = nxt[0]
+            if (nxt == first).all():  # every occurrence goes on alike
+                best = int(first)
+            else:
+                values, counts = np.unique(nxt, return_counts=True)
+                best = int(values[counts.argmax()])  # the first of the most frequent: the smallest id
             if best == SEP:
                 break
             out.append(best)

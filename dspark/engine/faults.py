@@ -63,8 +63,28 @@ def isolate_target_faults(items, logits: "torch.Tensor | RowArgmax") -> tuple["t
     return logits, failed
 
 
+def _all_sound(proposal, vocab_size: int) -> bool:
+    """Every entry of the proposal's ids and confidences in range, checked over the whole tensors (valid
+    or not) on the host: the usual case in a few microseconds, where the row-by-row check below costs a
+    dozen torch ops a step (~0.2 ms at batch 1). False only sends the proposal to that check."""
+    ids, conf = proposal.draft_ids, proposal.confidence
+    if proposal.draft_probs is not None or ids.device.type != "cpu" or ids.dim() != 2 or not ids.numel():
+        return False
+    ids = ids.detach().numpy()
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        return False
+    if conf is None:
+        return True
+    if conf.device.type != "cpu" or conf.dtype != torch.float32:
+        return False
+    c = conf.detach().numpy()
+    return bool(c.min() >= 0.0) and bool(c.max() <= 1.0)  # NaN fails both comparisons
+
+
 def faulty_proposal_rows(proposal, *, vocab_size: int, num_valid: list[int]) -> list[int]:
     """Rows of a `DraftProposal` that must not be verified (see the module docstring)."""
+    if _all_sound(proposal, vocab_size):
+        return []
     ids = proposal.draft_ids  # [num_reqs, γ]
     width = ids.shape[1] if ids.dim() == 2 else 0
     valid = torch.arange(width).unsqueeze(0) < torch.tensor(num_valid).unsqueeze(1)  # [num_reqs, γ]

@@ -54,6 +54,9 @@ class CostTable:
         if any(s < 0 for s in self.draft_seconds):
             raise ValueError("draft_seconds must all be >= 0")
         object.__setattr__(self, "_sps_memo", {})  # num_tokens -> sps: the engine asks every step
+        object.__setattr__(self, "_xs", np.asarray(self.num_tokens, dtype=np.float64))
+        object.__setattr__(self, "_ys", np.asarray(self.steps_per_second, dtype=np.float64))
+        object.__setattr__(self, "_seconds", np.empty(0))  # [n] step seconds at 0 .. n - 1 tokens (read-only)
 
     # ------------------------------------------------------------------------------------------
     # Lookups
@@ -69,8 +72,7 @@ class CostTable:
     def sps_array(self, num_tokens: np.ndarray) -> np.ndarray:  # [num_sizes] -> [num_sizes] float
         """Vectorised `sps` (the prefix scheduler evaluates every candidate batch size at once)."""
         num_tokens = np.asarray(num_tokens, dtype=np.float64)
-        xs = np.asarray(self.num_tokens, dtype=np.float64)
-        ys = np.asarray(self.steps_per_second, dtype=np.float64)
+        xs, ys = self._xs, self._ys
         inside = np.interp(num_tokens, xs, ys)  # flat outside [xs[0], xs[-1]]
         last_seconds = 1.0 / ys[-1]
         if len(xs) == 1:
@@ -79,6 +81,16 @@ class CostTable:
             slope = max((last_seconds - 1.0 / ys[-2]) / (xs[-1] - xs[-2]), 0.0)  # seconds per token
             above_seconds = last_seconds + slope * (num_tokens - xs[-1])
         return np.where(num_tokens > xs[-1], 1.0 / np.maximum(above_seconds, 1e-12), inside)
+
+    def step_seconds_range(self, start: int, count: int) -> np.ndarray:  # [count] float64, read-only
+        """1 / sps at start, start + 1, .., start + count - 1 tokens: `sps_array`'s values, kept for every
+        token count asked so far (the prefix scheduler asks a range of them every step)."""
+        end = start + count
+        if end > len(self._seconds):
+            seconds = 1.0 / self.sps_array(np.arange(max(end, 2 * len(self._seconds))))
+            seconds.flags.writeable = False
+            object.__setattr__(self, "_seconds", seconds)
+        return self._seconds[start:end]
 
     def step_seconds(self, num_tokens: int) -> float:
         """Seconds of one verification forward over `num_tokens` tokens: 1 / sps(num_tokens)."""

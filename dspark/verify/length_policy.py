@@ -241,7 +241,10 @@ def _checked_confidence(confidence: torch.Tensor | None, num_draft_tokens: int, 
     if confidence.dim() != 2 or confidence.shape[1] < num_draft_tokens:
         raise ValueError(f"confidence must be [num_reqs, >= {num_draft_tokens}], "
                          f"got {tuple(confidence.shape)}")
-    values = confidence[:, :num_draft_tokens].detach().to("cpu", torch.float64).numpy()
+    if confidence.device.type == "cpu" and confidence.dtype == torch.float32:  # a view, then fp64 (exact)
+        values = confidence.detach().numpy()[:, :num_draft_tokens].astype(np.float64)
+    else:
+        values = confidence[:, :num_draft_tokens].detach().to("cpu", torch.float64).numpy()
     if np.isnan(values).any():
         raise ValueError(f"length policy {policy!r} got NaN confidences")
     return np.clip(values, 0.0, 1.0)
@@ -315,8 +318,7 @@ def throughput_curve(
     not run would dilute the verify cost (at 16 lookup rows: 36 ms beside a 60 ms step, so drafts of
     survival 0.5 would pass where 0.75 is the break-even)."""
     expected_tokens = num_reqs + np.concatenate([[0.0], np.cumsum(ranked_survival)])
-    batch_tokens = num_nondraft_tokens + np.arange(len(ranked_survival) + 1)
-    step_seconds = 1.0 / cost.sps_array(batch_tokens)
+    step_seconds = cost.step_seconds_range(num_nondraft_tokens, len(ranked_survival) + 1)  # [num_candidates + 1]
     if num_prompt_tokens > 0:
         decode = decode_tokens(num_nondraft_tokens, num_prompt_tokens)
         step_seconds = step_seconds - step_seconds[0] + cost.step_seconds(decode)
