@@ -47,7 +47,7 @@ class LookupCorpus:
         self.order = q[np.lexsort([self.tokens[q - j] for j in range(max_n - 1, -1, -1)])].astype(np.int32)
         # packed keys of the first `depth` tokens read backwards (SEP -> 0): [num_positions] int64, ascending
         self.bits = (int(body.max(initial=0)) + 1).bit_length()
-        self.depth = min(max_n, 63 // self.bits)
+        self.depth = min(max_n, 62 // self.bits)  # a range end, (key + 1) << shift, stays below 2^63
         self.keys = np.zeros(len(self.order), dtype=np.int64)
         for j in range(self.depth):
             self.keys |= (self.tokens[self.order - j].astype(np.int64) + 1) << (self.bits * (self.depth - 1 - j))
