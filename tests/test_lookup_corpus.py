@@ -6,7 +6,7 @@
 * the file: written and loaded; a missing file, a corpus of another vocabulary size and token ids outside
   it are refused with messages naming them, before any weight loads (`check_drafter`; the CLI names
   --speculative-config, as for a missing cost table); the key is refused without prompt lookup;
-* `build-corpus` takes the answers (loss-mask tokens) of the train split only, and refuses eval/ data;
+* `build-corpus` takes the answers (loss-mask tokens, each after its prompt's last `--prompt-tokens`) of the train split only, and refuses eval/ data;
 * in the engine (tiny random Llama, DSpark with prompt lookup first, no cross-request cache): prompts whose
   answers are in the corpus draft from it (its own acceptance class), accepted, with greedy output equal to
   plain decoding.
@@ -117,17 +117,24 @@ def test_build_corpus_takes_train_answers_only(tmp_path, monkeypatch):
                                                   ("b", [5, 9, 9, 9], [0, 1, 1, 1], True)])  # b: held out
     out = tmp_path / "corpus.safetensors"
     monkeypatch.setattr("dspark.models.loader.read_model_config", lambda model: TINY_LLAMA)
-    assert corpus_cli.run_cli(argparse.Namespace(data=[str(data)], out=str(out), split="train", model="tiny")) == 0
-    corpus = LookupCorpus.load(out, vocab_size=TINY_LLAMA.vocab_size, max_n=2, num_draft_tokens=3)
-    assert corpus.tokens[corpus.tokens != SEP].tolist() == [7, 8]
+    for prompt_tokens, doc in [(0, [7, 8]), (1, [6, 7, 8]), (5, [5, 6, 7, 8])]:  # the answer after its prompt's tail
+        assert corpus_cli.run_cli(argparse.Namespace(data=[str(data)], out=str(out), split="train", model="tiny",
+                                                     prompt_tokens=prompt_tokens)) == 0
+        corpus = LookupCorpus.load(out, vocab_size=TINY_LLAMA.vocab_size, max_n=2, num_draft_tokens=3)
+        assert corpus.tokens[corpus.tokens != SEP].tolist() == doc
+    with pytest.raises(SystemExit, match="--prompt-tokens"):
+        corpus_cli.run_cli(argparse.Namespace(data=[str(data)], out=str(out), split="train", model="tiny",
+                                              prompt_tokens=-1))
     evil = tmp_path / "datasets" / "eval"
     evil.mkdir(parents=True)
     with pytest.raises(AssertionError, match="evaluation prompts"):
         corpus_cli.answers(evil, split="train")
     with pytest.raises(SystemExit, match="error: --data .*evaluation prompts"):
-        corpus_cli.run_cli(argparse.Namespace(data=[str(evil)], out=str(out), split="train", model="tiny"))
+        corpus_cli.run_cli(argparse.Namespace(data=[str(evil)], out=str(out), split="train", model="tiny",
+                                              prompt_tokens=5))
     with pytest.raises(SystemExit, match="error: --data .*prepare-data"):
-        corpus_cli.run_cli(argparse.Namespace(data=[str(tmp_path)], out=str(out), split="train", model="tiny"))
+        corpus_cli.run_cli(argparse.Namespace(data=[str(tmp_path)], out=str(out), split="train", model="tiny",
+                                              prompt_tokens=5))
 
 
 def test_engine_drafts_from_the_corpus_with_parity(target, drafter_dir, plain_outputs, tmp_path):

@@ -1,6 +1,10 @@
 """`dspark build-corpus`: a lookup corpus (dspark.drafters.corpus) from `dspark prepare-data` output: the
 answers the target wrote to training prompts, each a document. The held-out split stays out unless
 `--split all`, so acceptance measured on the held-out prompts is measured on text the corpus never saw.
+Each answer keeps the last `--prompt-tokens` tokens of its prompt before it (the chat template's generation
+header, the same in every conversation), so a lookup at the start of an answer matches the start of every
+answer, not the few places where the header's tokens occur inside one (tokens a step with prompt lookup and
+the corpus, held-out math / code / chat: 1.65 / 1.80 / 2.09 with answers alone, 1.69 / 1.82 / 2.13 with 5).
 
     dspark build-corpus --data data/train --out dspark/assets/drafters/lookup-smollm2-135m/corpus.safetensors
 """
@@ -14,11 +18,16 @@ from dspark.drafters.corpus import describe, write_corpus
 from dspark.train.data import TokenDataset
 
 
-def answers(root: str | Path, *, split: str) -> tuple[list[list[int]], dict]:
+def answers(root: str | Path, *, split: str, prompt_tokens: int = 0) -> tuple[list[list[int]], dict]:
     """The assistant tokens (loss mask 1) of each sample of `split` (train, val or all) in a prepare-data
-    folder (`TokenDataset`: eval/ refused), and its manifest."""
+    folder (`TokenDataset`: eval/ refused), each after the last `prompt_tokens` tokens of its prompt, and the
+    folder's manifest."""
     sets = [TokenDataset(root, split=s) for s in (("train", "val") if split == "all" else (split,))]
-    docs = [s.input_ids[s.loss_mask.bool()].tolist() for ds in sets for s in ds.samples]
+    docs = []
+    for s in (s for ds in sets for s in ds.samples):
+        answer = s.loss_mask.bool()  # [len]: the answer, after the prompt
+        start = int(answer.nonzero()[0]) if answer.any() else len(answer)
+        docs.append(s.input_ids[max(0, start - prompt_tokens):start].tolist() + s.input_ids[answer].tolist())
     return docs, sets[0].manifest
 
 
@@ -28,16 +37,21 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="the corpus file (.safetensors)")
     p.add_argument("--split", choices=("train", "all"), default="train",
                    help="train: without the held-out prompts' answers (default); all: with them")
+    p.add_argument("--prompt-tokens", type=int, default=5,
+                   help="prompt tokens kept before each answer (its generation header; default 5, the longest "
+                        "lookup suffix by default); 0: the answers alone")
     p.add_argument("--model", default=None, help="the target (default: the model the data name)")
     p.set_defaults(func=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     from dspark.models.loader import read_model_config
+    if args.prompt_tokens < 0:
+        raise SystemExit(f"error: --prompt-tokens must be >= 0, got {args.prompt_tokens}")
     docs, models = [], set()
     for root in args.data:
         try:
-            found, manifest = answers(root, split=args.split)
+            found, manifest = answers(root, split=args.split, prompt_tokens=args.prompt_tokens)
         except (AssertionError, FileNotFoundError) as e:
             raise SystemExit(f"error: --data {root}: {e}") from None
         docs += found
@@ -48,6 +62,7 @@ def run_cli(args: argparse.Namespace) -> int:
                          "name the target with --model")
     vocab = read_model_config(model).vocab_size
     meta = write_corpus(args.out, docs, vocab_size=vocab, model=str(model),
-                        source=",".join(str(Path(d)) for d in args.data) + f" ({args.split} split)")
+                        source=",".join(str(Path(d)) for d in args.data)
+                        + f" ({args.split} split, {args.prompt_tokens} prompt tokens before each answer)")
     print(describe(meta))
     return 0
