@@ -7,13 +7,12 @@ skip for lookup-only drafts, and drafter-less admission by load.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from dspark.verify.admission import AdmissionRule
 from dspark.verify.cost_table import CostTable
-from dspark.verify.draft_gate import DraftGate, _even_indices
+from dspark.verify.draft_gate import DraftGate
 
 
 def test_draft_gate_decides_from_cost_and_past_survival():
@@ -224,10 +223,3 @@ def test_draft_gate_gain_follows_the_curve_and_the_cost():
     for _ in range(10):  # realized acceptance above the predicted: the correction lifts the curve
         gate.observe_verify("r", [0.9] * 4, 4, 4)
     assert gate.expected_gain(num_reqs=4, num_nondraft_tokens=4, cost=cheap) > lowered
-
-
-def test_even_indices_are_linspaces():
-    """The free-proposal pool's resampling indices: np.linspace's, rounded, for every pool length and size."""
-    for length in range(1, 120):
-        for size in range(1, length + 3):
-            assert np.array_equal(_even_indices(length, size), np.linspace(0, length - 1, size).round().astype(int))
