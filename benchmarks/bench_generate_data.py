@@ -6,8 +6,14 @@ answers: the shards are compared tensor for tensor, and a difference fails the r
     python benchmarks/bench_generate_data.py --max-prompts 96 --batch-sizes 8,96 --rounds 2 \
         --out benchmarks/results/generate_data_speed.json
 
+`--base REV` compares plain generation at a git revision (checked out with `git worktree add --detach` and
+imported from there; its kernels build from its own source) with plain generation from the working tree
+instead: what a kernel or engine change did to data generation, the shards again compared.
+
+    python benchmarks/bench_generate_data.py --base HEAD~1 --batch-sizes 8,96 --rounds 2
+
 Reported per configuration and batch size: answer tokens per second (prepare-data's own count over its
-generation time, model load excluded), medians over rounds, and default ÷ plain.
+generation time, model load excluded), medians over rounds, and default ÷ plain (with `--base`: plain ÷ base).
 """
 
 from __future__ import annotations
@@ -28,18 +34,18 @@ from dspark.bench.report import run_info, write_result_file
 from dspark.train.data import shard_paths
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"plain": [], "default": ["--speculative-config", "default"]}
+CONFIGS = {"plain": [], "default": ["--speculative-config", "default"], "base": []}  # base: plain at --base
 RATE = re.compile(r"(\d+) answer tok/s")
 
 
-def generate(out: Path, *, config: str, batch_size: int, args) -> float:
-    """One prepare-data run into `out`; its overall answer tok/s (the last shard's cumulative rate)."""
+def generate(out: Path, *, config: str, batch_size: int, args, tree: Path = ROOT) -> float:
+    """One prepare-data run from `tree` into `out`; its overall answer tok/s (the last shard's cumulative rate)."""
     cmd = [sys.executable, "-m", "dspark", "prepare-data", "--out", str(out), "--prompts", args.prompts,
            "--max-prompts", str(args.max_prompts), "--max-tokens", str(args.max_tokens), "--max-prompt-tokens", "384",
            "--long-prompts", "truncate", "--batch-size", str(batch_size), "--matmul-dtype", "q4_1",
            "--num-threads", str(args.threads), *CONFIGS[config]]
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "TQDM_DISABLE": "1"})
+    subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": str(tree)})
     rates = RATE.findall((out / "prepare.log").read_text())
     if not rates:
         raise SystemExit(f"{out}: prepare-data logged no shard")
@@ -67,30 +73,43 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-sizes", default="8,96")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--base", default=None, help="compare plain generation at this git revision instead of "
+                                               "speculation on")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    rates: dict[str, list[float]] = {f"{c}_b{b}": [] for c in CONFIGS for b in sizes}
+    pair = ["base", "plain"] if args.base else ["plain", "default"]  # [reference, compared]
+    rates: dict[str, list[float]] = {f"{c}_b{b}": [] for c in pair for b in sizes}
     identical = True
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for b in sizes:
-                order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
-                outs = {c: Path(tmp) / f"{c}_b{b}_r{r}" for c in order}
-                for c in order:
-                    rates[f"{c}_b{b}"].append(generate(outs[c], config=c, batch_size=b, args=args))
-                    print(f"round {r} batch {b} {c}: {rates[f'{c}_b{b}'][-1]:.0f} answer tok/s", flush=True)
-                identical &= same_shards(outs["plain"], outs["default"])
+        trees = {"plain": ROOT, "default": ROOT}
+        if args.base:
+            trees["base"] = Path(tmp) / "base_tree"
+            subprocess.run(["git", "worktree", "add", "--detach", str(trees["base"]), args.base], cwd=ROOT,
+                           check=True, capture_output=True)
+        try:
+            for r in range(args.rounds):
+                for b in sizes:
+                    order = pair if r % 2 == 0 else pair[::-1]
+                    outs = {c: Path(tmp) / f"{c}_b{b}_r{r}" for c in order}
+                    for c in order:
+                        rates[f"{c}_b{b}"].append(generate(outs[c], config=c, batch_size=b, args=args, tree=trees[c]))
+                        print(f"round {r} batch {b} {c}: {rates[f'{c}_b{b}'][-1]:.0f} answer tok/s", flush=True)
+                    identical &= same_shards(outs[pair[0]], outs[pair[1]])
+        finally:
+            if args.base:
+                subprocess.run(["git", "worktree", "remove", "--force", str(trees["base"])], cwd=ROOT,
+                               capture_output=True)
     summary = {k: statistics.median(v) for k, v in rates.items()}
     for b in sizes:
-        summary[f"default_over_plain_b{b}"] = round(summary[f"default_b{b}"] / summary[f"plain_b{b}"], 3)
+        summary[f"{pair[1]}_over_{pair[0]}_b{b}"] = round(summary[f"{pair[1]}_b{b}"] / summary[f"{pair[0]}_b{b}"], 3)
     result = {"bench": "generate_data", "summary": summary, "identical_data": identical, "rates": rates,
               "config": vars(args), **run_info(argv)}
     print({k: v for k, v in summary.items()}, "identical data:", identical)
     if args.out:
         write_result_file(args.out, result)
     if not identical:
-        raise SystemExit("greedy data generated with speculation differs from plain generation")
+        raise SystemExit(f"greedy data generated by {pair[1]} differs from {pair[0]}'s")
     return result
 
 

@@ -221,6 +221,55 @@ def test_short_attention_matches_reference():
     torch.testing.assert_close(ref[1:5], sdpa.transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
+def _attention_case(seed: int, heads: int, kv_heads: int, hd: int, windows: list[tuple[int, int]]):
+    """Requests of (queries, keys) over scattered pool slots, causal, with one padded query row per request
+    beyond the first: q, k_flat, v_flat, token_index, key_limit, kv_slots."""
+    g = torch.Generator().manual_seed(seed)
+    max_q, max_kv = max(n for n, _ in windows) + 1, max(kv for _, kv in windows)
+    num_slots = sum(kv for _, kv in windows) + 5
+    perm = torch.randperm(num_slots, generator=g)
+    token_index = torch.zeros(len(windows), max_q, dtype=torch.long)
+    key_limit = torch.zeros(len(windows), max_q, dtype=torch.long)
+    kv_slots = torch.zeros(len(windows), max_kv, dtype=torch.long)
+    rows = slot = 0
+    for i, (n, kv) in enumerate(windows):
+        token_index[i, :n] = torch.arange(rows, rows + n)
+        key_limit[i, :n] = torch.arange(kv - n + 1, kv + 1)  # causal: the last query sees every key
+        kv_slots[i, :kv] = perm[slot:slot + kv]
+        rows, slot = rows + n, slot + kv
+    q = torch.randn(rows, heads, hd, generator=g)
+    k_flat = torch.randn(num_slots, kv_heads, hd, generator=g)
+    v_flat = torch.randn(num_slots, kv_heads, hd, generator=g)
+    return q, k_flat, v_flat, token_index, key_limit, kv_slots
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 2, 128), (6, 2, 16), (4, 4, 64), (8, 2, 8)])
+def test_short_attention_tiles_give_each_query_its_untiled_result(heads, kv_heads, hd):
+    """Query heads reading the same keys run in tiles that share key and value loads; bit for bit a query's
+    result is the one it gets alone (tile 1), whatever the tile size: a prompt chunk, a verification window at
+    a long context, decode rows of many requests, keys past whole 16-key blocks; and it matches the torch twin."""
+    windows = [(1, 1), (7, 40), (1, 300), (33, 33), (8, 129), (3, 17)]
+    q, k_flat, v_flat, token_index, key_limit, kv_slots = _attention_case(heads * hd, heads, kv_heads, hd, windows)
+
+    def run(tile: int) -> torch.Tensor:
+        out = torch.full_like(q, 7.0)
+        before = ops.set_attention_tile(tile)
+        try:
+            ops.short_attention(q, k_flat, v_flat, token_index, key_limit, kv_slots, out, hd ** -0.5)
+        finally:
+            ops.set_attention_tile(before)
+        return out
+
+    alone = run(1)
+    for tile in (2, 3, 5, 24, 32):
+        assert torch.equal(run(tile), alone), tile
+    ref = torch.full_like(q, 7.0)
+    kernels.short_attention_reference(q, k_flat, v_flat, token_index, key_limit, kv_slots, ref, hd ** -0.5)
+    torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="set_attention_tile"):
+        ops.set_attention_tile(0)
+
+
 def test_add_rms_norm_is_in_place_only_outside_autograd():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 64, generator=g), torch.randn(64, generator=g)

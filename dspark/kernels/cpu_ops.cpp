@@ -19,7 +19,9 @@
 //   short_attention(...)           paged attention for short queries: each query reads its request's keys
 //                                  straight from the pool through the slot table, up to a per-query key
 //                                  limit (causal or block-bidirectional); scores, one vectorised exp pass,
-//                                  then the weighted values in registers; GQA.
+//                                  then the weighted values in registers; GQA. Query heads reading the same
+//                                  keys run in tiles that share each key and value load (set_attention_tile).
+//   set_attention_tile(n)          query heads per tile (1: untiled; a query's result is the same).
 //   decoder_layers_(...)           every Llama/Qwen3 decoder layer of a decode/verify step in one call and
 //                                  one OpenMP region (the ops above + RoPE, K/V store, SiLU), bit-identical
 //                                  to the per-layer modules.
@@ -45,12 +47,14 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 // The parts (textual includes: one translation unit, one anonymous namespace; the build hashes them all).
 #include "cpu_ops_simd.inc"
 #include "cpu_ops_quant.inc"
 #include "cpu_ops_ops.inc"
+#include "cpu_ops_attention.inc"
 #include "cpu_ops_blocks.inc"
 #include "cpu_ops_head.inc"
 
@@ -248,6 +252,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("markov_walk", &markov_walk, "the greedy vanilla Markov walk over a drafted block (fp32 bias, CPU)", release());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) (fp32, CPU)", release());
   m.def("short_attention", &short_attention, "paged attention for short queries (fp32, CPU)", release());
+  m.def("set_attention_tile", [](int tile) {
+    TORCH_CHECK(tile >= 1 && tile <= kAttnTileMax, "set_attention_tile: 1..", kAttnTileMax, ", got ", tile);
+    const int before = attention_tile();
+    attention_tile() = tile;
+    return before;
+  }, "query heads per attention tile (1: each query head alone; the same results); returns the previous value");
   m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32, bf16 or Q4_1)", release());
   m.def("block_mm", &block_mm, "x[M,K] fp32 @ GGUF blocks w[N, row bytes]^T (Q5_0, Q4_K, Q6_K; CPU)", release());
   m.def("q8_0_mm", &q8_0_mm, "x[M,K] fp32 (quantized to Q8_0) @ interleaved Q8_0 w[N, K/32*34]^T (CPU)", release());
