@@ -241,15 +241,16 @@ def _chunked_logits(model, ids, cuts):
 
 @needs_q4
 @pytest.mark.parametrize("cfg", [Q4_LLAMA, Q4_QWEN3], ids=["llama", "qwen3"])
-def test_q4_1_model_products_match_their_twin_and_the_model_stays_hf_s(cfg):
-    """A prompt chunk (per-layer path) then decode steps (fused stack, bit for bit the per-layer path:
-    the chunking test below): every product of the model, on the input it really got, against its twin
+def test_q4_1_model_products_match_their_twin_and_the_model_stays_hf_s(cfg, monkeypatch):
+    """A prompt chunk then decode steps through the per-layer modules (the fused stack that serves such steps
+    is bit for bit the same: the chunking test below): every product of the model, on the input it really got, against its twin
     (fp64 product of the input's Q8_1 values with the blocks' values); and the logits against HF's fp32
     model of the same weights — apart by the inputs' quantization only, with the same greedy tokens
     wherever HF's margin is clear. (A whole-model torch twin is no reference here: a last-bit difference
     in a norm flips an input's rounding to its Q8_1 value and moves the logits by ~1e-3.)"""
     from dspark.models.layers import Linear
     hf, ours = q4_model(cfg, seed=6)
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *args, **kwargs: False)  # the modules run (and are hooked)
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: seen.append((inp[0].clone(), out.clone(), mod.weight)))
              for m in ours.modules() if isinstance(m, Linear)]
@@ -271,12 +272,18 @@ def test_q4_1_model_products_match_their_twin_and_the_model_stays_hf_s(cfg):
 
 
 @needs_q4
-def test_q4_1_a_token_is_bitwise_the_same_however_its_prompt_is_chunked():
+def test_q4_1_a_token_is_bitwise_the_same_however_its_prompt_is_chunked(monkeypatch):
+    """Chunks of one prompt run the fused stack (up to kernels.MAX_ROWS rows); the per-layer modules give the
+    same bits."""
     _, ours = q4_model(Q4_LLAMA, seed=7)
     ids = torch.randint(3, Q4_LLAMA.vocab_size, (60,), generator=torch.Generator().manual_seed(7)).tolist()
     first = _chunked_logits(ours, ids, [60])
     for cuts in ([17, 43], [25, 5, 30], [59, 1], [3] * 20):
         assert torch.equal(_chunked_logits(ours, ids, cuts), first), cuts
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "decoder_layers", lambda *args, **kwargs: False)
+        for cuts in ([60], [17, 43]):
+            assert torch.equal(_chunked_logits(ours, ids, cuts), first), ("modules", cuts)
 
 
 def test_use_q4_1_products_names_an_uncovered_layer():

@@ -15,9 +15,9 @@ Differences from Llama, all from the config (`ModelConfig`'s Gemma fields):
 
 Every layer stores the K/V of every position (the pool has one block table per request for all layers),
 so prefix caching, rollback and preemption work as for Llama; local layers only read fewer keys.
-A few-row CPU step (decode, verification) runs every decoder layer in one kernel call
-(`kernels.block_layers`, for matrices resident as GGUF blocks or fp32: the per-layer modules' numbers bit
-for bit); other steps run the per-layer modules.
+A CPU step of up to 128 rows in one attention group (decode, verification, one prompt chunk) runs every
+decoder layer in one kernel call (`kernels.block_layers`, for matrices resident as GGUF blocks or fp32: the
+per-layer modules' numbers bit for bit); other steps run the per-layer modules.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dspark import kernels
-from dspark.models.attention import SHORT_QUERY_MAX, AttnMetadata, paged_attention, store_kv
+from dspark.models.attention import AttnMetadata, paged_attention, store_kv
 from dspark.models.config import ModelConfig
 from dspark.models.layers import (LMHead, Linear, MergedLinear, RMSNorm, RotaryEmbedding, VocabEmbedding,
                                   apply_rope, silu_and_mul)
@@ -185,10 +185,11 @@ class LlamaForCausalLM(nn.Module):
         return m.norm(x), taps
 
     def _stack_applies(self, x: torch.Tensor, meta: AttnMetadata) -> bool:
-        """Does a one-call decoder stack serve this step: a few-row fp32 CPU step whose queries form one short
-        attention group (decode, verification), every row stored, no bias, no tensor parallelism?"""
+        """Does a one-call decoder stack serve this step: an fp32 CPU step of at most `kernels.MAX_ROWS` rows
+        whose queries form one attention group (decode and verification rows, or one prompt chunk), every row
+        stored, no bias, no tensor parallelism?"""
         return not (len(meta.groups) != 1 or not meta.all_stored
-                    or meta.groups[0].token_index.shape[1] > SHORT_QUERY_MAX or self.config.attention_bias
+                    or x.shape[0] > kernels.MAX_ROWS or self.config.attention_bias
                     or x.dtype != torch.float32 or x.device.type != "cpu"
                     or getattr(self, "tp", None) is not None)  # tensor parallelism: all-reduces between layers
 
