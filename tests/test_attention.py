@@ -1,6 +1,6 @@
 """paged_attention over a shuffled paged KV pool equals dense SDPA per request over contiguous K/V:
 several requests with different cached lengths and query lengths (decode, verify-sized, a >16-token
-chunk), GQA, and a non-causal block."""
+chunk), GQA, and a non-causal block; the same step's groups read as one padded group give the same rows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.models.attention import SeqSpec, build_attn_metadata, paged_attention, store_kv
+from dspark.models.attention import (SeqSpec, build_attn_metadata, one_group_metadata, paged_attention,
+                                     sliding_window_metadata, store_kv)
 
 ATOL = 1e-5
 
@@ -71,6 +72,19 @@ def test_paged_matches_dense(kv_block_size, heads):
                               causal=causal, scale=scale)
         err = (out[s.token_offset:s.token_offset + n] - ref).abs().max().item()
         assert err < ATOL, f"request {r} (cached {c}, query {n}, causal {causal}): max err {err:.2e} > {ATOL}"
+    # as one padded group (the one-call decoder stacks' view): every row the same, bit for bit on the CPU
+    # kernel (each query computed on its own) and within SDPA's rounding on the torch path (padded shapes)
+    merged = one_group_metadata(meta)
+    assert len(merged.groups) == 1 and one_group_metadata(merged) is merged and one_group_metadata(meta) is merged
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, merged, scale=scale), out, rtol=0, atol=ATOL)
+    from dspark import kernels
+    if kernels.ops() is not None:
+        assert torch.equal(paged_attention(q, k_cache, v_cache, merged, scale=scale), out)
+    causal = build_attn_metadata([SeqSpec(block_table=tables[3], num_cached=0, num_query=20, token_offset=0),
+                                  SeqSpec(block_table=tables[1], num_cached=9, num_query=1, token_offset=20)],
+                                 num_tokens=21, kv_block_size=kv_block_size)
+    with pytest.raises(ValueError, match="windowed"):  # a sliding window's groups are merged by their own metadata
+        one_group_metadata(sliding_window_metadata(causal, 4, trim=False))
 
 
 def test_store_kv_skips_negative_slots():

@@ -230,24 +230,27 @@ def test_smollm2_gguf_matches_transformers_gguf(smollm2, hf_smollm2):
 
 @pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
 def test_fused_decoder_layers_equal_per_layer_modules(tiny_config, matmul_dtype):
-    """The one-call decoder stack of steps up to kernels.MAX_ROWS rows in one attention group
-    (`kernels.decoder_layers`) against the per-layer modules on the same weights: hidden states, taps and every
-    K/V written are bit-identical, for decode rows, verify windows, a two-request group, a 60-row step of five
-    12-token windows (more rows than one pass of the kernel's products serves) and a 20-token prompt chunk,
-    after prompts in groups of their own that ran the module path; with fp32 and with bf16 matrix products."""
+    """The one-call decoder stack of steps up to kernels.MAX_ROWS rows (`kernels.decoder_layers`, the step's
+    attention groups read as one padded group) against the per-layer modules on the same weights: hidden states,
+    taps and every K/V written are bit-identical, for five prompts of their own groups, decode rows, verify
+    windows, a two-request group, a 60-row step of five 12-token windows (more rows than one pass of the
+    kernel's products serves) and a prompt chunk beside a decode row; a step past MAX_ROWS runs the modules;
+    with fp32 and with bf16 matrix products."""
     hf, ours = kernel_model(tiny_config, matmul_dtype, seed=3)
     g = torch.Generator().manual_seed(2)
-    a, b, c, d, e = (torch.randint(3, tiny_config.vocab_size, (64,), generator=g).tolist() for _ in range(5))
-    steps = [[(a[:20], 0), (b[:25], 0), (c[:20], 0), (d[:20], 0), (e[:20], 0)],  # five groups: the module path
+    a, b, c, d, e = (torch.randint(3, tiny_config.vocab_size, (160,), generator=g).tolist() for _ in range(5))
+    steps = [[(a[:20], 0), (b[:25], 0), (c[:20], 0), (d[:20], 0), (e[:20], 0)],  # five prompt groups, 105 rows
              [(a[20:21], 20), (b[25:33], 25)],  # a decode row and an 8-token verify window
              [(a[21:30], 21), (b[33:34], 33)],
              [(a[30:31], 30), ([], 34)],  # batch 1
              [(a[31:43], 31), (b[34:46], 34), (c[20:32], 20), (d[20:32], 20), (e[20:32], 20)],  # 60 rows
-             [(a[43:63], 43)]]  # a prompt chunk of one request
+             [(a[43:63], 43), (b[46:47], 46)],  # a prompt chunk beside a decode row
+             [(a[63:160], 63), (b[47:80], 47)]]  # 130 rows: past MAX_ROWS, the modules
+    assert sum(len(t) for t, _ in steps[-1]) > kernels.MAX_ROWS
     taps_ids = (-1, 0, tiny_config.num_hidden_layers - 1)
     runs, calls = [], []
     for fused in (True, False):
-        kv = PagedKV.create(ours, num_requests=5, max_len=64, kv_block_size=4, seed=5)
+        kv = PagedKV.create(ours, num_requests=5, max_len=160, kv_block_size=4, seed=5)
         original = kernels.decoder_layers
 
         def spy(*args, **kw):
@@ -259,8 +262,8 @@ def test_fused_decoder_layers_equal_per_layer_modules(tiny_config, matmul_dtype)
             runs.append(([kv.step(ours, chunks, tap_layer_ids=taps_ids) for chunks in steps], kv.caches))
         finally:
             kernels.decoder_layers = original
-    # fused run: the five one-group steps ran the kernel; the five-group step never asked; module run: declined
-    assert calls == [True] * 5 + [False] * 5, calls
+    # fused run: the six steps of up to MAX_ROWS rows ran the kernel, the larger one never asked; module run: declined
+    assert calls == [True] * 6 + [False] * 6, calls
     (fused_out, fused_kv), (module_out, module_kv) = runs
     for i, ((h1, t1), (h2, t2)) in enumerate(zip(fused_out, module_out)):
         assert torch.equal(h1, h2), f"step {i}: hidden differs by {(h1 - h2).abs().max().item():.2e}"

@@ -162,6 +162,29 @@ def _group(seqs: list[SeqSpec], kv_block_size: int, device) -> AttnGroup:
         causal=all(s.causal for s in seqs))
 
 
+def one_group_metadata(meta: AttnMetadata) -> AttnMetadata:
+    """The step's queries as one padded group (the one-call CPU decoder stacks read a single group): each group's
+    rows padded to the longest query and key row (padding: key limit 0, read by no query). Every query keeps its
+    own keys and limit, so a kernel that computes each query on its own gives the same results. Cached on `meta`."""
+    if len(meta.groups) == 1:
+        return meta
+    if "_one_group" not in meta.__dict__:
+        max_q = max(g.token_index.shape[1] for g in meta.groups)
+        max_kv = max(g.kv_slots.shape[1] for g in meta.groups)
+
+        def cat(name: str, width: int) -> torch.Tensor:
+            return torch.cat([F.pad(getattr(g, name), (0, width - getattr(g, name).shape[1])) for g in meta.groups])
+        if any(g.key_start is not None for g in meta.groups):
+            raise ValueError("one_group_metadata: windowed groups (sliding_window_metadata merges its own)")
+        key_limit = cat("key_limit", max_q)  # [num_seqs, max_q]
+        group = AttnGroup(token_index=cat("token_index", max_q), query_valid=key_limit > 0,
+                          kv_slots=cat("kv_slots", max_kv), all_valid=False, key_limit=key_limit, needs_mask=True,
+                          causal=all(g.causal for g in meta.groups))
+        meta.__dict__["_one_group"] = AttnMetadata(slot_mapping=meta.slot_mapping, groups=[group],
+                                                   num_tokens=meta.num_tokens, all_stored=meta.all_stored)
+    return meta.__dict__["_one_group"]
+
+
 def sliding_window_metadata(meta: AttnMetadata, window: int, *, trim: bool | None = None) -> AttnMetadata:
     """The metadata of a sliding-window layer over the same step: every causal query at position p
     (key_limit p + 1) reads keys [max(0, p + 1 - window), p + 1). Groups whose queries all lie within

@@ -15,8 +15,8 @@ Differences from Llama, all from the config (`ModelConfig`'s Gemma fields):
 
 Every layer stores the K/V of every position (the pool has one block table per request for all layers),
 so prefix caching, rollback and preemption work as for Llama; local layers only read fewer keys.
-A CPU step of up to 128 rows in one attention group (decode, verification, one prompt chunk) runs every
-decoder layer in one kernel call (`kernels.block_layers`, for matrices resident as GGUF blocks or fp32: the
+A CPU step of up to 128 rows (decode, verification, prompt chunks, a mix) runs every decoder layer in one
+kernel call (`kernels.block_layers`, for matrices resident as GGUF blocks or fp32: the
 per-layer modules' numbers bit for bit); other steps run the per-layer modules.
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.attention import AttnMetadata, paged_attention, sliding_window_metadata, store_kv
+from dspark.models.attention import AttnMetadata, one_group_metadata, paged_attention, sliding_window_metadata, store_kv
 from dspark.models.config import ModelConfig
 from dspark.models.layers import (LMHead, Fp32Buffers, Linear, MergedLinear, RMSNorm, VocabEmbedding, apply_rope,
                                   default_weight_loader, rope_cos_sin, rope_type, ROPE_INIT)
@@ -167,6 +167,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         reads); False: the modules run."""
         if not self._stack_applies(x, meta):
             return False
+        meta = one_group_metadata(meta)
         T = x.shape[0]
         full = tables.get("full_attention", tables.get("sliding_attention"))  # a kind no layer has: unused
         local = tables.get("sliding_attention", full)

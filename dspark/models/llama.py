@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dspark import kernels
-from dspark.models.attention import AttnMetadata, paged_attention, store_kv
+from dspark.models.attention import AttnMetadata, one_group_metadata, paged_attention, store_kv
 from dspark.models.config import ModelConfig
 from dspark.models.layers import (LMHead, Linear, MergedLinear, RMSNorm, RotaryEmbedding, VocabEmbedding,
                                   apply_rope, silu_and_mul)
@@ -186,10 +186,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _stack_applies(self, x: torch.Tensor, meta: AttnMetadata) -> bool:
         """Does a one-call decoder stack serve this step: an fp32 CPU step of at most `kernels.MAX_ROWS` rows
-        whose queries form one attention group (decode and verification rows, or one prompt chunk), every row
-        stored, no bias, no tensor parallelism?"""
-        return not (len(meta.groups) != 1 or not meta.all_stored
-                    or x.shape[0] > kernels.MAX_ROWS or self.config.attention_bias
+        (decode and verification rows, prompt chunks, or a mix: its attention groups read as one,
+        `one_group_metadata`), every row stored, no bias, no tensor parallelism?"""
+        return not (not meta.all_stored or x.shape[0] > kernels.MAX_ROWS or self.config.attention_bias
                     or x.dtype != torch.float32 or x.device.type != "cpu"
                     or getattr(self, "tp", None) is not None)  # tensor parallelism: all-reduces between layers
 
@@ -200,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
         modules). False when it does not apply: the modules run instead."""
         if not self._stack_applies(x, meta):
             return False
+        meta = one_group_metadata(meta)
         rope = (cos.view(x.shape[0], -1), sin.view(x.shape[0], -1))
         if self.model.layers[0].self_attn.qkv_proj.blocks is not None:  # resident as GGUF blocks (a layer view too)
             g = meta.groups[0]
