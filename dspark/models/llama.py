@@ -188,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         """Does a one-call decoder stack serve this step: an fp32 CPU step of at most `kernels.MAX_ROWS` rows
         (decode and verification rows, prompt chunks, or a mix: its attention groups read as one,
         `one_group_metadata`), every row stored, no bias, no tensor parallelism?"""
-        return not (not meta.all_stored or x.shape[0] > kernels.MAX_ROWS or self.config.attention_bias
+        return not (not meta.groups or not meta.all_stored or x.shape[0] > kernels.MAX_ROWS or self.config.attention_bias
                     or x.dtype != torch.float32 or x.device.type != "cpu"
                     or getattr(self, "tp", None) is not None)  # tensor parallelism: all-reduces between layers
 
