@@ -157,6 +157,7 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   const int64_t S = token_index.size(0), Q = token_index.size(1), max_kv = kv_slots.size(1);
   float* tapp = taps.numel() ? taps.data_ptr<float>() : nullptr;
   const int64_t tap_stride = taps.numel() ? taps.size(-1) : 0;
+  const std::vector<int64_t> bounds = attention_bounds(klp, S, Q, H, Hkv, max_kv, threads);  // every layer's split
 
   // One parallel region for the whole stack: the matrix products and attention are split across the
   // threads, the row-wise glue (norms, RoPE, K/V stores, residual adds) runs on thread 0, and the
@@ -209,7 +210,7 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
       }
       sync();
       {
-        const auto [b0, b1] = share(S * Q * H, tid, nt, 1);
+        const auto [b0, b1] = nt == threads ? std::pair(bounds[tid], bounds[tid + 1]) : share(S * Q * H, tid, nt, 1);
         attention_items(qp, kcp[l], vcp[l], ap, H, Hkv, hd, tip, klp, slp, Q, max_kv, sc, b0, b1);
       }
       sync();
