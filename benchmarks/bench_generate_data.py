@@ -6,7 +6,7 @@ answers: the shards are compared tensor for tensor, and a difference fails the r
     python benchmarks/bench_generate_data.py --max-prompts 96 --batch-sizes 8,96 --rounds 2 \
         --out benchmarks/results/generate_data_speed.json
 
-`--base REV` compares plain generation at a git revision (checked out with `git worktree add --detach` and
+`--base REV` compares plain generation at a git revision (extracted with `git archive`, bench_resident.checkout, and
 imported from there; its kernels build from its own source) with plain generation from the working tree
 instead: what a kernel or engine change did to data generation, the shards again compared.
 
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from bench_resident import checkout
 from dspark.bench.report import run_info, write_result_file
 from dspark.train.data import shard_paths
 
@@ -84,22 +85,15 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"plain": ROOT, "default": ROOT}
         if args.base:
-            trees["base"] = Path(tmp) / "base_tree"
-            subprocess.run(["git", "worktree", "add", "--detach", str(trees["base"]), args.base], cwd=ROOT,
-                           check=True, capture_output=True)
-        try:
-            for r in range(args.rounds):
-                for b in sizes:
-                    order = pair if r % 2 == 0 else pair[::-1]
-                    outs = {c: Path(tmp) / f"{c}_b{b}_r{r}" for c in order}
-                    for c in order:
-                        rates[f"{c}_b{b}"].append(generate(outs[c], config=c, batch_size=b, args=args, tree=trees[c]))
-                        print(f"round {r} batch {b} {c}: {rates[f'{c}_b{b}'][-1]:.0f} answer tok/s", flush=True)
-                    identical &= same_shards(outs[pair[0]], outs[pair[1]])
-        finally:
-            if args.base:
-                subprocess.run(["git", "worktree", "remove", "--force", str(trees["base"])], cwd=ROOT,
-                               capture_output=True)
+            trees["base"] = checkout(args.base, Path(tmp))
+        for r in range(args.rounds):
+            for b in sizes:
+                order = pair if r % 2 == 0 else pair[::-1]
+                outs = {c: Path(tmp) / f"{c}_b{b}_r{r}" for c in order}
+                for c in order:
+                    rates[f"{c}_b{b}"].append(generate(outs[c], config=c, batch_size=b, args=args, tree=trees[c]))
+                    print(f"round {r} batch {b} {c}: {rates[f'{c}_b{b}'][-1]:.0f} answer tok/s", flush=True)
+                identical &= same_shards(outs[pair[0]], outs[pair[1]])
     summary = {k: statistics.median(v) for k, v in rates.items()}
     for b in sizes:
         summary[f"{pair[1]}_over_{pair[0]}_b{b}"] = round(summary[f"{pair[1]}_b{b}"] / summary[f"{pair[0]}_b{b}"], 3)

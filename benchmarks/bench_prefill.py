@@ -8,7 +8,7 @@ phase of the machine hits all alike. No speculation; the prompts are eval/ text 
 and value load; 1: untiled, the same results) within every round.
 
 `--base REV` compares a git revision with the working tree instead: this script runs in alternating child
-processes (`--rounds` each), one importing the revision (checked out with `git worktree add --detach`), one the
+processes (`--rounds` each), one importing the revision (extracted with `git archive`, bench_resident.checkout), one the
 working tree, `--ab-rounds` times; medians over the children, and base ÷ tree per length.
 
     python benchmarks/bench_prefill.py --base HEAD~1 --matmul-dtypes auto --lengths 40,100,128,512 --ab-rounds 3
@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_resident import checkout
 from dspark.bench.report import run_info, write_result_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,21 +36,17 @@ def compare_revision(args, argv: list[str] | None) -> dict:
     child = ["--matmul-dtypes", args.matmul_dtypes, "--lengths", args.lengths, "--rounds", str(args.rounds)]
     ttft: dict[str, dict[str, list[float]]] = {"base": {}, "tree": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"base": Path(tmp) / "base_tree", "tree": ROOT}
-        subprocess.run(["git", "worktree", "add", "--detach", str(trees["base"]), args.base], cwd=ROOT, check=True,
-                       capture_output=True)
-        try:
-            for r in range(args.ab_rounds):
-                for side in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
-                    out = Path(tmp) / f"{side}_{r}.json"
-                    subprocess.run([sys.executable, str(Path(__file__).resolve()), *child, "--out", str(out)],
-                                   cwd=trees[side], env={**os.environ, "PYTHONPATH": str(trees[side])}, check=True,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    for key, value in json.loads(out.read_text())["summary"].items():
-                        ttft[side].setdefault(key, []).append(value)
-                    print(f"round {r} {side}: {json.loads(out.read_text())['summary']}", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(trees["base"])], cwd=ROOT, capture_output=True)
+        trees = {"base": checkout(args.base, Path(tmp)), "tree": ROOT}
+        for r in range(args.ab_rounds):
+            for side in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
+                out = Path(tmp) / f"{side}_{r}.json"
+                subprocess.run([sys.executable, str(Path(__file__).resolve()), *child, "--out", str(out)],
+                               cwd=trees[side], env={**os.environ, "PYTHONPATH": str(trees[side])}, check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                summary = json.loads(out.read_text())["summary"]
+                for key, value in summary.items():
+                    ttft[side].setdefault(key, []).append(value)
+                print(f"round {r} {side}: {summary}", flush=True)
     summary = {}
     for key in ttft["tree"]:
         base, tree = statistics.median(ttft["base"][key]), statistics.median(ttft["tree"][key])

@@ -210,7 +210,7 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
       }
       sync();
       {
-        const auto [b0, b1] = nt == threads ? std::pair(bounds[tid], bounds[tid + 1]) : share(S * Q * H, tid, nt, 1);
+        const auto [b0, b1] = item_range(bounds, tid, nt);
         attention_items(qp, kcp[l], vcp[l], ap, H, Hkv, hd, tip, klp, slp, Q, max_kv, sc, b0, b1);
       }
       sync();

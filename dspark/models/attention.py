@@ -169,13 +169,13 @@ def one_group_metadata(meta: AttnMetadata) -> AttnMetadata:
     if len(meta.groups) == 1:
         return meta
     if "_one_group" not in meta.__dict__:
+        if any(g.key_start is not None for g in meta.groups):
+            raise ValueError("one_group_metadata: windowed groups (sliding_window_metadata merges its own)")
         max_q = max(g.token_index.shape[1] for g in meta.groups)
         max_kv = max(g.kv_slots.shape[1] for g in meta.groups)
 
         def cat(name: str, width: int) -> torch.Tensor:
             return torch.cat([F.pad(getattr(g, name), (0, width - getattr(g, name).shape[1])) for g in meta.groups])
-        if any(g.key_start is not None for g in meta.groups):
-            raise ValueError("one_group_metadata: windowed groups (sliding_window_metadata merges its own)")
         key_limit = cat("key_limit", max_q)  # [num_seqs, max_q]
         group = AttnGroup(token_index=cat("token_index", max_q), query_valid=key_limit > 0,
                           kv_slots=cat("kv_slots", max_kv), all_valid=False, key_limit=key_limit, needs_mask=True,
