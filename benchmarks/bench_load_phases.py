@@ -62,6 +62,7 @@ VARIANTS = {
     "topk0": {**DEFAULT, "draft_topk": 0},  # the full Markov head
     "topk16": {**DEFAULT, "draft_topk": 16},
     "profiled": DEFAULT,  # with --cost-table
+    "drafter": DEFAULT,  # with --drafter: the default with another DSpark drafter folder (its own cost tables)
 }
 
 
@@ -72,12 +73,16 @@ def variant_matmul_dtype(name: str) -> str:
     return resolve_matmul_dtype("float32" if name.endswith("-fp32") else "auto", model=DEFAULT_MODEL)
 
 
-def variant_spec(name: str, cost_table: str | None = None) -> dict | None:
+def variant_spec(name: str, cost_table: str | None = None, drafter: str | None = None) -> dict | None:
     """The variant's speculative config, its cost table the shipped one of its matmul dtype ("profiled": the
-    default with `cost_table`, e.g. one `dspark profile` wrote on this machine)."""
+    default with `cost_table`, e.g. one `dspark profile` wrote on this machine; "drafter": the default with
+    the DSpark drafter folder `drafter` and that folder's cost table)."""
     from dspark.drafters.shipped import shipped_cost_table
     if name.removesuffix("-fp32") == "profiled":
         return {**DEFAULT, "cost_table": cost_table}
+    if name.removesuffix("-fp32") == "drafter":
+        table = shipped_cost_table(Path(drafter), variant_matmul_dtype(name))
+        return {**DEFAULT, "model": drafter, "cost_table": str(table)}
     spec = VARIANTS[name.removesuffix("-fp32")]
     if spec is None or "cost_table" not in spec:
         return spec
@@ -182,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--coalesce-steps", type=int, default=None,
                    help="scheduler coalescing bound for every variant (default: the engine's)")
     p.add_argument("--cost-table", default=None, help="the variant 'profiled' runs the default with this cost table")
+    p.add_argument("--drafter", default=None, help="the variant 'drafter' runs the default with this DSpark "
+                                                   "drafter folder (and its cost table)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -190,8 +197,10 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)} (each also as NAME-fp32)")
     if any(v.removesuffix("-fp32") == "profiled" for v in names) and not args.cost_table:
         p.error("--variants profiled needs --cost-table")
+    if any(v.removesuffix("-fp32") == "drafter" for v in names) and not args.drafter:
+        p.error("--variants drafter needs --drafter")
 
-    llms = {v: LLM(speculative_config=variant_spec(v, args.cost_table), matmul_dtype=variant_matmul_dtype(v),
+    llms = {v: LLM(speculative_config=variant_spec(v, args.cost_table, args.drafter), matmul_dtype=variant_matmul_dtype(v),
                    max_num_seqs=max(64, args.concurrency)) for v in names}
     if args.coalesce_steps is not None:
         for llm in llms.values():
@@ -220,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     for v in names:
         medians[v]["tok_s_ratio_vs_" + names[0]] = medians[v]["output_tok_s"] / base
     result = {"bench": "load_phases", "summary": {"median": medians}, "config": vars(args),
-              "variants": {v: {"speculative_config": variant_spec(v, args.cost_table), "matmul_dtype": variant_matmul_dtype(v)}
+              "variants": {v: {"speculative_config": variant_spec(v, args.cost_table, args.drafter), "matmul_dtype": variant_matmul_dtype(v)}
                  for v in names},
               "runs": runs, **run_info(None if argv is None else ["benchmarks/bench_load_phases.py", *argv])}
     for v in names:

@@ -6,7 +6,11 @@
 # MODEL (target), METHOD (dspark | dflash | eagle3), CONFIG (train preset), PROMPTS (train prompt folder, never
 # eval/), MAX_PROMPTS, MAX_TOKENS, MAX_PROMPT_TOKENS, MIN_ANSWER_TOKENS, BATCH (concurrent requests while generating), SPEC (the
 # generating engine's speculative config: "default" = the shipped drafter, "none", or a JSON object), HOLDOUT,
-# OUT (run folder), SHARD_MB, PYTHON; EXTRA: more `--set key=value` train overrides (space-separated).
+# OUT (run folder), SHARD_MB, PYTHON; MAGPIE (prompts the target writes itself, beside PROMPTS), DATA_MINUTES
+# (generate for at most this long; MINUTES is then the training's own), SEED_DATA (a prepare-data folder to go on
+# from: its prompts are not generated again), EAGER (1, the default: generate without CUDA graphs, whose
+# replay raised a device-side assert on an H200; 0: with them, --no-enforce-eager); EXTRA: more `--set key=value` train overrides (space-separated).
+# The lr schedule spans the steps that fit MINUTES (schedule_by_time).
 # Writes OUT/data (prepare-data), OUT/train (train.log, metrics.jsonl, checkpoints/), OUT/export (the drafter).
 # CPU test: tests/test_train_on_device.py runs it end to end on a tiny model with DEVICE=cpu.
 set -euo pipefail
@@ -28,18 +32,24 @@ HOLDOUT=${HOLDOUT:-0.05}
 OUT=${OUT:-runs/device_${METHOD}}
 SHARD_MB=${SHARD_MB:-16}
 EXTRA=${EXTRA:-}
+MAGPIE=${MAGPIE:-0}
+DATA_MINUTES=${DATA_MINUTES:-}
+SEED_DATA=${SEED_DATA:-}
 case "$PROMPTS" in *datasets/eval*) echo "error: PROMPTS must not be the eval/ prompts" >&2; exit 2;; esac
 mkdir -p "$OUT"
+if [ -n "$SEED_DATA" ] && [ ! -d "$OUT/data" ]; then cp -r "$SEED_DATA" "$OUT/data"; fi
 spec_args=()
 [ "$SPEC" != "none" ] && spec_args=(--speculative-config "$SPEC")
+[ -n "$DATA_MINUTES" ] && spec_args+=(--max-minutes "$DATA_MINUTES")
+[ "${EAGER:-1}" = 0 ] && spec_args+=(--no-enforce-eager)
 # 1. data: the target answers the train prompts at high concurrency, speculation on (lossless at T=0),
 #    duplicates dropped; resumable (a rerun skips what is written)
 "$PYTHON" -m dspark prepare-data --model "$MODEL" --out "$OUT/data" --prompts "$PROMPTS" --max-prompts "$MAX_PROMPTS" \
     --max-tokens "$MAX_TOKENS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" --min-answer-tokens "$MIN_ANSWER_TOKENS" --batch-size "$BATCH" --holdout "$HOLDOUT" \
-    --device "$DEVICE" "${spec_args[@]}" 2>&1 | tee -a "$OUT/prepare.log"
+    --magpie "$MAGPIE" --device "$DEVICE" "${spec_args[@]}" 2>&1 | tee -a "$OUT/prepare.log"
 # 2. train for MINUTES minutes (features cached once on the device, bf16 autocast), export sharded weights
 set_args=(--set model="\"$MODEL\"" --set max_minutes="$MINUTES" --set export_shard_mb="$SHARD_MB"
-          --set drafter_autocast='"bfloat16"' --set feature_cache="\"$OUT/features\"" --set num_threads=null)
+          --set drafter_autocast='"bfloat16"' --set feature_cache="\"$OUT/features\"" --set num_threads=null --set schedule_by_time=true)
 for kv in $EXTRA; do set_args+=(--set "$kv"); done
 "$PYTHON" -m dspark train --config "$CONFIG" --data "$OUT/data" --out "$OUT/train" --export "$OUT/export" \
     --device "$DEVICE" "${set_args[@]}" --resume --no-progress 2>&1 | tee -a "$OUT/train_stdout.log"

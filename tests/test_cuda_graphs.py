@@ -94,3 +94,24 @@ def test_cuda_graph_replay_equals_eager_on_gpu():
     graphed.runner = GraphedRunner(graphed.runner, backend=CudaGraphBackend(), max_num_seqs=16)
     assert run(graphed, prompts, greedy(24)) == expected
     assert graphed.runner.num_replays > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_llm_on_cuda_with_graphs_equals_cpu_with_prompt_lookup(tmp_path):
+    """The public path end to end: `LLM(..., device="cuda")` with CUDA graphs (the default) and prompt-lookup
+    speculation writes the CPU's greedy tokens. On an H200 (torch 2.11) this step raised a device-side
+    assert (an index out of bounds in a gather during graph replay), with and without speculation at large
+    batches; `enforce_eager=True` generated correctly. Kept as the reproduction until the graphs are fixed."""
+    from tiny_checkpoint import write_tiny_checkpoint
+
+    from dspark.llm import LLM
+    from dspark.sampling import SamplingParams
+    model = write_tiny_checkpoint(tmp_path / "tiny")
+    prompts = [list(range(1, 5 + i)) for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    cpu = LLM(str(model), speculative_config=spec, max_num_seqs=16).generate(prompts, [params] * 8)
+    for eager in (True, False):
+        cuda = LLM(str(model), device="cuda", enforce_eager=eager, speculative_config=spec, max_num_seqs=16)
+        assert [o.token_ids for o in cuda.generate(prompts, [params] * 8)] == [o.token_ids for o in cpu], eager

@@ -69,3 +69,51 @@ def test_speculation_on_writes_the_same_greedy_data(tmp_path):
     for a, b in zip(sorted((plain[i] for i in range(3)), key=lambda s: s.key),
                     sorted((spec[i] for i in range(3)), key=lambda s: s.key)):
         assert a.key == b.key and a.input_ids.tolist() == b.input_ids.tolist()
+
+
+class _ClockLLM:
+    """Answers like test_train's stub, writes Magpie requests ("please explain topic N", one in three too short
+    to keep), and moves a fake clock 40 s a call."""
+
+    def __init__(self, clock):
+        from test_train import _StubTokenizer
+
+        class _Tok(_StubTokenizer):
+            def render_chat(self, conv, add_generation_prompt=False):
+                return "<user>" + conv[-1]["content"] + "</user>"
+
+            def encode(self, text, add_special_tokens=False):
+                return [ord(c) % 50 + 3 for c in text]
+
+        self.tokenizer, self.clock, self.calls, self.magpie_calls = _Tok(), clock, 0, 0
+
+    def generate(self, prompt_ids, params):
+        from types import SimpleNamespace
+        self.clock[0] += 40.0
+        if params[0].max_tokens == 128:  # Magpie: the header continued into a request
+            self.magpie_calls += len(prompt_ids)
+            texts = ["hm" if p.seed % 3 == 0 else f"please explain topic {p.seed}" for p in params]
+            return [SimpleNamespace(text=t, outputs=[SimpleNamespace(finish_reason="stop")]) for t in texts]
+        self.calls += len(prompt_ids)
+        return [SimpleNamespace(prompt_token_ids=p, token_ids=[(p[1] + k) % 60 + 3 for k in range(19)] + [2])
+                for p in prompt_ids]
+
+
+def test_max_minutes_stops_between_batches_and_a_rerun_goes_on(tmp_path, monkeypatch):
+    """--max-minutes: no batch starts after the limit, the manifest covers what was written, and a rerun
+    writes the rest; the Magpie requests written before the limit are reused, never asked for again."""
+    import dspark.train.prepare_data as prep
+    clock = [0.0]
+    monkeypatch.setattr(prep.time, "monotonic", lambda: clock[0])
+    texts = [f"question {i}" for i in range(10)]
+    cfg = PrepareConfig(out=str(tmp_path / "data"), model="stub", prompts=str(_prompts(tmp_path, texts)),
+                        batch_size=4, holdout=0.0, magpie=6, max_minutes=2.0)
+    llm = _ClockLLM(clock)
+    manifest = prepare(cfg, llm=llm)  # Magpie calls at 0 s and 40 s, answer batches at 80 s; 120 s: stop
+    assert llm.magpie_calls == 6 and llm.calls == 4 and manifest["num_samples"]["train"] == 4
+    rows = [json.loads(line) for line in (tmp_path / "data" / prep.MAGPIE_FILE).read_text().splitlines()]
+    assert len(rows) == 6 and sum(r["text"] is None for r in rows) == 2  # seeds 0 and 3: too short
+    manifest = prepare(PrepareConfig(**{**cfg.__dict__, "max_minutes": None}), llm=llm)
+    assert llm.magpie_calls == 6  # reused from magpie.jsonl
+    assert llm.calls == 14 and manifest["num_samples"]["train"] == 14  # 10 questions + 4 kept requests
+    assert {k for k in done_keys(cfg.out) if k.startswith("magpie:")} == {f"magpie:{i}" for i in (1, 2, 4, 5)}

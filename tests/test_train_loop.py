@@ -390,3 +390,36 @@ def test_anchor_focus_mines_once_and_trains(tmp_path):
     again.close()
     with pytest.raises(ValueError, match="anchor_focus"):
         tiny_config(method="eagle3", anchor_focus=0.5)
+
+
+def test_schedule_by_time_fits_the_lr_schedule_to_max_minutes(tmp_path, monkeypatch):
+    """schedule_by_time: the steps after the first few are timed, and the cosine schedule then spans the steps
+    that fit the rest of max_minutes (90% of them), so the run ends with the lr decayed, not cut mid-schedule;
+    max_steps stays the cap, and a resumed run keeps the fitted length."""
+    import dspark.train.trainer as trainer_mod
+    clock = [0.0]
+    monkeypatch.setattr(trainer_mod.time, "monotonic", lambda: clock[0])
+    step = Trainer.train_step
+
+    def timed_step(self):  # every step takes one (fake) second
+        clock[0] += 1.0
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    data = toy_data(tmp_path / "data")
+    cfg = tiny_config(max_steps=1000, max_minutes=1.0, schedule_by_time=True, ckpt_every=20)
+    run = Trainer(cfg, data_dir=data, out_dir=tmp_path / "run", target=tiny_target(), show_progress=False)
+    run.fit()  # timed over steps 20..50 (1 s each); then 50 + int(0.9 * 10 s / 1 s) = 59 steps
+    assert run.schedule_fitted and run.total_steps == 59 and run.step == 59
+    assert run.scheduler.get_last_lr()[0] == pytest.approx(cfg.lr * cfg.min_lr_frac, abs=1e-9)
+    again = Trainer(cfg, data_dir=data, out_dir=tmp_path / "run", target=tiny_target(), show_progress=False)
+    again.load_checkpoint()
+    assert again.schedule_fitted and again.total_steps == 59
+    capped = Trainer(tiny_config(max_steps=30, max_minutes=1.0, schedule_by_time=True), data_dir=data,
+                     out_dir=tmp_path / "capped", target=tiny_target(), show_progress=False)
+    capped.fit()
+    assert capped.total_steps == 30 and capped.step == 30
+    for t in (run, again, capped):
+        t.close()
+    with pytest.raises(ValueError, match="schedule_by_time needs max_minutes"):
+        tiny_config(schedule_by_time=True)

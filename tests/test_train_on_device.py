@@ -51,7 +51,8 @@ def test_train_on_device_script_end_to_end_on_cpu(tmp_path):
     extra = ["tap_layer_ids=[-1,0]", "num_draft_layers=1", "warm_start=\"target\"", "draft_vocab_size=null",
              "markov_rank=8", "num_anchors=4", "batch_size=4", "max_seq_len=96", "target_dtype=\"float32\"",
              "max_steps=4", "eval_every=2", "eval_batches=1", "log_every=1", "ckpt_every=2"]
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "DEVICE": "cpu", "MINUTES": "5",
+    device = os.environ.get("DSPARK_TEST_DEVICE", "cpu")  # cuda: the same run on an accelerator
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "DEVICE": device, "MINUTES": "5",
            "MODEL": str(model), "PROMPTS": str(prompts), "MAX_TOKENS": "16", "MIN_ANSWER_TOKENS": "4", "MAX_PROMPT_TOKENS": "64",
            "BATCH": "16", "SPEC": '{"method": "ngram", "num_speculative_tokens": 4}', "HOLDOUT": "0.25",
            "OUT": str(out), "SHARD_MB": "0.02", "EXTRA": " ".join(extra)}
@@ -63,7 +64,7 @@ def test_train_on_device_script_end_to_end_on_cpu(tmp_path):
     assert dropped.count("duplicate_prompt") == 3
     shards = sorted((out / "export").glob("model-*.safetensors"))
     assert len(shards) > 1 and all(f.stat().st_size <= 0.02 * 2 ** 20 for f in shards)
-    assert json.loads((out / "export" / "train_config.json").read_text())["device"] == "cpu"
+    assert json.loads((out / "export" / "train_config.json").read_text())["device"] == device
     from dspark.config import EngineConfig, SpecConfig
     from dspark.llm import LLM
     llm = LLM(config=EngineConfig(model=str(model), spec=SpecConfig(method="dspark", model=str(out / "export"),

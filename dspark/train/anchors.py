@@ -52,10 +52,10 @@ def sample_anchors(
         picked = cand[:0]
         if focus is not None and focus_frac > 0:
             mine = focus[row][valid[row][focus[row]]]  # the anchorable ones only
-            picked = mine[torch.randperm(mine.numel(), generator=gen)[:round(focus_frac * num_anchors)]]
+            picked = mine[torch.randperm(mine.numel(), generator=gen, device=gen.device)[:round(focus_frac * num_anchors)]]
             cand = cand[~torch.isin(cand, picked)]
         if cand.numel() > num_anchors - picked.numel():
-            cand = cand[torch.randperm(cand.numel(), generator=gen)[:num_anchors - picked.numel()]]
+            cand = cand[torch.randperm(cand.numel(), generator=gen, device=gen.device)[:num_anchors - picked.numel()]]
         cand = torch.cat([picked, cand]).sort().values
         out[row, :cand.numel()] = cand
     return out

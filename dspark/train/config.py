@@ -84,9 +84,11 @@ class TrainConfig:
     # highest tau_process, the starting weights' own validation included; needs eval_process_tau and a
     # val split; kept in checkpoints/best.pt)
     select_by: str = "last"
-    # stop after this many minutes of training steps (None: run to max_steps; the lr schedule still spans
-    # max_steps) and export; export_shard_mb: the exported weights as safetensors shards of at most that size
+    # stop after this many minutes of training steps (None: run to max_steps) and export; the lr schedule
+    # spans max_steps, or with schedule_by_time the steps that fit the minutes (max_steps the cap), measured
+    # over the first steps; export_shard_mb: the exported weights as safetensors shards of at most that size
     max_minutes: float | None = None
+    schedule_by_time: bool = False
     export_shard_mb: float | None = None
     ckpt_every: int = 200
     keep_checkpoints: int = 2
@@ -108,6 +110,7 @@ class TrainConfig:
         _need(self.warm_start_layers is None or self.warm_start == "target",
               "warm_start_layers needs warm_start 'target'")
         _need(self.max_minutes is None or self.max_minutes > 0, "max_minutes must be > 0")
+        _need(not self.schedule_by_time or self.max_minutes is not None, "schedule_by_time needs max_minutes")
         _need(self.export_shard_mb is None or self.export_shard_mb > 0, "export_shard_mb must be > 0")
         _need(self.select_by in SELECT_BY, f"select_by {self.select_by!r} unknown; choose from {', '.join(SELECT_BY)}")
         _need(self.select_by != "tau_process" or self.eval_process_tau, "select_by tau_process needs eval_process_tau")

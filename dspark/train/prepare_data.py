@@ -16,7 +16,8 @@ whitespace folded) was already seen, among the train prompts or the Magpie ones,
 "duplicate_prompt".
 
 Resumable: every batch is written as its own shard (data.py layout) before the next starts; a rerun
-skips prompt keys already written or dropped. A hash of the key puts --holdout of the samples in the
+skips prompt keys already written or dropped, and reuses the Magpie requests kept in magpie.jsonl.
+`--max-minutes` starts no batch after that long (the manifest covers what was written). A hash of the key puts --holdout of the samples in the
 validation split (used for calibration and validation, never for training).
 
 A base model (no chat template, e.g. gemma-3-270m) takes the prompts as plain text instead
@@ -40,6 +41,7 @@ from dspark.train.data import DROPPED, MANIFEST, assert_not_eval, done_keys, is_
 log = logging.getLogger("dspark.prepare_data")
 DEFAULT_PROMPTS = str(datasets_dir() / "train")  # $DSPARK_DATASETS or <repo>/../shared/datasets
 MAGPIE_SENTINEL = "MAGPIE_SENTINEL_7f3a"
+MAGPIE_FILE = "magpie.jsonl"  # the requests the target wrote for --magpie: {"key", "text"} a line
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class PrepareConfig:
     num_threads: int | None = None
     speculative_config: str | None = None  # "default" (the shipped drafter) or a --speculative-config JSON
     device: str = "cpu"
+    max_minutes: float | None = None  # start no batch after this many minutes (a rerun goes on from there)
+    enforce_eager: bool = True  # CUDA: every step eager (False: CUDA graphs, the engine's --no-enforce-eager)
 
 
 def prompt_rows(root: str | Path) -> list[tuple[str, dict]]:
@@ -163,23 +167,41 @@ def _params(cfg: PrepareConfig, max_tokens: int, seed: int):
                           seed=None if cfg.temperature == 0 else seed)
 
 
-def magpie_prompts(llm, cfg: PrepareConfig, *, done: set[str]) -> list[tuple[str, str]]:
-    """Ask the target to write --magpie user requests (keys magpie:i), skipping ones already done."""
-    todo = [i for i in range(cfg.magpie) if f"magpie:{i}" not in done]
-    if not todo:
-        return []
-    header = magpie_header(llm.tokenizer)
-    out = []
+def _past(cfg: PrepareConfig, t_start: float) -> bool:
+    """Whether --max-minutes have passed since `t_start` (time.monotonic())."""
+    return cfg.max_minutes is not None and time.monotonic() - t_start >= 60 * cfg.max_minutes
+
+
+def magpie_prompts(llm, cfg: PrepareConfig, *, done: set[str], t_start: float) -> list[tuple[str, str]]:
+    """Ask the target to write --magpie user requests (keys magpie:i), skipping ones already answered. Each
+    batch of requests is appended to magpie.jsonl before the next, so a rerun (or a run that --max-minutes cut
+    short) reuses them instead of asking again; text null: the target did not end a usable request."""
+    path = Path(cfg.out) / MAGPIE_FILE
+    written = {}
+    if path.exists():
+        written = {row["key"]: row["text"] for row in map(json.loads, path.read_text().splitlines())}
+    todo = [i for i in range(cfg.magpie) if f"magpie:{i}" not in done and f"magpie:{i}" not in written]
+    header = magpie_header(llm.tokenizer) if todo else []
+    from dspark.sampling import SamplingParams
     for start in range(0, len(todo), cfg.batch_size):
+        if _past(cfg, t_start):
+            log.info("magpie: max_minutes %.1f reached, %d requests left for a rerun", cfg.max_minutes,
+                     len(todo) - start)
+            break
         chunk = todo[start:start + cfg.batch_size]
-        from dspark.sampling import SamplingParams
         params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=cfg.seed * 100_003 + i)
                   for i in chunk]
+        rows = []
         for i, res in zip(chunk, llm.generate([list(header)] * len(chunk), params)):
             text = res.text.strip()
-            if res.outputs[0].finish_reason == "stop" and len(text) >= 8:  # a request that ended its turn
-                out.append((f"magpie:{i}", text))
-    log.info("magpie: %d/%d generated prompts kept", len(out), len(todo))
+            usable = res.outputs[0].finish_reason == "stop" and len(text) >= 8  # a request that ended its turn
+            rows.append({"key": f"magpie:{i}", "text": text if usable else None})
+        with open(path, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        written.update((row["key"], row["text"]) for row in rows)
+    out = [(k, t) for k, t in written.items()
+           if t is not None and k not in done and int(k.split(":")[1]) < cfg.magpie]
+    log.info("magpie: %d generated requests to answer (%d written so far)", len(out), len(written))
     return out
 
 
@@ -187,6 +209,7 @@ def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
     """Generate, shard and write; `llm` (anything with .tokenizer, .generate) is injected by tests."""
     from tqdm import tqdm
 
+    t_start = time.monotonic()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(out / "prepare.log")
@@ -202,13 +225,14 @@ def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
         spec = spec_config(cfg)
         llm = LLM(cfg.model, dtype=cfg.dtype, matmul_dtype=cfg.matmul_dtype, seed=cfg.seed, num_threads=cfg.num_threads,
                   max_num_seqs=cfg.batch_size, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 8,
-                  device=cfg.device, speculative_config=None if spec is None else asdict(spec),
+                  device=cfg.device, enforce_eager=cfg.enforce_eager,
+                  speculative_config=None if spec is None else asdict(spec),
                   max_num_batched_tokens=max(512, cfg.batch_size * (1 + (spec.num_speculative_tokens if spec else 0))))
     has_template = bool(getattr(llm.tokenizer, "chat_template", True))
     plain = cfg.prompt_format == "plain" or (cfg.prompt_format == "auto" and not has_template)
     if plain and cfg.magpie:
         raise ValueError("--magpie needs a chat template; this model takes plain-text prompts")
-    items += magpie_prompts(llm, cfg, done=done)
+    items += magpie_prompts(llm, cfg, done=done, t_start=t_start)
     items, duplicates = dedupe(items)
     new_duplicates = [k for k in duplicates if k not in done]
     if new_duplicates:
@@ -223,6 +247,10 @@ def prepare(cfg: PrepareConfig, *, llm=None) -> dict:
     num_tokens = num_kept = 0
     t0 = time.perf_counter()
     for start in range(0, len(todo), cfg.batch_size):
+        if _past(cfg, t_start):
+            log.info("prepare-data: max_minutes %.1f reached, %d prompts left for a rerun", cfg.max_minutes,
+                     len(todo) - start)
+            break
         chunk = todo[start:start + cfg.batch_size]
         tok = llm.tokenizer
         if plain:
@@ -313,6 +341,10 @@ def register(sub) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='generate with speculation: "default" (the shipped drafter) or a JSON speculative config')
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no batch after this many minutes; the manifest covers what was written")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
+                   help="CUDA: every step eager (the default); --no-enforce-eager replays CUDA graphs")
     p.set_defaults(func=_main)
 
 
@@ -324,7 +356,8 @@ def _main(args: argparse.Namespace) -> int:
         min_answer_tokens=args.min_answer_tokens, magpie=args.magpie, temperature=args.temperature,
         top_p=args.top_p, batch_size=args.batch_size, holdout=args.holdout, seed=args.seed,
         dtype=args.dtype, matmul_dtype=args.matmul_dtype, num_threads=args.num_threads,
-        speculative_config=args.speculative_config, device=args.device)
+        speculative_config=args.speculative_config, device=args.device, max_minutes=args.max_minutes,
+        enforce_eager=args.enforce_eager)
     manifest = prepare(cfg)
     print(json.dumps({"out": cfg.out, **{k: manifest[k] for k in ("num_samples", "num_tokens")}}))
     return 0

@@ -53,6 +53,9 @@ def _sum_all(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+PROBE_SKIP, PROBE_STEPS = 20, 30  # schedule_by_time: skip the first steps (warm-up: on a GPU they run slow), time these
+
+
 def lr_lambda(step: int, *, total: int, warmup_frac: float, min_lr_frac: float) -> float:
     """Linear warm-up over warmup_frac of the steps, then cosine down to min_lr_frac (reference §4.5)."""
     warmup = max(1, round(total * warmup_frac))
@@ -99,8 +102,10 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            eps=1e-8, weight_decay=cfg.weight_decay)
+        self.total_steps = cfg.max_steps  # the schedule's length (schedule_by_time: fitted to max_minutes)
+        self.schedule_fitted = False
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, total=cfg.max_steps, warmup_frac=cfg.warmup_frac,
+            self.optimizer, lambda s: lr_lambda(s, total=self.total_steps, warmup_frac=cfg.warmup_frac,
                                                 min_lr_frac=cfg.min_lr_frac))
         self.sampler = BatchSampler(num_samples=len(self.train_ds), global_batch=cfg.batch_size * self.world,
                                     seed=cfg.seed)
@@ -263,7 +268,7 @@ class Trainer:
         self.precompute_features()
         if self._selects_best() and self.step == 0:
             self.evaluate()  # the starting weights are a candidate (a warm start may already be the best)
-        end = min(self.cfg.max_steps, stop_at or self.cfg.max_steps)
+        end = min(self.total_steps, stop_at or self.total_steps)
         bar = None
         if self.show_progress:
             from tqdm import tqdm
@@ -273,10 +278,20 @@ class Trainer:
         t_window = time.perf_counter()
         steps_in_window = 0
         deadline = None if self.cfg.max_minutes is None else time.monotonic() + 60 * self.cfg.max_minutes
+        probe = None  # schedule_by_time: (first step, its time) of the steps that time the schedule
+        if self.cfg.schedule_by_time and not self.schedule_fitted:
+            probe = (self.step + PROBE_SKIP, 0.0)
         while self.step < end:
             if deadline is not None and time.monotonic() >= deadline:
                 log.info("max_minutes %.1f reached at step %d", self.cfg.max_minutes, self.step)
                 break
+            if probe is not None and self.step == probe[0]:
+                probe = (self.step, time.monotonic())
+            elif probe is not None and self.step == probe[0] + PROBE_STEPS:
+                end = min(end, self._fit_schedule((time.monotonic() - probe[1]) / PROBE_STEPS, deadline))
+                probe = None
+                if bar:
+                    bar.total = self.total_steps
             add_stats(window, self.train_step())
             steps_in_window += 1
             if bar:
@@ -296,6 +311,14 @@ class Trainer:
             record["val"] = self.evaluate()
         self.save_checkpoint()
         return record
+
+    def _fit_schedule(self, seconds_per_step: float, deadline: float) -> int:
+        """schedule_by_time: the lr schedule spans the steps that fit before the deadline at the probed rate
+        (90% of them: evaluations and checkpoints take their share), max_steps the cap; returns the new end."""
+        fit = self.step + int(0.9 * (deadline - time.monotonic()) / max(seconds_per_step, 1e-6))
+        self.total_steps, self.schedule_fitted = max(self.step + 1, min(self.cfg.max_steps, fit)), True
+        log.info("schedule_by_time: %.3f s a step, the schedule spans %d steps", seconds_per_step, self.total_steps)
+        return self.total_steps
 
     def _log_record(self, window, num_steps: int, seconds: float) -> dict:
         window = {k: _sum_all(v) for k, v in window.items()}
@@ -383,6 +406,7 @@ class Trainer:
             "step": self.step, "cursor": asdict(self.cursor), "config": asdict(self.cfg),
             "model": self._trainable_state(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "d2t": self.d2t, "world": self.world,
+            "schedule": {"total_steps": self.total_steps, "fitted": self.schedule_fitted},
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state()},
         }
         path = ckpt_dir / f"step-{self.step:07d}.pt"
@@ -420,6 +444,8 @@ class Trainer:
             raise ValueError(f"checkpoint does not fit the drafter: missing {sorted(set(missing) - frozen)}, "
                              f"unexpected {unexpected}")
         self.optimizer.load_state_dict(state["optimizer"])
+        schedule = state.get("schedule", {"total_steps": self.cfg.max_steps, "fitted": False})
+        self.total_steps, self.schedule_fitted = schedule["total_steps"], schedule["fitted"]
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
