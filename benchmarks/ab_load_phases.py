@@ -9,7 +9,7 @@ length policy), the bookkeeping term itself.
     python benchmarks/ab_load_phases.py --base 07201a3 --concurrency 8,32 --rounds 3 \
         --out benchmarks/results/ab_load_phases.json
 
-The revision is checked out (`git worktree add --detach`) in a temporary folder and imported from there
+The revision is extracted (`bench_resident.checkout`, git archive) in a temporary folder and imported from there
 (PYTHONPATH); both sides share this venv, its kernel build cache and `../shared/datasets`. Each child:
 `bench_load_phases.py --concurrency C --dataset gsm8k --num-prompts P --max-tokens 64 --natural-stop
 --repeats R --variants plain,default` with P = max(24, 2 C).
@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_resident import checkout
 from dspark.bench.report import run_info, write_result_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,30 +54,24 @@ def main(argv: list[str] | None = None) -> dict:
     counts = [int(c) for c in args.concurrency.split(",")]
     runs: dict[str, dict[int, list[dict]]] = {"base": {c: [] for c in counts}, "new": {c: [] for c in counts}}
     with tempfile.TemporaryDirectory() as tmp:
-        base_tree = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=ROOT, check=True,
-                       capture_output=True)
-        try:
-            trees = {"base": base_tree, "new": ROOT}
-            for r in range(args.rounds):
-                for c in counts:
-                    for side in (("base", "new") if r % 2 == 0 else ("new", "base")):
-                        res = run_side(trees[side], concurrency=c, repeats=args.repeats,
-                                       out=Path(tmp) / f"{side}_c{c}_r{r}.json")
-                        med = res["summary"]["median"]
-                        row = {"plain_tok_s": med["plain"]["output_tok_s"], "default_tok_s": med["default"]["output_tok_s"],
-                               "default_over_plain": med["default"]["tok_s_ratio_vs_plain"],
-                               "plain_non_forward_s": med["plain"]["non_forward_s"],
-                               "default_non_forward_s": med["default"]["non_forward_s"],
-                               "default_propose_ms_per_step": statistics.median(
-                                   1e3 * x["phase_s"].get("_propose_and_choose", 0.0) / max(x["steps"], 1)
-                                   for x in res["runs"]["default"])}
-                        runs[side][c].append(row)
-                        print(f"round {r} c={c} {side}: plain {row['plain_tok_s']:.1f} tok/s, default "
-                              f"{row['default_tok_s']:.1f} ({row['default_over_plain']:.3f}x plain), proposing "
-                              f"{row['default_propose_ms_per_step']:.3f} ms a step", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, capture_output=True)
+        trees = {"base": checkout(args.base, Path(tmp)), "new": ROOT}
+        for r in range(args.rounds):
+            for c in counts:
+                for side in (("base", "new") if r % 2 == 0 else ("new", "base")):
+                    res = run_side(trees[side], concurrency=c, repeats=args.repeats,
+                                   out=Path(tmp) / f"{side}_c{c}_r{r}.json")
+                    med = res["summary"]["median"]
+                    row = {"plain_tok_s": med["plain"]["output_tok_s"], "default_tok_s": med["default"]["output_tok_s"],
+                           "default_over_plain": med["default"]["tok_s_ratio_vs_plain"],
+                           "plain_non_forward_s": med["plain"]["non_forward_s"],
+                           "default_non_forward_s": med["default"]["non_forward_s"],
+                           "default_propose_ms_per_step": statistics.median(
+                               1e3 * x["phase_s"].get("_propose_and_choose", 0.0) / max(x["steps"], 1)
+                               for x in res["runs"]["default"])}
+                    runs[side][c].append(row)
+                    print(f"round {r} c={c} {side}: plain {row['plain_tok_s']:.1f} tok/s, default "
+                          f"{row['default_tok_s']:.1f} ({row['default_over_plain']:.3f}x plain), proposing "
+                          f"{row['default_propose_ms_per_step']:.3f} ms a step", flush=True)
     summary = {}
     for c in counts:
         for side in ("base", "new"):
