@@ -109,7 +109,7 @@ def test_max_minutes_stops_between_batches_and_a_rerun_goes_on(tmp_path, monkeyp
     cfg = PrepareConfig(out=str(tmp_path / "data"), model="stub", prompts=str(_prompts(tmp_path, texts)),
                         batch_size=4, holdout=0.0, magpie=6, max_minutes=2.0)
     llm = _ClockLLM(clock)
-    manifest = prepare(cfg, llm=llm)  # Magpie calls at 0 s and 40 s, answer batches at 80 s; 120 s: stop
+    manifest = prepare(cfg, llm=llm)  # Magpie calls at 0 s and 40 s (< half of 120 s), answers at 80 s; 120 s: stop
     assert llm.magpie_calls == 6 and llm.calls == 4 and manifest["num_samples"]["train"] == 4
     rows = [json.loads(line) for line in (tmp_path / "data" / prep.MAGPIE_FILE).read_text().splitlines()]
     assert len(rows) == 6 and sum(r["text"] is None for r in rows) == 2  # seeds 0 and 3: too short
@@ -117,3 +117,15 @@ def test_max_minutes_stops_between_batches_and_a_rerun_goes_on(tmp_path, monkeyp
     assert llm.magpie_calls == 6  # reused from magpie.jsonl
     assert llm.calls == 14 and manifest["num_samples"]["train"] == 14  # 10 questions + 4 kept requests
     assert {k for k in done_keys(cfg.out) if k.startswith("magpie:")} == {f"magpie:{i}" for i in (1, 2, 4, 5)}
+
+
+def test_magpie_requests_take_at_most_half_of_max_minutes(tmp_path, monkeypatch):
+    """With --max-minutes, no batch of Magpie requests starts past half of it: the answers get the rest."""
+    import dspark.train.prepare_data as prep
+    clock = [0.0]
+    monkeypatch.setattr(prep.time, "monotonic", lambda: clock[0])
+    cfg = PrepareConfig(out=str(tmp_path / "data"), model="stub", prompts=str(_prompts(tmp_path, ["question 0"])),
+                        batch_size=2, holdout=0.0, magpie=20, max_minutes=3.0)
+    llm = _ClockLLM(clock)
+    prepare(cfg, llm=llm)  # Magpie calls at 0, 40, 80 s (< 90 s), not at 120 s; answers at 120 s (< 180 s)
+    assert llm.magpie_calls == 6 and llm.calls > 0

@@ -17,7 +17,8 @@ whitespace folded) was already seen, among the train prompts or the Magpie ones,
 
 Resumable: every batch is written as its own shard (data.py layout) before the next starts; a rerun
 skips prompt keys already written or dropped, and reuses the Magpie requests kept in magpie.jsonl.
-`--max-minutes` starts no batch after that long (the manifest covers what was written). A hash of the key puts --holdout of the samples in the
+`--max-minutes` starts no batch after that long (the manifest covers what was written), and no batch of Magpie
+requests after half of it, so the answers get the rest. A hash of the key puts --holdout of the samples in the
 validation split (used for calibration and validation, never for training).
 
 A base model (no chat template, e.g. gemma-3-270m) takes the prompts as plain text instead
@@ -42,6 +43,7 @@ log = logging.getLogger("dspark.prepare_data")
 DEFAULT_PROMPTS = str(datasets_dir() / "train")  # $DSPARK_DATASETS or <repo>/../shared/datasets
 MAGPIE_SENTINEL = "MAGPIE_SENTINEL_7f3a"
 MAGPIE_FILE = "magpie.jsonl"  # the requests the target wrote for --magpie: {"key", "text"} a line
+MAGPIE_SHARE = 0.5  # with --max-minutes, writing Magpie requests starts no batch past this share of them
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,9 @@ def _params(cfg: PrepareConfig, max_tokens: int, seed: int):
                           seed=None if cfg.temperature == 0 else seed)
 
 
-def _past(cfg: PrepareConfig, t_start: float) -> bool:
-    """Whether --max-minutes have passed since `t_start` (time.monotonic())."""
-    return cfg.max_minutes is not None and time.monotonic() - t_start >= 60 * cfg.max_minutes
+def _past(cfg: PrepareConfig, t_start: float, share: float = 1.0) -> bool:
+    """Whether `share` of --max-minutes has passed since `t_start` (time.monotonic())."""
+    return cfg.max_minutes is not None and time.monotonic() - t_start >= 60 * cfg.max_minutes * share
 
 
 def magpie_prompts(llm, cfg: PrepareConfig, *, done: set[str], t_start: float) -> list[tuple[str, str]]:
@@ -184,9 +186,9 @@ def magpie_prompts(llm, cfg: PrepareConfig, *, done: set[str], t_start: float) -
     header = magpie_header(llm.tokenizer) if todo else []
     from dspark.sampling import SamplingParams
     for start in range(0, len(todo), cfg.batch_size):
-        if _past(cfg, t_start):
-            log.info("magpie: max_minutes %.1f reached, %d requests left for a rerun", cfg.max_minutes,
-                     len(todo) - start)
+        if _past(cfg, t_start, MAGPIE_SHARE):
+            log.info("magpie: %.0f%% of max_minutes %.1f spent, %d requests left for a rerun", 100 * MAGPIE_SHARE,
+                     cfg.max_minutes, len(todo) - start)
             break
         chunk = todo[start:start + cfg.batch_size]
         params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=cfg.seed * 100_003 + i)
