@@ -38,15 +38,15 @@ SEED_DATA=${SEED_DATA:-}
 case "$PROMPTS" in *datasets/eval*) echo "error: PROMPTS must not be the eval/ prompts" >&2; exit 2;; esac
 mkdir -p "$OUT"
 if [ -n "$SEED_DATA" ] && [ ! -d "$OUT/data" ]; then cp -r "$SEED_DATA" "$OUT/data"; fi
-spec_args=()
-[ "$SPEC" != "none" ] && spec_args=(--speculative-config "$SPEC")
-[ -n "$DATA_MINUTES" ] && spec_args+=(--max-minutes "$DATA_MINUTES")
-[ "${EAGER:-1}" = 0 ] && spec_args+=(--no-enforce-eager)
+gen_args=()
+[ "$SPEC" != "none" ] && gen_args=(--speculative-config "$SPEC")
+[ -n "$DATA_MINUTES" ] && gen_args+=(--max-minutes "$DATA_MINUTES")
+[ "${EAGER:-1}" = 0 ] && gen_args+=(--no-enforce-eager)
 # 1. data: the target answers the train prompts at high concurrency, speculation on (lossless at T=0),
 #    duplicates dropped; resumable (a rerun skips what is written)
 "$PYTHON" -m dspark prepare-data --model "$MODEL" --out "$OUT/data" --prompts "$PROMPTS" --max-prompts "$MAX_PROMPTS" \
     --max-tokens "$MAX_TOKENS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" --min-answer-tokens "$MIN_ANSWER_TOKENS" --batch-size "$BATCH" --holdout "$HOLDOUT" \
-    --magpie "$MAGPIE" --device "$DEVICE" "${spec_args[@]}" 2>&1 | tee -a "$OUT/prepare.log"
+    --magpie "$MAGPIE" --device "$DEVICE" "${gen_args[@]}" 2>&1 | tee -a "$OUT/prepare.log"
 # 2. train for MINUTES minutes (features cached once on the device, bf16 autocast), export sharded weights
 set_args=(--set model="\"$MODEL\"" --set max_minutes="$MINUTES" --set export_shard_mb="$SHARD_MB"
           --set drafter_autocast='"bfloat16"' --set feature_cache="\"$OUT/features\"" --set num_threads=null --set schedule_by_time=true)

@@ -278,18 +278,18 @@ class Trainer:
         t_window = time.perf_counter()
         steps_in_window = 0
         deadline = None if self.cfg.max_minutes is None else time.monotonic() + 60 * self.cfg.max_minutes
-        probe = None  # schedule_by_time: (first step, its time) of the steps that time the schedule
-        if self.cfg.schedule_by_time and not self.schedule_fitted:
-            probe = (self.step + PROBE_SKIP, 0.0)
+        # schedule_by_time: the steps [probe_from, probe_from + PROBE_STEPS) are timed, from probe_t0
+        probe_from = self.step + PROBE_SKIP if self.cfg.schedule_by_time and not self.schedule_fitted else None
+        probe_t0 = None
         while self.step < end:
             if deadline is not None and time.monotonic() >= deadline:
                 log.info("max_minutes %.1f reached at step %d", self.cfg.max_minutes, self.step)
                 break
-            if probe is not None and self.step == probe[0]:
-                probe = (self.step, time.monotonic())
-            elif probe is not None and self.step == probe[0] + PROBE_STEPS:
-                end = min(end, self._fit_schedule((time.monotonic() - probe[1]) / PROBE_STEPS, deadline))
-                probe = None
+            if self.step == probe_from:
+                probe_t0 = time.monotonic()
+            elif probe_t0 is not None and self.step == probe_from + PROBE_STEPS:
+                end = min(end, self._fit_schedule((time.monotonic() - probe_t0) / PROBE_STEPS, deadline))
+                probe_from = probe_t0 = None
                 if bar:
                     bar.total = self.total_steps
             add_stats(window, self.train_step())
