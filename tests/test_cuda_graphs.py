@@ -83,6 +83,9 @@ def test_the_cuda_path_never_loads_the_cpu_kernels(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_equals_eager_on_gpu():
+    """The smallest reproduction of the graph bug (docs/parallel.md): on an H200 (torch 2.11) the first replay
+    raises a device-side assert in `vectorized_gather_kernel`; the same steps through `EagerBackend` pass on the
+    CPU (test_replay_equals_eager)."""
     from dspark.engine.cuda_graphs import CudaGraphBackend
     cfg = TINY_LLAMA
     model, _ = tiny_target(cfg)

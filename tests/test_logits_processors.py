@@ -4,7 +4,7 @@
   of a verify window equal to plain decoding after the drafts d1..dj;
 * Monte-Carlo (chi-square over the joint law of three tokens, enumerated exactly): speculative
   sampling with penalties, min_p, min_tokens and logit_bias follows plain autoregressive sampling,
-  for point-mass drafts (the keyed Gumbel-max lane) and probabilistic drafts (rejection sampling on
+  for point-mass drafts (the keyed inverse-CDF lane) and probabilistic drafts (rejection sampling on
   the processed rows); a variant whose processors ignore the drafts is caught;
 * the keyed sampler: its draws follow the distribution, and a seeded run emits the same tokens with
   any drafts, or none.
@@ -168,9 +168,29 @@ def test_draft_blind_processors_are_caught(monkeypatch):
 def test_keyed_sampler_draws_the_distribution():
     probs = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(2)) * 1.3, dim=0)
     draws = torch.tensor([sampler.keyed_sample(probs, seed, 7) for seed in range(20000)])
-    assert_matches_distribution(draws, probs, what="keyed Gumbel-max over seeds")
+    assert_matches_distribution(draws, probs, what="keyed draws over seeds")
     draws = torch.tensor([sampler.keyed_sample(probs, 3, pos) for pos in range(20000)])
-    assert_matches_distribution(draws, probs, what="keyed Gumbel-max over positions")
+    assert_matches_distribution(draws, probs, what="keyed draws over positions")
+
+
+def test_keyed_batch_draws_equal_the_flat_inverse_cdf():
+    """The two-level batched draw against its slow twin: one fp64 running sum over the whole row. A vocabulary
+    that is no multiple of the block, rows with zeros (top-k/top-p cut) and peaked rows."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 3 * sampler.KEYED_BLOCK + 77
+    probs = torch.softmax(torch.randn(300, vocab, generator=g) * torch.linspace(0.5, 6, 300).unsqueeze(1), dim=-1)
+    probs[::2, ::3] = 0  # every other row: a third of its tokens cut
+    probs[5, :] = 0
+    probs[5, vocab - 1] = 1.0  # all mass on the last (padded block's) token
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    keys = [(seed, 11 * seed + 3) for seed in range(300)]
+    got = sampler.keyed_samples(probs, keys)
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.tensor([sampler.keyed_uniform(*k) for k in keys], dtype=torch.float64)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).tolist()
+    assert got == want
+    assert all(probs[r, t] > 0 for r, t in enumerate(got))
+    assert got[5] == vocab - 1
 
 
 def test_seeded_output_is_independent_of_drafts():

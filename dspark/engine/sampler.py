@@ -8,13 +8,14 @@ Each emitting request has `1 + num_drafts` logits rows; row j predicts output po
    drafts, so both see the same rows).
 2. Greedy requests: the argmax of each processed row; drafts accepted while they equal it.
 3. Sampled requests with point-mass drafts (greedy drafters, prompt lookup) or none — the default:
-   the target's token at output position p is the Gumbel-max (exponential race) draw
-   `argmax_v prob(v) / E_v`, with `E_v = -log U_v` and the uniforms U keyed on (request seed, p).
-   The token at a position is therefore the same whether a plain step or a verify window reaches it;
-   a draft is accepted exactly when it equals that token, which happens with probability
-   prob(draft), as under rejection sampling, and a rejected position emits the keyed token itself,
-   which is distributed as the residual (the target row with the draft removed). Seeded output is
-   the same as plain decoding with that seed, whatever the batch, the drafts or their number.
+   the target's token at output position p is the inverse-CDF draw at a uniform U keyed on (request
+   seed, p): the first token whose cumulative probability exceeds U. The token at a position is
+   therefore the same whether a plain step or a verify window reaches it; a draft is accepted exactly
+   when it equals that token, which happens with probability prob(draft), as under rejection sampling,
+   and a rejected position emits the keyed token itself, which is distributed as the residual (the
+   target row with the draft removed). Seeded output is the same as plain decoding with that seed,
+   whatever the batch, the drafts or their number. Every sampled row of the step is drawn at once: one
+   cumulative sum, one search, one copy to the host.
 4. Sampled requests with a draft distribution (`draft_sample_method="probabilistic"`): lossless
    rejection sampling (`verify/rejection.py`) on the processed rows, with the request's generator.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 
 from dspark.logits_processors import WindowRows, apply_processors
 from dspark.sampling import RowArgmax, TokenLogprob, greedy_ids, logits_to_probs, target_argmax
@@ -34,6 +36,7 @@ from dspark.verify.rejection import (VerifyResult, _accept_greedy, _verify_one_r
                                      verify_greedy_argmax)
 
 _MASK64 = (1 << 64) - 1
+KEYED_BLOCK = 512  # tokens per block of the two-level inverse-CDF draw
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -44,21 +47,46 @@ def position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def keyed_exponentials(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # [vocab_size]
-    """Exp(1) noise that depends only on (seed, position)."""
-    g = torch.Generator().manual_seed(position_seed(seed, position))
-    return -torch.log(torch.rand(vocab_size, generator=g))  # U = 0 gives +inf: never the argmax
+def keyed_uniform(seed: int, position: int) -> float:
+    """U[0, 1) that depends only on (seed, position): the top 53 bits of position_seed."""
+    return (position_seed(seed, position) >> 10) / 2.0 ** 53
+
+
+def keyed_samples(probs: torch.Tensor,  # [num_rows, vocab_size], rows summing to ~1
+                  keys: list[tuple[int, int]]) -> list[int]:  # (seed, position) per row
+    """Inverse-CDF draws, one per row: the first token whose cumulative probability exceeds the row's keyed
+    uniform times the row's mass. Two levels, so the full rows are only summed (fp32, in blocks of
+    KEYED_BLOCK tokens): the block is found on the fp64 running sum of block masses, the token on the fp64
+    running sum inside that block. A zero-probability token is never drawn."""
+    num_rows, vocab = probs.shape
+    pad = -vocab % KEYED_BLOCK
+    blocks = F.pad(probs, (0, pad)).view(num_rows, -1, KEYED_BLOCK)  # [num_rows, num_blocks, KEYED_BLOCK]
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [num_rows, num_blocks]
+    u = torch.tensor([keyed_uniform(seed, pos) for seed, pos in keys], dtype=torch.float64, device=probs.device)
+    target = (u * block_cdf[:, -1]).unsqueeze(1)  # [num_rows, 1], below the row's mass
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)  # [num_rows, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # [num_rows, 1]
+    rows = torch.arange(num_rows, device=probs.device)
+    inner_cdf = blocks[rows, block.squeeze(1)].double().cumsum(dim=-1)  # [num_rows, KEYED_BLOCK]
+    # the block's fp32 mass and its fp64 running sum may differ in the last bits: stay inside the block
+    inner = torch.minimum(target - before, torch.nextafter(inner_cdf[:, -1:], torch.zeros_like(before)))
+    offset = torch.searchsorted(inner_cdf, inner, right=True).clamp_(max=KEYED_BLOCK - 1)  # [num_rows, 1]
+    return (block * KEYED_BLOCK + offset).squeeze(1).tolist()
 
 
 def keyed_sample(probs: torch.Tensor, seed: int, position: int) -> int:
-    """Gumbel-max draw from `probs` [vocab_size] with the noise of (seed, position)."""
-    noise = keyed_exponentials(seed, position, probs.shape[-1]).to(probs.device)
-    return int((probs / noise).argmax())
+    """The keyed draw from one row `probs` [vocab_size] at (seed, position)."""
+    return keyed_samples(probs.unsqueeze(0), [(seed, position)])[0]
 
 
 def _needs_rows(req) -> bool:
     p = req.params
     return p.has_processors or req.grammar is not None or p.logprobs is not None
+
+
+def _rejection(s) -> bool:
+    """Is this sampled item verified by rejection sampling (drafts with a distribution) rather than keyed?"""
+    return s.request.draft_probs is not None and s.num_drafts > 0
 
 
 def argmax_suffices(items: list) -> bool:
@@ -93,18 +121,20 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *,
     sampled = [i for i, s in enumerate(items) if not s.request.params.is_greedy]
     probs = dict(zip(sampled, torch.split(_probs([items[i] for i in sampled], [rows[i] for i in sampled]),
                                           [items[i].num_logits for i in sampled]))) if sampled else {}
+    keyed = [i for i in sampled if not _rejection(items[i])]
+    draws = iter(keyed_samples(torch.cat([probs[i] for i in keyed]),
+                               [(items[i].request.sample_seed, len(items[i].request.output_ids) + j)
+                                for i in keyed for j in range(items[i].num_logits)])) if keyed else iter(())
     results = []
     for i, s in enumerate(items):
         req = s.request
         if req.params.is_greedy:
             results.append(_accept_greedy(greedy_ids(rows[i]).tolist(), drafts[i]))
-        elif req.draft_probs is not None and s.num_drafts:
+        elif _rejection(s):
             results.append(_verify_one_rejection(probs[i], drafts[i], req.draft_probs[:s.num_drafts],
                                                  req.generator))
         else:
-            first = len(req.output_ids)
-            targets = [keyed_sample(probs[i][j], req.sample_seed, first + j) for j in range(s.num_logits)]
-            results.append(_accept_greedy(targets, drafts[i]))
+            results.append(_accept_greedy([next(draws) for _ in range(s.num_logits)], drafts[i]))
     result = VerifyResult(num_accepted=[r[0] for r in results], output_ids=[r[1] for r in results],
                           is_bonus=[r[2] for r in results])
     logprobs = {s.request.request_id: _logprobs(rows[i], result.output_ids[i], s.request.params.logprobs)
