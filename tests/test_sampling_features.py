@@ -120,13 +120,14 @@ def plain_runs(target):
 
 @pytest.mark.parametrize("name", SPEC)
 def test_speculative_equals_plain_with_processors_logprobs_and_seeds(target, dspark_dir, plain_runs, name):
-    accepted = 0
+    accepted = drafted = 0
     for case, params in (("greedy", GREEDY_PROCESSED), ("seeded", SEEDED), ("seeded_processed", SEEDED_PROCESSED)):
         engine = _spec_engine(target, dspark_dir, name)
         tokens, logprobs = run(engine, PROMPTS, params)
         plain_tokens, plain_logprobs = plain_runs[case]
         assert tokens == plain_tokens, f"{name} {case}: speculative output differs from plain decoding"
         accepted += engine.metrics.num_accepted_tokens
+        drafted += engine.metrics.num_draft_tokens
         if case == "greedy":
             for got_req, want_req in zip(logprobs, plain_logprobs):
                 assert len(got_req) == len(want_req) == MAX_TOKENS
@@ -135,7 +136,12 @@ def test_speculative_equals_plain_with_processors_logprobs_and_seeds(target, dsp
                     assert abs(got.logprob - want.logprob) < 1e-5
                     assert [t for t, _ in got.top] == [t for t, _ in want.top]
                     assert max(abs(a - b) for (_, a), (_, b) in zip(got.top, want.top)) < 1e-5
-    assert accepted > 0, f"{name}: no draft was ever accepted"
+    if name == "eagle3":
+        # random weights over 256 tokens: ~1 accepted draft expected in the whole run, so only verification
+        # (of rejected drafts, where the residual matters) is certain; the other drafters are fitted or copy
+        assert drafted > 0, f"{name}: no draft was ever verified"
+    else:
+        assert accepted > 0, f"{name}: no draft was ever accepted"
 
 
 def test_processors_change_greedy_output(plain_runs, target):
