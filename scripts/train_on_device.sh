@@ -62,8 +62,8 @@ read -r -a methods <<< "$METHODS"
 config_of() { echo "${CONFIG//\{method\}/$1}"; }
 extra_of() { local kv; for kv in $EXTRA; do printf '%s\n' "--set" "${kv//\{method\}/$1}"; done; }
 if [ "${#methods[@]}" -eq 1 ]; then
-    mapfile -t extra < <(extra_of "$METHOD")
-    "$PYTHON" -m dspark train --config "$(config_of "$METHOD")" --data "$OUT/data" --out "$OUT/train" --export "$OUT/export" \
+    mapfile -t extra < <(extra_of "${methods[0]}")
+    "$PYTHON" -m dspark train --config "$(config_of "${methods[0]}")" --data "$OUT/data" --out "$OUT/train" --export "$OUT/export" \
         --device "$DEVICE" "${set_args[@]}" "${extra[@]}" --resume --no-progress 2>&1 | tee -a "$OUT/train_stdout.log"
     exports=("$OUT/export")
 else
