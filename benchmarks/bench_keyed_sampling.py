@@ -7,6 +7,10 @@ did), on the same rows, in alternating rounds (one thread; the VM's drifts hit b
 
 Reported per row count: median milliseconds a step for each side and base ÷ tree. Rows are softmax of
 N(0, 2²) logits (T = 1 over SmolLM2's vocabulary); 768 rows are 96 requests verifying 7 drafts each.
+
+`--e2e-batch N` also times sampled decoding end to end: `LLM.generate` of N seeded T = 1 requests (the default
+model, plain decoding, 2 threads) in child processes importing the base revision's tree and the working tree in
+turn, `--e2e-rounds` rounds; output tokens a second, model load and a warm-up excluded.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +42,32 @@ def base_sampler(rev: str, tmp: Path):
     return module
 
 
+E2E_CHILD = r"""
+import json, sys, time
+from dspark.llm import LLM
+from dspark.sampling import SamplingParams
+n, tokens = int(sys.argv[1]), int(sys.argv[2])
+llm = LLM("SmolLM2-135M-Instruct", num_threads=2, max_num_seqs=n)
+prompts = [f"Write a short story about the number {i}." for i in range(n)]
+params = [SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=i) for i in range(n)]
+llm.generate(prompts[:2], params[:2], use_tqdm=False)
+t = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+dt = time.perf_counter() - t
+import dspark.engine.sampler as sampler
+print(json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt, "sampler": sampler.__file__}))
+"""
+
+
+def e2e_tok_s(tree: Path, batch: int, tokens: int) -> float:
+    """Sampled decoding tok/s of the dspark package under `tree` (a child process)."""
+    out = subprocess.run([sys.executable, "-c", E2E_CHILD, str(batch), str(tokens)], capture_output=True, text=True,
+                         check=True, cwd=str(tree), env={**os.environ, "PYTHONPATH": str(tree), "TQDM_DISABLE": "1"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert Path(result["sampler"]).is_relative_to(tree), f"the child imported {result['sampler']}, not {tree}"
+    return result["tok_s"]
+
+
 def _ms(fn, repeats: int) -> float:
     t = time.perf_counter()
     for _ in range(repeats):
@@ -49,6 +81,9 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8,96,768")
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--e2e-batch", type=int, default=0, help="also time T = 1 decoding of this many requests")
+    ap.add_argument("--e2e-tokens", type=int, default=64)
+    ap.add_argument("--e2e-rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -72,6 +107,17 @@ def main() -> int:
             row["base_over_tree"] = row["base_ms"] / row["tree_ms"]
             report["results"].append(row)
             print(json.dumps(row))
+        if args.e2e_batch:
+            root = Path(__file__).resolve().parents[1]
+            sides = {"base": [], "tree": []}
+            for _ in range(args.e2e_rounds):
+                sides["base"].append(e2e_tok_s(Path(tmp) / "tree", args.e2e_batch, args.e2e_tokens))
+                sides["tree"].append(e2e_tok_s(root, args.e2e_batch, args.e2e_tokens))
+            e2e = {"batch": args.e2e_batch, "tokens": args.e2e_tokens, "rounds": sides,
+                   "base_tok_s": statistics.median(sides["base"]), "tree_tok_s": statistics.median(sides["tree"])}
+            e2e["tree_over_base"] = e2e["tree_tok_s"] / e2e["base_tok_s"]
+            report["e2e"] = e2e
+            print(json.dumps(e2e))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0
