@@ -60,7 +60,7 @@ def keyed_samples(probs: torch.Tensor,  # [num_rows, vocab_size], rows summing t
     running sum inside that block. A zero-probability token is never drawn."""
     num_rows, vocab = probs.shape
     pad = -vocab % KEYED_BLOCK
-    blocks = F.pad(probs, (0, pad)).view(num_rows, -1, KEYED_BLOCK)  # [num_rows, num_blocks, KEYED_BLOCK]
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).reshape(num_rows, -1, KEYED_BLOCK)  # [rows, blocks, KEYED_BLOCK]
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [num_rows, num_blocks]
     u = torch.tensor([keyed_uniform(seed, pos) for seed, pos in keys], dtype=torch.float64, device=probs.device)
     target = (u * block_cdf[:, -1]).unsqueeze(1)  # [num_rows, 1], below the row's mass
@@ -119,12 +119,14 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *,
             if req.grammar is not None:
                 rows[i].masked_fill_(~req.grammar.window_masks(drafts[i]).to(rows[i].device), float("-inf"))
     sampled = [i for i, s in enumerate(items) if not s.request.params.is_greedy]
-    probs = dict(zip(sampled, torch.split(_probs([items[i] for i in sampled], [rows[i] for i in sampled]),
-                                          [items[i].num_logits for i in sampled]))) if sampled else {}
+    sampled_probs = _probs([items[i] for i in sampled], [rows[i] for i in sampled]) if sampled else None
+    probs = dict(zip(sampled, torch.split(sampled_probs, [items[i].num_logits for i in sampled]))) if sampled else {}
     keyed = [i for i in sampled if not _rejection(items[i])]
-    draws = iter(keyed_samples(torch.cat([probs[i] for i in keyed]),
-                               [(items[i].request.sample_seed, len(items[i].request.output_ids) + j)
-                                for i in keyed for j in range(items[i].num_logits)])) if keyed else iter(())
+    draws = iter(())
+    if keyed:  # every keyed row in one draw: the sampled rows themselves unless some are verified by rejection
+        keyed_probs = sampled_probs if len(keyed) == len(sampled) else torch.cat([probs[i] for i in keyed])
+        draws = iter(keyed_samples(keyed_probs, [(items[i].request.sample_seed, len(items[i].request.output_ids) + j)
+                                                 for i in keyed for j in range(items[i].num_logits)]))
     results = []
     for i, s in enumerate(items):
         req = s.request
