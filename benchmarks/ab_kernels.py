@@ -33,19 +33,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16", "q4_1"])
     p.add_argument("--context-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--shapes", default=",".join(f"{r}x{w}" for r, w in SHAPES),
+                   help="comma list of REQUESTSxTOKENS step shapes (e.g. 1x128: one prompt chunk of 128 tokens)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     variants = {"base": build_revision(args.base), "tree": kernels.ops()}
     if variants["tree"] is None:
         raise SystemExit("error: the working tree's kernels are unavailable (DSPARK_CPU_KERNELS=0 or no compiler)")
     engine = LLM(speculative_config=None, max_num_seqs=64, matmul_dtype=args.matmul_dtype).engine
-    profiler = StepProfiler(engine, context_len=args.context_len, tokens_per_request=max(w for _, w in SHAPES))
+    profiler = StepProfiler(engine, context_len=args.context_len, tokens_per_request=max(w for _, w in shapes))
     original = kernels.ops
-    times: dict[tuple[str, int, int], list[float]] = {(v, *s): [] for v in variants for s in SHAPES}
+    times: dict[tuple[str, int, int], list[float]] = {(v, *s): [] for v in variants for s in shapes}
     try:
         with torch.inference_mode():
             for rnd in range(args.rounds + 1):  # round 0 warms up
-                for num_reqs, window in SHAPES:
+                for num_reqs, window in shapes:
                     for name, module in variants.items():
                         kernels.ops = lambda module=module: module
                         start = time.perf_counter()
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
         kernels.ops = original
         profiler.close()
     rows = []
-    for num_reqs, window in SHAPES:
+    for num_reqs, window in shapes:
         base, tree = (1000 * statistics.median(times[v, num_reqs, window]) for v in ("base", "tree"))
         rows.append({"num_reqs": num_reqs, "window": window, "base_ms": base, "tree_ms": tree,
                      "speedup": base / tree})

@@ -118,12 +118,24 @@ def test_chunked_prefill_verify_windows_and_decode_match_one_shot(cpu_kernels, t
         assert err < ATOL, f"request {name}: chunked logits differ from HF by {err:.2e}"
 
 
-def test_one_call_stack_equals_the_layer_modules_bit_for_bit():
+@pytest.mark.parametrize("inference", [False, True], ids=["grad_mode", "inference_mode"])
+def test_one_call_stack_equals_the_layer_modules_bit_for_bit(inference):
     """`kernels.block_layers` (every decoder layer of a few-row step in one call) against the per-layer
     modules on the same steps: two requests' prompt chunks, verify-style windows of 2-8 rows and decodes
-    past the sliding window, with taps; hidden states and taps bit for bit, and the stack did run."""
+    past the sliding window, with taps; hidden states and taps bit for bit, and the stack did run. Two threads
+    split each step's rows for the row-wise work, under torch.inference_mode (as the engine runs) and without."""
     if kernels.ops() is None or not kernels.ops().has_quant:
         pytest.skip("CPU kernels unavailable")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode(inference):
+            _one_call_stack_equals_the_layer_modules()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_call_stack_equals_the_layer_modules():
     model, _ = tiny_target(TINY_GEMMA3, seed=7)
     a, b = _ids(44, 8), _ids(40, 9)
     plan = [((0, 6), (0, 5)), ((6, 14), (5, 7)), ((14, 17), (7, 15))]

@@ -228,14 +228,26 @@ def test_smollm2_gguf_matches_transformers_gguf(smollm2, hf_smollm2):
         assert err < tol, f"SmolLM2 tap {layer_id} differs by {err:.2e} (atol {tol:.1e})"
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["grad_mode", "inference_mode"])
 @pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
-def test_fused_decoder_layers_equal_per_layer_modules(tiny_config, matmul_dtype):
+def test_fused_decoder_layers_equal_per_layer_modules(tiny_config, matmul_dtype, inference):
     """The one-call decoder stack of steps up to kernels.MAX_ROWS rows (`kernels.decoder_layers`, the step's
     attention groups read as one padded group) against the per-layer modules on the same weights: hidden states,
     taps and every K/V written are bit-identical, for five prompts of their own groups, decode rows, verify
     windows, a two-request group, a 60-row step of five 12-token windows (more rows than one pass of the
     kernel's products serves) and a prompt chunk beside a decode row; a step past MAX_ROWS runs the modules;
-    with fp32 and with bf16 matrix products."""
+    with fp32 and with bf16 matrix products. Two threads split each step's rows for the row-wise work, under
+    torch.inference_mode as the engine runs it (the workers' torch ops must take the caller's mode) and without."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode(inference):
+            _fused_decoder_layers_equal_per_layer_modules(tiny_config, matmul_dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fused_decoder_layers_equal_per_layer_modules(tiny_config, matmul_dtype):
     hf, ours = kernel_model(tiny_config, matmul_dtype, seed=3)
     g = torch.Generator().manual_seed(2)
     a, b, c, d, e = (torch.randint(3, tiny_config.vocab_size, (160,), generator=g).tolist() for _ in range(5))

@@ -160,17 +160,20 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
   const std::vector<int64_t> bounds = attention_bounds(klp, S, Q, H, Hkv, max_kv, threads);  // every layer's split
 
   // One parallel region for the whole stack: the matrix products and attention are split across the
-  // threads, the row-wise glue (norms, RoPE, K/V stores, residual adds) runs on thread 0, and the
-  // phases are separated by a spinning barrier.
+  // threads, and so is the row-wise glue (norms, RoPE, K/V stores, residual adds, the activation): each
+  // thread takes its own rows [r0, r1), every row computed as alone (the same numbers whatever the split;
+  // distinct rows store to distinct K/V slots). The phases are separated by a spinning barrier.
   SpinBarrier barrier;
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the workers take the caller's
 #pragma omp parallel num_threads(threads)
   {
+    const c10::InferenceMode mode(inference);  // (the activation below is a torch op on the caller's tensors)
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const auto [r0, r1] = share(T, tid, nt, 1);  // this thread's rows of the row-wise glue
     auto sync = [&] { barrier.wait(nt); };
     auto mm = [&](const float* in, int64_t K, const torch::Tensor& wt, int64_t N, float* out) {
       const auto [n0, n1] = share(N, tid, nt, 16);
       if (wt.scalar_type() == at::kByte) {  // Q4_1: prepare the input rows (split by rows), then multiply
-        const auto [r0, r1] = share(T, tid, nt, 1);
         if (r0 < r1) q4_prepare(in, r0, r1, K, xqp, xsp);
         sync();
         if (n0 < n1) q4_mm_cols(xqp, xsp, T, K, wt.data_ptr<uint8_t>(), N, out, n0, n1);
@@ -190,12 +193,11 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
       const torch::Tensor* w = weights.data() + kPerLayer * l;
       const bool qk_norm = w[2].numel() == hd;
       // attention block
-      if (tid == 0)
-        for (int64_t t = 0; t < T; ++t) norm_rows(xp + t * D, w[0].data_ptr<float>(), hp + t * D, D, feps);
+      for (int64_t t = r0; t < r1; ++t) norm_rows(xp + t * D, w[0].data_ptr<float>(), hp + t * D, D, feps);
       sync();
       mm(hp, D, w[1], qkv_dim, qkvp);
-      if (tid == 0) {
-        for (int64_t t = 0; t < T; ++t) {
+      {
+        for (int64_t t = r0; t < r1; ++t) {
           const float *c = cp + t * hd, *s = sp + t * hd;
           for (int64_t j = 0; j < qk_heads; ++j) {
             float* src = qkvp + t * qkv_dim + j * hd;  // q heads, then k heads
@@ -216,8 +218,8 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
       sync();
       mm(ap, H * hd, w[4], D, opp);
       // MLP block
-      if (tid == 0) {
-        for (int64_t t = 0; t < T; ++t) {
+      {
+        for (int64_t t = r0; t < r1; ++t) {
           float* xr = xp + t * D;
           for (int64_t i = 0; i < D; ++i) xr[i] += opp[t * D + i];
           norm_rows(xr, w[5].data_ptr<float>(), hp + t * D, D, feps);
@@ -225,18 +227,20 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
       }
       sync();
       mm(hp, D, w[6], 2 * inter, gup);
-      if (tid == 0) {  // torch's own SiLU (serial inside this region): the per-op path's numerics
-        at::silu_out(act, gate);
-        act.mul_(up);
+      if (r0 < r1) {  // torch's own SiLU on this thread's rows (serial inside this region): the per-op
+        // path's numerics, row by row the same vector loop as over the whole matrix (views only for a part)
+        const bool all = r1 - r0 == T;
+        torch::Tensor a = all ? act : act.narrow(0, r0, r1 - r0);
+        at::silu_out(a, all ? gate : gate.narrow(0, r0, r1 - r0));
+        a.mul_(all ? up : up.narrow(0, r0, r1 - r0));
       }
       sync();
       mm(actp, inter, w[7], D, opp);
-      if (tid == 0) {  // the next layer's first phase is thread 0's too: no barrier needed here
-        for (int64_t i = 0; i < T * D; ++i) xp[i] += opp[i];
-        for (size_t i = 0; i < tap_layers.size(); ++i)
-          if (tap_layers[i] == l)
-            for (int64_t t = 0; t < T; ++t) std::copy(xp + t * D, xp + (t + 1) * D, tapp + t * tap_stride + tap_cols[i]);
-      }
+      // the next layer's first phase reads only this thread's rows: no barrier needed here
+      for (int64_t i = r0 * D; i < r1 * D; ++i) xp[i] += opp[i];
+      for (size_t i = 0; i < tap_layers.size(); ++i)
+        if (tap_layers[i] == l)
+          for (int64_t t = r0; t < r1; ++t) std::copy(xp + t * D, xp + (t + 1) * D, tapp + t * tap_stride + tap_cols[i]);
     }
   }
 }
