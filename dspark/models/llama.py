@@ -184,6 +184,18 @@ class LlamaForCausalLM(nn.Module):
                 capture(i, x)
         return m.norm(x), taps
 
+    def stack_rows(self) -> int:
+        """The most rows a step of this model may have and run every decoder layer in one CPU kernel call
+        (`kernels.MAX_ROWS`), 0 where no step does: what `_stack_applies` and the stacks check that does not
+        depend on the step (the runner checks the device, the dtype and that every row is stored). The runner
+        cuts a larger step into pieces of at most this many rows."""
+        if kernels.ops() is None or self.config.attention_bias or getattr(self, "tp", None) is not None:
+            return 0
+        qkv = getattr(self.model.layers[0].self_attn, "qkv_proj", None)
+        if getattr(qkv, "blocks", None) is not None and self._block_stack() is None:
+            return 0  # matrices held as GGUF blocks of a type the block stack does not multiply
+        return kernels.MAX_ROWS
+
     def _stack_applies(self, x: torch.Tensor, meta: AttnMetadata) -> bool:
         """Does a one-call decoder stack serve this step: an fp32 CPU step of at most `kernels.MAX_ROWS` rows
         (decode and verification rows, prompt chunks, or a mix: its attention groups read as one,
