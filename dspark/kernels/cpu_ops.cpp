@@ -58,6 +58,20 @@
 #include "cpu_ops_blocks.inc"
 #include "cpu_ops_head.inc"
 
+// act[r0:r1] = activation(gate[r0:r1]) * up[r0:r1] (SiLU, or tanh-GELU): torch's own ops, serial inside the
+// stacks' parallel region, so the per-layer modules' numerics; on a row slice the same vector loop per row as over
+// the whole matrix (views only for a part: a whole step takes the tensors themselves).
+inline void activation_rows(const torch::Tensor& act, const torch::Tensor& gate, const torch::Tensor& up, int64_t r0,
+                            int64_t r1, bool gelu_tanh) {
+  if (r0 >= r1) return;
+  const bool all = r1 - r0 == act.size(0);
+  const auto rows = [&](const torch::Tensor& t) { return all ? t : t.narrow(0, r0, r1 - r0); };
+  torch::Tensor a = rows(act);
+  if (gelu_tanh) at::gelu_out(a, rows(gate), "tanh");
+  else at::silu_out(a, rows(gate));
+  a.mul_(rows(up));
+}
+
 // The decoder layers of a Llama/Qwen3 model for a few-row step whose queries all fit one short attention
 // group, in one call: per layer RMSNorm -> qkv -> (per-head q/k RMSNorm) -> RoPE -> K/V stored at
 // slot_mapping -> paged attention -> o_proj -> residual add + RMSNorm -> gate_up -> SiLU * up -> down ->
@@ -196,19 +210,17 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
       for (int64_t t = r0; t < r1; ++t) norm_rows(xp + t * D, w[0].data_ptr<float>(), hp + t * D, D, feps);
       sync();
       mm(hp, D, w[1], qkv_dim, qkvp);
-      {
-        for (int64_t t = r0; t < r1; ++t) {
-          const float *c = cp + t * hd, *s = sp + t * hd;
-          for (int64_t j = 0; j < qk_heads; ++j) {
-            float* src = qkvp + t * qkv_dim + j * hd;  // q heads, then k heads
-            if (qk_norm) norm_rows(src, w[j < H ? 2 : 3].data_ptr<float>(), src, hd, feps);
-            // x * cos + rotate_half(x) * sin, into q (query heads) or the K cache (key heads)
-            float* dst = j < H ? qp + (t * H + j) * hd : kcp[l] + (slots[t] * Hkv + (j - H)) * hd;
-            for (int64_t i = 0; i < hd; ++i)  // one fused multiply-add, as torch's addcmul rounds it
-              dst[i] = std::fma(src[i < half ? i + half : i - half], s[i], src[i] * c[i]);
-          }
-          std::copy(qkvp + t * qkv_dim + qk_heads * hd, qkvp + (t + 1) * qkv_dim, vcp[l] + slots[t] * Hkv * hd);
+      for (int64_t t = r0; t < r1; ++t) {
+        const float *c = cp + t * hd, *s = sp + t * hd;
+        for (int64_t j = 0; j < qk_heads; ++j) {
+          float* src = qkvp + t * qkv_dim + j * hd;  // q heads, then k heads
+          if (qk_norm) norm_rows(src, w[j < H ? 2 : 3].data_ptr<float>(), src, hd, feps);
+          // x * cos + rotate_half(x) * sin, into q (query heads) or the K cache (key heads)
+          float* dst = j < H ? qp + (t * H + j) * hd : kcp[l] + (slots[t] * Hkv + (j - H)) * hd;
+          for (int64_t i = 0; i < hd; ++i)  // one fused multiply-add, as torch's addcmul rounds it
+            dst[i] = std::fma(src[i < half ? i + half : i - half], s[i], src[i] * c[i]);
         }
+        std::copy(qkvp + t * qkv_dim + qk_heads * hd, qkvp + (t + 1) * qkv_dim, vcp[l] + slots[t] * Hkv * hd);
       }
       sync();
       {
@@ -218,22 +230,14 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
       sync();
       mm(ap, H * hd, w[4], D, opp);
       // MLP block
-      {
-        for (int64_t t = r0; t < r1; ++t) {
-          float* xr = xp + t * D;
-          for (int64_t i = 0; i < D; ++i) xr[i] += opp[t * D + i];
-          norm_rows(xr, w[5].data_ptr<float>(), hp + t * D, D, feps);
-        }
+      for (int64_t t = r0; t < r1; ++t) {
+        float* xr = xp + t * D;
+        for (int64_t i = 0; i < D; ++i) xr[i] += opp[t * D + i];
+        norm_rows(xr, w[5].data_ptr<float>(), hp + t * D, D, feps);
       }
       sync();
       mm(hp, D, w[6], 2 * inter, gup);
-      if (r0 < r1) {  // torch's own SiLU on this thread's rows (serial inside this region): the per-op
-        // path's numerics, row by row the same vector loop as over the whole matrix (views only for a part)
-        const bool all = r1 - r0 == T;
-        torch::Tensor a = all ? act : act.narrow(0, r0, r1 - r0);
-        at::silu_out(a, all ? gate : gate.narrow(0, r0, r1 - r0));
-        a.mul_(all ? up : up.narrow(0, r0, r1 - r0));
-      }
+      activation_rows(act, gate, up, r0, r1, false);  // this thread's rows
       sync();
       mm(actp, inter, w[7], D, opp);
       // the next layer's first phase reads only this thread's rows: no barrier needed here
