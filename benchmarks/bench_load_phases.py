@@ -24,7 +24,7 @@ Variants: plain (no speculation), default (the shipped config: DSpark + lookup f
 scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), q4-draft (default
 with the drafter's backbone and head quantized to Q4_1 blocks, `draft_matmul_dtype` "q4_1"), nogate
 (default without the draft gate), nocache (default without the lookup's cross-request cache), nocorpus (default
-without the lookup corpus), noswitch (default without the measured
+without the lookup corpus), corpus (default with the lookup corpus file `--corpus`), noswitch (default without the measured
 switch, dspark.verify.switch), upkeep (default with online upkeep of
 the cost table and calibration from live steps); each as NAME-fp32 with fp32 matrix
 products instead of the default (auto: bf16 or q4_1 where the CPU kernels support it; the shipped cost table of the
@@ -63,6 +63,7 @@ VARIANTS = {
     "topk16": {**DEFAULT, "draft_topk": 16},
     "profiled": DEFAULT,  # with --cost-table
     "drafter": DEFAULT,  # with --drafter: the default with another DSpark drafter folder (its own cost tables)
+    "corpus": DEFAULT,  # with --corpus: the default with another lookup corpus file
 }
 
 
@@ -73,16 +74,20 @@ def variant_matmul_dtype(name: str) -> str:
     return resolve_matmul_dtype("float32" if name.endswith("-fp32") else "auto", model=DEFAULT_MODEL)
 
 
-def variant_spec(name: str, cost_table: str | None = None, drafter: str | None = None) -> dict | None:
+def variant_spec(name: str, cost_table: str | None = None, drafter: str | None = None,
+                 corpus: str | None = None) -> dict | None:
     """The variant's speculative config, its cost table the shipped one of its matmul dtype ("profiled": the
     default with `cost_table`, e.g. one `dspark profile` wrote on this machine; "drafter": the default with
-    the DSpark drafter folder `drafter` and that folder's cost table)."""
+    the DSpark drafter folder `drafter` and that folder's cost table; "corpus": the default with the lookup
+    corpus file `corpus`)."""
     from dspark.drafters.shipped import shipped_cost_table
     if name.removesuffix("-fp32") == "profiled":
         return {**DEFAULT, "cost_table": cost_table}
     if name.removesuffix("-fp32") == "drafter":
         table = shipped_cost_table(Path(drafter), variant_matmul_dtype(name))
         return {**DEFAULT, "model": drafter, "cost_table": str(table)}
+    if name.removesuffix("-fp32") == "corpus":
+        return {**variant_spec("default"), "lookup_corpus": corpus}
     spec = VARIANTS[name.removesuffix("-fp32")]
     if spec is None or "cost_table" not in spec:
         return spec
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cost-table", default=None, help="the variant 'profiled' runs the default with this cost table")
     p.add_argument("--drafter", default=None, help="the variant 'drafter' runs the default with this DSpark "
                                                    "drafter folder (and its cost table)")
+    p.add_argument("--corpus", default=None, help="the variant 'corpus' runs the default with this lookup corpus file")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -199,8 +205,10 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--variants profiled needs --cost-table")
     if any(v.removesuffix("-fp32") == "drafter" for v in names) and not args.drafter:
         p.error("--variants drafter needs --drafter")
+    if any(v.removesuffix("-fp32") == "corpus" for v in names) and not args.corpus:
+        p.error("--variants corpus needs --corpus")
 
-    llms = {v: LLM(speculative_config=variant_spec(v, args.cost_table, args.drafter), matmul_dtype=variant_matmul_dtype(v),
+    llms = {v: LLM(speculative_config=variant_spec(v, args.cost_table, args.drafter, args.corpus), matmul_dtype=variant_matmul_dtype(v),
                    max_num_seqs=max(64, args.concurrency)) for v in names}
     if args.coalesce_steps is not None:
         for llm in llms.values():
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     for v in names:
         medians[v]["tok_s_ratio_vs_" + names[0]] = medians[v]["output_tok_s"] / base
     result = {"bench": "load_phases", "summary": {"median": medians}, "config": vars(args),
-              "variants": {v: {"speculative_config": variant_spec(v, args.cost_table, args.drafter), "matmul_dtype": variant_matmul_dtype(v)}
+              "variants": {v: {"speculative_config": variant_spec(v, args.cost_table, args.drafter, args.corpus), "matmul_dtype": variant_matmul_dtype(v)}
                  for v in names},
               "runs": runs, **run_info(None if argv is None else ["benchmarks/bench_load_phases.py", *argv])}
     for v in names:

@@ -7,6 +7,8 @@
   it are refused with messages naming them, before any weight loads (`check_drafter`; the CLI names
   --speculative-config, as for a missing cost table); the key is refused without prompt lookup;
 * `build-corpus` takes the answers (loss-mask tokens, each after its prompt's last `--prompt-tokens`) of the train split only, and refuses eval/ data;
+  it grows an earlier corpus file by new folders (the same documents as building from all folders), keeps a
+  repeated document once, and refuses a corpus file of another split or prompt-token count;
 * in the engine (tiny random Llama, DSpark with prompt lookup first, no cross-request cache): prompts whose
   answers are in the corpus draft from it (its own acceptance class), accepted, with greedy output equal to
   plain decoding.
@@ -135,6 +137,44 @@ def test_build_corpus_takes_train_answers_only(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="error: --data .*prepare-data"):
         corpus_cli.run_cli(argparse.Namespace(data=[str(tmp_path)], out=str(out), split="train", model="tiny",
                                               prompt_tokens=5))
+
+
+def test_build_corpus_grows_a_corpus_file_and_drops_repeats(tmp_path, monkeypatch):
+    monkeypatch.setattr("dspark.models.loader.read_model_config", lambda model: TINY_LLAMA)
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    write_shard(first / "shard-00000.safetensors", [("a", [5, 6, 7, 8], [0, 0, 1, 1], False),
+                                                   ("b", [5, 9, 9, 9], [0, 1, 1, 1], True)])  # b: held out
+    write_shard(second / "shard-00000.safetensors", [("a", [5, 6, 7, 8], [0, 0, 1, 1], False),  # a repeat
+                                                    ("c", [4, 6, 3, 2, 1], [0, 0, 1, 1, 1], False),
+                                                    ("d", [9, 9, 3, 3], [0, 0, 1, 1], False)])
+
+    def build(data, out, split="train", prompt_tokens=1):
+        return corpus_cli.run_cli(argparse.Namespace(data=[str(d) for d in data], out=str(out), split=split,
+                                                     model=None, prompt_tokens=prompt_tokens))
+
+    def documents(path):
+        docs, _, _ = corpus_cli.corpus_documents(path, split="train", prompt_tokens=1)
+        return docs
+
+    assert build([first], tmp_path / "old.safetensors") == 0
+    assert build([tmp_path / "old.safetensors", second], tmp_path / "grown.safetensors") == 0
+    assert build([first, second], tmp_path / "whole.safetensors") == 0
+    assert documents(tmp_path / "grown.safetensors") == documents(tmp_path / "whole.safetensors") == [
+        [6, 7, 8], [6, 3, 2, 1], [9, 3, 3]]  # the repeat of a kept once, b held out
+    meta = check_corpus(tmp_path / "grown.safetensors", vocab_size=TINY_LLAMA.vocab_size)
+    assert (meta["documents"], meta["tokens"], meta["repeats_dropped"]) == ("3", "10", "1")
+    assert meta["source"] == f"{first},{second} (train split, 1 prompt tokens before each answer)", \
+        "a corpus input is named by the folders it was built from"
+    with pytest.raises(SystemExit, match="error: --data .*old.safetensors: holds the train split with 1 prompt tokens"):
+        build([tmp_path / "old.safetensors", second], tmp_path / "x.safetensors", prompt_tokens=0)
+    assert build([first], tmp_path / "all.safetensors", split="all") == 0
+    with pytest.raises(SystemExit, match="holds the all split"):
+        build([tmp_path / "all.safetensors"], tmp_path / "x.safetensors")
+    write_corpus(tmp_path / "bare.safetensors", [[1, 2]], vocab_size=TINY_LLAMA.vocab_size, model="tiny", source="x")
+    with pytest.raises(SystemExit, match="not a corpus file from `dspark build-corpus`"):
+        build([tmp_path / "bare.safetensors"], tmp_path / "x.safetensors")
 
 
 def test_engine_drafts_from_the_corpus_with_parity(target, drafter_dir, plain_outputs, tmp_path):

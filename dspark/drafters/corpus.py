@@ -139,18 +139,20 @@ def check_corpus(path: str | Path, *, vocab_size: int) -> dict:
     return meta
 
 
-def write_corpus(path: str | Path, documents: list[list[int]], *, vocab_size: int, model: str, source: str) -> dict:
-    """Join `documents` (token id lists) into a corpus file; returns its metadata."""
+def write_corpus(path: str | Path, documents: list[list[int]], *, vocab_size: int, model: str, source: str,
+                 repeats_dropped: int = 0) -> dict:
+    """Join `documents` (token id lists) into a corpus file; returns its metadata (`repeats_dropped`: documents
+    the caller left out as repeats, recorded)."""
     from safetensors.numpy import save_file
     flat = [t for doc in documents for t in (*doc, SEP)]
     if any(not 0 <= t < vocab_size for doc in documents for t in doc):
         raise ValueError(f"a document holds a token id outside the {vocab_size}-token vocabulary")
     meta = {"vocab_size": str(vocab_size), "documents": str(len(documents)), "tokens": str(len(flat) - len(documents)),
-            "model": model, "source": source}
+            "model": model, "source": source, "repeats_dropped": str(repeats_dropped)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file({"tokens": np.asarray(flat, dtype=np.int32)}, str(path), metadata=meta)
     return meta
 
 
 def describe(meta: dict) -> str:
-    return json.dumps({k: meta[k] for k in ("documents", "tokens", "model", "source") if k in meta})
+    return json.dumps({k: meta[k] for k in ("documents", "tokens", "repeats_dropped", "model", "source") if k in meta})
