@@ -21,10 +21,14 @@ import argparse
 import re
 from pathlib import Path
 
-from dspark.drafters.corpus import SEP, describe, write_corpus
 import numpy as np
 
+from dspark.drafters.corpus import SEP, describe, write_corpus
 from dspark.train.data import TokenDataset
+
+# what a corpus's `source` metadata says after the folders it was built from, and how it is read back
+SOURCE_TAIL = " ({split} split, {prompt_tokens} prompt tokens before each answer)"
+SOURCE_TAIL_RE = re.compile(r" \((\w+) split, (\d+) prompt tokens before each answer\)$")
 
 
 def answers(root: str | Path, *, split: str, prompt_tokens: int = 0) -> tuple[list[list[int]], dict]:
@@ -46,7 +50,7 @@ def corpus_documents(path: str | Path, *, split: str, prompt_tokens: int) -> tup
     from safetensors import safe_open
     with safe_open(str(path), "np") as f:
         meta, tokens = f.metadata() or {}, f.get_tensor("tokens") if "tokens" in f.keys() else None
-    found = re.search(r"\((\w+) split, (\d+) prompt tokens", meta.get("source", ""))
+    found = SOURCE_TAIL_RE.search(meta.get("source", ""))
     if tokens is None or found is None:
         raise ValueError("not a corpus file from `dspark build-corpus` (no tokens, or no split and prompt "
                          "tokens in its metadata)")
@@ -56,13 +60,18 @@ def corpus_documents(path: str | Path, *, split: str, prompt_tokens: int) -> tup
     ends = np.flatnonzero(tokens == SEP)
     starts = np.concatenate([[0], ends[:-1] + 1])
     return [tokens[a:b].tolist() for a, b in zip(starts, ends)], meta.get("model", "default"), \
-        meta["source"][:found.start()].strip()
+        meta["source"][:found.start()]
 
 
 def unique(documents: list[list[int]]) -> tuple[list[list[int]], int]:
     """`documents` with each repeat of an earlier one left out (the first kept, order kept), and how many were."""
     seen: set[tuple[int, ...]] = set()
-    out = [d for d in documents if not (tuple(d) in seen or seen.add(tuple(d)))]
+    out = []
+    for doc in documents:
+        key = tuple(doc)
+        if key not in seen:
+            seen.add(key)
+            out.append(doc)
     return out, len(documents) - len(out)
 
 
@@ -104,8 +113,7 @@ def run_cli(args: argparse.Namespace) -> int:
                          "name the target with --model")
     vocab = read_model_config(model).vocab_size
     meta = write_corpus(args.out, docs, vocab_size=vocab, model=str(model),
-                        source=",".join(sources)
-                        + f" ({args.split} split, {args.prompt_tokens} prompt tokens before each answer)",
+                        source=",".join(sources) + SOURCE_TAIL.format(split=args.split, prompt_tokens=args.prompt_tokens),
                         repeats_dropped=repeats)
     print(describe(meta))
     return 0
