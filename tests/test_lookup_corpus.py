@@ -58,17 +58,21 @@ def _brute_force(docs: list[list[int]], ids: list[int], *, min_n: int, max_n: in
     return [], 0
 
 
-@pytest.mark.parametrize("vocab,max_n,spread", [(3, 5, 1), (6, 4, 1), (20, 5, 1), (50, 2, 1), (20, 5, 20011),
-                                                (6, 5, 2 ** 20)])
-def test_lookup_matches_brute_force(vocab, max_n, spread):
+@pytest.mark.parametrize("vocab,max_n,spread,stride", [(3, 5, 1, 16), (6, 4, 1, 3), (20, 5, 1, 1), (50, 2, 1, 16),
+                                                       (20, 5, 20011, 5), (6, 5, 2 ** 20, 16), (6, 5, 2 ** 20, 2)])
+def test_lookup_matches_brute_force(vocab, max_n, spread, stride, monkeypatch):
     """`spread` multiplies every token id: large ids leave room for fewer tokens in a packed key (depth 3 and 2
     of max_n 5), so the longer suffixes are narrowed inside the keys' range, and a context's id past the
-    corpus's largest may not fit a key at all."""
+    corpus's largest may not fit a key at all; ids past 65,534 need 32-bit codes. `stride`: every key kept
+    (1) or one in a few, so range ends fall on and between the kept keys."""
+    monkeypatch.setattr("dspark.drafters.corpus.STRIDE", stride)
     rng = random.Random(vocab * 10 + max_n)
     docs = [[rng.randrange(vocab) * spread for _ in range(rng.randint(1, 40))] for _ in range(25)]
     corpus = LookupCorpus(np.array([t for d in docs for t in (*d, SEP)]), max_n=max_n, num_draft_tokens=6)
     assert corpus.num_documents == 25 and corpus.num_tokens == sum(map(len, docs))
     assert corpus.depth == (max_n if spread == 1 else 3 if spread < 2 ** 20 else 2)
+    assert corpus.codes.dtype == (np.uint16 if spread * vocab < 2 ** 16 else np.uint32)
+    assert len(corpus.kept_keys) == -(-corpus.num_tokens // stride)
     for trial in range(300):
         ids = [rng.randrange(vocab + 2) * spread for _ in range(rng.randint(1, 8))]  # ids past the corpus's too
         if trial % 3 == 0:  # a context ending in a corpus n-gram
@@ -123,7 +127,7 @@ def test_build_corpus_takes_train_answers_only(tmp_path, monkeypatch):
         assert corpus_cli.run_cli(argparse.Namespace(data=[str(data)], out=str(out), split="train", model="tiny",
                                                      prompt_tokens=prompt_tokens)) == 0
         corpus = LookupCorpus.load(out, vocab_size=TINY_LLAMA.vocab_size, max_n=2, num_draft_tokens=3)
-        assert corpus.tokens[corpus.tokens != SEP].tolist() == doc
+        assert (corpus.codes[corpus.codes != 0] - 1).tolist() == doc
     with pytest.raises(SystemExit, match="--prompt-tokens"):
         corpus_cli.run_cli(argparse.Namespace(data=[str(data)], out=str(out), split="train", model="tiny",
                                               prompt_tokens=-1))

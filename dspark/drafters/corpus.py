@@ -11,10 +11,12 @@ lossless as any lookup. Acceptance per match length is measured like the other l
 
 Index: every position q of a token sorted by the tokens read backwards from it (q, q-1, .., q-max_n+1), so the
 occurrences of the context's last n tokens are one contiguous range, and each longer n a sub-range of it. The
-first `depth` tokens of that backward read are also packed into one int64 key per position (token + 1 in
-`bits` bits each, so the keys are sorted like the positions): the range of a suffix up to `depth` tokens long
-is two binary searches over the keys, each longer one a binary search inside the range. 16 bytes a corpus token
-(the tokens and the order, int32; the keys, int64), built at load.
+tokens are held as codes, token + 1 (a separator 0, so it sorts first), in the narrowest unsigned type (uint16
+for a vocabulary below 65,535). The first `depth` codes of a position's backward read, packed into one integer
+(`bits` each), are its key, ascending with the order; every STRIDE-th key is kept (int64), so the range of a
+suffix up to `depth` tokens long is a binary search over the kept keys, then one inside the STRIDE positions
+between two of them (their keys computed there); each longer suffix a binary search inside the range. 6.5 bytes
+a corpus token for SmolLM2's vocabulary (codes 2, order int32 4, kept keys 0.5), built at load.
 
 File: safetensors, `tokens` int32 [N] (documents joined, each followed by -1), metadata `vocab_size`,
 `documents`, `model`, `source`. `dspark build-corpus` writes one from `dspark prepare-data` output.
@@ -30,8 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-SEP = -1  # after each document; sorts before every token id
+SEP = -1  # after each document in the file (code 0 in the index); sorts before every token id
 SAMPLE = 1024  # occurrences a continuation is counted over (evenly spaced across a larger range)
+STRIDE = 16  # positions per kept key
 
 
 class LookupCorpus:
@@ -39,19 +42,50 @@ class LookupCorpus:
         if max_n < 1 or num_draft_tokens < 1:
             raise ValueError(f"need max_n >= 1 and num_draft_tokens >= 1, got {max_n}, {num_draft_tokens}")
         self.max_n, self.num_draft_tokens = max_n, num_draft_tokens
-        body = np.asarray(tokens, dtype=np.int32)
+        body = np.asarray(tokens)  # [N] token ids, SEP after each document
+        self.max_code = int(body.max(initial=0)) + 1  # the largest code a token of this corpus has
+        dtype = np.uint16 if self.max_code < 2**16 else np.uint32
         # max_n separators before the corpus (a backward read never leaves it), γ after (nor a forward one)
-        self.tokens = np.concatenate([np.full(max_n, SEP, np.int32), body, np.full(num_draft_tokens + 1, SEP, np.int32)])
-        q = np.flatnonzero(body != SEP).astype(np.int32) + max_n  # [num_positions] positions holding a token
+        self.codes = np.concatenate([np.zeros(max_n, dtype), (body + 1).astype(dtype),
+                                     np.zeros(num_draft_tokens + 1, dtype)])  # [max_n + N + γ + 1]
+        del body
+        q = np.flatnonzero(self.codes).astype(np.int32)  # [num_positions] positions holding a token
         # lexsort: the last key is the primary one — token q, then q-1, ...
-        self.order = q[np.lexsort([self.tokens[q - j] for j in range(max_n - 1, -1, -1)])].astype(np.int32)
-        # packed keys of the first `depth` tokens read backwards (SEP -> 0): [num_positions] int64, ascending
-        self.bits = (int(body.max(initial=0)) + 1).bit_length()
+        self.order = q[np.lexsort([self.codes[q - j] for j in range(max_n - 1, -1, -1)])]  # [num_positions] int32
+        del q
+        self.bits = self.max_code.bit_length()
         self.depth = min(max_n, 62 // self.bits)  # a range end, (key + 1) << shift, stays below 2^63
-        self.keys = np.zeros(len(self.order), dtype=np.int64)
+        self.kept_keys = self._keys(self.order[::STRIDE])  # [ceil(num_positions / STRIDE)] int64, ascending
+        # plain-int reads of single entries (views: no copy), for the searches between two kept keys
+        self._code_at, self._order_at = memoryview(self.codes), memoryview(self.order)
+        self.num_tokens, self.num_documents = len(self.order), int((self.codes == 0).sum()) - max_n - num_draft_tokens - 1
+
+    def _keys(self, positions: np.ndarray) -> np.ndarray:  # [P] -> [P] int64
+        keys = np.zeros(len(positions), dtype=np.int64)
         for j in range(self.depth):
-            self.keys |= (self.tokens[self.order - j].astype(np.int64) + 1) << (self.bits * (self.depth - 1 - j))
-        self.num_tokens, self.num_documents = int((body != SEP).sum()), int((body == SEP).sum())
+            keys |= self.codes[positions - j].astype(np.int64) << (self.bits * (self.depth - 1 - j))
+        return keys
+
+    def _key(self, index: int) -> int:
+        """The key of order[index]."""
+        q, key = self._order_at[index], 0
+        for j in range(self.depth):
+            key = (key << self.bits) | self._code_at[q - j]
+        return key
+
+    def _lower_bound(self, key: int) -> int:
+        """The first index whose key is >= `key` (len(order) when none is)."""
+        i = int(np.searchsorted(self.kept_keys, key, "left"))  # kept i - 1 < key <= kept i
+        if i == 0:
+            return 0
+        lo, hi = (i - 1) * STRIDE + 1, min(i * STRIDE, len(self.order))  # the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._key(mid) < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     @classmethod
     def load(cls, path: str | Path, *, vocab_size: int, max_n: int, num_draft_tokens: int) -> "LookupCorpus":
@@ -69,8 +103,11 @@ class LookupCorpus:
         lo, hi, n = self._packed_range(ids)
         while hi > lo and self.depth <= n < min(self.max_n, len(ids)):
             # the token n back is sorted within the range of the n matched ones
-            col = self.tokens[self.order[lo:hi] - n]
-            a, b = np.searchsorted(col, ids[-n - 1], "left"), np.searchsorted(col, ids[-n - 1], "right")
+            code = ids[-n - 1] + 1
+            if not 0 < code <= self.max_code:  # a token this corpus does not hold
+                break
+            col = self.codes[self.order[lo:hi] - n]
+            a, b = np.searchsorted(col, code, "left"), np.searchsorted(col, code, "right")
             if b == a:
                 break
             lo, hi, n = lo + int(a), lo + int(b), n + 1
@@ -81,19 +118,18 @@ class LookupCorpus:
     def _packed_range(self, ids: list[int]) -> tuple[int, int, int]:
         """(lo, hi, n): the keys' range [lo, hi) of the longest suffix of `ids` up to `depth` tokens that occurs,
         and its length n ((0, 0, 0) when not even the last token does)."""
-        limit = (1 << self.bits) - 1  # a token + 1 must fit its bits: a larger id occurs nowhere here
         m = 0
-        while m < min(self.depth, len(ids)) and 0 <= ids[-1 - m] < limit:
+        while m < min(self.depth, len(ids)) and 0 <= ids[-1 - m] < self.max_code:  # larger ids occur nowhere
             m += 1
         for n in range(m, 0, -1):
             shift = self.bits * (self.depth - n)
             key = 0
             for j in range(n):
                 key = (key << self.bits) | (ids[-1 - j] + 1)
-            lo = int(np.searchsorted(self.keys, key << shift, "left"))
-            hi = int(np.searchsorted(self.keys, (key + 1) << shift, "left"))
-            if hi > lo:
-                return lo, hi, n
+            lo = self._lower_bound(key << shift)
+            if lo == len(self.order) or self._key(lo) >> shift != key:  # no occurrence
+                continue
+            return lo, self._lower_bound((key + 1) << shift), n
         return 0, 0, 0
 
     def _continuation(self, lo: int, hi: int) -> list[int]:
@@ -103,21 +139,21 @@ class LookupCorpus:
         out: list[int] = []
         for d in range(1, self.num_draft_tokens + 1):
             if at.size == 1:  # one occurrence left: its own tokens, up to the document's end
-                for t in self.tokens[at[0] + d:at[0] + self.num_draft_tokens + 1].tolist():
-                    if t == SEP:
+                for code in self.codes[at[0] + d:at[0] + self.num_draft_tokens + 1].tolist():
+                    if code == 0:
                         break
-                    out.append(t)
+                    out.append(code - 1)
                 break
-            nxt = self.tokens[at + d]
+            nxt = self.codes[at + d]
             first = nxt[0]
             if (nxt == first).all():  # every occurrence goes on alike
                 best = int(first)
             else:
                 values, counts = np.unique(nxt, return_counts=True)
                 best = int(values[counts.argmax()])  # the first of the most frequent: the smallest id
-            if best == SEP:
+            if best == 0:
                 break
-            out.append(best)
+            out.append(best - 1)
             at = at[nxt == best]
         return out
 
