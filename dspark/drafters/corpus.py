@@ -48,6 +48,7 @@ class LookupCorpus:
         # max_n separators before the corpus (a backward read never leaves it), γ after (nor a forward one)
         self.codes = np.concatenate([np.zeros(max_n, dtype), (body + 1).astype(dtype),
                                      np.zeros(num_draft_tokens + 1, dtype)])  # [max_n + N + γ + 1]
+        self.num_documents = int((body == SEP).sum())
         del body
         q = np.flatnonzero(self.codes).astype(np.int32)  # [num_positions] positions holding a token
         # lexsort: the last key is the primary one — token q, then q-1, ...
@@ -58,7 +59,7 @@ class LookupCorpus:
         self.kept_keys = self._keys(self.order[::STRIDE])  # [ceil(num_positions / STRIDE)] int64, ascending
         # plain-int reads of single entries (views: no copy), for the searches between two kept keys
         self._code_at, self._order_at = memoryview(self.codes), memoryview(self.order)
-        self.num_tokens, self.num_documents = len(self.order), int((self.codes == 0).sum()) - max_n - num_draft_tokens - 1
+        self.num_tokens = len(self.order)
 
     def _keys(self, positions: np.ndarray) -> np.ndarray:  # [P] -> [P] int64
         keys = np.zeros(len(positions), dtype=np.int64)
