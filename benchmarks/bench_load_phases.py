@@ -22,7 +22,8 @@ time ÷ tokens per step, both terms measured. Medians over repeats, and each var
 
 Variants: plain (no speculation), default (the shipped config: DSpark + lookup first + prefix
 scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), q4-draft (default
-with the drafter's backbone and head quantized to Q4_1 blocks, `draft_matmul_dtype` "q4_1"), nogate
+with the drafter's backbone and head quantized to Q4_1 blocks, `draft_matmul_dtype` "q4_1"), topk16 (default with
+top-K Markov drafting, K 16), q4-topk16 (both), nogate
 (default without the draft gate), nocache (default without the lookup's cross-request cache), nocorpus (default
 without the lookup corpus), corpus (default with the lookup corpus file `--corpus`), noswitch (default without the measured
 switch, dspark.verify.switch), upkeep (default with online upkeep of
@@ -61,6 +62,7 @@ VARIANTS = {
     "upkeep": {**DEFAULT, "online_upkeep": True},
     "topk0": {**DEFAULT, "draft_topk": 0},  # the full Markov head
     "topk16": {**DEFAULT, "draft_topk": 16},
+    "q4-topk16": {**DEFAULT, "draft_matmul_dtype": "q4_1", "draft_topk": 16},
     "profiled": DEFAULT,  # with --cost-table
     "drafter": DEFAULT,  # with --drafter: the default with another DSpark drafter folder (its own cost tables)
     "corpus": DEFAULT,  # with --corpus: the default with another lookup corpus file

@@ -63,6 +63,22 @@ def test_dspark_loss_terms_match_hand_computed_values():
     assert s["tau_top1"] == pytest.approx(2.0)  # slot 0 matches, slot 1 does not
 
 
+def test_dspark_soft_ce_term_is_the_decayed_cross_entropy_against_the_target():
+    base = dspark_loss(**_toy_block(), weights=LossWeights())
+    out = dspark_loss(**_toy_block(), weights=LossWeights(soft_ce=0.5))
+    # slot 0: p_t = [.5, .3] (0.2 outside: no term), p_d = [.25, .75]; slot 1: p_t = [.1, .9], p_d = [.5, .5]
+    sce_0 = -(0.5 * math.log(0.25) + 0.3 * math.log(0.75))
+    sce_1 = -(0.1 * math.log(0.5) + 0.9 * math.log(0.5))
+    sce = (sce_0 + W1 * sce_1) / (1 + W1)
+    assert out.loss.item() == pytest.approx(base.loss.item() + 0.5 * sce, rel=1e-5)
+    assert summarise(out.stats)["sce"] == pytest.approx(sce, rel=1e-5)
+    grad = _toy_block()["draft_logits"].requires_grad_()
+    dspark_loss(**{**_toy_block(), "draft_logits": grad}, weights=LossWeights(ce=0, l1=0, confidence=0, soft_ce=1)
+                ).loss.backward()
+    # d/dlogits of -Σ p_t log softmax = p_d · Σ p_t − p_t: slot 0 pushes the first logit up (p_t .5 > p_d .25 · .8)
+    assert grad.grad[0, 0, 0, 0].item() == pytest.approx((0.25 * 0.8 - 0.5) / (1 + W1), rel=1e-5)
+
+
 def test_dspark_loss_masks_and_dflash_ce_only():
     toy = _toy_block()
     toy["eval_mask"] = torch.tensor([[[True, False]]])  # slot 1 unsupervised: no term at all

@@ -70,6 +70,7 @@ class TrainConfig:
     loss_ce: float = 0.1
     loss_l1: float = 0.9
     loss_confidence: float = 1.0
+    loss_soft_ce: float = 0.0  # block drafters: soft CE against the target distribution (0: the reference's three terms)
     loss_decay: float = 4.0
     step_loss_decay: float = 0.8  # eagle3
     # bookkeeping
@@ -122,6 +123,7 @@ class TrainConfig:
         _need(self.num_anchors >= 1 and self.batch_size >= 1 and self.grad_accum >= 1,
               "num_anchors, batch_size and grad_accum must be >= 1")
         _need(self.max_steps >= 1 and self.lr > 0, "max_steps must be >= 1 and lr > 0")
+        _need(min(self.loss_ce, self.loss_l1, self.loss_confidence, self.loss_soft_ce) >= 0, "loss weights must be >= 0")
         _need(0 <= self.warmup_frac < 1 and 0 <= self.min_lr_frac <= 1, "warmup_frac in [0,1), min_lr_frac in [0,1]")
         _need(self.draft_vocab_size is None or self.draft_vocab_size >= 2, "draft_vocab_size must be >= 2")
         _need(self.log_every >= 1 and self.keep_checkpoints >= 1, "log_every and keep_checkpoints must be >= 1")

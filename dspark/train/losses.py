@@ -4,7 +4,8 @@ DSpark, per block b and slot k with weight w = eval_mask · exp(-k / decay) (dec
     CE   = Σ w·CE(L_k, y_k) / Σ w                      (data token y_k; out-of-draft-vocab labels skipped)
     L1   = Σ w·‖p_d,k − p_t,k‖₁ / Σ w                  (full L1 in [0, 2], not halved)
     BCE  = Σ w·BCE(c_k, c*_k) / Σ w,   c*_k = clamp(1 − ½‖p_d,k − p_t,k‖₁, 0, 1), detached
-    loss = 0.1·CE + 0.9·L1 + 1.0·BCE                    (DFlash: 1.0·CE only, no confidence head)
+    SCE  = Σ w·(−Σ_v p_t,k(v) log p_d,k(v)) / Σ w      (soft CE against the target; optional, weight 0 by default)
+    loss = 0.1·CE + 0.9·L1 + 1.0·BCE (+ soft_ce·SCE)    (DFlash: 1.0·CE only, no confidence head)
 p_d = softmax(Markov-corrected draft logits), p_t = softmax(target logits), both at T=1 in fp32.
 
 Reduced draft vocabulary: the drafter only scores the V_d tokens of its d2t map. We do NOT renormalise
@@ -46,6 +47,7 @@ class LossWeights:
     ce: float = 0.1
     l1: float = 0.9
     confidence: float = 1.0
+    soft_ce: float = 0.0  # soft CE against the target distribution on the draft vocab (EAGLE-3's objective)
     decay: float = 4.0  # position weight exp(-k / decay), k 0-based; <= 0 turns the decay off
 
 
@@ -107,6 +109,10 @@ def dspark_loss(
         l1_mean = (l1 * w).sum() / den[0]
         if weights.l1:
             loss = loss + weights.l1 * l1_mean
+        if weights.soft_ce:  # p_t's mass outside the draft vocab is a constant: no term for it
+            sce = -(p_t * torch.log_softmax(logits, dim=-1)).sum(-1)  # [batch, num_anchors, block_size]
+            loss = loss + weights.soft_ce * (sce * w).sum() / den[0]
+            stats["sce_num"] = (sce * w).sum().detach()
         alpha = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()  # c*_k: acceptance prob at T=1
         stats["l1_num"] = (l1 * w).sum().detach()
         stats["alpha"] = (alpha * eval_mask).sum((0, 1))  # [block_size]
@@ -191,6 +197,8 @@ def summarise(stats: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
         out["bce"] = float(stats["bce_num"] / stats["w_den"].clamp(min=1e-6))
         out["conf_err"] = r(stats["conf_err"] / slots)
         out["conf_bias"] = r(stats["conf_bias"] / slots)
+    if "sce_num" in stats:
+        out["sce"] = float(stats["sce_num"] / stats["w_den"].clamp(min=1e-6))
     if "soft_ce_num" in stats:
         out["soft_ce"] = r(stats["soft_ce_num"] / slots)
     out["acc"] = r(stats["match"] / slots)

@@ -89,9 +89,10 @@ def block_loss(cfg, model, target, batch: Batch, feats: TargetFeatures, *, d2t: 
                                 block_size=num_draft)  # [batch, num_anchors, num_draft]
     out = model.training_forward(taps=feats.taps, input_ids=batch.input_ids, anchor_positions=anchors)
     labels = torch.where(eval_mask, out.labels, torch.full_like(out.labels, -100))
-    weights = LossWeights(ce=cfg.loss_ce, l1=cfg.loss_l1, confidence=cfg.loss_confidence, decay=cfg.loss_decay)
+    weights = LossWeights(ce=cfg.loss_ce, l1=cfg.loss_l1, confidence=cfg.loss_confidence, soft_ce=cfg.loss_soft_ce,
+                          decay=cfg.loss_decay)
     target_logits = target_lse = None
-    if cfg.loss_l1 or cfg.loss_confidence or out.confidence_logits is not None:
+    if cfg.loss_l1 or cfg.loss_confidence or cfg.loss_soft_ce or out.confidence_logits is not None:
         pos = block_positions(anchors=anchors, block_size=num_draft)  # output k predicts pos+1
         rows_needed = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
         rows_needed[torch.arange(pos.shape[0]).view(-1, 1, 1).expand_as(pos)[eval_mask], pos[eval_mask]] = True
