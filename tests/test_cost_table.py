@@ -106,11 +106,30 @@ def test_profile_takes_medians_after_warmup():
         now[0] += next(durations)
 
     table = profile(step_fn, token_counts=[8, 4], repeats=3, warmup=2, clock=lambda: now[0],
-                    meta={"device": "fake"})
+                    meta={"device": "fake"}, settle=0)
     assert calls == [4, 4, 8, 8] + [4, 8] * 3  # sorted sizes, warm-up calls first, then rounds
     assert table.num_tokens == (4, 8)
     assert table.steps_per_second == pytest.approx((1 / 0.02, 1 / 0.04))  # medians, warmup ignored
-    assert table.meta == {"repeats": 3, "warmup": 2, "device": "fake"}
+    assert table.meta == {"repeats": 3, "warmup": 2, "settle": 0, "device": "fake"}
+
+
+def test_profile_times_each_step_after_a_step_of_its_own_size():
+    """A step is slower right after a larger one (cold caches): with settle (the default, 3) each timed call
+    follows untimed calls of the same size, so the table holds each size's own time; without it, the
+    smallest size inherits the largest one's aftermath in every round."""
+    now, calls, last = [0.0], [], [0]
+
+    def step_fn(num_tokens: int) -> None:
+        calls.append(num_tokens)
+        now[0] += num_tokens * 0.001 + (0.005 if last[0] > num_tokens else 0.0)  # a penalty after a larger step
+        last[0] = num_tokens
+
+    table = profile(step_fn, token_counts=[1, 4, 128], repeats=3, warmup=1, clock=lambda: now[0])
+    assert calls == [1, 4, 128] + ([1] * 4 + [4] * 4 + [128] * 4) * 3  # warm-up, then 3 settling + 1 timed
+    assert table.steps_per_second == pytest.approx((1 / 0.001, 1 / 0.004, 1 / 0.128))
+    assert table.meta["settle"] == 3
+    biased = profile(step_fn, token_counts=[1, 4, 128], repeats=3, warmup=1, clock=lambda: now[0], settle=0)
+    assert biased.steps_per_second[0] == pytest.approx(1 / 0.006)  # every round's 1-token step follows 128
 
 
 def test_profile_with_draft_fn_and_real_clock():

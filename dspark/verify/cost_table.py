@@ -142,11 +142,13 @@ def profile(
     draft_num_reqs: Sequence[int] = (),
     meta: dict | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    settle: int = 3,
 ) -> CostTable:
     """Time `step_fn(num_tokens)` (one verification forward of that many tokens; it must block until
     the work is done, e.g. synchronise the device) at each token count: `warmup` untimed calls, then
-    the median of `repeats` timed calls, taken in rounds over all points. Optionally time
-    `draft_fn(num_reqs)` the same way, in the same rounds."""
+    the median of `repeats` timed calls, taken in rounds over all points, each timed call right after
+    `settle` untimed calls of the same point. Optionally time `draft_fn(num_reqs)` the same way, in the
+    same rounds."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     counts = sorted(set(int(n) for n in token_counts))
@@ -159,25 +161,31 @@ def profile(
         if not draft_counts:
             raise ValueError("draft_fn given without draft_num_reqs")
     points = [(step_fn, n) for n in counts] + [(draft_fn, n) for n in draft_counts]
-    medians = _interleaved_medians(points, repeats=repeats, warmup=warmup, clock=clock)
+    medians = _interleaved_medians(points, repeats=repeats, warmup=warmup, clock=clock, settle=settle)
     step_seconds, draft_seconds = medians[:len(counts)], medians[len(counts):]
     # A measured time of 0 (coarse clock) would mean infinite SPS; floor it at 1 ns.
     return CostTable(num_tokens=counts, steps_per_second=[1.0 / max(s, 1e-9) for s in step_seconds],
                      draft_num_reqs=draft_counts, draft_seconds=draft_seconds,
-                     meta={"repeats": repeats, "warmup": warmup, **(meta or {})})
+                     meta={"repeats": repeats, "warmup": warmup, "settle": settle, **(meta or {})})
 
 
 def _interleaved_medians(points: list[tuple[Callable[[int], None], int]], *, repeats: int, warmup: int,
-                         clock: Callable[[], float]) -> list[float]:
+                         clock: Callable[[], float], settle: int = 3) -> list[float]:
     """Median seconds of each fn(n): `warmup` untimed calls per point, then `repeats` rounds that time
     every point once. Rounds, not one point after another, so a machine that slows down for a while
-    (shared VMs do, by 20-40% for seconds at a time) slows every point alike instead of a few."""
+    (shared VMs do, by 20-40% for seconds at a time) slows every point alike instead of a few. Each
+    timed call follows `settle` untimed calls of its own point: a step right after a much larger one (a
+    128-token step, a 64-request proposal) inherits its cold caches for two or three steps, which on a
+    2-core CPU made a 1-token step ~1.3x slower than in decoding and a verified token's marginal cost
+    look a fraction of what it is."""
     for fn, n in points:
         for _ in range(warmup):
             fn(n)
     samples: list[list[float]] = [[] for _ in points]
     for _ in range(repeats):
         for (fn, n), times in zip(points, samples):
+            for _ in range(settle):
+                fn(n)
             start = clock()
             fn(n)
             times.append(clock() - start)
