@@ -37,3 +37,9 @@ echo "Markov variants start from warm_start $WARM"
 arm markov_gated --set warm_start="\"$WARM\"" --set markov_head_type='"gated"' &
 arm markov_rnn --set warm_start="\"$WARM\"" --set markov_head_type='"rnn"' &
 wait
+# 5. where 4x the drafted blocks go, at the starting recipe (the reference is init_random: 8 sequences x 32
+#    anchors a step): 4x the anchors per sequence, 4x the sequences a step (4 batches accumulated), 4x the steps
+arm anchors_128 --set num_anchors=128 &
+arm anchors_32_accum4 --set grad_accum=4 &
+wait
+arm anchors_32_steps4x --set max_steps=$((4 * STEPS)) --set eval_every=$STEPS --set ckpt_every=100
