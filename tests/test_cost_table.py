@@ -130,6 +130,8 @@ def test_profile_times_each_step_after_a_step_of_its_own_size():
     assert table.meta["settle"] == 3
     biased = profile(step_fn, token_counts=[1, 4, 128], repeats=3, warmup=1, clock=lambda: now[0], settle=0)
     assert biased.steps_per_second[0] == pytest.approx(1 / 0.006)  # every round's 1-token step follows 128
+    with pytest.raises(ValueError, match="settle"):
+        profile(step_fn, token_counts=[1], repeats=1, warmup=0, clock=lambda: now[0], settle=-1)
 
 
 def test_profile_with_draft_fn_and_real_clock():

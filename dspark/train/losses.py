@@ -111,8 +111,9 @@ def dspark_loss(
             loss = loss + weights.l1 * l1_mean
         if weights.soft_ce:  # p_t's mass outside the draft vocab is a constant: no term for it
             sce = -(p_t * torch.log_softmax(logits, dim=-1)).sum(-1)  # [batch, num_anchors, block_size]
-            loss = loss + weights.soft_ce * (sce * w).sum() / den[0]
-            stats["sce_num"] = (sce * w).sum().detach()
+            sce_num = (sce * w).sum()
+            loss = loss + weights.soft_ce * sce_num / den[0]
+            stats["sce_num"] = sce_num.detach()
         alpha = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()  # c*_k: acceptance prob at T=1
         stats["l1_num"] = (l1 * w).sum().detach()
         stats["alpha"] = (alpha * eval_mask).sum((0, 1))  # [block_size]

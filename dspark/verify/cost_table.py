@@ -149,8 +149,8 @@ def profile(
     the median of `repeats` timed calls, taken in rounds over all points, each timed call right after
     `settle` untimed calls of the same point. Optionally time `draft_fn(num_reqs)` the same way, in the
     same rounds."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    if repeats < 1 or warmup < 0 or settle < 0:
+        raise ValueError(f"repeats must be >= 1, warmup and settle >= 0, got {repeats}, {warmup}, {settle}")
     counts = sorted(set(int(n) for n in token_counts))
     if not counts or counts[0] < 1:
         raise ValueError(f"token_counts must be non-empty positive integers, "
@@ -170,7 +170,7 @@ def profile(
 
 
 def _interleaved_medians(points: list[tuple[Callable[[int], None], int]], *, repeats: int, warmup: int,
-                         clock: Callable[[], float], settle: int = 3) -> list[float]:
+                         clock: Callable[[], float], settle: int) -> list[float]:
     """Median seconds of each fn(n): `warmup` untimed calls per point, then `repeats` rounds that time
     every point once. Rounds, not one point after another, so a machine that slows down for a while
     (shared VMs do, by 20-40% for seconds at a time) slows every point alike instead of a few. Each
