@@ -43,9 +43,9 @@ arm anchors_128 --set num_anchors=128 &
 arm anchors_32_accum4 --set grad_accum=4 &
 wait
 arm anchors_32_steps4x --set max_steps=$((4 * STEPS)) --set eval_every=$STEPS --set ckpt_every=100
-# 6. a warm stage from the shipped drafter on this data (answers to prompts its earlier stages saw), DSpark's loss
-#    against a 10x CE weight (loss_ce 1.0, the DFlash weight on the greedy label): whether more steps or the loss
-#    mix pay without new data
+# 6. a warm stage from the shipped drafter (docs/drafters.md ran it from the stage-5 weights) on this data (answers
+#    to prompts its earlier stages saw), DSpark's loss against a 10x CE weight (loss_ce 1.0, the DFlash weight on the
+#    greedy label): whether more steps or the loss mix pay without new data
 SHIPPED='"dspark/assets/drafters/dspark-smollm2-135m"'
 arm warm_seen_ref --set init_from="$SHIPPED" --set lr=2e-4 --set max_steps=400 --set eval_every=200 &
 arm warm_seen_ce1 --set init_from="$SHIPPED" --set lr=2e-4 --set max_steps=400 --set eval_every=200 --set loss_ce=1.0 &
