@@ -61,3 +61,58 @@ def test_warm_start_settings_are_checked():
         methods.build(_cfg(warm_start_layers=(1,)), target, TARGET, None)
     with pytest.raises(ValueError, match=r"outside the target's 4 layers"):
         methods.build(_cfg(warm_start_layers=(1, 9)), target, TARGET, None)
+
+
+# -- growing a warm start (TrainConfig init_grow_layers: methods.copy_trainable grow_layers)
+
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_grown_drafter_computes_the_source_at_step_zero(method):
+    """A 1-layer drafter grown to 3: layer 0 is the source's, layers 1-2 copy it with o_proj / down_proj at
+    zero, every other trainable tensor is the source's, and the block logits (base, Markov-corrected) and
+    confidences equal the source's; the grown projections still get gradients."""
+    target = random_target(seed=5)
+    extra = dict(markov_rank=8) if method == "dspark" else dict(markov_rank=0, loss_l1=0, loss_confidence=0)
+    src, _ = methods.build(_cfg(method=method, num_draft_layers=1, warm_start="none", **extra), target, TARGET, None)
+    with torch.no_grad():  # o_proj / down_proj away from their init, so a zero copy is not the init by chance
+        for p in src.parameters():
+            p.add_(0.05 * torch.randn_like(p)) if p.requires_grad else None
+    grown, _ = methods.build(_cfg(method=method, num_draft_layers=3, warm_start="none", seed=9, **extra),
+                             target, TARGET, None)
+    methods.copy_trainable(src, grown, where="src", grow_layers=True)
+    have = dict(src.named_parameters())
+    for name, p in grown.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name.startswith(("layers.1.", "layers.2.")):
+            suffix = name.split(".", 2)[2]
+            want = torch.zeros_like(p) if suffix in methods.GROWN_ZERO else have[f"layers.0.{suffix}"]
+        else:
+            want = have[name]
+        assert torch.equal(p, want), name
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 120, (2, 12), generator=g)
+    taps = torch.randn(2, 12, len(TAPS) * TARGET.hidden_size, generator=g)
+    anchors = torch.tensor([[0, 5, 8], [3, -1, 7]])
+    a = src.training_forward(taps=taps, input_ids=ids, anchor_positions=anchors)
+    b = grown.training_forward(taps=taps, input_ids=ids, anchor_positions=anchors)
+    assert torch.allclose(a.base_logits, b.base_logits, atol=1e-5)
+    assert torch.allclose(a.draft_logits, b.draft_logits, atol=1e-5)
+    if method == "dspark":
+        assert torch.allclose(a.confidence_logits, b.confidence_logits, atol=1e-5)
+    b.draft_logits.sum().backward()
+    assert grown.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert grown.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_growing_is_checked():
+    with pytest.raises(ValueError, match="init_grow_layers needs init_from"):
+        _cfg(warm_start="none", init_grow_layers=True)
+    with pytest.raises(ValueError, match="init_grow_layers needs"):
+        TrainConfig(method="eagle3", init_from="x", init_grow_layers=True)
+    target = random_target()
+    deep, _ = methods.build(_cfg(warm_start="none", num_draft_layers=3), target, TARGET, None)
+    shallow, _ = methods.build(_cfg(warm_start="none", num_draft_layers=1), target, TARGET, None)
+    with pytest.raises(ValueError, match="3 draft layers; growing needs 1 .. 1"):
+        methods.copy_trainable(deep, shallow, where="deep", grow_layers=True)
+    with pytest.raises(ValueError, match=r"layers\.1\..* is missing"):  # without growing, depths must agree
+        methods.copy_trainable(shallow, deep, where="shallow")

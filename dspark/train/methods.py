@@ -12,6 +12,7 @@ the config seed, so a run is reproducible; the final norm starts as the target's
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -256,19 +257,48 @@ def load_export(cfg, path: str | Path, target) -> nn.Module:
     return model
 
 
-def copy_trainable(source: nn.Module, model: nn.Module, *, where: str) -> None:
+# a grown layer's projections into the residual stream: zero at step 0, so the layer adds nothing yet
+GROWN_ZERO = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def copy_trainable(source: nn.Module, model: nn.Module, *, where: str, grow_layers: bool = False) -> None:
     """Every trainable parameter of `model` from the same-named one of `source` (shapes must agree; a
-    missing or mis-shaped tensor is a ValueError naming it: the warm start must be the same drafter)."""
+    missing or mis-shaped tensor is a ValueError naming it: the warm start must be the same drafter).
+    grow_layers: a block drafter deeper than `source` starts its extra layers (appended after source's,
+    before the final norm) as copies of source's last layer with o_proj and down_proj at zero: each adds
+    nothing to the residual stream, so the grown drafter computes what `source` does until training moves
+    those projections off zero."""
     have = dict(source.named_parameters())
+    grown = _grown_layer_names(have, model, where=where) if grow_layers else {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.requires_grad:
+                continue
+            if name in grown:
+                src_name, zero = grown[name]
+                p.copy_(torch.zeros_like(p) if zero else have[src_name].to(p.dtype))
                 continue
             src = have.get(name)
             if src is None or src.shape != p.shape:
                 got = "missing" if src is None else f"shape {list(src.shape)}"
                 raise ValueError(f"init_from {where!r}: {name} is {got}, the config's drafter needs {list(p.shape)}")
             p.copy_(src.to(p.dtype))
+
+
+def _grown_layer_names(have: dict, model: nn.Module, *, where: str) -> dict[str, tuple[str, bool]]:
+    """{model parameter of a layer past source's: (source's last-layer parameter it copies, zeroed?)}."""
+    def depth(names) -> int:
+        ids = {int(m.group(1)) for n in names if (m := re.match(r"layers\.(\d+)\.", n))}
+        return max(ids) + 1 if ids else 0
+    src_depth, depth_now = depth(have), depth(n for n, _ in model.named_parameters())
+    if not 0 < src_depth <= depth_now:
+        raise ValueError(f"init_from {where!r}: {src_depth} draft layers; growing needs 1 .. {depth_now}")
+    out = {}
+    for name, _ in model.named_parameters():
+        m = re.match(r"layers\.(\d+)\.(.+)", name)
+        if m and int(m.group(1)) >= src_depth:
+            out[name] = (f"layers.{src_depth - 1}.{m.group(2)}", m.group(2) in GROWN_ZERO)
+    return out
 
 
 def build(cfg, target, target_cfg, d2t):
