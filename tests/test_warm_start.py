@@ -63,7 +63,7 @@ def test_warm_start_settings_are_checked():
         methods.build(_cfg(warm_start_layers=(1, 9)), target, TARGET, None)
 
 
-# -- growing a warm start (TrainConfig init_grow_layers: methods.copy_trainable grow_layers)
+# -- growing a warm start (TrainConfig init_grow: methods.copy_trainable grow)
 
 @pytest.mark.parametrize("method", ["dspark", "dflash"])
 def test_grown_drafter_computes_the_source_at_step_zero(method):
@@ -78,7 +78,7 @@ def test_grown_drafter_computes_the_source_at_step_zero(method):
             p.add_(0.05 * torch.randn_like(p)) if p.requires_grad else None
     grown, _ = methods.build(_cfg(method=method, num_draft_layers=3, warm_start="none", seed=9, **extra),
                              target, TARGET, None)
-    methods.copy_trainable(src, grown, where="src", grow_layers=True)
+    methods.copy_trainable(src, grown, where="src", grow=True)
     have = dict(src.named_parameters())
     for name, p in grown.named_parameters():
         if not p.requires_grad:
@@ -105,14 +105,53 @@ def test_grown_drafter_computes_the_source_at_step_zero(method):
 
 
 def test_growing_is_checked():
-    with pytest.raises(ValueError, match="init_grow_layers needs init_from"):
-        _cfg(warm_start="none", init_grow_layers=True)
-    with pytest.raises(ValueError, match="init_grow_layers needs"):
-        TrainConfig(method="eagle3", init_from="x", init_grow_layers=True)
+    with pytest.raises(ValueError, match="init_grow needs init_from"):
+        _cfg(warm_start="none", init_grow=True)
+    with pytest.raises(ValueError, match="init_grow needs"):
+        TrainConfig(method="eagle3", init_from="x", init_grow=True)
     target = random_target()
     deep, _ = methods.build(_cfg(warm_start="none", num_draft_layers=3), target, TARGET, None)
     shallow, _ = methods.build(_cfg(warm_start="none", num_draft_layers=1), target, TARGET, None)
     with pytest.raises(ValueError, match="3 draft layers; growing needs 1 .. 1"):
-        methods.copy_trainable(deep, shallow, where="deep", grow_layers=True)
+        methods.copy_trainable(deep, shallow, where="deep", grow=True)
     with pytest.raises(ValueError, match=r"layers\.1\..* is missing"):  # without growing, depths must agree
         methods.copy_trainable(shallow, deep, where="shallow")
+    big, _ = methods.build(_cfg(warm_start="none", markov_rank=8), target, TARGET, None)
+    small, _ = methods.build(_cfg(warm_start="none", markov_rank=4), target, TARGET, None)
+    with pytest.raises(ValueError, match=r"markov_w1\.weight is shape \[128, 8\]"):  # a smaller rank never fits
+        methods.copy_trainable(big, small, where="big", grow=True)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
+def test_grown_markov_rank_drafts_the_same_at_step_zero(head):
+    """Rank 8 grown to 16 (and 1 layer to 2): W1's first 8 columns are the source's, W2's and the confidence
+    head's new columns zero, so base, corrected logits and confidences equal the source's; W2's new columns get
+    gradients. A gated head (rank-shaped state of its own) is refused."""
+    target = random_target(seed=6)
+    src, _ = methods.build(_cfg(warm_start="none", num_draft_layers=1, markov_rank=8, markov_head_type=head),
+                           target, TARGET, None)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(0.05 * torch.randn_like(p)) if p.requires_grad else None
+    grown, _ = methods.build(_cfg(warm_start="none", num_draft_layers=2, markov_rank=16, markov_head_type=head,
+                                  seed=4), target, TARGET, None)
+    if head == "gated":
+        with pytest.raises(ValueError, match="markov_head"):
+            methods.copy_trainable(src, grown, where="src", grow=True)
+        return
+    methods.copy_trainable(src, grown, where="src", grow=True)
+    w1, w2 = grown.markov_head.markov_w1.weight, grown.markov_head.markov_w2.weight
+    assert torch.equal(w1[:, :8], src.markov_head.markov_w1.weight) and w1[:, 8:].abs().sum() > 0
+    assert torch.equal(w2[:, :8], src.markov_head.markov_w2.weight) and w2[:, 8:].abs().sum() == 0
+    conf = grown.confidence_head.proj.weight
+    assert torch.equal(conf[:, :TARGET.hidden_size + 8], src.confidence_head.proj.weight) and conf[:, -8:].abs().sum() == 0
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 120, (2, 12), generator=g)
+    taps = torch.randn(2, 12, len(TAPS) * TARGET.hidden_size, generator=g)
+    anchors = torch.tensor([[0, 4, 8], [2, 6, -1]])
+    a = src.training_forward(taps=taps, input_ids=ids, anchor_positions=anchors)
+    b = grown.training_forward(taps=taps, input_ids=ids, anchor_positions=anchors)
+    for x, y in ((a.base_logits, b.base_logits), (a.draft_logits, b.draft_logits), (a.confidence_logits, b.confidence_logits)):
+        assert torch.allclose(x, y, atol=1e-5)
+    b.draft_logits.sum().backward()
+    assert w2.grad[:, 8:].abs().sum() > 0

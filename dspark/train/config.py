@@ -57,9 +57,10 @@ class TrainConfig:
     # warm start: an exported drafter folder of this method (config.json + model.safetensors); its
     # weights replace the random init and its draft vocabulary (d2t) replaces the one built from the data
     init_from: str | None = None
-    # block drafters: num_draft_layers above init_from's depth grows it (the extra layers copy its last one with
-    # o_proj and down_proj at zero: at step 0 the same drafter; methods.copy_trainable); False: depths must agree
-    init_grow_layers: bool = False
+    # block drafters: grow init_from to this config's num_draft_layers (the extra layers copy its last one with
+    # o_proj and down_proj at zero) and markov_rank (vanilla head; new W2 columns at zero): at step 0 the same
+    # drafts (methods.copy_trainable); False: the shapes must agree
+    init_grow: bool = False
     # block drafters: "target" starts the draft layers as copies of target layers (warm_start_layers; None: the
     # target's last num_draft_layers) and fc as the identity on the deepest tap (dspark.train.warm_start);
     # "none": N(0, init_std). A warm start from init_from takes precedence over both
@@ -111,8 +112,8 @@ class TrainConfig:
         _need(self.warm_start in ("none", "target"), f"warm_start {self.warm_start!r} unknown; choose none or target")
         _need(self.warm_start == "none" or self.method != "eagle3",
               "warm_start 'target' applies to the block drafters (dspark, dflash), not eagle3")
-        _need(not self.init_grow_layers or (self.init_from is not None and self.method != "eagle3"),
-              "init_grow_layers needs init_from and a block drafter (dspark, dflash)")
+        _need(not self.init_grow or (self.init_from is not None and self.method != "eagle3"),
+              "init_grow needs init_from and a block drafter (dspark, dflash)")
         _need(self.warm_start_layers is None or self.warm_start == "target",
               "warm_start_layers needs warm_start 'target'")
         _need(self.max_minutes is None or self.max_minutes > 0, "max_minutes must be > 0")

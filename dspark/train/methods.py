@@ -259,17 +259,21 @@ def load_export(cfg, path: str | Path, target) -> nn.Module:
 
 # a grown layer's projections into the residual stream: zero at step 0, so the layer adds nothing yet
 GROWN_ZERO = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+# a grown Markov rank (vanilla head): the source's columns first; the new ones of W1 keep their random start, those
+# of W2 and of the confidence head's W1[prev] input start at zero (no bias, no confidence change yet)
+RANK_GROWN = {"markov_head.markov_w1.weight": False, "markov_head.markov_w2.weight": True,
+              "confidence_head.proj.weight": True}
 
 
-def copy_trainable(source: nn.Module, model: nn.Module, *, where: str, grow_layers: bool = False) -> None:
+def copy_trainable(source: nn.Module, model: nn.Module, *, where: str, grow: bool = False) -> None:
     """Every trainable parameter of `model` from the same-named one of `source` (shapes must agree; a
     missing or mis-shaped tensor is a ValueError naming it: the warm start must be the same drafter).
-    grow_layers: a block drafter deeper than `source` starts its extra layers (appended after source's,
-    before the final norm) as copies of source's last layer with o_proj and down_proj at zero: each adds
-    nothing to the residual stream, so the grown drafter computes what `source` does until training moves
-    those projections off zero."""
+    grow: a block drafter larger than `source` in two ways. Extra layers (appended after source's, before
+    the final norm) start as copies of source's last layer with o_proj and down_proj at zero: each adds
+    nothing to the residual stream. A larger rank of the vanilla Markov head keeps source's columns first
+    (RANK_GROWN). Either way the grown drafter drafts what `source` does until training moves those zeros."""
     have = dict(source.named_parameters())
-    grown = _grown_layer_names(have, model, where=where) if grow_layers else {}
+    grown = _grown_layer_names(have, model, where=where) if grow else {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.requires_grad:
@@ -279,10 +283,23 @@ def copy_trainable(source: nn.Module, model: nn.Module, *, where: str, grow_laye
                 p.copy_(torch.zeros_like(p) if zero else have[src_name].to(p.dtype))
                 continue
             src = have.get(name)
+            if grow and name in RANK_GROWN and src is not None and _widens(src, p, model):
+                if RANK_GROWN[name]:
+                    p.zero_()
+                p[:, :src.shape[1]] = src.to(p.dtype)
+                continue
             if src is None or src.shape != p.shape:
                 got = "missing" if src is None else f"shape {list(src.shape)}"
                 raise ValueError(f"init_from {where!r}: {name} is {got}, the config's drafter needs {list(p.shape)}")
             p.copy_(src.to(p.dtype))
+
+
+def _widens(src: torch.Tensor, p: torch.Tensor, model: nn.Module) -> bool:
+    """Whether p [rows, cols] is src with more columns, on a vanilla Markov head (the gated and RNN heads have
+    rank-shaped state of their own)."""
+    from dspark.drafters.heads import MarkovHead
+    return (type(getattr(model, "markov_head", None)) is MarkovHead and src.dim() == p.dim() == 2
+            and src.shape[0] == p.shape[0] and src.shape[1] < p.shape[1])
 
 
 def _grown_layer_names(have: dict, model: nn.Module, *, where: str) -> dict[str, tuple[str, bool]]:

@@ -95,7 +95,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model, self.draft_cfg = methods.build(cfg, self.target, self.target_cfg, self.d2t)
         if init is not None:
-            methods.copy_trainable(init, self.model, where=cfg.init_from, grow_layers=cfg.init_grow_layers)
+            methods.copy_trainable(init, self.model, where=cfg.init_from, grow=cfg.init_grow)
         self.device = torch.device(cfg.device)
         self.model.to(self.device)
         self.tap_layer_ids = tuple(self.draft_cfg.tap_layer_ids)
