@@ -65,6 +65,22 @@ def test_warm_start_settings_are_checked():
 
 # -- growing a warm start (TrainConfig init_grow: methods.copy_trainable grow)
 
+def _same_blocks(src, grown, *, seed: int, anchors: list[list[int]]):
+    """Both drafters' teacher-forced blocks over random taps and ids: base logits, Markov-corrected logits and
+    (with a confidence head) confidences must agree. Returns the grown drafter's output (for a backward)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 120, (2, 12), generator=g)
+    taps = torch.randn(2, 12, len(TAPS) * TARGET.hidden_size, generator=g)
+    a = src.training_forward(taps=taps, input_ids=ids, anchor_positions=torch.tensor(anchors))
+    b = grown.training_forward(taps=taps, input_ids=ids, anchor_positions=torch.tensor(anchors))
+    assert torch.allclose(a.base_logits, b.base_logits, atol=1e-5)
+    assert torch.allclose(a.draft_logits, b.draft_logits, atol=1e-5)
+    assert (a.confidence_logits is None) == (b.confidence_logits is None)
+    if a.confidence_logits is not None:
+        assert torch.allclose(a.confidence_logits, b.confidence_logits, atol=1e-5)
+    return b
+
+
 @pytest.mark.parametrize("method", ["dspark", "dflash"])
 def test_grown_drafter_computes_the_source_at_step_zero(method):
     """A 1-layer drafter grown to 3: layer 0 is the source's, layers 1-2 copy it with o_proj / down_proj at
@@ -89,17 +105,7 @@ def test_grown_drafter_computes_the_source_at_step_zero(method):
         else:
             want = have[name]
         assert torch.equal(p, want), name
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 120, (2, 12), generator=g)
-    taps = torch.randn(2, 12, len(TAPS) * TARGET.hidden_size, generator=g)
-    anchors = torch.tensor([[0, 5, 8], [3, -1, 7]])
-    a = src.training_forward(taps=taps, input_ids=ids, anchor_positions=anchors)
-    b = grown.training_forward(taps=taps, input_ids=ids, anchor_positions=anchors)
-    assert torch.allclose(a.base_logits, b.base_logits, atol=1e-5)
-    assert torch.allclose(a.draft_logits, b.draft_logits, atol=1e-5)
-    if method == "dspark":
-        assert torch.allclose(a.confidence_logits, b.confidence_logits, atol=1e-5)
-    b.draft_logits.sum().backward()
+    _same_blocks(src, grown, seed=1, anchors=[[0, 5, 8], [3, -1, 7]]).draft_logits.sum().backward()
     assert grown.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0
     assert grown.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
 
@@ -145,13 +151,5 @@ def test_grown_markov_rank_drafts_the_same_at_step_zero(head):
     assert torch.equal(w2[:, :8], src.markov_head.markov_w2.weight) and w2[:, 8:].abs().sum() == 0
     conf = grown.confidence_head.proj.weight
     assert torch.equal(conf[:, :TARGET.hidden_size + 8], src.confidence_head.proj.weight) and conf[:, -8:].abs().sum() == 0
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(3, 120, (2, 12), generator=g)
-    taps = torch.randn(2, 12, len(TAPS) * TARGET.hidden_size, generator=g)
-    anchors = torch.tensor([[0, 4, 8], [2, 6, -1]])
-    a = src.training_forward(taps=taps, input_ids=ids, anchor_positions=anchors)
-    b = grown.training_forward(taps=taps, input_ids=ids, anchor_positions=anchors)
-    for x, y in ((a.base_logits, b.base_logits), (a.draft_logits, b.draft_logits), (a.confidence_logits, b.confidence_logits)):
-        assert torch.allclose(x, y, atol=1e-5)
-    b.draft_logits.sum().backward()
+    _same_blocks(src, grown, seed=2, anchors=[[0, 4, 8], [2, 6, -1]]).draft_logits.sum().backward()
     assert w2.grad[:, 8:].abs().sum() > 0

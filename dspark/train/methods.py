@@ -273,7 +273,7 @@ def copy_trainable(source: nn.Module, model: nn.Module, *, where: str, grow: boo
     nothing to the residual stream. A larger rank of the vanilla Markov head keeps source's columns first
     (RANK_GROWN). Either way the grown drafter drafts what `source` does until training moves those zeros."""
     have = dict(source.named_parameters())
-    grown = _grown_layer_names(have, model, where=where) if grow else {}
+    grown = _grown_layer_names(source, model, where=where) if grow else {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.requires_grad:
@@ -302,12 +302,9 @@ def _widens(src: torch.Tensor, p: torch.Tensor, model: nn.Module) -> bool:
             and src.shape[0] == p.shape[0] and src.shape[1] < p.shape[1])
 
 
-def _grown_layer_names(have: dict, model: nn.Module, *, where: str) -> dict[str, tuple[str, bool]]:
+def _grown_layer_names(source: nn.Module, model: nn.Module, *, where: str) -> dict[str, tuple[str, bool]]:
     """{model parameter of a layer past source's: (source's last-layer parameter it copies, zeroed?)}."""
-    def depth(names) -> int:
-        ids = {int(m.group(1)) for n in names if (m := re.match(r"layers\.(\d+)\.", n))}
-        return max(ids) + 1 if ids else 0
-    src_depth, depth_now = depth(have), depth(n for n, _ in model.named_parameters())
+    src_depth, depth_now = len(source.layers), len(model.layers)
     if not 0 < src_depth <= depth_now:
         raise ValueError(f"init_from {where!r}: {src_depth} draft layers; growing needs 1 .. {depth_now}")
     out = {}
