@@ -1,7 +1,8 @@
 """Drafter training loops on a tiny random target: a few steps reduce the loss for every method, process-τ
 validation, warm starts from an export, EAGLE-3's loss against a dense unroll, resume is bit-exact,
 selection by validation τ, 2 gloo processes give the single-process gradients of the same global batch,
-the feature cache (written, read back, sharded) matches online features, and anchor focus mines once.
+the feature cache (written, read back, sharded) matches online features, anchor focus mines once, and feature
+noise perturbs the training steps' taps only.
 
     pytest tests/test_train_loop.py -q
 """
@@ -390,6 +391,38 @@ def test_anchor_focus_mines_once_and_trains(tmp_path):
     again.close()
     with pytest.raises(ValueError, match="anchor_focus"):
         tiny_config(method="eagle3", anchor_focus=0.5)
+
+
+def test_feature_noise_perturbs_the_taps_of_training_steps_only(tmp_path):
+    """feature_noise: each tap gets Gaussian noise of std scale × its RMS at that token (pads stay zero), the
+    same noise for the same seed; the labels' hidden states are untouched; a noisy step moves the weights
+    differently from a clean one, while validation reads exact taps; a negative scale is refused."""
+    from dspark.train.features import TargetFeatures, noisy_taps
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(2, 50, 3 * 64, generator=g) * torch.tensor([0.1, 1.0, 30.0]).repeat_interleave(64)
+    taps[1, 40:] = 0  # padding
+    feats = TargetFeatures(taps=taps, hidden=torch.randn(2, 50, 64, generator=g))
+    out = noisy_taps(feats, num_taps=3, scale=0.2, seed=7)
+    assert out.hidden is feats.hidden and torch.equal(out.taps, noisy_taps(feats, num_taps=3, scale=0.2, seed=7).taps)
+    assert not torch.equal(out.taps, noisy_taps(feats, num_taps=3, scale=0.2, seed=8).taps)
+    assert torch.equal(out.taps[1, 40:], taps[1, 40:])
+    delta, ref = (out.taps - taps)[0].unflatten(-1, (3, 64)), taps[0].unflatten(-1, (3, 64))
+    ratio = delta.pow(2).mean((0, 2)).sqrt() / ref.pow(2).mean((0, 2)).sqrt()  # [3]: every tap at its own scale
+    assert torch.allclose(ratio, torch.full((3,), 0.2), rtol=0.1), ratio
+
+    def one_step(noise: float):
+        run = Trainer(tiny_config(feature_noise=noise, max_steps=1), data_dir=toy_data(tmp_path / "data"),
+                      out_dir=tmp_path / f"run{noise}", target=tiny_target(), show_progress=False)
+        before = run.evaluate()
+        run.fit()
+        weights = {k: v.clone() for k, v in run._trainable_state().items()}
+        run.close()
+        return before, weights
+    (val0, clean), (val1, noisy) = one_step(0.0), one_step(0.5)
+    assert val0["ce"] == val1["ce"]  # validation before any step: exact taps either way
+    assert any(not torch.equal(clean[k], noisy[k]) for k in clean)
+    with pytest.raises(ValueError, match="feature_noise"):
+        tiny_config(feature_noise=-0.1)
 
 
 def test_schedule_by_time_fits_the_lr_schedule_to_max_minutes(tmp_path, monkeypatch):

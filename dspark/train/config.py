@@ -70,6 +70,9 @@ class TrainConfig:
     # visits (`anchors.process_anchors`), mined once with the starting weights (out_dir/focus_anchors.pt);
     # the rest uniformly. 0: uniform anchors only
     anchor_focus: float = 0.0
+    # regularisation: Gaussian noise on the target taps the drafter reads (training steps only; validation and
+    # labels stay exact), std = feature_noise × each tap's RMS at that token (EAGLE's feature noise, relative)
+    feature_noise: float = 0.0
     # losses (reference §4.4)
     loss_ce: float = 0.1
     loss_l1: float = 0.9
@@ -107,6 +110,7 @@ class TrainConfig:
         _need(0.0 <= self.anchor_focus <= 1.0, f"anchor_focus must be in [0, 1], got {self.anchor_focus}")
         _need(not (self.anchor_focus and self.method == "eagle3"),
               "anchor_focus applies to the block drafters (dspark, dflash), not eagle3")
+        _need(self.feature_noise >= 0, f"feature_noise must be >= 0, got {self.feature_noise}")
         if self.warm_start_layers is not None:
             object.__setattr__(self, "warm_start_layers", tuple(int(i) for i in self.warm_start_layers))
         _need(self.warm_start in ("none", "target"), f"warm_start {self.warm_start!r} unknown; choose none or target")

@@ -164,6 +164,18 @@ def batch_features(target, *, batch, tap_layer_ids: tuple[int, ...],
     return feats
 
 
+def noisy_taps(feats: TargetFeatures, *, num_taps: int, scale: float, seed: int) -> TargetFeatures:
+    """`TrainConfig.feature_noise`: the taps plus Gaussian noise of std scale × each tap's RMS at each token
+    (a zero pad stays zero), drawn from `seed` so a resumed step draws the same; `hidden` (the labels) untouched."""
+    taps = feats.taps.float()  # [batch, seq_len, num_taps * hidden]
+    per_tap = taps.unflatten(-1, (num_taps, -1))  # [batch, seq_len, num_taps, hidden]
+    rms = per_tap.pow(2).mean(-1, keepdim=True).sqrt()  # [batch, seq_len, num_taps, 1]
+    gen = torch.Generator(device=taps.device).manual_seed(seed)
+    noise = torch.randn(per_tap.shape, generator=gen, device=taps.device, dtype=torch.float32)
+    noisy = (per_tap + scale * rms * noise).flatten(-2).to(feats.taps.dtype)
+    return TargetFeatures(taps=noisy, hidden=feats.hidden, lse=feats.lse)
+
+
 # -- sharded, precomputed cache ----------------------------------------------------------------------
 
 def lse_row_mask(loss_mask: torch.Tensor) -> torch.Tensor:

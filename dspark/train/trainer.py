@@ -39,7 +39,7 @@ from dspark.train import methods
 from dspark.train.config import TrainConfig
 from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, collate, token_counts,
                                vocab_coverage)
-from dspark.train.features import FeatureCache, ShardedFeatureCache, batch_features
+from dspark.train.features import FeatureCache, ShardedFeatureCache, batch_features, noisy_taps
 from dspark.train.losses import add_stats, summarise
 
 log = logging.getLogger("dspark.train")
@@ -191,6 +191,9 @@ class Trainer:
         feats = batch_features(self.target, batch=batch, tap_layer_ids=self.tap_layer_ids, cache=self.cache)
         t1 = time.perf_counter()
         batch, feats = self._on_device(batch, feats)
+        if self.cfg.feature_noise:
+            feats = noisy_taps(feats, num_taps=len(self.tap_layer_ids), scale=self.cfg.feature_noise,
+                               seed=seeds[0] if seeds else self.step)
         with self._autocast():
             out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t, seeds=seeds,
                                      all_reduce=_sum_all, head_rows=self.head_rows, focus=focus)
