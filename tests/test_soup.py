@@ -46,9 +46,9 @@ def test_the_soup_refuses_exports_that_do_not_mix(tmp_path, capsys):
     _export(tmp_path / "vocab", seed=1, d2t=torch.arange(6).flip(0))
     _export(tmp_path / "shape", seed=2, config={"model_type": "dspark", "block_size": 15})
     with pytest.raises(ValueError, match="d2t"):
-        soup(tmp_path / "s1", [tmp_path / "a", tmp_path / "vocab"])
+        soup(tmp_path / "mix1", [tmp_path / "a", tmp_path / "vocab"])
     with pytest.raises(ValueError, match="config.json differs"):
-        soup(tmp_path / "s2", [tmp_path / "a", tmp_path / "shape"])
+        soup(tmp_path / "mix2", [tmp_path / "a", tmp_path / "shape"])
     with pytest.raises(SystemExit):
-        main([str(tmp_path / "s3"), str(tmp_path / "a")])
+        main([str(tmp_path / "mix3"), str(tmp_path / "a")])
     assert "at least two" in capsys.readouterr().err
