@@ -192,8 +192,7 @@ class Trainer:
         t1 = time.perf_counter()
         batch, feats = self._on_device(batch, feats)
         if self.cfg.feature_noise:
-            feats = noisy_taps(feats, num_taps=len(self.tap_layer_ids), scale=self.cfg.feature_noise,
-                               seed=seeds[0] if seeds else self.step)
+            feats = noisy_taps(feats, num_taps=len(self.tap_layer_ids), scale=self.cfg.feature_noise, seed=seeds[0])
         with self._autocast():
             out = methods.batch_loss(self.cfg, self.model, self.target, batch, feats, d2t=self.d2t, seeds=seeds,
                                      all_reduce=_sum_all, head_rows=self.head_rows, focus=focus)
