@@ -21,7 +21,8 @@ def register(sub) -> None:
     p.add_argument("--method", choices=["dspark", "dflash", "eagle3"], default=None,
                    help="overrides nothing: must agree with the config's method when both are given")
     p.add_argument("--config", default=None, help="JSON preset (configs/train_*.json)")
-    p.add_argument("--data", required=True, help="folder written by `dspark prepare-data`")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="folder written by `dspark prepare-data`; several (or a comma-separated list) read as one set")
     p.add_argument("--out", required=True, help="run folder: train.log, metrics.jsonl, checkpoints/")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (JSON value); unknown keys are errors")
@@ -46,16 +47,18 @@ def _init_distributed() -> bool:
 
 def _main(args: argparse.Namespace) -> int:
     from dspark.train.config import load_train_config
+    from dspark.train.data import check_feature_caches
     from dspark.train.trainer import Trainer
 
     try:
         overrides = list(args.set) + ([f"device={args.device}"] if args.device else [])
         cfg = load_train_config(args.config, overrides=overrides, method=args.method)
+        check_feature_caches(args.data, cfg.feature_cache)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     started = _init_distributed()
     try:
-        trainer = Trainer(cfg, data_dir=args.data, out_dir=args.out, cache_dir=args.cache_features,
+        trainer = Trainer(cfg, data_dir=",".join(args.data), out_dir=args.out, cache_dir=args.cache_features,
                           show_progress=not args.no_progress)
         if args.precompute_features:
             if not cfg.feature_cache:

@@ -10,6 +10,8 @@ Layout of a data folder:
 
 Targets (taps, logits) are not stored: `features.py` computes them online from the same models/ code.
 The holdout split is decided by a hash of the prompt key, so it is stable across resumes and sizes.
+Several folders (`--data A,B`, e.g. stages of sampled answers to one prompt pool) read as one data set; their
+keys then carry the folder's place in the list ("1/gsm8k:12"), since such folders share prompt keys.
 
     ds = TokenDataset("data/smollm2_train", split="train", max_seq_len=1024)
     sampler = BatchSampler(num_samples=len(ds), global_batch=8, seed=0)
@@ -98,23 +100,52 @@ def done_keys(root: str | Path, *, redo_dropped: tuple[str, ...] = ()) -> set[st
     return keys
 
 
-class TokenDataset:
-    """All samples of one split in memory (token ids are small: 4 bytes a token)."""
+def data_roots(spec: str | Path | list) -> list[Path]:
+    """The folders of a data argument: one path, a comma-separated list, or a list of either; each named once."""
+    items = spec if isinstance(spec, (list, tuple)) else [spec]
+    roots = [Path(r.strip()) for item in items for r in str(item).split(",") if r.strip()]
+    if not roots:
+        raise ValueError("no data folder given")
+    if len({r.resolve() for r in roots}) != len(roots):
+        raise ValueError(f"a data folder is listed twice: {', '.join(map(str, roots))}")
+    return roots
 
-    def __init__(self, root: str | Path, *, split: str = "train", max_seq_len: int | None = None):
+
+def check_feature_caches(data: str | Path | list, feature_cache: str | None) -> None:
+    """`feature_cache` names no folder, one, or one for each data folder (in the same order)."""
+    num_data, num_caches = len(data_roots(data)), len(data_roots(feature_cache)) if feature_cache else 0
+    if num_caches > 1 and num_caches != num_data:
+        raise ValueError(f"feature_cache names {num_caches} folders for {num_data} data folders: "
+                         "name one, or one for each data folder in the same order")
+
+
+def root_key(key: str, index: int, num_roots: int) -> str:
+    """A sample's key in a data set of `num_roots` folders: unchanged for one, else prefixed by its folder."""
+    return key if num_roots == 1 else f"{index}/{key}"
+
+
+class TokenDataset:
+    """All samples of one split in memory (token ids are small: 4 bytes a token); `root` may name several
+    folders (`data_roots`), read in order as one data set."""
+
+    def __init__(self, root: str | Path | list, *, split: str = "train", max_seq_len: int | None = None):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        self.root = Path(root)
-        assert_not_eval(self.root)
-        paths = shard_paths(self.root)
-        if not paths:
-            raise FileNotFoundError(f"no shard-*.safetensors in {self.root}; run `dspark prepare-data` first")
+        self.roots = data_roots(root)
+        self.root = self.roots[0]
+        shards: list[tuple[int, Path]] = []
+        for j, r in enumerate(self.roots):
+            assert_not_eval(r)
+            paths = shard_paths(r)
+            if not paths:
+                raise FileNotFoundError(f"no shard-*.safetensors in {r}; run `dspark prepare-data` first")
+            shards += [(j, p) for p in paths]
         self.manifest = json.loads((self.root / MANIFEST).read_text()) if (self.root / MANIFEST).exists() else {}
         want_val = split == "val"
         self.samples: list[Sample] = []
-        for p in paths:
+        for j, p in shards:
             with safe_open(str(p), "pt") as f:
-                keys = json.loads(f.metadata()["keys"])
+                keys = [root_key(k, j, len(self.roots)) for k in json.loads(f.metadata()["keys"])]
             t = load_file(str(p))
             off = t["offsets"].tolist()
             for i, key in enumerate(keys):

@@ -19,6 +19,8 @@ Optional on-disk caches:
       target logsumexp (fp32, only at rows whose next token is supervised, NaN elsewhere). Later steps
       never run the target nor a full-vocab LM head: draft-vocab target logits come from the cached
       hidden times the d2t rows of the LM head (`target_rows(..., lse=...)`). Shards are memory-mapped.
+      Several folders (`feature_cache` "A,B", one for each data folder of `--data A,B`, each filled from its
+      own data) read as one cache whose keys carry the folder's place, as the data set's do (data.py).
 """
 
 from __future__ import annotations
@@ -202,33 +204,39 @@ class ShardedFeatureCache:
 
     Shard `feat-NNNNN.safetensors`: taps [tokens, num_taps*hidden], hidden [tokens, hidden] (bf16 or
     fp16, as stored), lse [tokens] fp32 (NaN where not needed), offsets [samples+1] int64; metadata:
-    keys (JSON list), tag (tap layers + target dtype). A key maps to (shard, start, end)."""
+    keys (JSON list), tag (tap layers + target dtype). A key maps to (shard, start, end). `root` may name
+    several folders (data.data_roots): read-only, their keys prefixed by the folder's place (data.root_key)."""
 
-    def __init__(self, root: str | Path, *, tap_layer_ids: tuple[int, ...], target_dtype: str = "bfloat16"):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, root: str | Path | list, *, tap_layer_ids: tuple[int, ...], target_dtype: str = "bfloat16"):
+        from dspark.train.data import data_roots
+        self.roots = data_roots(root)
+        self.root = self.roots[0]
+        for r in self.roots:
+            r.mkdir(parents=True, exist_ok=True)
         self.tag = ",".join(str(i) for i in tap_layer_ids) + "|" + target_dtype
         self._handles: dict[int, object] = {}
         self._index: dict[str, tuple[int, int, int]] = {}
-        self._num_shards = 0
+        self._num_shards = 0  # shards in the first folder: the next one written is feat-{_num_shards}
         self.refresh()
 
     def refresh(self) -> None:
         import json
         from safetensors import safe_open
+
+        from dspark.train.data import root_key
         self._handles.clear()
         self._index.clear()
-        paths = sorted(self.root.glob("feat-*.safetensors"))
-        for sid, p in enumerate(paths):
+        paths = [(j, p) for j, r in enumerate(self.roots) for p in sorted(r.glob("feat-*.safetensors"))]
+        for sid, (j, p) in enumerate(paths):
             f = safe_open(str(p), "pt")
             meta = f.metadata()
             if meta.get("tag") != self.tag:
                 raise ValueError(f"{p} was written for {meta.get('tag')!r}, this run needs {self.tag!r}")
             off = f.get_tensor("offsets").tolist()
             for i, key in enumerate(json.loads(meta["keys"])):
-                self._index[key] = (sid, off[i], off[i + 1])
+                self._index[root_key(key, j, len(self.roots))] = (sid, off[i], off[i + 1])
             self._handles[sid] = f
-        self._num_shards = len(paths)
+        self._num_shards = sum(j == 0 for j, _ in paths)
 
     def __contains__(self, key: str) -> bool:
         return key in self._index
@@ -259,10 +267,13 @@ class ShardedFeatureCache:
     @torch.no_grad()
     def precompute(self, target, samples, *, tap_layer_ids: tuple[int, ...], tokens_per_forward: int = 4096,
                    samples_per_shard: int = 512, progress: bool = True, log=None) -> dict:
-        """Run the target once over every sample (data.Sample) whose key is not cached yet."""
+        """Run the target once over every sample (data.Sample) whose key is not cached yet (one folder only)."""
         import json
         import time
         from safetensors.torch import save_file
+        if len(self.roots) > 1:
+            raise ValueError(f"feature_cache names {len(self.roots)} folders: fill each from its own data folder "
+                             "(one --data and one feature_cache a run), then train on them together")
         todo = [s for s in samples if s.key not in self._index]
         todo.sort(key=lambda s: s.input_ids.numel())  # similar lengths per forward: less KV padding
         t_start, tokens = time.perf_counter(), 0

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from dspark.train import methods
 from dspark.train.config import TrainConfig
-from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, collate, token_counts,
-                               vocab_coverage)
+from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, check_feature_caches, collate,
+                               token_counts, vocab_coverage)
 from dspark.train.features import FeatureCache, ShardedFeatureCache, batch_features, noisy_taps
 from dspark.train.losses import add_stats, summarise
 
@@ -70,6 +70,7 @@ class Trainer:
                  cache_dir: str | Path | None = None, show_progress: bool = True):
         """target: (model, ModelConfig, eos_ids) to skip loading cfg.model (tests inject tiny models)."""
         self.cfg, self.out_dir = cfg, Path(out_dir)
+        check_feature_caches(data_dir, cfg.feature_cache)  # before any weights load
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.show_progress = show_progress and self.rank == 0
