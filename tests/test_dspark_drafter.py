@@ -55,11 +55,19 @@ def test_config_from_released_deepspec_and_zlab_json():
 
 # -- paged / incremental == dense
 
-@pytest.mark.parametrize("layout,head", [("dspark", "vanilla"), ("dspark", "rnn"), ("zlab", None)])
-def test_paged_incremental_equals_dense(layout, head):
+@pytest.mark.parametrize("layout,head,anchor,fused", [("dspark", "vanilla", False, True), ("dspark", "rnn", False, True),
+                                                      ("zlab", None, False, True), ("dspark", "vanilla", True, True),
+                                                      ("dspark", "vanilla", True, False)])
+def test_paged_incremental_equals_dense(layout, head, anchor, fused, monkeypatch):
+    """anchor: anchor_features (the newest context feature into each block's rows, read from the pool);
+    fused False: the module path (kernels off)."""
+    from dspark import kernels
+    if not fused:
+        monkeypatch.setattr(kernels, "enabled", lambda: False)
     cfg = tiny_cfg(slot_layout=layout, markov_rank=0 if head is None else 8,
-                   markov_head_type=head or "vanilla")
+                   markov_head_type=head or "vanilla", anchor_features=anchor)
     model = random_model(cfg)
+    assert (model.anchor_proj is not None) == anchor
     gamma = cfg.max_draft_tokens
     drafter = DSparkDrafter(model, num_draft_tokens=gamma)
     kv_block_size = 4
@@ -305,7 +313,8 @@ def test_check_rejects_bad_configs_before_weights(tmp_path, config_edit, spec_kw
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 48])
 def test_save_load_round_trip(tmp_path, draft_vocab_size):
-    cfg = tiny_cfg(enable_confidence_head=True, draft_vocab_size=draft_vocab_size, markov_head_type="gated")
+    cfg = tiny_cfg(enable_confidence_head=True, draft_vocab_size=draft_vocab_size, markov_head_type="gated",
+                   anchor_features=draft_vocab_size is not None)
     target = random_target()
     model = random_model(cfg)
     if draft_vocab_size:
@@ -328,3 +337,4 @@ def test_save_load_round_trip(tmp_path, draft_vocab_size):
     assert torch.equal(a.confidence_logits, b.confidence_logits)
     saved = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert DSparkConfig.from_deepspec_json(saved) == cfg
+    assert (loaded.anchor_proj is not None) == cfg.anchor_features == saved["anchor_features"]

@@ -293,10 +293,10 @@ def test_draft_matmul_dtype_auto_and_validation(monkeypatch):
 
 # -- end to end
 
-@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
-def test_engine_greedy_parity_with_random_dspark(tmp_path, matmul_dtype):
+@pytest.mark.parametrize("matmul_dtype,anchor", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_engine_greedy_parity_with_random_dspark(tmp_path, matmul_dtype, anchor):
     target = random_target(seed=7)
-    cfg = tiny_cfg(enable_confidence_head=True)
+    cfg = tiny_cfg(enable_confidence_head=True, anchor_features=anchor)
     save_dspark(random_model(cfg, seed=3), cfg, tmp_path / "d", dtype="float32")
     plain, _ = greedy_engine_run(target, None)
     spec_config = SpecConfig(method="dspark", model=str(tmp_path / "d"), num_speculative_tokens=4,

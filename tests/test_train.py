@@ -201,6 +201,9 @@ def test_train_config_rejects_unknown_keys(tmp_path):
         load_train_config(path, overrides=["learning_rate=1"])
     with pytest.raises(ValueError, match="contradicts"):
         load_train_config(path, method="eagle3")
+    assert load_train_config(path, overrides=["anchor_features=true"]).anchor_features
+    with pytest.raises(ValueError, match="anchor_features is a block drafter's"):
+        load_train_config(path, overrides=["method=eagle3", "anchor_features=true"])
 
 
 class _StubTokenizer:

@@ -153,3 +153,24 @@ def test_grown_markov_rank_drafts_the_same_at_step_zero(head):
     assert torch.equal(conf[:, :TARGET.hidden_size + 8], src.confidence_head.proj.weight) and conf[:, -8:].abs().sum() == 0
     _same_blocks(src, grown, seed=2, anchors=[[0, 4, 8], [2, 6, -1]]).draft_logits.sum().backward()
     assert w2.grad[:, 8:].abs().sum() > 0
+
+
+def test_grown_anchor_features_start_at_zero_and_learn():
+    """anchor_features added to an export (init_grow): anchor_proj starts at zero, so the blocks equal the
+    source's at step 0, and it gets gradients (the newest context feature is not zero); without init_grow the
+    missing tensor is named. A fresh drafter with it starts at zero as well."""
+    target = random_target(seed=8)
+    src, _ = methods.build(_cfg(warm_start="none"), target, TARGET, None)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(0.05 * torch.randn_like(p)) if p.requires_grad else None
+    grown, _ = methods.build(_cfg(warm_start="none", anchor_features=True, seed=3), target, TARGET, None)
+    assert grown.anchor_proj.weight.abs().sum() == 0
+    with torch.no_grad():
+        grown.anchor_proj.weight.normal_()
+    with pytest.raises(ValueError, match="anchor_proj.weight is missing"):
+        methods.copy_trainable(src, grown, where="src")
+    methods.copy_trainable(src, grown, where="src", grow=True)
+    assert grown.anchor_proj.weight.abs().sum() == 0
+    _same_blocks(src, grown, seed=3, anchors=[[0, 4, 8], [2, 6, -1]]).draft_logits.sum().backward()
+    assert grown.anchor_proj.weight.grad.abs().sum() > 0

@@ -73,19 +73,26 @@ class DSparkDrafter(Drafter):
             self.confidence_biases if greedy_confidence_temperatures is None
             else per_position(greedy_confidence_biases, num_draft_tokens, fill=0.0))  # [γ]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # anchor_features: the context features H_ctx themselves, per pool slot (halves in the extra K and V)
+        self.feature_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
     def kv_layer_specs(self) -> list[tuple[int, int]]:
-        return [(self.cfg.num_key_value_heads, self.cfg.head_dim)] * self.cfg.num_hidden_layers
+        """Per draft layer its context K/V; with anchor_features one more entry whose K and V hold the two
+        halves of each position's context feature (the newest one feeds each block's input)."""
+        specs = [(self.cfg.num_key_value_heads, self.cfg.head_dim)] * self.cfg.num_hidden_layers
+        return specs + ([(1, self.cfg.hidden_size // 2)] if self.cfg.anchor_features else [])
 
     def bind_kv(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if len(kv_caches) != self.cfg.num_hidden_layers:
-            raise ValueError(f"got {len(kv_caches)} KV layers for "
-                             f"{self.cfg.num_hidden_layers} draft layers")
-        self.kv_caches = list(kv_caches)
+        want = len(self.kv_layer_specs())
+        if len(kv_caches) != want:
+            raise ValueError(f"got {len(kv_caches)} KV layers for {self.cfg.num_hidden_layers} draft layers "
+                             f"(expected {want})")
+        self.kv_caches = list(kv_caches[:self.cfg.num_hidden_layers])
+        self.feature_rows = kv_caches[-1] if self.cfg.anchor_features else None
 
     # -- context ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -105,8 +112,12 @@ class DSparkDrafter(Drafter):
         dev = self.device
         taps = update.taps[torch.cat(rows).to(update.taps.device)].to(dev)  # [num_rows, num_taps * hidden]
         slot_mapping = torch.cat(slots).to(dev)  # [num_rows]
-        per_layer = self.model.context_kv(taps, torch.cat(positions).to(dev))
-        for (k, v), (k_cache, v_cache) in zip(per_layer, self.kv_caches):  # k, v [num_rows, G, hd]
+        h_ctx = self.model.context_features(taps)  # [num_rows, hidden]
+        stores = list(zip(self.model.context_kv(taps, torch.cat(positions).to(dev), h_ctx=h_ctx), self.kv_caches))
+        if self.feature_rows is not None:
+            half = h_ctx.shape[-1] // 2
+            stores.append(((h_ctx[:, None, :half], h_ctx[:, None, half:]), self.feature_rows))
+        for (k, v), (k_cache, v_cache) in stores:  # k, v [num_rows, G, hd]
             flat_k = k_cache.view(-1, *k_cache.shape[2:])
             flat_v = v_cache.view(-1, *v_cache.shape[2:])
             flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
@@ -127,6 +138,7 @@ class DSparkDrafter(Drafter):
         anchor_ids = torch.tensor([r.all_ids[r.anchor_pos] for r in reqs], dtype=torch.long, device=dev)
         block_ids = model.block_ids(anchor_ids)  # [num_reqs, block_size]
         positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(cfg.block_size, device=dev)
+        anchor_input = self._anchor_input(reqs, anchor_pos, kv_block_size)  # [num_reqs, block_size, hidden] or None
         hidden = None
         if dev.type == "cpu" and all(len(r.block_table) * kv_block_size >= r.anchor_pos + cfg.block_size
                                      for r in reqs):
@@ -134,20 +146,34 @@ class DSparkDrafter(Drafter):
             parts = []
             for i in range(0, len(reqs), per_call):
                 part = model.fused_backbone(block_ids[i:i + per_call], positions[i:i + per_call], kv_caches=self.kv_caches,
-                                            meta=self._block_meta(reqs[i:i + per_call], kv_block_size))
+                                            meta=self._block_meta(reqs[i:i + per_call], kv_block_size),
+                                            anchor_input=None if anchor_input is None else anchor_input[i:i + per_call])
                 if part is None:  # the kernels do not apply (the same for every part): the module path
                     break
                 parts.append(part)
             else:
                 hidden = torch.cat(parts)
         if hidden is None:
-            hidden = self._module_backbone(reqs, anchor_pos, block_ids, positions, kv_block_size)
+            hidden = self._module_backbone(reqs, anchor_pos, block_ids, positions, kv_block_size, anchor_input)
         off = cfg.slot_offset
         hidden = hidden[:, off:off + self.num_draft_tokens]  # [num_reqs, num_draft, hidden]
         return model.compute_logits(hidden), hidden, anchor_ids
 
+    def _anchor_input(self, reqs, anchor_pos: torch.Tensor, kv_block_size: int) -> torch.Tensor | None:
+        """anchor_features: anchor_proj of each request's newest context feature (position anchor_pos - 1, read
+        from the pool; none at position 0) → [num_reqs, block_size, hidden], or None without it."""
+        if self.feature_rows is None:
+            return None
+        newest = (anchor_pos - 1).clamp(min=0).tolist()
+        slots = torch.tensor([r.block_table[p // kv_block_size] * kv_block_size + p % kv_block_size
+                              for r, p in zip(reqs, newest)], dtype=torch.long, device=self.device)
+        k_cache, v_cache = self.feature_rows
+        rows = torch.cat([k_cache.view(-1, k_cache.shape[-1])[slots], v_cache.view(-1, v_cache.shape[-1])[slots]], -1)
+        rows = rows.to(self.model.norm.weight.dtype) * (anchor_pos > 0).to(self.device).unsqueeze(-1)  # [num_reqs, hidden]
+        return self.model.anchor_proj(rows).unsqueeze(1).expand(-1, self.cfg.block_size, -1)
+
     def _module_backbone(self, reqs, anchor_pos: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor,
-                         kv_block_size: int) -> torch.Tensor:
+                         kv_block_size: int, anchor_input: torch.Tensor | None = None) -> torch.Tensor:
         """`DSparkModel.backbone` over each request's context K/V gathered from the pool (nothing stored)
         → [num_reqs, block_size, hidden]."""
         cfg, dev = self.cfg, self.device
@@ -172,7 +198,8 @@ class DSparkDrafter(Drafter):
             v_flat = v_cache.view(-1, *v_cache.shape[2:])
             return k_flat[ctx_slots], v_flat[ctx_slots]  # [num_reqs, max_ctx, G, hd]
 
-        return self.model.backbone(block_ids, positions, layer_context_kv=layer_context_kv, mask=mask)
+        return self.model.backbone(block_ids, positions, layer_context_kv=layer_context_kv, mask=mask,
+                                   anchor_input=anchor_input)
 
     def _block_meta(self, reqs, kv_block_size: int):
         """Attention metadata of the flat block rows (request i's block at rows i·block_size ..): each

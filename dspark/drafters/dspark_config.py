@@ -3,7 +3,8 @@
 
 DeepSpec's `target_layer_ids` is renamed `tap_layer_ids` here, once, in `from_deepspec_json`.
 Unknown HF keys (architectures, dtype, layer_types, num_anchors, ...) are ignored; a missing required
-key raises `ValueError` naming it. Our own extra keys: `slot_layout` and `draft_vocab_size`.
+key raises `ValueError` naming it. Our own extra keys: `slot_layout`, `draft_vocab_size` and
+`anchor_features` (the newest context feature added to each block row's input; DeepSpec's have none).
 
 Slot layouts (reference §7.3, §8):
   "dspark": block = [anchor, mask × (block_size-1)] at anchor_pos .. ; slot k predicts anchor_pos+k+1,
@@ -44,6 +45,9 @@ class DSparkConfig:
     confidence_head_with_markov: bool = True  # confidence input [h ; W1[prev]] (else h only)
     slot_layout: str = "dspark"  # dspark | zlab
     draft_vocab_size: int | None = None  # None: full target vocab; else a reduced vocab with `d2t`
+    # our extension, off in DeepSpec's checkpoints: every block row's input adds anchor_proj(H_ctx at the
+    # anchor's previous position), the newest context feature, as EAGLE's input carries it
+    anchor_features: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tap_layer_ids", tuple(int(i) for i in self.tap_layer_ids))
@@ -65,6 +69,8 @@ class DSparkConfig:
               f"num_key_value_heads={self.num_key_value_heads}")
         _need(0 <= self.mask_token_id < self.vocab_size,
               f"mask_token_id {self.mask_token_id} outside the vocabulary (size {self.vocab_size})")
+        _need(not self.anchor_features or self.hidden_size % 2 == 0,
+              f"anchor_features stores each context feature in two halves: hidden_size {self.hidden_size} is odd")
         _need(self.draft_vocab_size is None or 0 < self.draft_vocab_size <= self.vocab_size,
               f"draft_vocab_size {self.draft_vocab_size} must be in (0, vocab_size={self.vocab_size}]")
 
@@ -136,6 +142,7 @@ class DSparkConfig:
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
             slot_layout=layout,
             draft_vocab_size=d.get("draft_vocab_size"),
+            anchor_features=bool(d.get("anchor_features", False)),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -172,6 +179,7 @@ def dspark_config_for_target(
     mask_token_id: int | None = None,
     slot_layout: str = "dspark",
     draft_vocab_size: int | None = None,
+    anchor_features: bool = False,
 ) -> DSparkConfig:
     """A fresh drafter config with the target's per-layer geometry (reference §1.1).
 
@@ -192,7 +200,7 @@ def dspark_config_for_target(
         enable_confidence_head=(markov_rank > 0 if enable_confidence_head is None
                                 else enable_confidence_head),
         confidence_head_with_markov=confidence_head_with_markov, slot_layout=slot_layout,
-        draft_vocab_size=draft_vocab_size)
+        draft_vocab_size=draft_vocab_size, anchor_features=anchor_features)
 
 
 def _need(ok: bool, message: str) -> None:

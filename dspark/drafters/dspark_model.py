@@ -173,6 +173,7 @@ class DSparkModel(nn.Module):
         self.layers = nn.ModuleList(DSparkDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = Linear(cfg.num_taps * d, d, bias=False)
         self.hidden_norm = _RMSNorm(d, cfg.rms_norm_eps)
+        self.anchor_proj = Linear(d, d, bias=False) if cfg.anchor_features else None
         self.norm = _RMSNorm(d, cfg.rms_norm_eps)
         self.lm_head = Linear(d, draft_vocab, bias=False)
         self.markov_head, self.confidence_head = build_heads(cfg)
@@ -248,11 +249,12 @@ class DSparkModel(nn.Module):
         """H_ctx = hidden_norm(fc(taps)): [..., num_taps * hidden] → [..., hidden]."""
         return self.hidden_norm(self.fc(taps.to(self.norm.weight.dtype)))
 
-    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor, *, h_ctx: torch.Tensor | None = None
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) [..., n, kv_heads, head_dim] of context rows (vLLM's
-        precompute_and_store_context_kv): taps [..., n, num_taps * hidden], positions [..., n]."""
-        h_ctx = self.context_features(taps)
+        precompute_and_store_context_kv): taps [..., n, num_taps * hidden], positions [..., n]; `h_ctx`:
+        their context features where already computed."""
+        h_ctx = self.context_features(taps) if h_ctx is None else h_ctx
         cos, sin = self.rope(positions)
         return [layer.self_attn.kv(h_ctx, cos, sin) for layer in self.layers]
 
@@ -264,8 +266,11 @@ class DSparkModel(nn.Module):
         # layer i → context k, v [batch, num_ctx, kv_heads, head_dim]
         layer_context_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor | None,  # [batch, 1, num_query or 1, num_ctx + num_query] bool
+        anchor_input: torch.Tensor | None = None,  # [batch, num_query, hidden] added to the rows' input
     ) -> torch.Tensor:  # [batch, num_query, hidden] final-normed
         h = self.embed_tokens(block_ids).to(self.norm.weight.dtype)  # the activations' dtype
+        if anchor_input is not None:
+            h = h + anchor_input.to(h.dtype)
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer_context_kv(i)
@@ -279,6 +284,7 @@ class DSparkModel(nn.Module):
         *,
         meta,  # models.attention.AttnMetadata of the flat block rows: one short group, every row stored
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer the paged pool's (k, v)
+        anchor_input: torch.Tensor | None = None,  # [batch, num_query, hidden] added to the rows' input
     ) -> torch.Tensor | None:  # [batch, num_query, hidden] final-normed, or None
         """`backbone` for inference in one CPU kernel call (`kernels.decoder_layers`, the target's fused
         decoder stack): the block's own K/V are stored into the pool at `meta.slot_mapping` (the
@@ -292,7 +298,10 @@ class DSparkModel(nn.Module):
         if (weights is None or batch * num_query > kernels.MAX_ROWS or len(meta.groups) != 1 or not meta.all_stored
                 or not kernels.enabled()):
             return None
-        x = self.embed_tokens(block_ids).reshape(batch * num_query, -1).float().contiguous()  # [T, hidden]
+        x = self.embed_tokens(block_ids).float()  # [batch, num_query, hidden]
+        if anchor_input is not None:
+            x = x + anchor_input.float()
+        x = x.reshape(batch * num_query, -1).contiguous()  # [T, hidden]
         cos, sin = self.rope(positions.reshape(-1))  # [T, head_dim]
         half = sin.shape[-1] // 2
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # the rotate-half sign folded in
@@ -389,8 +398,15 @@ class DSparkModel(nn.Module):
         # [batch, 1, queries, seq_len + queries], queries = num_anchors * num_slots
         mask = torch.cat([ctx_seen, same_block], dim=-1).unsqueeze(1)
 
-        ctx_kv = self.context_kv(taps, torch.arange(seq_len, device=dev).expand(batch, -1))
-        hidden = self.backbone(block_ids, positions, layer_context_kv=ctx_kv.__getitem__, mask=mask)
+        h_ctx = self.context_features(taps)  # [batch, seq_len, hidden]
+        ctx_kv = self.context_kv(taps, torch.arange(seq_len, device=dev).expand(batch, -1), h_ctx=h_ctx)
+        anchor_input = None
+        if self.anchor_proj is not None:  # the newest context feature (anchor - 1) into each of its block's rows
+            newest = h_ctx.gather(1, (anchor - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, h_ctx.shape[-1]))
+            newest = newest * ((anchor > 0) & valid).unsqueeze(-1)  # [batch, num_anchors, hidden]: none at 0
+            anchor_input = self.anchor_proj(newest).repeat_interleave(num_slots, dim=1)
+        hidden = self.backbone(block_ids, positions, layer_context_kv=ctx_kv.__getitem__, mask=mask,
+                               anchor_input=anchor_input)
         # [batch, num_anchors, num_draft, hidden]: the predicting slots only
         hidden = hidden.view(batch, num_anchors, num_slots, -1)[:, :, off:]
         base_logits = self.compute_logits(hidden)  # [batch, anchors, num_draft, draft_vocab]

@@ -37,6 +37,7 @@ class TrainConfig:
     tap_layer_ids: tuple[int, ...] | None = None  # None: evenly spaced (dspark_config.default_tap_layer_ids)
     markov_rank: int = 128  # dspark only; dflash forces 0
     markov_head_type: str = "vanilla"
+    anchor_features: bool = False  # block drafters: DSparkConfig.anchor_features (anchor_proj starts at zero)
     draft_vocab_size: int | None = 16384  # None: the full target vocabulary
     ttt_steps: int = 7  # eagle3 test-time-training unroll
     # data
@@ -142,6 +143,8 @@ class TrainConfig:
                   "dflash trains with CE only: set loss_l1=0 and loss_confidence=0")
         if self.method == "dspark":
             _need(self.markov_rank > 0, "dspark needs markov_rank > 0 (markov_rank 0 is dflash)")
+        _need(not self.anchor_features or self.method != "eagle3",
+              "anchor_features is a block drafter's (dspark, dflash): EAGLE-3's input carries the newest feature")
 
 
 def _need(ok: bool, message: str) -> None:

@@ -66,13 +66,15 @@ def build_block_drafter(cfg, target, target_cfg, d2t: torch.Tensor | None):
         target_cfg, num_hidden_layers=cfg.num_draft_layers, block_size=cfg.block_size,
         tap_layer_ids=cfg.tap_layer_ids, markov_rank=cfg.markov_rank if is_dspark else 0,
         markov_head_type=cfg.markov_head_type, enable_confidence_head=is_dspark,
-        draft_vocab_size=None if d2t is None else d2t.numel())
+        draft_vocab_size=None if d2t is None else d2t.numel(), anchor_features=cfg.anchor_features)
     model = DSparkModel(dcfg)
     if d2t is not None:
         model.reset_buffers(d2t=d2t)
     embed, head = target_embed_and_head(target)
     model.share_target_weights(embed_weight=embed, lm_head_weight=head)
     init_trainable(model, std=cfg.init_std, seed=cfg.seed)
+    if model.anchor_proj is not None:
+        model.anchor_proj.weight.data.zero_()  # at first the drafter without it
     copy_final_norm(model, target)
     if cfg.warm_start == "target":
         from dspark.train.warm_start import warm_start_from_target
@@ -283,6 +285,9 @@ def copy_trainable(source: nn.Module, model: nn.Module, *, where: str, grow: boo
                 p.copy_(torch.zeros_like(p) if zero else have[src_name].to(p.dtype))
                 continue
             src = have.get(name)
+            if grow and name == "anchor_proj.weight" and src is None:  # added to the export: starts at zero
+                p.zero_()
+                continue
             if grow and name in RANK_GROWN and src is not None and _widens(src, p, model):
                 if RANK_GROWN[name]:
                     p.zero_()
