@@ -14,7 +14,8 @@ the reduced-vocab head quantized to Q4_1 blocks, the fused stack), and `kernel-r
 defaults with bf16 products of up to 128 rows through the kernel, the earlier default, instead of
 `kernels.bf16_kernel_rows()`: 16 on CPUs with AMX, where torch's oneDNN products are faster past that),
 `topk-K` (the defaults with top-K Markov drafting, spec "draft_topk": K), `markov-loop` (the defaults with the greedy
-Markov walk position by position in Python instead of one `kernels.markov_walk` call). The target is the default model at `auto` (q4_1 on AVX2
+Markov walk position by position in Python instead of one `kernels.markov_walk` call); `NAME=FOLDER` is another
+drafter folder (an export of `dspark train`) with the defaults. The target is the default model at `auto` (q4_1 on AVX2
 CPUs), context 256 positions per request (`dspark profile`'s `StepProfiler`).
 """
 
@@ -45,8 +46,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     counts = [int(n) for n in args.num_reqs.split(",")]
     profilers, kernel_rows = {}, {}
-    for name in args.paths.split(","):
-        opts = dict(PATHS[name])
+    for path in args.paths.split(","):
+        name, _, folder = path.partition("=")
+        opts = {"model": folder} if folder else dict(PATHS[name])
         fused = opts.pop("fused", True)
         kernel_rows[name] = opts.pop("bf16_kernel_rows", None)
         markov_loop = opts.pop("markov_loop", False)
