@@ -138,11 +138,17 @@ def assert_metrics_zero(srv) -> None:
         assert m[(f"vllm:{name}", ())] == 0, name
 
 
-def _open_and_close(srv, payload: dict, close_after_s: float) -> None:
+def _open_and_close(srv, payload: dict, close_after_s: float, until=None) -> None:
+    """Open a stream, wait for its role chunk, read on until `until()` holds (if given), then close it."""
     with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=payload,
                       timeout=30) as resp:
         assert resp.status_code == 200
-        next(resp.iter_lines())  # the role chunk: the request is in the engine
+        lines = resp.iter_lines()
+        next(lines)  # the role chunk: the request is in the engine
+        deadline = time.monotonic() + 20
+        for _ in lines if until is not None else ():
+            if until() or time.monotonic() > deadline:
+                break
         time.sleep(close_after_s)
 
 
@@ -177,7 +183,8 @@ def test_served_speculative_stream_and_timeout_aborts():
     with serve(engine) as srv:
         _open_and_close(srv, {"model": MODEL, "stream": True, "max_tokens": 80, "temperature": 0.0,
                               "ignore_eos": True, "messages": [
-                                  {"role": "user", "content": "ab ab ab ab ab"}]}, 0.3)
+                                  {"role": "user", "content": "ab ab ab ab ab"}]}, 0.05,
+                        until=lambda: engine.metrics.num_drafts > 0)  # a loaded machine drafts late
         assert_metrics_zero(srv)
         with pytest.raises(httpx.TimeoutException):
             httpx.post(srv.base_url + "/v1/completions", timeout=0.3, json={
