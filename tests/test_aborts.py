@@ -145,10 +145,11 @@ def _open_and_close(srv, payload: dict, close_after_s: float, until=None) -> Non
         assert resp.status_code == 200
         lines = resp.iter_lines()
         next(lines)  # the role chunk: the request is in the engine
-        deadline = time.monotonic() + 20
-        for _ in lines if until is not None else ():
-            if until() or time.monotonic() > deadline:
-                break
+        if until is not None:
+            deadline = time.monotonic() + 20
+            for _ in lines:
+                if until() or time.monotonic() > deadline:
+                    break
         time.sleep(close_after_s)
 
 

@@ -165,8 +165,8 @@ class DSparkDrafter(Drafter):
         if self.feature_rows is None:
             return None
         newest = (anchor_pos - 1).clamp(min=0).tolist()
-        slots = torch.tensor([r.block_table[p // kv_block_size] * kv_block_size + p % kv_block_size
-                              for r, p in zip(reqs, newest)], dtype=torch.long, device=self.device)
+        slots = torch.cat([torch.from_numpy(slots_for(r.block_table, p, p + 1, kv_block_size))
+                           for r, p in zip(reqs, newest)]).to(self.device)  # [num_reqs]
         k_cache, v_cache = self.feature_rows
         rows = torch.cat([k_cache.view(-1, k_cache.shape[-1])[slots], v_cache.view(-1, v_cache.shape[-1])[slots]], -1)
         rows = rows.to(self.model.norm.weight.dtype) * (anchor_pos > 0).to(self.device).unsqueeze(-1)  # [num_reqs, hidden]
