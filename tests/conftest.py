@@ -33,6 +33,14 @@ TINY_QWEN3 = ModelConfig(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
     rope_theta=1000000.0, max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True,
     bos_token_id=1, eos_token_ids=(2,))
+GEMMA3_WINDOW = 8  # small, so prompts cross it and local layers differ from global ones
+TINY_GEMMA3 = ModelConfig(
+    architecture="Gemma3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=96,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0, rope_local_theta=10_000.0, max_position_embeddings=512, tie_word_embeddings=True,
+    qk_norm=True, bos_token_id=2, eos_token_ids=(1,), hidden_activation="gelu_pytorch_tanh",
+    layer_types=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"),
+    sliding_window=GEMMA3_WINDOW, query_pre_attn_scalar=24.0, final_logit_softcapping=30.0)
 TINY_CONFIGS = {"llama": TINY_LLAMA, "llama3_scaled": TINY_LLAMA3_SCALED, "qwen3": TINY_QWEN3}
 
 

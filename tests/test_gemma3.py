@@ -19,18 +19,10 @@ from dspark.drafters.ngram import NgramDrafter
 from dspark.llm import LLM
 from dspark.models.attention import SeqSpec, build_attn_metadata, sliding_window_metadata
 from dspark.models.config import ModelConfig
-from tests.conftest import PagedKV, hf_twin
+from tests.conftest import GEMMA3_WINDOW as WINDOW, TINY_GEMMA3, PagedKV, hf_twin
 from tests.engine_helpers import greedy, hf_greedy, make_engine, run, run_one_at_a_time, tiny_target
 
 ATOL = 1e-4
-WINDOW = 8
-TINY_GEMMA3 = ModelConfig(
-    architecture="Gemma3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=96,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-    rope_theta=1_000_000.0, rope_local_theta=10_000.0, max_position_embeddings=512, tie_word_embeddings=True,
-    qk_norm=True, bos_token_id=2, eos_token_ids=(1,), hidden_activation="gelu_pytorch_tanh",
-    layer_types=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"),
-    sliding_window=WINDOW, query_pre_attn_scalar=24.0, final_logit_softcapping=30.0)
 
 
 def _ids(n: int, seed: int) -> list[int]:

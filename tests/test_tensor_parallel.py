@@ -19,17 +19,13 @@ from dspark.distributed.runner import WorkerFailure
 from dspark.engine.build import build_engine
 from dspark.llm import LLM
 from dspark.sampling import SamplingParams
-from tests.conftest import TINY_LLAMA, TINY_QWEN3, hf_twin
+from tests.conftest import TINY_GEMMA3, TINY_LLAMA, TINY_QWEN3, hf_twin
 
 # an untied Qwen3 (a tied random one repeats its input token) with 3 KV heads: the ranks keep 2 and 1
 QWEN3_UNEVEN = dataclasses.replace(TINY_QWEN3, tie_word_embeddings=False, num_attention_heads=6,
                                    num_key_value_heads=3, intermediate_size=100)
-CONFIGS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3, "qwen3_uneven": QWEN3_UNEVEN}
-try:  # Gemma 3 (sliding-window layers, soft-capped logits) shards by the same structure
-    from tests.test_gemma3 import TINY_GEMMA3
-    CONFIGS["gemma3"] = TINY_GEMMA3
-except ImportError:
-    pass
+# Gemma 3 (sliding-window layers, soft-capped logits) shards by the same structure
+CONFIGS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3, "qwen3_uneven": QWEN3_UNEVEN, "gemma3": TINY_GEMMA3}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [20, 21, 22], list(range(30, 60))]
 SLOW = pytest.mark.slow  # two processes per engine: the default run keeps one case of each claim
 

@@ -22,8 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import gc
+import weakref
+
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dspark.engine.model_runner import ModelRunner, StepBatch
 from dspark.models.attention import SHORT_QUERY_MAX, AttnGroup, AttnMetadata, slots_for
@@ -40,17 +45,33 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+class CapturedGraph:
+    """What a backend keeps of one capture: the graph (anything with `replay()`) and its static outputs,
+    which every replay writes."""
+
+    def __init__(self, graph, outputs: tuple[torch.Tensor, ...]) -> None:
+        self.graph, self.outputs = graph, outputs
+
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        self.graph.replay()
+        return self.outputs
+
+
 class EagerBackend:
-    """Capture = record the function and run it once; replay = run it again into the same output tensors."""
+    """Capture = run the function once; replay = run it again into the same output tensors."""
 
-    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]):
+    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]) -> CapturedGraph:
         outputs = fn()
+        return CapturedGraph(_EagerGraph(fn, outputs), outputs)
 
-        def replay() -> tuple[torch.Tensor, ...]:
-            for out, new in zip(outputs, fn()):
-                out.copy_(new)
-            return outputs
-        return replay, outputs
+
+class _EagerGraph:
+    def __init__(self, fn, outputs) -> None:
+        self.fn, self.outputs = fn, outputs
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.fn()):
+            out.copy_(new)
 
 
 class CudaGraphBackend:
@@ -59,22 +80,101 @@ class CudaGraphBackend:
     def __init__(self) -> None:
         self.pool = None
 
-    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]):
+    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]) -> CapturedGraph:
+        self._warm_up(fn)
+        graph, outputs = self._record(fn)
+        return CapturedGraph(graph, outputs)
+
+    def _warm_up(self, fn: Callable[[], tuple[torch.Tensor, ...]]) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
+
+    def _record(self, fn: Callable[[], tuple[torch.Tensor, ...]]):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = fn()
         self.pool = graph.pool()
+        return graph, outputs
 
-        def replay() -> tuple[torch.Tensor, ...]:
-            graph.replay()
-            return outputs
-        return replay, outputs
+
+class LifetimeCheckBackend(CudaGraphBackend):
+    """The CPU stand-in with CUDA graphs' lifetimes, for tests. A CUDA graph replays the raw addresses its
+    capture read, so every tensor the captured function read but did not create must stay alive as long as
+    the graph can replay; a freed one hands its memory to the next allocation, which the graph then reads.
+    This backend keeps exactly what `CudaGraphBackend` keeps (its `capture`, inherited), records under a
+    `TorchDispatchMode` every tensor an aten op of the captured run reads that the run did not create, holds
+    the function itself only weakly, and before every replay checks, after `gc.collect()`, that each
+    recorded tensor is still alive (AssertionError naming the dead ones). Run with the CPU kernels off, so
+    attention runs as aten ops the mode sees."""
+
+    def _warm_up(self, fn) -> None:
+        fn()  # lazily built state (caches, tables) exists before the recorded run, as on CUDA
+
+    def _record(self, fn):
+        recorder = _ReadRecorder()
+        with recorder:
+            outputs = fn()
+        return _WeakGraph(fn, outputs, recorder.outside_reads(_closure_names(fn))), outputs
+
+
+class _ReadRecorder(TorchDispatchMode):
+    """Every tensor an op reads that no op of this run produced, in the order first read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: dict[int, weakref.ref] = {}  # by id, checked to be the same object (ids are reused)
+        self.reads: dict[int, tuple[weakref.ref, str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.ops.aten.lift_fresh.default:  # its input: a tensor the run just made (torch.tensor)
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and not self._created(t) and id(t) not in self.reads:
+                    self.reads[id(t)] = (weakref.ref(t), f"{list(t.shape)} {t.dtype} read by {func}")
+        self.created.update((id(t), weakref.ref(t)) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+    def _created(self, t: torch.Tensor) -> bool:
+        ref = self.created.get(id(t))
+        return ref is not None and ref() is t
+
+    def outside_reads(self, names: dict[int, str]) -> list[tuple[weakref.ref, str]]:
+        return [(ref, f"{names.get(key, 'a tensor')} ({what})") for key, (ref, what) in self.reads.items()]
+
+
+def _closure_names(fn) -> dict[int, str]:
+    """id -> name of the tensors `fn`'s closure refers to, directly or as an attribute of a captured object."""
+    names: dict[int, str] = {}
+    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        value = cell.cell_contents
+        if isinstance(value, torch.Tensor):
+            names[id(value)] = var
+        for attr, item in getattr(value, "__dict__", {}).items():
+            if isinstance(item, torch.Tensor):
+                names.setdefault(id(item), f"{var}.{attr}")
+    return names
+
+
+class _WeakGraph:
+    """A recorded capture replayed on the CPU: the function held weakly, the recorded reads checked first."""
+
+    def __init__(self, fn, outputs, reads: list[tuple[weakref.ref, str]]) -> None:
+        self.fn, self.outputs, self.reads = weakref.ref(fn), outputs, reads
+
+    def replay(self) -> None:
+        gc.collect()
+        dead = [name for ref, name in self.reads if ref() is None]
+        if dead:
+            raise AssertionError("a captured graph reads tensors nothing keeps alive: " + "; ".join(dead))
+        fn = self.fn()
+        if fn is None:  # every read is alive yet the function is gone: nothing left to replay on the CPU
+            raise AssertionError("the captured function was freed while its graph can replay")
+        for out, new in zip(self.outputs, fn()):
+            out.copy_(new)
 
 
 @dataclass
@@ -84,7 +184,7 @@ class _Graph:
     slot_mapping: torch.Tensor  # [B * W] long
     key_limit: torch.Tensor  # [B, W] long
     kv_slots: torch.Tensor  # [B, K] long
-    replay: Callable[[], tuple[torch.Tensor, ...]]
+    captured: CapturedGraph | None
 
 
 class GraphedRunner(ModelRunner):
@@ -125,7 +225,7 @@ class GraphedRunner(ModelRunner):
             return super().forward(batch, with_taps=with_taps)
         graph = self.graphs.get(key) or self._capture(key)
         rows = self._fill(graph, batch, key)
-        logits, taps = graph.replay()
+        logits, taps = graph.captured.replay()
         self.num_replays += 1
         return logits[rows], (taps[rows] if key[3] else None)
 
@@ -162,7 +262,7 @@ class GraphedRunner(ModelRunner):
                    slot_mapping=torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev),
                    key_limit=torch.ones(bucket, width, dtype=torch.long, device=dev),
                    kv_slots=torch.full((bucket, num_keys), self.scratch_slot, dtype=torch.long, device=dev),
-                   replay=None)
+                   captured=None)
         token_index = torch.arange(n, device=dev).view(bucket, width)
         query_valid = torch.ones(bucket, width, dtype=torch.bool, device=dev)
         tap_ids = self.tap_layer_ids if taps else ()
@@ -176,6 +276,6 @@ class GraphedRunner(ModelRunner):
             logits = self.model.compute_logits(hidden).float()  # [n, vocab]
             return (logits, tap_out) if taps else (logits, logits[:0])
 
-        g.replay, _ = self.backend.capture(step)
+        g.captured = self.backend.capture(step)
         self.graphs[key] = g
         return g
