@@ -46,11 +46,12 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
 
 
 class CapturedGraph:
-    """What a backend keeps of one capture: the graph (anything with `replay()`) and its static outputs,
-    which every replay writes."""
+    """What a backend keeps of one capture for as long as it can replay: the graph (anything with
+    `replay()`), its static outputs, which every replay writes, and the captured function, so that every
+    tensor its closure refers to stays alive (a graph reads the addresses its capture read)."""
 
-    def __init__(self, graph, outputs: tuple[torch.Tensor, ...]) -> None:
-        self.graph, self.outputs = graph, outputs
+    def __init__(self, fn: Callable[[], tuple[torch.Tensor, ...]], graph, outputs: tuple[torch.Tensor, ...]) -> None:
+        self.fn, self.graph, self.outputs = fn, graph, outputs
 
     def replay(self) -> tuple[torch.Tensor, ...]:
         self.graph.replay()
@@ -62,7 +63,7 @@ class EagerBackend:
 
     def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]) -> CapturedGraph:
         outputs = fn()
-        return CapturedGraph(_EagerGraph(fn, outputs), outputs)
+        return CapturedGraph(fn, _EagerGraph(fn, outputs), outputs)
 
 
 class _EagerGraph:
@@ -83,7 +84,7 @@ class CudaGraphBackend:
     def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]) -> CapturedGraph:
         self._warm_up(fn)
         graph, outputs = self._record(fn)
-        return CapturedGraph(graph, outputs)
+        return CapturedGraph(fn, graph, outputs)
 
     def _warm_up(self, fn: Callable[[], tuple[torch.Tensor, ...]]) -> None:
         stream = torch.cuda.Stream()
@@ -184,7 +185,9 @@ class _Graph:
     slot_mapping: torch.Tensor  # [B * W] long
     key_limit: torch.Tensor  # [B, W] long
     kv_slots: torch.Tensor  # [B, K] long
-    captured: CapturedGraph | None
+    token_index: torch.Tensor  # [B, W] long: arange, the dense row of each query
+    query_valid: torch.Tensor  # [B, W] bool: all True (padding queries read the scratch block)
+    captured: CapturedGraph | None = None  # owns the step function: every tensor the graph reads lives here
 
 
 class GraphedRunner(ModelRunner):
@@ -262,15 +265,14 @@ class GraphedRunner(ModelRunner):
                    slot_mapping=torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev),
                    key_limit=torch.ones(bucket, width, dtype=torch.long, device=dev),
                    kv_slots=torch.full((bucket, num_keys), self.scratch_slot, dtype=torch.long, device=dev),
-                   captured=None)
-        token_index = torch.arange(n, device=dev).view(bucket, width)
-        query_valid = torch.ones(bucket, width, dtype=torch.bool, device=dev)
+                   token_index=torch.arange(n, device=dev).view(bucket, width),
+                   query_valid=torch.ones(bucket, width, dtype=torch.bool, device=dev))
         tap_ids = self.tap_layer_ids if taps else ()
 
         def step() -> tuple[torch.Tensor, ...]:
             # metadata built inside: the mask is computed from the static key limits at every replay
             meta = AttnMetadata(slot_mapping=g.slot_mapping, num_tokens=n, all_stored=True, groups=[AttnGroup(
-                token_index=token_index, query_valid=query_valid, kv_slots=g.kv_slots, all_valid=True,
+                token_index=g.token_index, query_valid=g.query_valid, kv_slots=g.kv_slots, all_valid=True,
                 key_limit=g.key_limit, needs_mask=True)])
             hidden, tap_out = self.model(g.input_ids, g.positions, meta, self.kv_caches, tap_layer_ids=tap_ids)
             logits = self.model.compute_logits(hidden).float()  # [n, vocab]
