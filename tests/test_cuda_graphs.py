@@ -94,24 +94,26 @@ def test_the_lifetime_check_names_a_freed_tensor():
         graph.replay()
 
 
-def test_the_cuda_path_never_loads_the_cpu_kernels(monkeypatch):
+@pytest.mark.parametrize("cfg", [TINY_QWEN3, TINY_GEMMA3], ids=["qwen3", "gemma3"])
+def test_the_cuda_path_never_loads_the_cpu_kernels(cfg, monkeypatch):
     """A forward whose tensors are not on the CPU (the meta device stands in for CUDA here) never asks for
-    the compiled kernels: no op calls `kernels.ops()` before checking its tensors."""
+    the compiled kernels: no op calls `kernels.ops()` before checking its tensors (Gemma 3: a query past
+    its sliding window, whose CPU path would cut the key rows on the host)."""
     def refuse():
         raise AssertionError("CPU kernels loaded on a non-CPU device")
     monkeypatch.setattr(kernels, "ops", refuse)
-    model, _ = tiny_target(TINY_QWEN3)
+    model, _ = tiny_target(cfg)
     model = model.to("meta")
-    caches = [(torch.empty(8, 4, 2, 32, device="meta"), torch.empty(8, 4, 2, 32, device="meta"))
+    caches = [(torch.empty(8, 4, 2, cfg.head_dim, device="meta"), torch.empty(8, 4, 2, cfg.head_dim, device="meta"))
               for _ in range(model.num_kv_layers)]
-    meta = build_attn_metadata([SeqSpec(block_table=[0, 1], num_cached=3, num_query=1, token_offset=0)],
+    meta = build_attn_metadata([SeqSpec(block_table=[0, 1, 2, 3], num_cached=12, num_query=1, token_offset=0)],
                                num_tokens=1, kv_block_size=4, device="meta")
     with torch.inference_mode():
         hidden, _ = model(torch.zeros(1, dtype=torch.long, device="meta"), torch.zeros(1, dtype=torch.long,
                                                                                         device="meta"),
                           meta, caches)
         logits = model.compute_logits(hidden)
-    assert logits.shape == (1, TINY_QWEN3.vocab_size) and logits.device.type == "meta"
+    assert logits.shape == (1, cfg.vocab_size) and logits.device.type == "meta"
 
 
 @pytest.mark.gpu

@@ -109,8 +109,9 @@ class LifetimeCheckBackend(CudaGraphBackend):
     This backend keeps exactly what `CudaGraphBackend` keeps (its `capture`, inherited), records under a
     `TorchDispatchMode` every tensor an aten op of the captured run reads that the run did not create, holds
     the function itself only weakly, and before every replay checks, after `gc.collect()`, that each
-    recorded tensor is still alive (AssertionError naming the dead ones). Run with the CPU kernels off, so
-    attention runs as aten ops the mode sees."""
+    recorded tensor is still alive (AssertionError naming the dead ones). A captured run that reads a
+    tensor's values on the host (`.item()`, `int(t)`, boolean-mask indexing), which a capturing stream
+    refuses, fails at capture. Run with the CPU kernels off, so attention runs as aten ops the mode sees."""
 
     def _warm_up(self, fn) -> None:
         fn()  # lazily built state (caches, tables) exists before the recorded run, as on CUDA
@@ -122,8 +123,15 @@ class LifetimeCheckBackend(CudaGraphBackend):
         return _WeakGraph(fn, outputs, recorder.outside_reads(_closure_names(fn))), outputs
 
 
+# ops that read a tensor's values on the host: a CUDA stream refuses them while it captures (and indexing
+# by a boolean mask, `_reads_on_host`)
+HOST_SYNC_OPS = frozenset(("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal",
+                           "aten::nonzero", "aten::masked_select"))
+
+
 class _ReadRecorder(TorchDispatchMode):
-    """Every tensor an op reads that no op of this run produced, in the order first read."""
+    """Every tensor an op reads that no op of this run produced, in the order first read; an op that reads
+    values on the host raises."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -131,6 +139,8 @@ class _ReadRecorder(TorchDispatchMode):
         self.reads: dict[int, tuple[weakref.ref, str]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _reads_on_host(func, args):
+            raise AssertionError(f"a captured step reads tensor values on the host ({func})")
         out = func(*args, **(kwargs or {}))
         if func is not torch.ops.aten.lift_fresh.default:  # its input: a tensor the run just made (torch.tensor)
             for t in tree_leaves((args, kwargs)):
@@ -145,6 +155,13 @@ class _ReadRecorder(TorchDispatchMode):
 
     def outside_reads(self, names: dict[int, str]) -> list[tuple[weakref.ref, str]]:
         return [(ref, f"{names.get(key, 'a tensor')} ({what})") for key, (ref, what) in self.reads.items()]
+
+
+def _reads_on_host(func, args) -> bool:
+    if func._schema.name in HOST_SYNC_OPS:
+        return True
+    return func._schema.name == "aten::index" and any(  # x[mask]: the mask's True count sizes the result
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
 
 
 def _closure_names(fn) -> dict[int, str]:
@@ -271,7 +288,7 @@ class GraphedRunner(ModelRunner):
 
         def step() -> tuple[torch.Tensor, ...]:
             # metadata built inside: the mask is computed from the static key limits at every replay
-            meta = AttnMetadata(slot_mapping=g.slot_mapping, num_tokens=n, all_stored=True, groups=[AttnGroup(
+            meta = AttnMetadata(slot_mapping=g.slot_mapping, num_tokens=n, all_stored=True, captured=True, groups=[AttnGroup(
                 token_index=g.token_index, query_valid=g.query_valid, kv_slots=g.kv_slots, all_valid=True,
                 key_limit=g.key_limit, needs_mask=True)])
             hidden, tap_out = self.model(g.input_ids, g.positions, meta, self.kv_caches, tap_layer_ids=tap_ids)

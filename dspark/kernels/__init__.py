@@ -323,12 +323,17 @@ def short_attention(
     scale: float,
 ) -> bool:
     """Fill `out` through the kernel; False (nothing written) when it does not apply."""
-    k = ops() if _eligible(q, k_flat, v_flat) else None
-    if k is None or not (q.is_contiguous() and k_flat.is_contiguous()
-                                                             and v_flat.is_contiguous() and out.is_contiguous()):
+    if not (short_attention_applies(q, k_flat, v_flat) and out.is_contiguous()):
         return False
-    k.short_attention(q, k_flat, v_flat, token_index, key_limit, kv_slots, out, scale)
+    ops().short_attention(q, k_flat, v_flat, token_index, key_limit, kv_slots, out, scale)
     return True
+
+
+def short_attention_applies(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> bool:
+    """Would `short_attention` run the kernel on these tensors (fp32 CPU, contiguous, the kernels built)?
+    The tensors are checked first, so a CUDA step never loads the CPU kernels."""
+    return (_eligible(q, k_flat, v_flat) and q.is_contiguous() and k_flat.is_contiguous()
+            and v_flat.is_contiguous() and ops() is not None)
 
 
 def decoder_layers(

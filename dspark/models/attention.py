@@ -84,6 +84,7 @@ class AttnMetadata:
     groups: list[AttnGroup]
     num_tokens: int
     all_stored: bool = False  # no -1 in slot_mapping: store without a mask (and without a host sync)
+    captured: bool = False  # a CUDA graph's step (or its stand-in): no op reads tensor values on the host
 
 
 @dataclass(frozen=True)
@@ -189,15 +190,17 @@ def sliding_window_metadata(meta: AttnMetadata, window: int, *, trim: bool | Non
     """The metadata of a sliding-window layer over the same step: every causal query at position p
     (key_limit p + 1) reads keys [max(0, p + 1 - window), p + 1). Groups whose queries all lie within
     the window are shared unchanged; the others are cut to their requests' windows (each request's slot
-    row starts at the first key any of its queries reads). `trim` (default: on the CPU) does the cutting,
-    which reads the limits on the host; without it the slot rows stay as they are and only the mask
-    changes (no host sync: CUDA graphs capture it). Computed once per step and cached on `meta`."""
-    trim = meta.slot_mapping.device.type == "cpu" if trim is None else trim
+    row starts at the first key any of its queries reads). `trim` (default: on the CPU, outside a captured
+    graph) does the cutting, which reads the limits on the host; without it the slot rows stay as they are
+    and only the mask changes (no host sync: CUDA graphs capture it). Computed once per step and cached on
+    `meta`."""
+    trim = meta.slot_mapping.device.type == "cpu" and not meta.captured if trim is None else trim
     cache = meta.__dict__.setdefault("_windows", {})
     if (window, trim) not in cache:
         cache[window, trim] = AttnMetadata(slot_mapping=meta.slot_mapping,
                                            groups=[_window_group(g, window, trim) for g in meta.groups],
-                                           num_tokens=meta.num_tokens, all_stored=meta.all_stored)
+                                           num_tokens=meta.num_tokens, all_stored=meta.all_stored,
+                                           captured=meta.captured)
     return cache[window, trim]
 
 
@@ -253,7 +256,10 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in meta.groups:
         num_seqs, max_q = g.token_index.shape
-        windowed = g.key_start is not None and kernels.enabled()  # the kernel reads rows from key 0
+        # the kernel reads slot rows from key 0: a window as one row per query (a host sync, so only where
+        # the kernel will run: fp32 CPU tensors, outside a captured graph)
+        windowed = (g.key_start is not None and not meta.captured
+                    and kernels.short_attention_applies(q, k_flat, v_flat))
         rows = g.query_rows if windowed else (g.token_index, g.key_limit, g.kv_slots)
         if (g.key_start is None or windowed) and kernels.short_attention(q, k_flat, v_flat, *rows, out, scale):
             # fp32 CPU, every group (prompt chunks too): the kernel reads the keys in place and computes

@@ -22,6 +22,8 @@ per-layer modules' numbers bit for bit); other steps run the per-layer modules.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -138,6 +140,14 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as a Python float: a product with it equals the product with the 0-dim
+    `dtype` tensor (both computed in the activations' precision) without making that tensor in each step
+    (a host-to-device copy on CUDA, which a captured graph would replay from freed host memory)."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
 class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -206,7 +216,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if len(kv_caches) != len(m.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(m.layers)} layers")
         x = m.embed_tokens(input_ids)  # [T, hidden]: the weights' dtype (fp32 rows from resident blocks)
-        x = x * torch.tensor(m.embed_scale, dtype=x.dtype, device=x.device)
+        x = x * _rounded(m.embed_scale, x.dtype)  # HF scales by the factor in the activations' dtype
         tables = {kind: m.rotary_emb.lookup(positions, kind, x.dtype) for kind in self._layer_kinds}
         tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
         taps = x.new_empty(x.shape[0], len(tap_layer_ids) * x.shape[1]) if tap_slots else None

@@ -199,10 +199,12 @@ class LlamaForCausalLM(nn.Module):
     def _stack_applies(self, x: torch.Tensor, meta: AttnMetadata) -> bool:
         """Does a one-call decoder stack serve this step: an fp32 CPU step of at most `kernels.MAX_ROWS` rows
         (decode and verification rows, prompt chunks, or a mix: its attention groups read as one,
-        `one_group_metadata`), every row stored, no bias, no tensor parallelism?"""
+        `one_group_metadata`), every row stored, no bias, no tensor parallelism, the kernels built (checked
+        last: a CUDA step never loads them)?"""
         return not (not meta.groups or not meta.all_stored or x.shape[0] > kernels.MAX_ROWS or self.config.attention_bias
                     or x.dtype != torch.float32 or x.device.type != "cpu"
-                    or getattr(self, "tp", None) is not None)  # tensor parallelism: all-reduces between layers
+                    or getattr(self, "tp", None) is not None  # tensor parallelism: all-reduces between layers
+                    or not kernels.enabled())
 
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                       kv_caches: list[KVCache], taps: torch.Tensor | None, tap_slots: dict[int, list[int]]) -> bool:
