@@ -6,8 +6,12 @@ model, bf16 weights on CUDA unless told otherwise,
 2. HF transformers' logits parity in bf16 (and fp32): our prompt logits against `AutoModelForCausalLM` on
    the same GGUF, max |diff| and top-1 agreement per position;
 3. CUDA-graph replay == eager: the same requests through the graphed runner and `enforce_eager`, outputs
-   and every step's logits compared;
-4. tok/s of plain and speculative decoding (shipped DSpark drafter) at batch 1 and at 32 concurrent;
+   and every step's logits compared; first, in a child process (a device-side assert ends its CUDA context),
+   the poison confirmation: right after each capture the allocator's free blocks are filled with live
+   out-of-range indices (`PoisonedCudaGraphBackend`), so a graph that reads a tensor freed after its capture
+   asserts or diverges at its first replay rather than by chance (on the CPU: `LifetimeCheckBackend`);
+4. tok/s of plain and speculative decoding (shipped DSpark drafter) at batch 1 and at 32 concurrent, with
+   CUDA graphs and eager side by side;
 5. with two GPUs: TP=2 (NCCL) logits against TP=1.
 
 One JSON out (`--out`). `--device cpu --quick` runs the same code on the CPU in a few minutes (the graph
@@ -19,6 +23,10 @@ runner on its eager stand-in): a check of this script, not of CUDA.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -152,6 +160,42 @@ def _recorded(llm):
     return steps
 
 
+def poison_child(device, dtype, quick: bool) -> dict:
+    """Plain and prompt-lookup decoding through graphs captured under poison, against eager (the child)."""
+    from dspark.engine.cuda_graphs import GraphedRunner, LifetimeCheckBackend, PoisonedCudaGraphBackend
+    n, tokens = (4, 16) if quick else (8, 32)
+    prompts = _prompts(n)
+    out = {}
+    for name, spec in (("plain", None), ("ngram", drafter_specs()["ngram"])):
+        eager = _llm(device, dtype, spec, eager=True, max_num_seqs=8)
+        ids = _chat_ids(eager, prompts)
+        expected = [o.token_ids for o in eager.generate(ids, _greedy(tokens))]
+        del eager
+        llm = _llm(device, dtype, spec, eager=True, max_num_seqs=8)
+        backend = PoisonedCudaGraphBackend() if device != "cpu" else LifetimeCheckBackend()
+        llm.engine.runner = GraphedRunner(llm.engine.runner, backend=backend, max_num_seqs=8)
+        got = [o.token_ids for o in llm.generate(ids, _greedy(tokens))]
+        if device != "cpu":
+            torch.cuda.synchronize()  # a device-side assert surfaces here at the latest
+        out[name] = {"outputs_equal": got == expected, "num_graphs": len(llm.engine.runner.graphs),
+                     "num_replays": llm.engine.runner.num_replays}
+        out[name]["pass"] = got == expected and llm.engine.runner.num_replays > 0
+        del llm
+    return out
+
+
+def check_graph_poison(device, dtype, quick: bool) -> dict:
+    """`poison_child` in its own process: a device-side assert there is a FAIL here, not a dead context."""
+    env = {**os.environ, "DSPARK_CPU_KERNELS": "0"}  # the CPU rehearsal: attention as aten ops, which the check sees
+    cmd = [sys.executable, __file__, "--device", device, "--dtype", dtype, "--poison-child",
+           *(["--quick"] if quick else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"pass": False, "returncode": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
 def check_graphs(device, dtype, prompts, max_tokens) -> dict:
     out = {}
     for name, spec in (("plain", None), ("dspark", drafter_specs().get("dspark"))):
@@ -175,9 +219,10 @@ def check_graphs(device, dtype, prompts, max_tokens) -> dict:
 
 def check_speed(device, dtype, prompts, max_tokens) -> dict:
     out = {}
-    for name, spec in (("plain", None), ("dspark", drafter_specs().get("dspark"))):
+    for name, spec, eager in (("plain", None, False), ("dspark", drafter_specs().get("dspark"), False),
+                              ("plain_eager", None, True), ("dspark_eager", drafter_specs().get("dspark"), True)):
         for conc in (1, 32):
-            llm = _llm(device, dtype, spec, max_num_seqs=conc)
+            llm = _llm(device, dtype, spec, max_num_seqs=conc, eager=eager)
             ids = _chat_ids(llm, prompts[:conc * 2] if conc > 1 else prompts[:4])
             llm.generate(ids[:2], _greedy(16))  # warm-up: kernels, graphs of the first shapes
             t = time.perf_counter()
@@ -193,6 +238,7 @@ def check_speed(device, dtype, prompts, max_tokens) -> dict:
     for conc in (1, 32):
         plain, spec = out[f"plain_c{conc}"]["tok_per_s"], out[f"dspark_c{conc}"]["tok_per_s"]
         out[f"speedup_c{conc}"] = round(spec / plain, 3)
+        out[f"graphs_over_eager_c{conc}"] = round(plain / out[f"plain_eager_c{conc}"]["tok_per_s"], 3)
     return out
 
 
@@ -230,9 +276,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (the CPU rehearsal)")
     p.add_argument("--out", default="benchmarks/results/device_check_cuda.json")
+    p.add_argument("--poison-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from dspark.config import resolve_dtype
     dtype = resolve_dtype(args.dtype, args.device)
+    if args.poison_child:
+        print(json.dumps(poison_child(args.device, dtype, args.quick)), flush=True)
+        return {}
     n, tokens = (4, 16) if args.quick else (16, 64)
     prompts = _prompts(max(n, 64))
     result = {**run_info(argv), "device": args.device, "dtype": dtype, "torch": torch.__version__,
@@ -240,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     checks = (("greedy_parity", lambda: check_parity(args.device, dtype, prompts[:n], tokens)),
               ("hf_logits", lambda: check_hf_logits(args.device, prompts[:3 if args.quick else 8])),
+              ("graph_poison", lambda: check_graph_poison(args.device, dtype, args.quick)),
               ("cuda_graphs", lambda: check_graphs(args.device, dtype, prompts[:n], tokens)),
               ("speed", lambda: check_speed(args.device, dtype, prompts if not args.quick else prompts[:8],
                                             32 if args.quick else 128)),

@@ -262,10 +262,10 @@ class EngineConfig:
     # "auto": cuda where torch sees a GPU, else cpu (resolved here, so `config.device` is always concrete)
     device: str = opt("auto", "auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N")
     # CUDA: run every step eager; --no-enforce-eager captures and replays decode and verification steps as CUDA
-    # graphs (dspark.engine.cuda_graphs), whose replay raised a device-side assert on an H200 (docs/parallel.md)
+    # graphs (dspark.engine.cuda_graphs); eager stays the default until graphed parity is confirmed on a device
     enforce_eager: bool = opt(True, "CUDA: every step eager (the default); --no-enforce-eager replays decode and "
-                              "verification steps as CUDA graphs (see docs/parallel.md: their replay failed on an "
-                              "H200); the CPU always runs eagerly")
+                              "verification steps as CUDA graphs (docs/parallel.md says what they have been "
+                              "checked on); the CPU always runs eagerly")
     seed: int = opt(0, "random seed of requests that bring none")
     num_threads: int | None = opt(None, "torch intra-op threads (default: torch's)")
     trust_remote_code: bool = opt(False, "accepted for vLLM command lines; dspark never runs code from a "

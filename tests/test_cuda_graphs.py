@@ -119,9 +119,9 @@ def test_the_cuda_path_never_loads_the_cpu_kernels(cfg, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_equals_eager_on_gpu():
-    """The smallest reproduction of the graph bug (docs/parallel.md): on an H200 (torch 2.11) the first replay
-    raises a device-side assert in `vectorized_gather_kernel`; the same steps through `EagerBackend` pass on the
-    CPU (test_replay_equals_eager)."""
+    """The smallest case of the replay failure docs/parallel.md describes (a device-side assert in
+    `vectorized_gather_kernel`: the graph gathered through `token_index` after its memory went back to the
+    allocator): graphed greedy output equals eager on CUDA."""
     from dspark.engine.cuda_graphs import CudaGraphBackend
     cfg = TINY_LLAMA
     model, _ = tiny_target(cfg)
@@ -137,11 +137,29 @@ def test_cuda_graph_replay_equals_eager_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("speculative", [False, True], ids=["decode", "verify"])
+def test_cuda_graphs_replay_under_poison(speculative):
+    """Right after each capture the allocator's free blocks hold out-of-range indices: a graph that reads a
+    tensor freed after its capture (token_index before the fix) asserts or diverges at its first replay."""
+    from dspark.engine.cuda_graphs import PoisonedCudaGraphBackend
+    cfg = TINY_LLAMA
+    model, _ = tiny_target(cfg)
+    model = model.to("cuda", torch.bfloat16)
+    prompts = repetitive_prompts(6, cfg.vocab_size, seed=3)
+    kw = lambda: ngram_engine_args() if speculative else {}  # noqa: E731 - a fresh drafter per engine
+    expected = run(make_engine(model, cfg, device="cuda", dtype="bfloat16", **kw()), prompts, greedy(24))
+    graphed = make_engine(model, cfg, device="cuda", dtype="bfloat16", **kw())
+    graphed.runner = GraphedRunner(graphed.runner, backend=PoisonedCudaGraphBackend(), max_num_seqs=16)
+    assert run(graphed, prompts, greedy(24)) == expected
+    torch.cuda.synchronize()
+    assert graphed.runner.num_replays > 10 and graphed.runner.backend.poison
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_llm_on_cuda_with_graphs_equals_cpu_with_prompt_lookup(tmp_path):
-    """The public path end to end: `LLM(..., device="cuda")` with CUDA graphs (the default) and prompt-lookup
-    speculation writes the CPU's greedy tokens. On an H200 (torch 2.11) this step raised a device-side
-    assert (an index out of bounds in a gather during graph replay), with and without speculation at large
-    batches; `enforce_eager=True` generated correctly. Kept as the reproduction until the graphs are fixed."""
+    """The public path end to end: `LLM(..., device="cuda")`, eager and with CUDA graphs, with prompt-lookup
+    speculation writes the CPU's greedy tokens."""
     from tiny_checkpoint import write_tiny_checkpoint
 
     from dspark.llm import LLM

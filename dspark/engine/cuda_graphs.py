@@ -102,6 +102,27 @@ class CudaGraphBackend:
         return graph, outputs
 
 
+class PoisonedCudaGraphBackend(CudaGraphBackend):
+    """CudaGraphBackend for checks on a device: right after each capture it takes the caching allocator's
+    free blocks with live tensors of an index past any pool or vocabulary (2**40), so a graph that reads a
+    tensor freed after its capture gathers through poison at its first replay (a device-side assert, or
+    output unlike eager) rather than when an allocation happens to land there."""
+
+    POISON = 2**40
+    BLOCKS = ((64, 4096), (512, 512), (8192, 64))  # (longs, count): 512 B to 64 KiB blocks, ~7 MiB a capture
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.poison: list[torch.Tensor] = []
+
+    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]) -> CapturedGraph:
+        captured = super().capture(fn)
+        gc.collect()
+        self.poison += [torch.full((n,), self.POISON, dtype=torch.long, device="cuda")
+                        for n, count in self.BLOCKS for _ in range(count)]
+        return captured
+
+
 class LifetimeCheckBackend(CudaGraphBackend):
     """The CPU stand-in with CUDA graphs' lifetimes, for tests. A CUDA graph replays the raw addresses its
     capture read, so every tensor the captured function read but did not create must stay alive as long as
