@@ -195,6 +195,8 @@ class LLM:
                     logprobs[out.request_id] += (out.logprobs or [])[:kept]
                 res.num_cached_tokens = out.num_cached_tokens
                 res.spec = out.spec
+                if out.prompt_logprobs is not None and res.prompt_logprobs is None:  # n > 1: one prompt
+                    res.prompt_logprobs = out.prompt_logprobs
                 if (out.finished or state.stopped) and res.outputs[i].finish_reason is None:
                     res.outputs[i] = CompletionOutput(i, state.text, list(state.token_ids),
                                                       "stop" if state.stopped else out.finish_reason,

@@ -72,8 +72,13 @@ class Request:
     generator: torch.Generator | None = None  # rejection sampling of probabilistic drafts
     sample_seed: int = 0  # keys the target's sampling noise per output position (engine/sampler.py)
     grammar: Any = None  # structured output: a `structured.GrammarMatcher` over the committed output
+    # prompt logprobs (`SamplingParams.prompt_logprobs`): [None, then one per prompt token scored so far], in
+    # prompt order; positions scored before a preemption are not scored again
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         if self.params.seed is not None:
             self.sample_seed = self.params.seed
             self.generator = torch.Generator().manual_seed(self.params.seed)
@@ -111,6 +116,11 @@ class Request:
     def needs_draft_context(self) -> bool:
         """Does the model drafter keep K/V for this request's positions?"""
         return self.params.speculation and self.model_drafting
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Are prompt positions left whose logits score the next prompt token (`prompt_logprobs`)?"""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -91,6 +91,9 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
     allowed_token_ids: tuple[int, ...] = ()  # when set, only these tokens
     logprobs: int | None = None  # None: none; k >= 0: the emitted token's logprob and the top k
+    # None: none; k >= 0: each prompt token's logprob under the target's raw distribution at the position
+    # before it (the first token has none) and the top k there (vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None
     # structured output (dspark/structured.py): {"json": schema | "regex": str | "choice": [...] |
     # "grammar": lark | "json_object": True}; None: free text
     structured_outputs: dict | None = None
@@ -130,6 +133,8 @@ class SamplingParams:
         _check(all(w for w in self.bad_words), "bad_words entries must be non-empty")
         _check(self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= 20,
                f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20,
+               f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         _check(_is_int(self.n) and 1 <= self.n <= 128, f"n must be an integer in [1, 128], got {self.n}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
 
@@ -163,11 +168,13 @@ def _check(ok: bool, message: str) -> None:
 
 
 class TokenLogprob(NamedTuple):
-    """One emitted token's log-probability under the processed target distribution, and the top k."""
+    """One token's log-probability (an emitted token's under the processed target distribution, a prompt
+    token's under the raw one), and the top k."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # [k] (token id, logprob), most likely first
+    rank: int = 1  # 1 + the number of tokens more likely than this one
 
 
 def logits_to_probs(

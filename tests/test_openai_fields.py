@@ -123,6 +123,15 @@ def _echo(srv, call):
     assert text(call(srv, echo=True)) == "abcabcab" + text(call(srv))
 
 
+def _prompt_logprobs(srv, call):
+    body = call(srv, prompt_logprobs=2).json()
+    entries = body["prompt_logprobs"] if call is chat else body["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == body["usage"]["prompt_tokens"] > 1
+    assert all(2 <= len(e) <= 3 and all({"logprob", "rank", "decoded_token"} == set(v) for v in e.values())
+               for e in entries[1:])
+    assert call(srv).json()["choices"][0].get("prompt_logprobs") is None
+
+
 def _ignore_eos(srv, call):
     assert call(srv, ignore_eos=False).status_code == 200  # the tiny model never says EOS; accepted
 
@@ -247,14 +256,15 @@ HONOURED = {
              "parallel_tool_calls": _no_effect("parallel_tool_calls", True),
              "modalities": _no_effect("modalities", ["text"]), "chat_template": _chat_template,
              "chat_template_kwargs": _no_effect("chat_template_kwargs", {}),
-             "add_generation_prompt": _add_generation_prompt, "tools": _tool_calls, "tool_choice": _tool_calls},
+             "add_generation_prompt": _add_generation_prompt, "tools": _tool_calls, "tool_choice": _tool_calls,
+             "prompt_logprobs": _prompt_logprobs},
     "completions": {**COMMON, "prompt": _no_effect("prompt", "abcabcab"), "logprobs": _logprobs_completion,
-                    "echo": _echo, "best_of": _no_effect("best_of", 1)},
+                    "echo": _echo, "best_of": _no_effect("best_of", 1), "prompt_logprobs": _prompt_logprobs},
 }
 
 # -- refused: the field with a value that asks for something the server does not do ---------------
 COMMON_REFUSED = {
-    "prompt_logprobs": 1, "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["x"],
+    "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["x"],
     "skip_special_tokens": False, "spaces_between_special_tokens": False, "truncate_prompt_tokens": 4,
     "priority": 1, "return_tokens_as_token_ids": True, "service_tier": "flex", "store": True,
     "metadata": {"a": "b"}, "add_special_tokens": True,

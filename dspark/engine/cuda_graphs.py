@@ -248,7 +248,8 @@ class GraphedRunner(ModelRunner):
         if host is None or not host.seqs:
             return None
         width = max(s.num_query for s in host.seqs)
-        emitting = len(host.logits_indices) == len(host.input_ids)  # every row of every window emits
+        # every row of every window emits, in row order (no prompt-scoring rows)
+        emitting = len(host.logits_indices) == len(host.input_ids) and not host.num_prompt_logits
         if width > self.max_width or not emitting or not all(s.causal and s.store for s in host.seqs):
             return None
         bucket = bucket_for(len(host.seqs), self.buckets)

@@ -24,7 +24,7 @@ from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate
                                         kv_bytes_per_block)
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.request import PendingContext, Request, SpecStats
-from dspark.engine.sampler import argmax_suffices, sample_step
+from dspark.engine.sampler import argmax_suffices, sample_step, token_logprobs
 from dspark.logits_processors import check_token_ids
 from dspark.sampling import RowArgmax, SamplingParams, TokenLogprob
 from dspark.verify.rejection import VerifyResult
@@ -46,6 +46,8 @@ class StepOutput:
     spec: SpecStats
     coalesce_held_steps: int = 0  # steps the prompt was held back by coalescing before admission
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    # with the request's first new tokens, when it asked for them: [None, one per prompt token after the first]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Engine:
@@ -181,10 +183,13 @@ class Engine:
             start = time.perf_counter()
             emitting = [s for s in sched.scheduled if s.emits]
             # an all-greedy step reads each row's argmax only: a vocabulary-parallel head gathers no rows
-            argmax_only = argmax_suffices(emitting)
+            argmax_only = argmax_suffices(emitting) and not any(s.prompt_positions for s in sched.scheduled)
             batch = self.runner.prepare(sched, argmax_only=argmax_only)
             logits, taps = self.runner.forward(  # taps only where the drafter keeps a context
                 batch, with_taps=any(s.request.needs_draft_context for s in sched.scheduled))
+            if batch.host.num_prompt_logits:  # the rows that score prompt tokens come after the emitting ones
+                self._score_prompts(sched, logits[-batch.host.num_prompt_logits:])
+                logits = logits[:-batch.host.num_prompt_logits]
             if argmax_only and not isinstance(logits, RowArgmax):  # one pass over the rows serves the fault
                 logits = RowArgmax.of(logits)  # check and the verification (the row maxima show the faults)
             logits, faults = isolate_target_faults(emitting, logits)  # rows, or their RowArgmax
@@ -224,6 +229,15 @@ class Engine:
             return StepVerify({}, {})
         result, logprobs = sample_step(items, logits, eos_token_ids=self.eos_token_ids)
         return self._observed(items, result, logprobs)
+
+    @staticmethod
+    def _score_prompts(sched: SchedulerOutput, rows: torch.Tensor) -> None:
+        """Each scheduled request's prompt logprobs for the positions it scores this step, from their raw
+        logits `rows` [num_prompt_logits, vocab_size] (in item order)."""
+        scoring = [(s.request, s.prompt_positions) for s in sched.scheduled if s.prompt_positions]
+        for (req, positions), part in zip(scoring, torch.split(rows, [len(p) for _, p in scoring])):
+            req.prompt_logprobs += token_logprobs(part, [req.prompt_ids[p + 1] for p in positions],
+                                                  req.params.prompt_logprobs)
 
     def _observed(self, items: list, result: VerifyResult, logprobs: dict) -> "StepVerify":
         """Hand each request's verification outcome to the observers; the step's results by request."""
@@ -459,7 +473,8 @@ class Engine:
                 finish_reason=req.finish_reason, num_prompt_tokens=len(req.prompt_ids),
                 num_output_tokens=len(req.output_ids), num_cached_tokens=req.num_cached_tokens,
                 spec=req.spec, coalesce_held_steps=req.waiting_steps,
-                logprobs=logprobs[rid][:len(new_ids)] if rid in logprobs else None))
+                logprobs=logprobs[rid][:len(new_ids)] if rid in logprobs else None,
+                prompt_logprobs=req.prompt_logprobs if new_ids and len(req.output_ids) == len(new_ids) else None))
             if req.is_finished:
                 self.metrics.record_finished(coalesce_held_steps=req.waiting_steps)
                 if self.drafter is not None:

@@ -43,6 +43,8 @@ class HostBatch:
     # the step reads only each logits row's argmax and the runner's head can give it without the rows
     # (the vocabulary-parallel head: each rank's slice winner, merged on rank 0)
     argmax_only: bool = False
+    # the last rows of logits_indices score prompt tokens (`ScheduledRequest.prompt_positions`, in item order)
+    num_prompt_logits: int = 0
 
 
 def host_batch(sched: SchedulerOutput, *, argmax_only: bool = False) -> HostBatch:
@@ -52,6 +54,7 @@ def host_batch(sched: SchedulerOutput, *, argmax_only: bool = False) -> HostBatc
     seqs: list[SeqSpec] = []
     token_offsets: list[int] = []
     logits_offsets: list[int] = []
+    prompt_rows: list[int] = []  # after the emitting rows, so those stay the step's first logits rows
     for item in sched.scheduled:
         req = item.request
         start = item.start_pos
@@ -67,7 +70,9 @@ def host_batch(sched: SchedulerOutput, *, argmax_only: bool = False) -> HostBatc
         if item.emits:
             first = offset + item.num_new_tokens - item.num_logits
             logits_indices.extend(range(first, offset + item.num_new_tokens))
-    return HostBatch(input_ids, positions, seqs, logits_indices, token_offsets, logits_offsets, argmax_only)
+        prompt_rows.extend(offset + p - start for p in item.prompt_positions)
+    return HostBatch(input_ids, positions, seqs, logits_indices + prompt_rows, token_offsets, logits_offsets,
+                     argmax_only and not prompt_rows, num_prompt_logits=len(prompt_rows))
 
 
 def cut_rows(seqs: list[SeqSpec], max_rows: int) -> list[tuple[int, int, list[SeqSpec]]] | None:

@@ -139,7 +139,7 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *,
             results.append(_accept_greedy([next(draws) for _ in range(s.num_logits)], drafts[i]))
     result = VerifyResult(num_accepted=[r[0] for r in results], output_ids=[r[1] for r in results],
                           is_bonus=[r[2] for r in results])
-    logprobs = {s.request.request_id: _logprobs(rows[i], result.output_ids[i], s.request.params.logprobs)
+    logprobs = {s.request.request_id: token_logprobs(rows[i], result.output_ids[i], s.request.params.logprobs)
                 for i, s in enumerate(items) if s.request.params.logprobs is not None}
     return result, logprobs
 
@@ -156,13 +156,17 @@ def _probs(items: list, rows: list[torch.Tensor]) -> torch.Tensor:  # [sum of nu
         min_p=torch.tensor(per_row(lambda p: p.min_p), device=dev))
 
 
-def _logprobs(rows: torch.Tensor,  # [num_logits, vocab_size] processed
-              emitted: list[int], k: int) -> list[TokenLogprob]:
-    lp = torch.log_softmax(rows[:len(emitted)].float(), dim=-1)  # [num_emitted, vocab_size]
-    chosen = lp.gather(1, torch.tensor(emitted, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+def token_logprobs(rows: torch.Tensor,  # [>= len(token_ids), vocab_size]
+                   token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Row j's log-softmax at token_ids[j], that token's rank and the row's top k: an emitted token's under
+    its processed row, a prompt token's under the raw row of the position before it."""
+    lp = torch.log_softmax(rows[:len(token_ids)].float(), dim=-1)  # [num_tokens, vocab_size]
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device).unsqueeze(1))  # [num_tokens, 1]
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
     top = lp.topk(k, dim=-1) if k else None
     out = []
-    for j, tok in enumerate(emitted):
+    for j, tok in enumerate(token_ids):
         pairs = [] if top is None else list(zip(top.indices[j].tolist(), top.values[j].tolist()))
-        out.append(TokenLogprob(tok, chosen[j], pairs))
+        out.append(TokenLogprob(tok, chosen[j], pairs, ranks[j]))
     return out

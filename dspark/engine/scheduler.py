@@ -36,6 +36,16 @@ class ScheduledRequest:
     def num_logits(self) -> int:
         return 1 + self.num_drafts if self.emits else 0
 
+    @property
+    def prompt_positions(self) -> range:
+        """Positions of this window whose logits score the next prompt token (a request asking for prompt
+        logprobs): prompt positions before the last that no earlier step scored."""
+        req = self.request
+        if not req.scores_prompt:
+            return range(0)
+        end = min(self.start_pos + self.num_new_tokens, len(req.prompt_ids) - 1)
+        return range(max(self.start_pos, len(req.prompt_logprobs) - 1), end)
+
 
 @dataclass
 class SchedulerOutput:
@@ -135,7 +145,8 @@ class Scheduler:
                 if req.uses_speculation and self.drafter_needs_kv and self.admit_model_drafting is not None:
                     req.model_drafting = self.admit_model_drafting()
                 need_draft_kv = self.drafter_needs_kv and req.needs_draft_context
-                cached = self.block_manager.match_prefix(req, need_draft_kv=need_draft_kv)
+                # a prompt whose logprobs are still to score computes every position it scores (no hit)
+                cached = 0 if req.scores_prompt else self.block_manager.match_prefix(req, need_draft_kv=need_draft_kv)
                 req.num_computed_tokens = cached
                 req.num_cached_tokens = cached
                 req.num_draft_computed = cached if need_draft_kv else 0

@@ -191,9 +191,14 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         admit()
         prompt_ids = serving.completion_prompt_ids(body, tokenizer)
         echo = serving.echo_text(body, prompt_ids, tokenizer) if body.echo else ""
-        outputs = [serving.Output(echo=echo, logprobs=None if params.logprobs is None else
-                                  LogprobFormatter(tokenizer, chat=False, text_offset=len(echo)))
-                   for _ in range(params.n)]
+        echo_logprobs = bool(body.echo) and params.logprobs is not None  # the prompt's tokens lead the logprobs
+        outputs = [serving.Output(
+            echo=echo, echo_logprobs=echo_logprobs, first_prompt_id=prompt_ids[0] if prompt_ids else 0,
+            logprobs=None if params.logprobs is None else
+            LogprobFormatter(tokenizer, chat=False, text_offset=0 if echo_logprobs else len(echo), top_k=body.logprobs),
+            prompt_logprobs=None if body.prompt_logprobs is None else
+            LogprobFormatter(tokenizer, chat=False, top_k=body.prompt_logprobs),
+            score_only=bool(body.echo) and body.max_tokens == 0) for _ in range(params.n)]
         streams = await start(prompt_ids, params)
         return await respond(request, body, streams, serving.COMPLETION, outputs)
 
@@ -207,7 +212,9 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         prompt_ids = serving.chat_prompt_ids(body, tokenizer)
         mode = serving.tool_mode(body)
         outputs = [serving.Output(logprobs=None if params.logprobs is None else LogprobFormatter(tokenizer, chat=True),
-                                  tool_mode=mode) for _ in range(params.n)]
+                                  tool_mode=mode, prompt_logprobs=None if body.prompt_logprobs is None else
+                                  LogprobFormatter(tokenizer, chat=True, top_k=body.prompt_logprobs))
+                   for _ in range(params.n)]
         streams = await start(prompt_ids, params, "chatcmpl")
         return await respond(request, body, streams, serving.CHAT, outputs)
 

@@ -62,6 +62,7 @@ class RequestDelta:
     error: str | None = None  # set when the request failed; the request is over
     error_status: int = 500  # the HTTP status of that failure (504: past its deadline)
     logprobs: list | None = None  # [num_tokens] sampling.TokenLogprob, when the request asked
+    prompt_logprobs: list | None = None  # [None, then sampling.TokenLogprob per prompt token]: first delta, if asked
 
 
 @dataclass(frozen=True)
@@ -438,7 +439,8 @@ class AsyncEngine:
             finish_reason=reason, num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=len(tracked.state.token_ids), num_cached_tokens=out.num_cached_tokens,
             spec=_snapshot(spec),
-            logprobs=None if out.logprobs is None else out.logprobs[:num_kept])
+            logprobs=None if out.logprobs is None else out.logprobs[:num_kept],
+            prompt_logprobs=out.prompt_logprobs)
         _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
         if finished:
             self._record_end(out.request_id, tracked, reason, end_s=now_s)

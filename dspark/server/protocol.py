@@ -82,8 +82,9 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
+    # vLLM's: each prompt token's logprob and the top k at the position before it (not with stream)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # known, refused unless they hold their no-op value (`serving.UNSUPPORTED`)
-    prompt_logprobs: Refused = None
     use_beam_search: Refused = None
     length_penalty: Refused = None
     logits_processors: Refused = None
@@ -210,6 +211,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: Any | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
 
 
 class CompletionResponse(_Response):
@@ -258,6 +260,7 @@ class ChatCompletionResponse(_Response):
     created: int = Field(default_factory=_now_s)
     model: str
     choices: list[ChatCompletionChoice]
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
     usage: UsageInfo
 
 

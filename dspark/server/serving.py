@@ -8,6 +8,7 @@ response classes, which `_Shape` bundles.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 from typing import AsyncIterator, Callable
@@ -54,7 +55,6 @@ def _is(*values):
 # a value that asks for nothing (the check's predicate). Everything else in the request models is
 # honoured; fields the models do not declare are refused by pydantic (extra="forbid").
 UNSUPPORTED: dict[str, Callable[[object], bool]] = {
-    "prompt_logprobs": _is(None),
     "use_beam_search": _is(None, False),
     "length_penalty": _is(None, 1.0),
     "logits_processors": _is(None),
@@ -87,6 +87,11 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
                               param=name)
     if isinstance(req, ChatCompletionRequest) and req.echo:
         raise bad_request("echo is supported on /v1/completions only", param="echo")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+    if isinstance(req, CompletionRequest) and req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens=0 needs echo=true (it scores the prompt without generating)",
+                          param="max_tokens")
     if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none") and not req.tools:
         raise bad_request("tool_choice needs tools", param="tool_choice")
     if isinstance(req, CompletionRequest) and not (
@@ -118,6 +123,14 @@ def _bad_words(req, tokenizer) -> tuple[tuple[int, ...], ...]:
     return tuple(words)
 
 
+def requested_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The engine's prompt_logprobs: vLLM's field, and for completions with echo the logprobs count (the
+    echoed prompt's tokens carry theirs); the larger where both ask."""
+    asked = [k for k in (req.prompt_logprobs, req.logprobs if isinstance(req, CompletionRequest) and req.echo
+                         else None) if k is not None]
+    return max(asked) if asked else None
+
+
 def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     if isinstance(req, CompletionRequest):
         return req.logprobs
@@ -128,7 +141,11 @@ def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                     tokenizer=None) -> SamplingParams:
+    """The engine's parameters (a completion with echo and max_tokens 0 generates one token, which
+    `Output.score_only` drops)."""
     check_unsupported(req)
+    if isinstance(req, CompletionRequest) and req.echo and max_tokens == 0:
+        max_tokens = 1
     structured = structured_request(req)
     stop = req.stop if req.stop is not None else ()
     try:
@@ -149,7 +166,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             logit_bias=_logit_bias(req), min_tokens=req.min_tokens or 0,
             bad_words=_bad_words(req, tokenizer) if tokenizer is not None else (),
             allowed_token_ids=tuple(req.allowed_token_ids or ()),
-            logprobs=requested_logprobs(req), structured_outputs=structured, n=1 if req.n is None else req.n)
+            logprobs=requested_logprobs(req), prompt_logprobs=requested_prompt_logprobs(req),
+            structured_outputs=structured, n=1 if req.n is None else req.n)
     except ValueError as e:  # the message starts with the field's name
         name = str(e).split(" ", 1)[0].rstrip(":")
         raise bad_request(str(e), param=name if name in _PARAM_FIELDS else None) from None
@@ -297,6 +315,7 @@ class Choice:
     logprobs: dict | None = None
     num_tokens: int = 0
     tool_calls: list[dict] | None = None
+    prompt_logprobs: list | None = None  # vLLM's shape (whole responses only)
 
 
 def _completion_chunk(rid, model, c: Choice | None, usage):
@@ -308,7 +327,8 @@ def _completion_chunk(rid, model, c: Choice | None, usage):
 
 def _completion_response(rid, model, choices: list[Choice], usage):
     return CompletionResponse(id=rid, model=model, usage=usage, choices=[CompletionChoice(
-        index=c.index, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs) for c in choices])
+        index=c.index, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs,
+        prompt_logprobs=c.prompt_logprobs) for c in choices])
 
 
 def _chat_chunk(rid, model, c: Choice | None, usage):
@@ -327,7 +347,7 @@ def _chat_response(rid, model, choices: list[Choice], usage):
     return ChatCompletionResponse(id=rid, model=model, usage=usage, choices=[ChatCompletionChoice(
         index=c.index, message=AssistantMessage(content=c.text, tool_calls=c.tool_calls or []),
         finish_reason=c.finish_reason,
-        logprobs=c.logprobs) for c in choices])
+        logprobs=c.logprobs) for c in choices], prompt_logprobs=choices[0].prompt_logprobs if choices else None)
 
 
 COMPLETION = _Shape(_completion_chunk, _completion_response, None)
@@ -336,19 +356,59 @@ CHAT = _Shape(_chat_chunk, _chat_response, _chat_first_chunk)
 
 @dataclass
 class Output:
-    """What one choice adds around the engine's text: an echoed prompt, logprobs in the endpoint's
-    shape."""
+    """What one choice adds around the engine's text: an echoed prompt (with its tokens' logprobs leading
+    the choice's when both are asked), logprobs in the endpoint's shape, vLLM's prompt_logprobs."""
 
     echo: str = ""
     logprobs: LogprobFormatter | None = None
     tool_mode: ToolMode | None = None  # chat with a required tool call: the text becomes tool_calls
+    echo_logprobs: bool = False  # the echoed prompt's tokens lead the logprobs (legacy completions)
+    first_prompt_id: int = 0  # the prompt's first token (echo_logprobs: its entry has no logprob)
+    prompt_logprobs: LogprobFormatter | None = None  # vLLM's prompt_logprobs field, when asked
+    score_only: bool = False  # echo with max_tokens 0: the prompt alone, the one generated token dropped
     _held: list[str] = field(default_factory=list)  # streamed text held back for the tool call
+    _prompt_entries: list | None = None  # the engine's prompt logprobs, from the first delta
+
+    @property
+    def echo_first(self) -> str:
+        """The echo sent before any token (streams); with echo_logprobs it waits for the prompt's logprobs
+        and leads the first delta instead."""
+        return "" if self.echo_logprobs else self.echo
+
+    def view(self, delta: RequestDelta) -> RequestDelta:
+        """The delta as this choice reports it: the prompt's logprobs taken; score_only drops the output."""
+        if delta.prompt_logprobs is not None and self._prompt_entries is None:
+            self._prompt_entries = delta.prompt_logprobs
+        if self.score_only:
+            return dataclasses.replace(delta, text="", num_tokens=0, num_output_tokens=0, logprobs=None,
+                                       finish_reason="length" if delta.finish_reason == "stop" else delta.finish_reason)
+        return delta
+
+    def lead_text(self, delta: RequestDelta) -> str:
+        """The echo that leads this delta's text in a stream (echo_logprobs: with the first delta)."""
+        return self.echo if self.echo_logprobs and delta.prompt_logprobs is not None else ""
 
     def format_logprobs(self, delta: RequestDelta):
-        return None if self.logprobs is None else self.logprobs.format(delta.logprobs)
+        if self.logprobs is None:
+            return None
+        parts = [self.logprobs.format_prompt(self.first_prompt_id, delta.prompt_logprobs)] if (
+            self.echo_logprobs and delta.prompt_logprobs is not None) else []
+        parts.append(self.logprobs.format(delta.logprobs or []))
+        return LogprobFormatter.merge(parts)
+
+    def vllm_prompt_logprobs(self) -> list | None:
+        if self.prompt_logprobs is None or self._prompt_entries is None:
+            return None
+        return self.prompt_logprobs.vllm_entries(self._prompt_entries)
 
     def choice(self, index: int, text: str, delta: RequestDelta, logprobs) -> Choice:
         """One choice of a chunk (text so far in this delta) or of the whole response (all the text)."""
+        choice = self._choice(index, text, delta, logprobs)
+        if delta.finished:
+            choice.prompt_logprobs = self.vllm_prompt_logprobs()
+        return choice
+
+    def _choice(self, index: int, text: str, delta: RequestDelta, logprobs) -> Choice:
         if self.tool_mode is None:
             return Choice(index, text, delta.finish_reason, logprobs, delta.num_tokens)
         self._held.append(text)
@@ -378,16 +438,18 @@ async def stream_response(streams: list[RequestStream], shape: _Shape, *, model:
         for i, out in enumerate(outputs):
             if shape.first_chunk is not None:
                 yield sse_event(shape.first_chunk(rid, model, i))
-            if out.echo:
-                yield sse_event(shape.chunk(rid, model, Choice(i, out.echo), None))
+            if out.echo_first:
+                yield sse_event(shape.chunk(rid, model, Choice(i, out.echo_first), None))
         async for i, delta in _merged(streams):
+            delta = outputs[i].view(delta)
             last[i] = delta
             if delta.error:
                 yield _error_event(delta.error, delta.error_status)
                 break
-            if delta.text or delta.num_tokens or delta.finished:
+            text = outputs[i].lead_text(delta) + delta.text
+            if text or delta.num_tokens or delta.finished:
                 usage = usage_of(delta) if continuous_usage else None
-                choice = outputs[i].choice(i, delta.text, delta, outputs[i].format_logprobs(delta))
+                choice = outputs[i].choice(i, text, delta, outputs[i].format_logprobs(delta))
                 yield sse_event(shape.chunk(rid, model, choice, usage))
         if include_usage and last and not any(d.error for d in last.values()):
             yield sse_event(shape.chunk(rid, model, None, usage_of(*last.values())))
@@ -407,6 +469,7 @@ async def collect_response(streams: list[RequestStream], shape: _Shape, *, model
     final: dict[int, RequestDelta] = {}
     try:
         async for i, delta in _merged(streams):
+            delta = outputs[i].view(delta)
             if delta.error:
                 kind = "timeout_error" if delta.error_status == 504 else "internal_error"
                 raise APIError(delta.error_status, delta.error, type=kind)
