@@ -229,10 +229,16 @@ class SpecConfig:
         return cls(**normalize(d))
 
 
+DEFAULT_SPEC = "default"  # the drafter shipped for the model, as `dspark serve` runs it (resolved by build_engine)
+
+
 def _spec_option(value):
-    """--speculative-config text or dict → SpecConfig; "none" / "off" / null → None (no speculation)."""
+    """--speculative-config text or dict → SpecConfig; "none" / "off" / null → None (no speculation);
+    "default" stays as such until `build_engine` resolves it to the shipped drafter."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "off")):
         return None
+    if isinstance(value, str) and value.strip().lower() == DEFAULT_SPEC:
+        return DEFAULT_SPEC
     return value if isinstance(value, SpecConfig) else SpecConfig.from_dict(value)
 
 
@@ -277,9 +283,10 @@ class EngineConfig:
                                  "if it has one), vllm (none), or a folder / file PATH")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    spec: SpecConfig | None = opt(None, 'JSON (vLLM\'s schema, e.g. \'{"method": "ngram", '
-                                  '"num_speculative_tokens": 4}\'), or piecewise --speculative-config.KEY '
-                                  'VALUE; "none" turns the default drafter off', flag="--speculative-config",
+    spec: SpecConfig | str | None = opt(None, 'JSON (vLLM\'s schema, e.g. \'{"method": "ngram", '
+                                        '"num_speculative_tokens": 4}\'), or piecewise --speculative-config.KEY '
+                                        'VALUE; "default": the drafter shipped for the model (what serve runs '
+                                        'without the flag); "none" turns it off', flag="--speculative-config",
                                   name="speculative_config", json=True, parse=_spec_option)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
@@ -300,5 +307,7 @@ class EngineConfig:
                              f"multiplies in its own dtype); use matmul_dtype 'auto' or 'float32'")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
-        if self.spec is not None and self.spec.num_speculative_tokens + 1 > self.scheduler.max_num_batched_tokens:
+        if isinstance(self.spec, str) and self.spec != DEFAULT_SPEC:
+            raise ValueError(f"speculative_config must be a SpecConfig, a dict, {DEFAULT_SPEC!r} or None; got {self.spec!r}")
+        if isinstance(self.spec, SpecConfig) and self.spec.num_speculative_tokens + 1 > self.scheduler.max_num_batched_tokens:
             raise ValueError("num_speculative_tokens + 1 exceeds max_num_batched_tokens")

@@ -97,6 +97,9 @@ class SamplingParams:
     # structured output (dspark/structured.py): {"json": schema | "regex": str | "choice": [...] |
     # "grammar": lark | "json_object": True}; None: free text
     structured_outputs: dict | None = None
+    # a thinking model's reasoning tags (`--reasoning-parser`): structured_outputs applies to the answer after
+    # them, never to the thoughts (dspark.structured.AfterReasoning)
+    reasoning_tags: "ReasoningTags | None" = None
     n: int = 1  # completions per prompt (LLM.generate / the server fan out n requests)
 
     def __post_init__(self) -> None:
@@ -136,6 +139,8 @@ class SamplingParams:
         _check(self.prompt_logprobs is None or _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20,
                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         _check(_is_int(self.n) and 1 <= self.n <= 128, f"n must be an integer in [1, 128], got {self.n}")
+        _check(self.reasoning_tags is None or isinstance(self.reasoning_tags, ReasoningTags),
+               "reasoning_tags must be a ReasoningTags")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
 
     @property
@@ -147,6 +152,18 @@ class SamplingParams:
         """Does any logits processor change this request's logits?"""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids)
+
+
+@dataclass(frozen=True)
+class ReasoningTags:
+    """A reasoning format's start and end tags as token ids (`dspark.server.reasoning`)."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    always_thinks: bool = False  # the model reasons first even without writing the start tag (DeepSeek-R1)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.start) and bool(self.end), "reasoning_tags: the start and end tags need token ids")
 
 
 MAX_TEMPERATURE = 1e4  # beyond it every distribution is uniform to float32 anyway

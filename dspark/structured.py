@@ -157,6 +157,83 @@ class GrammarMatcher:
         return self._m.is_stopped()
 
 
+class AfterReasoning:
+    """A grammar applied to the answer only (`SamplingParams.reasoning_tags`, from `--reasoning-parser`): tokens
+    are free while the output reasons and the grammar starts after the end tag's tokens, so drafts inside
+    the thoughts are never cut by the answer's grammar. The phase the output starts in is read off the prompt
+    ids as the server's parser reads its text (`dspark.server.reasoning.Phase`): thinking inside a block the
+    prompt opened (or always, for a model that always reasons first), the grammar after a block it closed;
+    otherwise the first token either opens a block (the start tag's first token) or begins the answer."""
+
+    OPEN, THINKING, ANSWER = "open", "thinking", "answer"
+
+    def __init__(self, grammar: GrammarMatcher, *, start_ids: tuple[int, ...], end_ids: tuple[int, ...],
+                 prompt_ids: list[int], always_thinks: bool = False):
+        self.grammar, self.start_ids, self.end_ids = grammar, tuple(start_ids), tuple(end_ids)
+        self.vocab_size = grammar.vocab_size
+        s, e = _rfind(prompt_ids, self.start_ids), _rfind(prompt_ids, self.end_ids)
+        self.phase = (self.THINKING if s > e else self.ANSWER if e >= 0
+                      else self.THINKING if always_thinks else self.OPEN)
+        self.recent: list[int] = []  # the output's last tokens while thinking (to find the end tag)
+
+    def _scan(self, ids: list[int]) -> tuple[str, list[int], int]:
+        """(phase, recent tail, k) after `ids`: k of them come before the answer, which starts at ids[k]."""
+        phase, recent = self.phase, list(self.recent)
+        for i, t in enumerate(ids):
+            if phase == self.OPEN:
+                if t != self.start_ids[0]:
+                    return self.ANSWER, [], i
+                phase = self.THINKING
+            recent = (recent + [t])[-len(self.end_ids):]
+            if tuple(recent) == self.end_ids:
+                return self.ANSWER, [], i + 1
+        return phase, recent, len(ids)
+
+    def advance(self, token_ids: list[int]) -> None:
+        if self.phase != self.ANSWER:
+            self.phase, self.recent, k = self._scan(token_ids)
+            token_ids = token_ids[k:]
+        if self.phase == self.ANSWER and token_ids:
+            self.grammar.advance(token_ids)
+
+    def valid_prefix(self, draft_ids: list[int]) -> int:
+        if self.phase == self.ANSWER:
+            return self.grammar.valid_prefix(draft_ids)
+        phase, _, k = self._scan(draft_ids)
+        return k + (self.grammar.valid_prefix(draft_ids[k:]) if phase == self.ANSWER else 0)
+
+    def window_masks(self, draft_ids: list[int]) -> torch.Tensor:  # [len(draft_ids) + 1, vocab_size] bool
+        if self.phase == self.ANSWER:
+            return self.grammar.window_masks(draft_ids)
+        opens = self.phase == self.OPEN
+        if opens and draft_ids[:1] != [self.start_ids[0]]:  # the window answers from its first row ...
+            masks = self.grammar.window_masks(draft_ids)
+            masks[0, self.start_ids[0]] = True  # ... or opens a block there
+            return masks
+        masks = torch.ones(len(draft_ids) + 1, self.vocab_size, dtype=torch.bool)
+        if opens:
+            masks[0] = self.grammar.window_masks([])[0]
+            masks[0, self.start_ids[0]] = True
+        phase, _, k = self._scan(draft_ids)
+        if phase == self.ANSWER:
+            masks[k:] = self.grammar.window_masks(draft_ids[k:])
+        return masks
+
+    @property
+    def is_accepting(self) -> bool:
+        return self.phase == self.ANSWER and self.grammar.is_accepting
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.phase == self.ANSWER and self.grammar.is_stopped
+
+
+def _rfind(ids: list[int], tag: tuple[int, ...]) -> int:
+    """Start of the last occurrence of `tag` in `ids`, -1 where there is none."""
+    n = len(tag)
+    return next((i for i in range(len(ids) - n, -1, -1) if tuple(ids[i:i + n]) == tag), -1)
+
+
 class _BytesVocab:
     """llguidance's tokenizer protocol over a plain list of token byte strings."""
 

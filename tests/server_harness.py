@@ -86,6 +86,30 @@ def build_tiny_model():
     return model
 
 
+class ScriptedTarget:
+    """A target with a script: at output position i (from `prompt_len`) its logits favour script[i] by a
+    margin no random logit reaches; after the script they are the model's own. The position rides in one
+    extra hidden column from forward to compute_logits. Makes a random model write what a test needs (a
+    think block, a tool call) through the whole engine."""
+
+    def __init__(self, model, prompt_len: int, script: list[int]):
+        self.model, self.script = model, {prompt_len + i: t for i, t in enumerate(script)}
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, input_ids, positions, meta, kv_caches, tap_layer_ids=()):
+        hidden, taps = self.model(input_ids, positions, meta, kv_caches, tap_layer_ids=tap_layer_ids)
+        return torch.cat([hidden, positions.unsqueeze(1).to(hidden.dtype)], dim=1), taps
+
+    def compute_logits(self, hidden):
+        logits = self.model.compute_logits(hidden[:, :-1])
+        for row, pos in enumerate(hidden[:, -1].long().tolist()):
+            if pos + 1 in self.script:
+                logits[row, self.script[pos + 1]] += 1e4
+        return logits
+
+
 def make_engine(model, *, spec: SpecConfig | None = None, num_kv_blocks: int = 96,
                 max_num_seqs: int = 8, budget: int = 64) -> Engine:
     config = EngineConfig(

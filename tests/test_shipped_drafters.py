@@ -81,3 +81,29 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_llm_speculative_config_default_is_the_served_default(tmp_path):
+    """`LLM(speculative_config="default")` drafts with what `dspark serve` runs without the flag (resolved with
+    the engine's matmul dtype), and its greedy output equals plain decoding's; a model with nothing shipped
+    is refused by name, before any weight loads."""
+    import pytest
+
+    from dspark.config import EngineConfig
+    from dspark.engine.build import resolve_matmul_dtype
+    from dspark.llm import LLM
+    from dspark.sampling import SamplingParams
+    assert EngineConfig(spec="default").spec == "default"
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineConfig(spec="defaults")
+    llm = LLM(speculative_config="default")
+    matmul = resolve_matmul_dtype("auto", dtype="float32", device="cpu", model=DEFAULT_MODEL, tensor_parallel_size=1)
+    assert llm.engine.config.spec == default_spec_config(DEFAULT_MODEL, matmul_dtype=matmul)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    messages = [{"role": "user", "content": "Count from 1 to 10."}]
+    spec_out = llm.chat(messages, params, use_tqdm=False)[0].token_ids
+    assert llm.engine.metrics.num_drafts > 0
+    assert spec_out == LLM(speculative_config=None).chat(messages, params, use_tqdm=False)[0].token_ids
+    from tiny_checkpoint import write_tiny_checkpoint
+    with pytest.raises(ValueError, match="no drafter is shipped"):
+        LLM(str(write_tiny_checkpoint(tmp_path / "tiny")), speculative_config="default")

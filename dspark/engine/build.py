@@ -6,12 +6,13 @@ header) before any weight is loaded, so a mismatch fails in a second, not after 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 
-from dspark.config import EngineConfig, SpecConfigError
+from dspark.config import DEFAULT_SPEC, EngineConfig, SpecConfigError
 from dspark.drafters import build_drafter, check_drafter
 from dspark.engine.engine import Engine
 from dspark.engine.model_runner import DTYPES
@@ -39,6 +40,11 @@ def build_engine(config: EngineConfig):
     matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device,
                                         model=config.model, tensor_parallel_size=config.tensor_parallel_size)
     log.info("target matrix products: %s (matmul_dtype=%s)", matmul_dtype, config.matmul_dtype)
+    if config.spec == DEFAULT_SPEC:  # the shipped drafter with the cost table of these products
+        from dspark.drafters.shipped import default_spec_config
+        config = dataclasses.replace(config, spec=default_spec_config(config.model, matmul_dtype=matmul_dtype))
+        if config.spec is None:
+            raise SpecConfigError(f"--speculative-config default: no drafter is shipped for {config.model!r}")
     if config.spec is not None:
         try:
             check_drafter(config.spec, target_config)

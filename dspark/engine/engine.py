@@ -159,6 +159,11 @@ class Engine:
             if self.grammar_compiler is None:
                 raise ValueError("structured output needs the tokenizer (the engine was built without one)")
             req.grammar = self.grammar_compiler.matcher(params.structured_outputs)
+            if params.reasoning_tags is not None:  # the grammar starts where the reasoning ends
+                from dspark.structured import AfterReasoning
+                tags = params.reasoning_tags
+                req.grammar = AfterReasoning(req.grammar, start_ids=tags.start, end_ids=tags.end,
+                                             prompt_ids=prompt_ids, always_thinks=tags.always_thinks)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id

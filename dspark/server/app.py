@@ -32,6 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark.server.reasoning import get_reasoning_format
+from dspark.server.tool_parsers import get_tool_parser
 from dspark.server import serving
 from dspark.server.async_engine import AdmissionError, AsyncEngine, RequestFault, RequestStream
 from dspark.server.config import ServerConfig
@@ -94,6 +96,9 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         app.add_middleware(APIKeyGuard, api_key=api_key, protect_metrics=config.api_key_metrics)
     v1 = APIRouter(prefix="/v1")
     vocab_size = async_engine.engine.model_config.vocab_size
+    auto_tools = config.enable_auto_tool_choice
+    tool_parser = None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser)
+    reasoning = None if config.reasoning_parser is None else get_reasoning_format(config.reasoning_parser)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names:
@@ -206,13 +211,17 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_fields(body, vocab_size=vocab_size)
-        params = apply_defaults(serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer), body,
-                                defaults)
+        params = apply_defaults(serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer,
+                                                        auto_tools=auto_tools, reasoning=reasoning), body, defaults)
         admit()
         prompt_ids = serving.chat_prompt_ids(body, tokenizer)
-        mode = serving.tool_mode(body)
+        mode = serving.tool_mode(body, auto_tools=auto_tools)
+        parser = tool_parser if serving.parses_tool_calls(body, auto_tools) else None
+        phase = None if reasoning is None else reasoning.prompt_phase(tokenizer.decode(prompt_ids))
         outputs = [serving.Output(logprobs=None if params.logprobs is None else LogprobFormatter(tokenizer, chat=True),
-                                  tool_mode=mode, prompt_logprobs=None if body.prompt_logprobs is None else
+                                  tool_mode=mode, tool_parser=parser,
+                                  reasoning=None if reasoning is None else reasoning.stream(phase),
+                                  prompt_logprobs=None if body.prompt_logprobs is None else
                                   LogprobFormatter(tokenizer, chat=True, top_k=body.prompt_logprobs))
                    for _ in range(params.n)]
         streams = await start(prompt_ids, params, "chatcmpl")

@@ -47,10 +47,14 @@ def configs_from_args(args: argparse.Namespace):
 
     from dspark.cli import engine_config_from_args
     from dspark.server.config import server_config_from_args
+    from dspark.config import DEFAULT_SPEC
     server = server_config_from_args(args)
     config = engine_config_from_args(args)
-    if args.speculative_config is None:
+    if args.speculative_config is None or config.spec == DEFAULT_SPEC:
+        asked = config.spec == DEFAULT_SPEC
         config = dataclasses.replace(config, spec=default_spec(config))
+        if asked and config.spec is None:
+            raise SystemExit(f"error: --speculative-config default: no drafter is shipped for {config.model!r}")
     return config, server
 
 

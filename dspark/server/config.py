@@ -51,6 +51,14 @@ class ServerConfig:
     # with max_request_body_bytes it bounds the memory request bodies can take
     max_connections: int | None = opt(None, "open connections served at once (503 beyond it, before reading a "
                                       "body); default no limit")
+    # chat requests with tools and tool_choice "auto" (OpenAI's default with tools): generated freely, the
+    # model's own tool-call format parsed into tool_calls (dspark/server/tool_parsers.py)
+    enable_auto_tool_choice: bool = opt(False, "tool_choice 'auto': parse the model's tool calls (needs "
+                                        "--tool-call-parser)")
+    tool_call_parser: str | None = opt(None, "the model's tool-call format: hermes, llama3_json, pythonic, gemma4")
+    # a thinking model's reasoning apart in reasoning_content; structured output and tool grammars apply to
+    # the answer after it (dspark/server/reasoning.py)
+    reasoning_parser: str | None = opt(None, "the model's reasoning tags: qwen3, deepseek_r1, gemma4")
 
     def __post_init__(self) -> None:
         keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
@@ -74,6 +82,14 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser NAME)")
+        if self.tool_call_parser is not None:
+            from dspark.server.tool_parsers import get_tool_parser
+            get_tool_parser(self.tool_call_parser)  # ValueError naming the parsers
+        if self.reasoning_parser is not None:
+            from dspark.server.reasoning import get_reasoning_format
+            get_reasoning_format(self.reasoning_parser)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

@@ -244,7 +244,8 @@ class CompletionStreamResponse(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # server/tools.py
+    reasoning_content: str | None = None  # vLLM's: a thinking model's reasoning (--reasoning-parser)
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # server/tools.py, server/tool_parsers.py
 
 
 class ChatCompletionChoice(_Response):
@@ -267,7 +268,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # the whole call, in the finishing chunk
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's streamed tool-call entries
 
 
 class ChatStreamChoice(_Response):

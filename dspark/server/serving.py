@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from dataclasses import dataclass, field, fields
 from typing import AsyncIterator, Callable
 
-from dspark.sampling import SamplingParams
+from dspark.sampling import ReasoningTags, SamplingParams
 from dspark.server.async_engine import RequestDelta, RequestStream
 from dspark.server.logprobs import LogprobFormatter
+from dspark.server.reasoning import ReasoningFormat, ReasoningStream
+from dspark.server.tool_parsers import ToolParser
 from dspark.server.streams import merged as _merged
 from dspark.server.tools import ToolMode, template_tools, tool_constraint
 from dspark.server.protocol import (
@@ -140,13 +143,20 @@ def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | 
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    tokenizer=None) -> SamplingParams:
+                    tokenizer=None, *, auto_tools: bool = False,
+                    reasoning: ReasoningFormat | None = None) -> SamplingParams:
     """The engine's parameters (a completion with echo and max_tokens 0 generates one token, which
-    `Output.score_only` drops)."""
+    `Output.score_only` drops). `auto_tools`: tool_choice "auto" generates freely (a tool parser reads the
+    calls); `reasoning`: a chat's structured output or tool grammar applies after the reasoning."""
     check_unsupported(req)
     if isinstance(req, CompletionRequest) and req.echo and max_tokens == 0:
         max_tokens = 1
-    structured = structured_request(req)
+    structured = structured_request(req, auto_tools=auto_tools)
+    tags = None
+    if reasoning is not None and structured is not None and isinstance(req, ChatCompletionRequest):
+        tags = ReasoningTags(tuple(tokenizer.encode(reasoning.start, add_special_tokens=False)),
+                             tuple(tokenizer.encode(reasoning.end, add_special_tokens=False)),
+                             always_thinks=reasoning.always_thinks)
     stop = req.stop if req.stop is not None else ()
     try:
         return SamplingParams(
@@ -167,7 +177,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             bad_words=_bad_words(req, tokenizer) if tokenizer is not None else (),
             allowed_token_ids=tuple(req.allowed_token_ids or ()),
             logprobs=requested_logprobs(req), prompt_logprobs=requested_prompt_logprobs(req),
-            structured_outputs=structured, n=1 if req.n is None else req.n)
+            structured_outputs=structured, reasoning_tags=tags, n=1 if req.n is None else req.n)
     except ValueError as e:  # the message starts with the field's name
         name = str(e).split(" ", 1)[0].rstrip(":")
         raise bad_request(str(e), param=name if name in _PARAM_FIELDS else None) from None
@@ -176,7 +186,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
-def structured_request(req: CompletionRequest | ChatCompletionRequest) -> dict | None:
+def structured_request(req: CompletionRequest | ChatCompletionRequest, *, auto_tools: bool = False) -> dict | None:
     """The request's structured-output constraint (OpenAI response_format, vLLM structured_outputs or
     guided_*), as `SamplingParams.structured_outputs`; None for free text. At most one may be given."""
     given: dict[str, dict] = {}
@@ -201,7 +211,7 @@ def structured_request(req: CompletionRequest | ChatCompletionRequest) -> dict |
         if getattr(req, name) is not None:
             given[name] = {key: getattr(req, name)}
     if isinstance(req, ChatCompletionRequest):
-        tool = tool_constraint(req, bad_request)
+        tool = tool_constraint(req, bad_request, auto_tools=auto_tools)
         if tool is not None:
             given["tools"] = tool[0]
     if len(given) > 1:
@@ -218,9 +228,14 @@ def structured_request(req: CompletionRequest | ChatCompletionRequest) -> dict |
     return spec
 
 
-def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
-    tool = tool_constraint(req, bad_request)
+def tool_mode(req: ChatCompletionRequest, *, auto_tools: bool = False) -> ToolMode | None:
+    tool = tool_constraint(req, bad_request, auto_tools=auto_tools)
     return None if tool is None else tool[1]
+
+
+def parses_tool_calls(req: ChatCompletionRequest, auto_tools: bool) -> bool:
+    """Does this chat's output go through the server's tool parser (tools, tool_choice "auto")?"""
+    return auto_tools and bool(req.tools) and req.tool_choice in (None, "auto")
 
 
 def completion_prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
@@ -316,6 +331,7 @@ class Choice:
     num_tokens: int = 0
     tool_calls: list[dict] | None = None
     prompt_logprobs: list | None = None  # vLLM's shape (whole responses only)
+    reasoning: str | None = None  # chat: reasoning_content (--reasoning-parser)
 
 
 def _completion_chunk(rid, model, c: Choice | None, usage):
@@ -333,8 +349,8 @@ def _completion_response(rid, model, choices: list[Choice], usage):
 
 def _chat_chunk(rid, model, c: Choice | None, usage):
     choices = [] if c is None else [ChatStreamChoice(
-        index=c.index, delta=DeltaMessage(content=c.text, tool_calls=c.tool_calls), finish_reason=c.finish_reason,
-        num_tokens=c.num_tokens, logprobs=c.logprobs)]
+        index=c.index, delta=DeltaMessage(content=c.text, reasoning_content=c.reasoning, tool_calls=c.tool_calls),
+        finish_reason=c.finish_reason, num_tokens=c.num_tokens, logprobs=c.logprobs)]
     return ChatCompletionChunk(id=rid, model=model, choices=choices, usage=usage)
 
 
@@ -345,7 +361,8 @@ def _chat_first_chunk(rid, model, index):
 
 def _chat_response(rid, model, choices: list[Choice], usage):
     return ChatCompletionResponse(id=rid, model=model, usage=usage, choices=[ChatCompletionChoice(
-        index=c.index, message=AssistantMessage(content=c.text, tool_calls=c.tool_calls or []),
+        index=c.index, message=AssistantMessage(content=c.text, reasoning_content=c.reasoning,
+                                                tool_calls=c.tool_calls or []),
         finish_reason=c.finish_reason,
         logprobs=c.logprobs) for c in choices], prompt_logprobs=choices[0].prompt_logprobs if choices else None)
 
@@ -366,6 +383,9 @@ class Output:
     first_prompt_id: int = 0  # the prompt's first token (echo_logprobs: its entry has no logprob)
     prompt_logprobs: LogprobFormatter | None = None  # vLLM's prompt_logprobs field, when asked
     score_only: bool = False  # echo with max_tokens 0: the prompt alone, the one generated token dropped
+    reasoning: ReasoningStream | None = None  # chat with --reasoning-parser: thoughts apart from the answer
+    tool_parser: ToolParser | None = None  # chat with tools and tool_choice "auto": the model's calls parsed
+    _tool_stream: object = None
     _held: list[str] = field(default_factory=list)  # streamed text held back for the tool call
     _prompt_entries: list | None = None  # the engine's prompt logprobs, from the first delta
 
@@ -401,12 +421,43 @@ class Output:
             return None
         return self.prompt_logprobs.vllm_entries(self._prompt_entries)
 
-    def choice(self, index: int, text: str, delta: RequestDelta, logprobs) -> Choice:
-        """One choice of a chunk (text so far in this delta) or of the whole response (all the text)."""
-        choice = self._choice(index, text, delta, logprobs)
+    def choice(self, index: int, text: str, delta: RequestDelta, logprobs, *, whole: bool = False) -> Choice:
+        """One choice of a chunk (text so far in this delta) or of the whole response (`whole`: all the text).
+        The reasoning comes off first, then the answer's tool calls."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text)
+            if delta.finished:
+                more_reasoning, more_text = self.reasoning.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        if self.tool_parser is not None:
+            choice = self._parsed_calls(index, text, delta, logprobs, whole)
+        else:
+            choice = self._choice(index, text, delta, logprobs)
+        choice.reasoning = reasoning or None
         if delta.finished:
             choice.prompt_logprobs = self.vllm_prompt_logprobs()
         return choice
+
+    def _parsed_calls(self, index: int, text: str, delta: RequestDelta, logprobs, whole: bool) -> Choice:
+        """tool_choice "auto": the model's calls in OpenAI's shape (whole, or as stream entries); a call
+        ends the choice with "tool_calls" where the model stopped by itself."""
+        if whole:
+            parsed = self.tool_parser.parse(text)
+            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
+            content = parsed.content if calls else text
+        else:
+            if self._tool_stream is None:
+                self._tool_stream = self.tool_parser.stream()
+            step = self._tool_stream.feed(text)
+            content, calls = step.content, list(step.tool_calls)
+            if delta.finished:
+                end = self._tool_stream.finish()
+                content, calls = content + end.content, calls + list(end.tool_calls)
+        called = bool(calls) if whole else self._tool_stream.has_calls
+        reason = "tool_calls" if called and delta.finish_reason == "stop" else delta.finish_reason
+        return Choice(index, content, reason, logprobs, delta.num_tokens, tool_calls=calls or None)
 
     def _choice(self, index: int, text: str, delta: RequestDelta, logprobs) -> Choice:
         if self.tool_mode is None:
@@ -478,8 +529,8 @@ async def collect_response(streams: list[RequestStream], shape: _Shape, *, model
             if delta.finished:
                 final[i] = delta
                 if len(final) == len(streams):
-                    choices = [outputs[j].choice(j, "".join(parts[j]), final[j], LogprobFormatter.merge(logprobs[j]))
-                               for j in range(len(streams))]
+                    choices = [outputs[j].choice(j, "".join(parts[j]), final[j], LogprobFormatter.merge(logprobs[j]),
+                                                 whole=True) for j in range(len(streams))]
                     return shape.response(streams[0].request_id, model, choices,
                                           usage_of(*(final[j] for j in range(len(streams)))))
             elif await is_disconnected():

@@ -6,9 +6,10 @@ The output is generated under a JSON-schema grammar (dspark/structured.py), so i
 * "required": `{"name": <one of the tools>, "arguments": <that tool's parameters>}` (anyOf over the
   tools); the output names the function and carries its arguments.
 The response carries `message.tool_calls` (content null) and `finish_reason: "tool_calls"`. "auto" (and
-tools without tool_choice, OpenAI's default "auto") would need a parser for the model's own tool-call
-format; it is refused with a 400 that says so, as vLLM does without a tool parser. "none" ignores the
-tools. The tools are handed to the chat template either way.
+tools without tool_choice, OpenAI's default "auto") generates freely and parses the model's own tool-call
+format (`--enable-auto-tool-choice --tool-call-parser NAME`, dspark/server/tool_parsers.py); without
+those flags it is refused with a 400 that says so, as vLLM does. "none" ignores the tools. The tools are
+handed to the chat template either way.
 """
 
 from __future__ import annotations
@@ -34,17 +35,20 @@ class ToolMode:
                  "function": {"name": name, "arguments": json.dumps(arguments)}}]
 
 
-def tool_constraint(req, bad_request) -> tuple[dict, ToolMode] | None:
-    """(structured-output spec, ToolMode) for a chat request that must call a tool; None without tools
-    or with tool_choice "none"; a 400 (via `bad_request(message, param)`) for what is not supported."""
+def tool_constraint(req, bad_request, *, auto_tools: bool = False) -> tuple[dict, ToolMode] | None:
+    """(structured-output spec, ToolMode) for a chat request that must call a tool; None without tools,
+    with tool_choice "none", or with "auto" where the server parses the model's calls (`auto_tools`); a 400
+    (via `bad_request(message, param)`) for what is not supported."""
     choice = req.tool_choice
     if not req.tools or choice == "none":
         return None
     tools = {t.function.name: t.function.parameters or ANY_OBJECT for t in req.tools}
     if choice is None or choice == "auto":
-        raise bad_request("tools with tool_choice 'auto' (the default) need a parser for this model's "
-                          "tool-call format, which this server does not have; send tool_choice 'required' "
-                          "or a named function", "tool_choice")
+        if auto_tools:
+            return None
+        raise bad_request("tools with tool_choice 'auto' (the default) need the server started with "
+                          "--enable-auto-tool-choice --tool-call-parser NAME (the model's tool-call format); "
+                          "or send tool_choice 'required' or a named function", "tool_choice")
     if choice == "required":
         return {"json": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "arguments": params},

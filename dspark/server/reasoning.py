@@ -1,0 +1,132 @@
+"""Reasoning parsers (`--reasoning-parser NAME`): a thinking model's output split into its reasoning and its
+answer at the model's tags, as vLLM's `reasoning_content` and `content`.
+
+Each format is a start and an end tag:
+* `qwen3` (Qwen3, Qwen3.5, QwQ): `<think>` ... `</think>`;
+* `deepseek_r1` (DeepSeek-R1 and its distills): the same tags; the model always reasons first, so an
+  output without the start tag (its template may open it in the prompt) is reasoning up to `</think>`;
+* `gemma4` (Gemma 4's thinking mode): `<|channel>thought` ... `<channel|>`.
+
+Where the output starts is read off the prompt's text (`Phase`): inside an open reasoning block (the
+template opened it: R1, or Qwen3 thinking models), after a closed one (a template that switched thinking
+off writes an empty block), or neither, where the output may open one with the start tag. The engine uses
+the same phases on token ids (`dspark.structured.AfterReasoning`) to apply a structured output or tool
+grammar to the answer only. The tags must survive detokenization (they are added tokens that are not
+skipped, as in these models' tokenizers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Phase(Enum):
+    OPEN = "open"  # neither: the output may start with the start tag
+    THINKING = "thinking"  # inside a reasoning block: everything up to the end tag is reasoning
+    ANSWER = "answer"  # after the reasoning (or none): everything is the answer
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    name: str
+    start: str
+    end: str
+    always_thinks: bool = False  # the output reasons first whether or not it writes the start tag (R1)
+
+    def prompt_phase(self, prompt_text: str) -> Phase:
+        """Where the output starts: inside a block the prompt opened, after one it closed, or open (R1:
+        thinking). An output that never closes its block is all reasoning."""
+        s, e = prompt_text.rfind(self.start), prompt_text.rfind(self.end)
+        if s >= 0 and s > e:
+            return Phase.THINKING
+        if e >= 0:
+            return Phase.ANSWER
+        return Phase.THINKING if self.always_thinks else Phase.OPEN
+
+    def split(self, text: str, phase: Phase) -> tuple[str | None, str | None]:
+        """(reasoning_content, content) of a whole output starting in `phase` (None where empty)."""
+        stream = self.stream(phase)
+        r1, c1 = stream.feed(text)
+        r2, c2 = stream.finish()
+        return (r1 + r2) or None, (c1 + c2) or None
+
+    def stream(self, phase: Phase) -> "ReasoningStream":
+        return ReasoningStream(self, phase)
+
+
+@dataclass
+class ReasoningStream:
+    """One output's split, fed piece by piece: each piece gives (reasoning delta, content delta). Text that
+    may still be the start of a tag is held until it cannot be."""
+
+    fmt: ReasoningFormat
+    phase: Phase
+    _held: str = ""
+    _at_start: bool = True  # nothing of this output read yet: a block the prompt opened may repeat its tag
+    _after_end: bool = False  # the end tag just closed: the newlines the templates put after it are dropped
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._held += text
+        reasoning, content = [], []
+        while self._held:
+            if self.phase is Phase.ANSWER:
+                if self._after_end:
+                    self._held = self._held.lstrip("\n")
+                    self._after_end = not self._held
+                content.append(self._held)
+                self._held = ""
+            elif self.phase is Phase.OPEN:
+                stripped = self._held.lstrip()
+                if stripped.startswith(self.fmt.start):
+                    self._held, self.phase, self._at_start = stripped[len(self.fmt.start):], Phase.THINKING, False
+                elif self.fmt.start.startswith(stripped):
+                    break  # could still become the start tag
+                else:
+                    self.phase = Phase.ANSWER
+            else:  # thinking: release up to the end tag, or up to a tail that may start it
+                if self._at_start:  # R1 may write the start tag the phase already assumed
+                    if self.fmt.start.startswith(self._held) and self._held != self.fmt.start:
+                        break  # could still become the start tag
+                    if self._held.startswith(self.fmt.start):
+                        self._held = self._held[len(self.fmt.start):]
+                    self._at_start = False
+                    continue
+                at = self._held.find(self.fmt.end)
+                if at >= 0:
+                    reasoning.append(self._held[:at])
+                    self._held, self.phase = self._held[at + len(self.fmt.end):], Phase.ANSWER
+                    self._after_end = True
+                    continue
+                keep = _partial_suffix(self._held, self.fmt.end)
+                reasoning.append(self._held[:len(self._held) - keep])
+                self._held = self._held[len(self._held) - keep:]
+                break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        if self.phase is Phase.THINKING:
+            return held, ""
+        return "", held
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+REASONING_FORMATS: dict[str, ReasoningFormat] = {f.name: f for f in (
+    ReasoningFormat("qwen3", "<think>", "</think>"),
+    ReasoningFormat("deepseek_r1", "<think>", "</think>", always_thinks=True),
+    ReasoningFormat("gemma4", "<|channel>thought", "<channel|>"),
+)}
+
+
+def get_reasoning_format(name: str) -> ReasoningFormat:
+    if name not in REASONING_FORMATS:
+        raise ValueError(f"unknown reasoning parser {name!r}; one of {', '.join(REASONING_FORMATS)}")
+    return REASONING_FORMATS[name]

@@ -1,0 +1,419 @@
+"""Tool-call parsers: a chat model's raw output text -> OpenAI tool calls (`--tool-call-parser NAME`).
+
+Each model family writes its calls in its own syntax; one ToolParser subclass per syntax, registered by
+name in TOOL_PARSERS:
+* `hermes` (Hermes, Qwen2.5/Qwen3): zero or more
+  `<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>` blocks, with
+  content before, between and after them. The arguments may also be a JSON string holding the object.
+  (Qwen3-Coder and Qwen3.5 put XML, `<function=NAME><parameter=KEY>...`, inside the same markers:
+  not JSON, so such blocks stay content here.)
+* `llama3_json` (Llama 3.1/3.2 JSON tool calling): the whole output, optionally after `<|python_tag|>`,
+  is one JSON object `{"name": ..., "parameters": {...}}` ("arguments" accepted too) or several
+  separated by `;`.
+* `pythonic` (Llama 3.2/4 pythonic): the whole output, optionally wrapped in
+  `<|python_start|>`...`<|python_end|>`, is a Python list of calls with keyword arguments that are
+  literals: `[get_weather(city="Paris", days=3), get_time()]`. Read with `ast`, never evaluated.
+* `gemma4` (Gemma 4): `<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>` blocks;
+  keys are bare, strings are delimited by the `<|"|>` token on both sides (and may hold any other
+  character), numbers/true/false/null are bare, objects `{}` and lists `[]` nest.
+
+Parsing never raises: a call that does not parse (malformed JSON, a missing end marker, unknown syntax)
+stays in the content as the text it was, and the calls that did parse are kept.
+
+Streaming (ToolStream): content is released as soon as it cannot be the start of a call marker (only a
+suffix that is a prefix of the marker is held back); a call is held until its end marker (or, for the
+whole-output formats, until finish()) and then sent as one delta entry with id/type/name and empty
+arguments followed by one entry with the arguments. parse() is the stream fed the whole text in one
+piece, so both share one implementation (the tests check that every split gives the same answer). Content: with calls, ParsedOutput.content is the
+text outside them, stripped, None when empty; without calls it is the text unchanged (None when empty).
+The streamed content pieces concatenate to exactly the text outside the calls (unstripped).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # the arguments object as JSON text (json.dumps of a dict)
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None  # the text outside the calls (see the module docstring for stripping)
+    calls: list[ParsedCall]
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What one piece of generated text releases: content to send now and tool-call delta entries."""
+
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI `delta.tool_calls` entries
+
+
+def _dumps(arguments: dict) -> str:
+    # allow_nan=False: NaN/Infinity (which json.loads and Python literals allow) are not JSON; the call
+    # then does not parse. ensure_ascii=False: clients get the text as the model wrote it.
+    return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+
+
+def _arguments_json(value) -> str | None:
+    """The arguments as JSON object text: from a dict, or a JSON string holding one; None otherwise."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    return _dumps(value) if isinstance(value, dict) else None
+
+
+def _call_from_object(obj) -> ParsedCall | None:
+    """`{"name": str, "arguments" | "parameters": {...}}` as a call; None for any other shape."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    key = "arguments" if "arguments" in obj else "parameters"
+    if key not in obj:  # a bare {"name": ...} is more likely JSON content than a call
+        return None
+    arguments = _arguments_json(obj[key])
+    return None if arguments is None else ParsedCall(obj["name"], arguments)
+
+
+def _attempt(parse: Callable, text: str):
+    """parse(text), or None when it fails in any way (syntax, shape, recursion depth): a malformed call
+    becomes content, never an error."""
+    try:
+        return parse(text)
+    except Exception:
+        return None
+
+
+def _held_prefix_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker (may still become it)."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+class ToolStream:
+    """Per-request streaming state: feed() each piece of generated text, then finish() once."""
+
+    def __init__(self) -> None:
+        self.calls: list[ParsedCall] = []  # the calls emitted so far, in order
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.calls)
+
+    def feed(self, text: str) -> StreamDelta:
+        raise NotImplementedError
+
+    def finish(self) -> StreamDelta:
+        raise NotImplementedError
+
+    def _delta(self, content: str, calls: list[ParsedCall]) -> StreamDelta:
+        """A delta carrying content and, per call, the opening entry (id, type, name, arguments "")
+        and the arguments entry; indexes count calls across the whole stream."""
+        entries = []
+        for call in calls:
+            index = len(self.calls)
+            self.calls.append(call)
+            entries.append({"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": call.name, "arguments": ""}})
+            entries.append({"index": index, "function": {"arguments": call.arguments}})
+        return StreamDelta(content, entries)
+
+
+class _MarkedCallStream(ToolStream):
+    """Calls between a start and an end marker, with content around them (hermes, gemma4)."""
+
+    def __init__(self, start: str, end: str, parse_body: Callable[[str], ParsedCall | None]) -> None:
+        super().__init__()
+        self._start, self._end, self._parse_body = start, end, parse_body
+        self._held = ""  # outside a call: a suffix that may begin the start marker; inside: the call so far
+        self._inside = False
+        self._searched = 0  # inside: how much of _held has been searched for the end marker
+
+    def feed(self, text: str) -> StreamDelta:
+        self._held += text
+        content, calls = [], []
+        while True:
+            if self._inside:
+                # resume the search where the last one stopped (less a partial end marker)
+                at = self._held.find(self._end, max(len(self._start), self._searched - len(self._end) + 1))
+                if at < 0:
+                    self._searched = len(self._held)
+                    break
+                stop = at + len(self._end)
+                block, self._held, self._inside = self._held[:stop], self._held[stop:], False
+                call = _attempt(self._parse_body, block[len(self._start):at])
+                if call is None:
+                    content.append(block)  # a call that does not parse stays content, markers included
+                else:
+                    calls.append(call)
+            else:
+                at = self._held.find(self._start)
+                if at < 0:
+                    free = len(self._held) - _held_prefix_len(self._held, self._start)
+                    content.append(self._held[:free])
+                    self._held = self._held[free:]
+                    break
+                content.append(self._held[:at])
+                self._held, self._inside, self._searched = self._held[at:], True, len(self._start)
+        return self._delta("".join(content), calls)
+
+    def finish(self) -> StreamDelta:
+        # what is held is a partial start marker or a call without its end marker: content either way
+        held, self._held, self._inside = self._held, "", False
+        return self._delta(held, [])
+
+
+class _WholeOutputStream(ToolStream):
+    """The whole output is the call list, optionally after a tag (llama3_json, pythonic): its first
+    non-blank characters decide; content passes straight through, a call list is held to finish()."""
+
+    def __init__(self, tag: str, opener: str, parse_all: Callable[[str], list[ParsedCall] | None]) -> None:
+        super().__init__()
+        self._tag, self._opener, self._parse_all = tag, opener, parse_all
+        self._held = ""
+        self._is_call: bool | None = None  # None until the opening characters decide
+
+    def feed(self, text: str) -> StreamDelta:
+        if self._is_call is False:
+            return StreamDelta(text)
+        self._held += text
+        if self._is_call is None:
+            self._is_call = self._decide(self._held)
+            if self._is_call is False:
+                held, self._held = self._held, ""
+                return StreamDelta(held)
+        return StreamDelta()
+
+    def _decide(self, text: str) -> bool | None:
+        head = text.lstrip()
+        if head.startswith(self._tag):
+            head = head[len(self._tag):].lstrip()
+        elif self._tag.startswith(head):  # blank so far, or a partial tag
+            return None
+        return head.startswith(self._opener) if head else None
+
+    def finish(self) -> StreamDelta:
+        held, self._held = self._held, ""
+        if self._is_call:
+            calls = _attempt(self._parse_all, held)
+            if calls:
+                return self._delta("", calls)
+        return self._delta(held, [])
+
+
+class ToolParser:
+    """One tool-call syntax. Subclasses name themselves and build their stream."""
+
+    name: ClassVar[str]
+
+    def stream(self) -> ToolStream:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> ParsedOutput:
+        stream = self.stream()
+        content = stream.feed(text).content + stream.finish().content
+        if stream.calls:
+            content = content.strip()
+        return ParsedOutput(content or None, list(stream.calls))
+
+
+# ---- hermes ----------------------------------------------------------------------------------------
+
+def _hermes_call(body: str) -> ParsedCall | None:
+    return _call_from_object(json.loads(body))
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+
+    def stream(self) -> ToolStream:
+        return _MarkedCallStream("<tool_call>", "</tool_call>", _hermes_call)
+
+
+# ---- llama3_json -----------------------------------------------------------------------------------
+
+_PYTHON_TAG = "<|python_tag|>"
+_BLANK = re.compile(r"\s*")
+
+
+def _llama3_calls(text: str) -> list[ParsedCall] | None:
+    """`{call}` or `{call}; {call}...` (a trailing `;` tolerated). Objects are read one at a time
+    rather than split on `;`, which string values may contain."""
+    body = text.strip().removeprefix(_PYTHON_TAG)
+    decoder = json.JSONDecoder()
+    calls, pos = [], _BLANK.match(body).end()
+    while pos < len(body):
+        obj, pos = decoder.raw_decode(body, pos)
+        call = _call_from_object(obj)
+        if call is None:
+            return None
+        calls.append(call)
+        pos = _BLANK.match(body, pos).end()
+        if pos < len(body):
+            if body[pos] != ";":
+                return None
+            pos = _BLANK.match(body, pos + 1).end()
+    return calls
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+
+    def stream(self) -> ToolStream:
+        return _WholeOutputStream(_PYTHON_TAG, "{", _llama3_calls)
+
+
+# ---- pythonic --------------------------------------------------------------------------------------
+
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+
+
+def _pythonic_calls(text: str) -> list[ParsedCall] | None:
+    """`[f(a=1), g()]`: a list of plain-name calls with literal keyword arguments only."""
+    body = text.strip().removeprefix(_PYTHON_START).strip().removesuffix(_PYTHON_END)
+    tree = ast.parse(body.strip(), mode="eval").body
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        if any(kw.arg is None for kw in node.keywords):  # **kwargs
+            return None
+        # literal_eval accepts literals only (no names, calls or attributes); sets, bytes and complex
+        # numbers pass it but not json.dumps, so such a call does not parse
+        arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        calls.append(ParsedCall(node.func.id, _dumps(arguments)))
+    return calls
+
+
+class PythonicParser(ToolParser):
+    name = "pythonic"
+
+    def stream(self) -> ToolStream:
+        return _WholeOutputStream(_PYTHON_START, "[", _pythonic_calls)
+
+
+# ---- gemma4 ----------------------------------------------------------------------------------------
+
+_GEMMA_QUOTE = '<|"|>'
+_GEMMA_CALL = re.compile(r"\s*call:([\w.\-]+)\s*(?=\{)")
+_GEMMA_KEY = re.compile(r"[^\s:,{}\[\]<]+")
+_GEMMA_BARE = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
+
+
+class _GemmaReader:
+    """Reads Gemma 4's argument syntax into Python values; ValueError on anything else."""
+
+    def __init__(self, text: str, pos: int) -> None:
+        self.text, self.pos = text, pos
+
+    def skip_blank(self) -> None:
+        self.pos = _BLANK.match(self.text, self.pos).end()
+
+    def _take(self, token: str) -> bool:
+        self.skip_blank()
+        if self.text.startswith(token, self.pos):
+            self.pos += len(token)
+            return True
+        return False
+
+    def _expect(self, token: str) -> None:
+        if not self._take(token):
+            raise ValueError(f"expected {token!r} at {self.pos}")
+
+    def _string(self) -> str:
+        end = self.text.find(_GEMMA_QUOTE, self.pos)
+        if end < 0:
+            raise ValueError("unterminated string")
+        value, self.pos = self.text[self.pos:end], end + len(_GEMMA_QUOTE)
+        return value
+
+    def _key(self) -> str:
+        if self._take(_GEMMA_QUOTE):
+            return self._string()
+        match = _GEMMA_KEY.match(self.text, self.pos)
+        if match is None:
+            raise ValueError(f"expected a key at {self.pos}")
+        self.pos = match.end()
+        return match.group()
+
+    def value(self):
+        if self._take(_GEMMA_QUOTE):
+            return self._string()
+        if self.text.startswith("{", self.pos):
+            return self.object()
+        if self.text.startswith("[", self.pos):
+            return self._list()
+        match = _GEMMA_BARE.match(self.text, self.pos)
+        if match is None:
+            raise ValueError(f"expected a value at {self.pos}")
+        self.pos = match.end()
+        return json.loads(match.group())
+
+    def object(self) -> dict:
+        self._expect("{")
+        out = {}
+        if self._take("}"):
+            return out
+        while True:
+            key = self._key()
+            self._expect(":")
+            out[key] = self.value()
+            if self._take("}"):
+                return out
+            self._expect(",")
+
+    def _list(self) -> list:
+        self._expect("[")
+        out = []
+        if self._take("]"):
+            return out
+        while True:
+            out.append(self.value())
+            if self._take("]"):
+                return out
+            self._expect(",")
+
+
+def _gemma4_call(body: str) -> ParsedCall | None:
+    """`call:NAME{arguments}` and nothing after the closing brace."""
+    match = _GEMMA_CALL.match(body)
+    if match is None:
+        return None
+    reader = _GemmaReader(body, match.end())
+    arguments = reader.object()
+    reader.skip_blank()
+    if reader.pos != len(body):
+        return None
+    return ParsedCall(match.group(1), _dumps(arguments))
+
+
+class Gemma4Parser(ToolParser):
+    name = "gemma4"
+
+    def stream(self) -> ToolStream:
+        return _MarkedCallStream("<|tool_call>", "<tool_call|>", _gemma4_call)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    cls.name: cls for cls in (HermesParser, Llama3JsonParser, PythonicParser, Gemma4Parser)}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """A fresh parser for a registry name; ValueError naming the valid ones for any other."""
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool-call parser {name!r}; valid names: "
+                         f"{', '.join(sorted(TOOL_PARSERS))}") from None
