@@ -1,7 +1,7 @@
 """`dspark parity`: greedy speculative decoding must reproduce plain greedy decoding token for token.
 
     dspark parity --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}' \
-        --dataset gsm8k --num-prompts 20 --max-tokens 128
+        --dataset gsm8k --num-prompts 20 --max-tokens 128   # --prompt-format plain: base models
 
 One engine (with the drafter) runs every prompt twice at temperature 0: first with speculation
 switched off per request (`SamplingParams.speculation=False`, the plain-decoding twin), then with it
@@ -99,19 +99,21 @@ def check_parity(llm, prompts: list, *, max_tokens: int = 128, chat: bool = True
 
 
 def register(sub) -> None:
+    from dspark.bench.datasets import add_prompt_format_argument
     from dspark.cli import add_engine_args
     p = sub.add_parser("parity", help="greedy speculative output == plain greedy output?")
     add_engine_args(p, positional_model=False)
     p.add_argument("--dataset", default="gsm8k", help="eval set name or JSONL path")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=128)
+    add_prompt_format_argument(p)
     p.add_argument("--out", default=None, help="also write the report as a result file (command, date, "
                                                "machine, matmul dtype and kernels beside it)")
     p.set_defaults(func=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from dspark.bench.datasets import load_prompts
+    from dspark.bench.datasets import load_prompts, resolve_prompt_format
     from dspark.cli import engine_config_from_args
     from dspark.llm import LLM
 
@@ -123,8 +125,9 @@ def run_cli(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     llm = LLM(config=config)
-    report = check_parity(llm, [[{"role": "user", "content": r.prompt}] for r in rows],
-                          max_tokens=args.max_tokens)
+    chat = resolve_prompt_format(args.prompt_format, llm.tokenizer) == "chat"
+    prompts = [[{"role": "user", "content": r.prompt}] for r in rows] if chat else [r.prompt for r in rows]
+    report = check_parity(llm, prompts, max_tokens=args.max_tokens, chat=chat)
     for m in report.mismatches:
         print(f"mismatch: prompt {m.index} diverges at output position {m.first_divergent_pos} "
               f"(plain {m.plain_token_id}, speculative {m.spec_token_id}; lengths "

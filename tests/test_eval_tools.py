@@ -267,6 +267,19 @@ def test_parity_cli_exit_code(monkeypatch, capsys, tmp_path, broken):
     assert {"command", "date", "machine", "matmul_dtype", "kernels"} <= set(written)
 
 
+def test_parity_cli_takes_base_model_prompts(monkeypatch, capsys):
+    """`--prompt-format plain`: each prompt's text is continued as it is (a base model), not run as a chat."""
+    from dspark import parity
+    llm = tiny_llm()
+    monkeypatch.setattr("dspark.llm.LLM", lambda **kw: llm)
+    monkeypatch.setattr("dspark.bench.datasets.load_prompts", lambda name, n, seed: prompts(n))
+    monkeypatch.setattr(llm, "chat", lambda *a, **kw: pytest.fail("a plain prompt went through the chat template"))
+    args = _parse(parity.register, ["parity", "--speculative-config", '{"method": "ngram"}', "--num-prompts", "3",
+                                    "--max-tokens", "16", "--prompt-format", "plain"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_exact"] == 3
+
+
 # -- calibrate ---------------------------------------------------------------------------------------
 
 def test_calibrate_synthetic_rounds_recovers_temperature():

@@ -184,3 +184,20 @@ async def fit_token_lengths(prompts: list[BenchPrompt], tokenize, detokenize) ->
         ids = await tokenize(p.prompt + " " + " ".join(rng.choices(_RANDOM_WORDS, k=p.num_tokens)))
         out.append(BenchPrompt(await detokenize(ids[:p.num_tokens]), p.domain, p.source, p.num_tokens))
     return out
+
+
+PROMPT_FORMATS = ("auto", "chat", "plain")
+
+
+def add_prompt_format_argument(p) -> None:
+    """`--prompt-format` of the tools that run eval prompts through a model (eval accept, parity)."""
+    p.add_argument("--prompt-format", default="auto", choices=PROMPT_FORMATS,
+                   help="chat: each prompt as a user turn through the chat template; plain: the text itself, "
+                        "continued (base models); auto: chat when the model has a template")
+
+
+def resolve_prompt_format(choice: str, tokenizer) -> str:
+    """"chat" or "plain": `auto` is chat where the tokenizer has a chat template."""
+    if choice != "auto":
+        return choice
+    return "chat" if getattr(tokenizer, "chat_template", None) else "plain"

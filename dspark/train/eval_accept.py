@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.bench.datasets import add_prompt_format_argument, resolve_prompt_format
 from dspark.verify.acceptance import AcceptCounts, RoundRecorder, summarize
 
 log = logging.getLogger(__name__)
@@ -154,9 +155,7 @@ def register(sub) -> None:
     acc.add_argument("--temperatures", default="0,1", help="comma-separated, e.g. 0,1")
     acc.add_argument("--num-prompts", type=int, default=50, help="per dataset (all rows: 0)")
     acc.add_argument("--max-tokens", type=int, default=256)
-    acc.add_argument("--prompt-format", default="auto", choices=["auto", "chat", "plain"],
-                     help="chat: each prompt as a user turn through the chat template; plain: the text itself, "
-                          "continued (base models); auto: chat when the model has a template")
+    add_prompt_format_argument(acc)
     acc.add_argument("--label", default=None, help="row label in the table (default: the method)")
     acc.add_argument("--out", default=None, help="results JSON path")
     acc.add_argument("--markdown", default=None, help="markdown table path")
@@ -187,9 +186,7 @@ def run_accept(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     llm = LLM(config=config)
-    prompt_format = args.prompt_format
-    if prompt_format == "auto":
-        prompt_format = "chat" if getattr(llm.tokenizer, "chat_template", None) else "plain"
+    prompt_format = resolve_prompt_format(args.prompt_format, llm.tokenizer)
     results = evaluate_acceptance(llm, prompts, temperatures=temperatures, max_tokens=args.max_tokens,
                                   seed=args.seed, prompt_format=prompt_format)
     doc = {"label": args.label or config.spec.method, "model": config.model,
