@@ -9,6 +9,7 @@ API key, and 8 concurrent streams == one-at-a-time greedy.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,8 @@ import openai
 import pytest
 
 from dspark.config import SpecConfig
+from dspark.sampling import SamplingParams
+from dspark.server.async_engine import AsyncEngine
 from server_harness import (MAX_MODEL_LEN, MODEL, CharTokenizer, Served, build_tiny_model,
                             make_engine, serve, stream_events)
 
@@ -425,3 +428,29 @@ def test_heap_trim_waits_for_an_idle_engine(monkeypatch, idle_s):
             time.sleep(0.02)
         time.sleep(0.5)
         assert calls == ([False] if idle_s < 1 else [])
+
+
+def test_heap_trim_after_a_request_that_ends_in_its_first_step(monkeypatch):
+    """A request that ends in the step that admitted it (one token: max_tokens=1, or EOS sampled first) arms
+    the idle trim as well: once, after its end."""
+    import dspark.server.async_engine as async_engine
+    calls = []
+    monkeypatch.setattr(async_engine, "IDLE_TRIM_S", 0.05)
+    monkeypatch.setattr(async_engine, "_trim_when_idle", lambda e: calls.append(e.has_unfinished()))
+    ae = AsyncEngine(make_engine(build_tiny_model()), CharTokenizer())
+
+    async def one_token():
+        stream = await ae.add_request([5, 6, 7], SamplingParams(max_tokens=1), "one")
+        return [delta async for delta in stream]
+
+    ae.start()
+    try:
+        deltas = asyncio.run(one_token())
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not calls:
+            time.sleep(0.01)
+        time.sleep(0.2)
+    finally:
+        ae.shutdown()
+    assert [(d.finished, d.num_output_tokens) for d in deltas] == [(True, 1)]
+    assert calls == [False]

@@ -334,16 +334,18 @@ class AsyncEngine:
                     self._apply(command)
                 if self.request_timeout_s is not None:
                     self._expire(time.perf_counter())
-                if engine.has_unfinished() or self._reap:
+                stepped = engine.has_unfinished() or self._reap
+                if stepped:
                     self._reap = False
                     outs = engine.step()
                     failed = engine.take_failed() if hasattr(engine, "take_failed") else {}
                     for out in outs:
                         self._process(out, failed.get(out.request_id))
-                was_busy, busy = busy, engine.has_unfinished() or self._reap
+                busy = engine.has_unfinished() or self._reap
                 if busy:
                     trim_at = None
-                elif was_busy:  # after the ended requests' responses are out and their objects freed
+                elif stepped:  # the step ended the last requests, their responses out and objects freed
+                    # (a request that ends in the step that admitted it too: the loop was not busy before)
                     trim_at = time.perf_counter() + IDLE_TRIM_S
             except Exception as e:  # a bug or device error: fail every request, refuse new ones
                 log.exception("engine step failed; the server stops accepting requests")
