@@ -65,8 +65,22 @@ class CacheConfig:
                                     aliases=("--num-gpu-blocks-override",), parse=optional_human_int)
     enable_prefix_caching: bool = opt(True, "reuse the KV blocks of earlier requests' equal prefixes",
                                       negatives=("--no-prefix-caching",))
+    # the target's K/V in 8 bits (scale 1, as vLLM without calibrated scales), upcast in attention: twice the
+    # tokens of a bf16 pool, four times an fp32 one's; the drafters' K/V stay in the activation dtype
+    kv_cache_dtype: str = opt("auto", "the target's KV cache: auto (the activation dtype, --dtype), fp8 (= "
+                              "fp8_e4m3) or fp8_e5m2: 8-bit K/V, upcast in attention",
+                              choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
+    # CUDA: the pool takes this fraction of the device's memory less what is in use once the weights are
+    # loaded (vLLM's flag); the CPU sizes it by kv_cache_memory_bytes
+    gpu_memory_utilization: float | None = opt(None, "CUDA: the fraction of the device's memory this engine "
+                                               "may use; the KV pool takes what the weights leave of it "
+                                               "(the CPU: --kv-cache-memory-bytes)")
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2; got {self.kv_cache_dtype!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
         if self.kv_cache_memory_bytes < 1:
@@ -307,6 +321,9 @@ class EngineConfig:
                              f"multiplies in its own dtype); use matmul_dtype 'auto' or 'float32'")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
+        if self.cache.gpu_memory_utilization is not None and not self.device.startswith("cuda"):
+            raise ValueError("gpu_memory_utilization sizes the KV pool on CUDA; on the CPU size it with "
+                             "--kv-cache-memory-bytes (or --num-kv-blocks)")
         if isinstance(self.spec, str) and self.spec != DEFAULT_SPEC:
             raise ValueError(f"speculative_config must be a SpecConfig, a dict, {DEFAULT_SPEC!r} or None; got {self.spec!r}")
         if isinstance(self.spec, SpecConfig) and self.spec.num_speculative_tokens + 1 > self.scheduler.max_num_batched_tokens:

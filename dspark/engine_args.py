@@ -22,11 +22,9 @@ from typing import Any
 
 # vLLM flag → why dspark refuses it (each names itself in the error)
 REFUSED_FLAGS: dict[str, str] = {
-    "--gpu-memory-utilization": "dspark sizes the KV pool by --kv-cache-memory-bytes or --num-kv-blocks",
     "--pipeline-parallel-size": "there is no pipeline parallelism",
     "--data-parallel-size": "there is no data parallelism; run one server per replica",
     "--quantization": "a GGUF model is served in its own quantized blocks (see --matmul-dtype)",
-    "--kv-cache-dtype": "the KV cache is kept in the activation dtype (--dtype)",
     "--enable-lora": "LoRA adapters are not supported",
     "--lora-modules": "LoRA adapters are not supported",
     "--tokenizer": "the model's own tokenizer is used (GGUF metadata or tokenizer.json of the folder)",

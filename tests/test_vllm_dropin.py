@@ -158,5 +158,5 @@ def test_unknown_engine_arguments_are_type_errors(tiny_dir):
     from dspark import LLM
     with pytest.raises(TypeError, match="bogus, wrong"):
         LLM(model=str(tiny_dir), wrong=1, bogus=2)
-    with pytest.raises(TypeError, match="gpu_memory_utilization is not supported"):
-        LLM(model=str(tiny_dir), gpu_memory_utilization=0.9)
+    with pytest.raises(TypeError, match="swap_space is not supported"):
+        LLM(model=str(tiny_dir), swap_space=4)

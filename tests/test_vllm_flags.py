@@ -207,8 +207,8 @@ def test_engine_kwargs_in_vllm_and_dspark_spellings():
 def test_unknown_and_refused_kwargs_are_type_errors_naming_them():
     with pytest.raises(TypeError, match="bogus_a, bogus_b"):
         config_from_kwargs(EngineConfig, {"bogus_b": 1, "bogus_a": 2, "seed": 1})
-    with pytest.raises(TypeError, match="gpu_memory_utilization"):
-        config_from_kwargs(EngineConfig, {"gpu_memory_utilization": 0.9})
+    with pytest.raises(TypeError, match="swap_space"):
+        config_from_kwargs(EngineConfig, {"swap_space": 4})
     with pytest.raises(TypeError, match="block_size"):
         config_from_kwargs(EngineConfig, {"block_size": 8, "kv_block_size": 16})
     from dspark.llm import LLM

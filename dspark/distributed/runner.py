@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from dspark.config import EngineConfig
 from dspark.distributed.group import STARTUP_TIMEOUT_S, TPGroup
 from dspark.distributed.vocab_argmax import gather_argmax
-from dspark.engine.model_runner import DTYPES, ModelRunner, StepBatch, allocate_kv_pool
+from dspark.engine.model_runner import DTYPES, ModelRunner, StepBatch, allocate_kv_pool, kv_dtype
 from dspark.sampling import RowArgmax
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, 
         if kind != "init":
             raise RuntimeError(f"expected the pool size from rank 0, got {message!r}")
         pool = allocate_kv_pool([model.kv_spec] * model.num_kv_layers, num_kv_blocks=num_kv_blocks,
-                                kv_block_size=kv_block_size, dtype=DTYPES[config.dtype],
+                                kv_block_size=kv_block_size,
+                                dtype=kv_dtype(config.cache.kv_cache_dtype, DTYPES[config.dtype]),
                                 device=rank_device(config.device, rank))
         runner = ModelRunner(model, kv_caches=pool, kv_block_size=kv_block_size,
                              device=rank_device(config.device, rank))

@@ -21,7 +21,7 @@ from dspark.engine.block_manager import BlockManager
 from dspark.engine.faults import checked_proposal, drafter_fault, fail_request, isolate_target_faults
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate_kv_pool,
-                                        kv_bytes_per_block)
+                                        kv_bytes_per_block, kv_dtype, pool_bytes)
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.request import PendingContext, Request, SpecStats
 from dspark.engine.sampler import argmax_suffices, sample_step, token_logprobs
@@ -61,18 +61,21 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids) or tuple(model_config.eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         dtype = DTYPES[config.dtype]
+        target_kv_dtype = kv_dtype(config.cache.kv_cache_dtype, dtype)
         layer_specs = [model.kv_spec] * model.num_kv_layers
         draft_specs = drafter.kv_layer_specs() if drafter else []
         kv_block_size = config.cache.kv_block_size
-        num_kv_blocks = config.cache.num_kv_blocks or max(16, int(
-            config.cache.kv_cache_memory_bytes
-            // kv_bytes_per_block(layer_specs + draft_specs, kv_block_size, dtype)))
+        block_bytes = (kv_bytes_per_block(layer_specs, kv_block_size, target_kv_dtype)
+                       + kv_bytes_per_block(draft_specs, kv_block_size, dtype))
+        num_kv_blocks = config.cache.num_kv_blocks or max(16, int(pool_bytes(config.cache, config.device)
+                                                                  // block_bytes))
         # one block past the block manager's: the padding rows of a replayed CUDA graph store their K/V
         # there (dspark.engine.cuda_graphs), no request ever owns it
-        pool = allocate_kv_pool(layer_specs + draft_specs, num_kv_blocks=num_kv_blocks + 1,
-                                kv_block_size=kv_block_size, dtype=dtype, device=config.device)
+        pool = allocate_kv_pool(layer_specs, num_kv_blocks=num_kv_blocks + 1, kv_block_size=kv_block_size,
+                                dtype=target_kv_dtype, device=config.device)
         if drafter:
-            drafter.bind_kv(pool[len(layer_specs):])
+            drafter.bind_kv(allocate_kv_pool(draft_specs, num_kv_blocks=num_kv_blocks + 1,
+                                             kv_block_size=kv_block_size, dtype=dtype, device=config.device))
         self.block_manager = BlockManager(num_kv_blocks=num_kv_blocks, kv_block_size=kv_block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         gamma = drafter.num_draft_tokens if drafter else 0

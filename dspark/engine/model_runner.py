@@ -16,6 +16,25 @@ from dspark.engine.scheduler import SchedulerOutput
 from dspark.models.attention import AttnMetadata, SeqSpec, build_attn_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_dtype(kv_cache_dtype: str, activation_dtype: torch.dtype) -> torch.dtype:
+    """The target's KV pool dtype: `--kv-cache-dtype` fp8 variants, else ("auto") the activations'."""
+    return FP8_KV_DTYPES.get(kv_cache_dtype, activation_dtype)
+
+
+def pool_bytes(cache, device: str, *, mem_get_info=None) -> int:
+    """Bytes the KV pool may take: `kv_cache_memory_bytes`, or on CUDA with `gpu_memory_utilization` that
+    fraction of the device's memory less what is in use now (the weights, loaded before the pool)."""
+    if cache.gpu_memory_utilization is None:
+        return cache.kv_cache_memory_bytes
+    free, total = (mem_get_info or torch.cuda.mem_get_info)(torch.device(device))
+    budget = int(cache.gpu_memory_utilization * total) - (total - free)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={cache.gpu_memory_utilization} leaves no memory for the KV "
+                         f"pool ({(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB already in use)")
+    return budget
 
 
 @dataclass

@@ -236,8 +236,21 @@ def store_kv(
     if not all_stored:
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        new = new.to(cache.dtype)
+        if cache.dtype in FP8:  # 8-bit K/V: copied as their bytes (no fp8 index_copy on the CPU)
+            new, cache = new.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new)
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def gather_slots(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """flat[slots] ([num_slots, ...] pool rows by slot); 8-bit pools gathered as their bytes."""
+    if flat.dtype in FP8:
+        return flat.view(torch.uint8)[slots].view(flat.dtype)
+    return flat[slots]
 
 
 def paged_attention(
@@ -267,8 +280,8 @@ def paged_attention(
             # or what shared its step (with bf16 products a last-bit difference could flip a rounding)
             continue
         qg = q[g.token_index.view(-1)].view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)
-        kg = k_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *k_flat.shape[1:]).transpose(1, 2)
-        vg = v_flat[g.kv_slots.view(-1)].view(num_seqs, -1, *v_flat.shape[1:]).transpose(1, 2)
+        kg = gather_slots(k_flat, g.kv_slots.view(-1)).view(num_seqs, -1, *k_flat.shape[1:]).transpose(1, 2)
+        vg = gather_slots(v_flat, g.kv_slots.view(-1)).view(num_seqs, -1, *v_flat.shape[1:]).transpose(1, 2)
         og = _attend(qg, kg.to(q.dtype), vg.to(q.dtype), g.mask, scale)  # [num_seqs, heads, max_q, head_dim]
         og = og.transpose(1, 2)  # [num_seqs, max_q, num_heads, head_dim]
         if g.all_valid:

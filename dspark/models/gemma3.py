@@ -175,7 +175,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         """Every decoder layer in one `kernels.block_layers` call where the step allows (`_stack_applies`):
         local layers with the local RoPE and each query's own key window (the rows the per-layer attention
         reads); False: the modules run."""
-        if not self._stack_applies(x, meta):
+        if not self._stack_applies(x, meta, kv_caches):
             return False
         meta = one_group_metadata(meta)
         T = x.shape[0]

@@ -196,13 +196,13 @@ class LlamaForCausalLM(nn.Module):
             return 0  # matrices held as GGUF blocks of a type the block stack does not multiply
         return kernels.MAX_ROWS
 
-    def _stack_applies(self, x: torch.Tensor, meta: AttnMetadata) -> bool:
+    def _stack_applies(self, x: torch.Tensor, meta: AttnMetadata, kv_caches: list[KVCache]) -> bool:
         """Does a one-call decoder stack serve this step: an fp32 CPU step of at most `kernels.MAX_ROWS` rows
         (decode and verification rows, prompt chunks, or a mix: its attention groups read as one,
-        `one_group_metadata`), every row stored, no bias, no tensor parallelism, the kernels built (checked
-        last: a CUDA step never loads them)?"""
+        `one_group_metadata`) over an fp32 KV pool, every row stored, no bias, no tensor parallelism, the
+        kernels built (checked last: a CUDA step never loads them)?"""
         return not (not meta.groups or not meta.all_stored or x.shape[0] > kernels.MAX_ROWS or self.config.attention_bias
-                    or x.dtype != torch.float32 or x.device.type != "cpu"
+                    or x.dtype != torch.float32 or x.device.type != "cpu" or kv_caches[0][0].dtype != torch.float32
                     or getattr(self, "tp", None) is not None  # tensor parallelism: all-reduces between layers
                     or not kernels.enabled())
 
@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         """A step `_stack_applies` to runs all decoder layers in one CPU kernel call (`kernels.decoder_layers`,
         or `kernels.block_layers` for matrices resident as GGUF blocks: the same arithmetic as the per-layer
         modules). False when it does not apply: the modules run instead."""
-        if not self._stack_applies(x, meta):
+        if not self._stack_applies(x, meta, kv_caches):
             return False
         meta = one_group_metadata(meta)
         rope = (cos.view(x.shape[0], -1), sin.view(x.shape[0], -1))
