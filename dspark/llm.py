@@ -39,6 +39,11 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None  # per token, when SamplingParams.logprobs is set
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it, if one did
+    # LLM.chat(..., reasoning_parser=, tool_parser=): the thoughts apart, the answer's parsed calls
+    # (`dspark.server.tool_parsers.ParsedCall`); `text` stays the whole output
+    reasoning_content: str | None = None
+    content: str | None = None
+    tool_calls: list | None = None
 
 
 @dataclass
@@ -134,9 +139,16 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             reasoning_parser: str | None = None, tool_parser: str | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each rendered by the chat template
-        (`chat_template` instead of the model's), then generated."""
+        (`chat_template` instead of the model's), then generated. `reasoning_parser` / `tool_parser` (the
+        server's `--reasoning-parser` / `--tool-call-parser` names) fill each output's `reasoning_content`,
+        `content` and `tool_calls`; with a reasoning parser a structured output applies after the thoughts."""
+        from dspark.server.reasoning import get_reasoning_format
+        from dspark.server.tool_parsers import get_tool_parser
+        reasoning = None if reasoning_parser is None else get_reasoning_format(reasoning_parser)
+        calls = None if tool_parser is None else get_tool_parser(tool_parser)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if continue_final_message and add_generation_prompt:
             add_generation_prompt = False  # vLLM: continuing the last message adds no new turn
@@ -146,7 +158,30 @@ class LLM:
         prompt_ids = [self.tokenizer.apply_chat_template([_text_message(m) for m in conversation],
                                                          add_generation_prompt=add_generation_prompt, **options)
                       for conversation in conversations]
-        return self._run(prompt_ids, [None] * len(prompt_ids), sampling_params, use_tqdm=use_tqdm)
+        if reasoning is not None:
+            sampling_params = self._after_reasoning(sampling_params, reasoning, len(prompt_ids))
+        outputs = self._run(prompt_ids, [None] * len(prompt_ids), sampling_params, use_tqdm=use_tqdm)
+        if reasoning is not None or calls is not None:
+            for ids, res in zip(prompt_ids, outputs):
+                phase = None if reasoning is None else reasoning.prompt_phase(self.tokenizer.decode(ids))
+                for out in res.outputs:
+                    out.reasoning_content, out.content = (None, out.text) if reasoning is None else \
+                        reasoning.split(out.text, phase)
+                    if calls is not None:
+                        parsed = calls.parse(out.content or "")
+                        out.content, out.tool_calls = (parsed.content, parsed.calls) if parsed.calls else \
+                            (out.content, [])
+        return outputs
+
+    def _after_reasoning(self, params, fmt, n: int):
+        """The SamplingParams with the reasoning tags as token ids where a structured output is asked."""
+        from dspark.sampling import ReasoningTags
+        tags = ReasoningTags(tuple(self.tokenizer.encode(fmt.start, add_special_tokens=False)),
+                             tuple(self.tokenizer.encode(fmt.end, add_special_tokens=False)), fmt.always_thinks)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or self.get_default_sampling_params()] * n
+        return [dataclasses.replace(p, reasoning_tags=tags) if p.structured_outputs is not None else p
+                for p in params]
 
     # -- loop ------------------------------------------------------------------------------------
     def _run(self, prompt_ids, texts, params, *, use_tqdm) -> list[RequestOutput]:

@@ -100,3 +100,40 @@ def test_the_flags_are_checked():
         ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="hermes"):
         ServerConfig(tool_call_parser="nope")
+
+
+def test_offline_chat_parses_reasoning_and_calls():
+    """`LLM.chat(..., reasoning_parser=, tool_parser=)`: the same parsers as the server, on each output; the
+    whole text stays in `text`."""
+    from dspark.llm import LLM
+    from dspark.sampling import SamplingParams
+    script = "<think>hm</think>" + CALL
+    target = ScriptedTarget(build_tiny_model(), len(PROMPT), TOK.encode(script) + [EOS])
+    llm = LLM(engine=make_engine(target), tokenizer=TOK)
+    (out,) = llm.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=100), use_tqdm=False, tools=TOOLS,
+                      reasoning_parser="qwen3", tool_parser="hermes")[0].outputs
+    assert out.text == script and out.reasoning_content == "hm" and out.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
+    plain = llm.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=100), use_tqdm=False)[0].outputs[0]
+    assert plain.text == script and plain.tool_calls is None and plain.reasoning_content is None
+
+
+def test_strict_tools_return_only_calls_that_validate():
+    """A `strict` tool: a call whose arguments do not validate against its parameters comes back as content
+    (whole and streamed); a valid one as tool_calls."""
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"town": "Paris"}}</tool_call>'
+    with _server(bad) as srv:
+        reply = srv.client().chat.completions.create(model="tiny", messages=MESSAGES, tools=strict, temperature=0.0,
+                                                     max_tokens=100).choices[0]
+        assert reply.finish_reason == "stop" and reply.message.content == bad and not reply.message.tool_calls
+        content, calls, _ = _assembled(srv.client().chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=strict, temperature=0.0, max_tokens=100, stream=True))
+        assert content == bad and calls == {}
+        loose = _create(srv).choices[0]  # the same call without strict: returned as it was written
+        assert loose.finish_reason == "tool_calls" and json.loads(loose.message.tool_calls[0].function.arguments) == \
+            {"town": "Paris"}
+    with _server(CALL) as srv:
+        reply = srv.client().chat.completions.create(model="tiny", messages=MESSAGES, tools=strict, temperature=0.0,
+                                                     max_tokens=100).choices[0]
+        assert reply.finish_reason == "tool_calls" and reply.message.tool_calls[0].function.name == "get_weather"

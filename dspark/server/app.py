@@ -219,7 +219,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         parser = tool_parser if serving.parses_tool_calls(body, auto_tools) else None
         phase = None if reasoning is None else reasoning.prompt_phase(tokenizer.decode(prompt_ids))
         outputs = [serving.Output(logprobs=None if params.logprobs is None else LogprobFormatter(tokenizer, chat=True),
-                                  tool_mode=mode, tool_parser=parser,
+                                  tool_mode=mode, tool_parser=parser, tool_accept=serving.strict_check(body),
                                   reasoning=None if reasoning is None else reasoning.stream(phase),
                                   prompt_logprobs=None if body.prompt_logprobs is None else
                                   LogprobFormatter(tokenizer, chat=True, top_k=body.prompt_logprobs))

@@ -20,7 +20,7 @@ from dspark.server.logprobs import LogprobFormatter
 from dspark.server.reasoning import ReasoningFormat, ReasoningStream
 from dspark.server.tool_parsers import ToolParser
 from dspark.server.streams import merged as _merged
-from dspark.server.tools import ToolMode, template_tools, tool_constraint
+from dspark.server.tools import ToolMode, strict_check, template_tools, tool_constraint
 from dspark.server.protocol import (
     AssistantMessage, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionRequest,
@@ -385,6 +385,7 @@ class Output:
     score_only: bool = False  # echo with max_tokens 0: the prompt alone, the one generated token dropped
     reasoning: ReasoningStream | None = None  # chat with --reasoning-parser: thoughts apart from the answer
     tool_parser: ToolParser | None = None  # chat with tools and tool_choice "auto": the model's calls parsed
+    tool_accept: Callable | None = None  # strict tools: a call whose arguments do not validate stays content
     _tool_stream: object = None
     _held: list[str] = field(default_factory=list)  # streamed text held back for the tool call
     _prompt_entries: list | None = None  # the engine's prompt logprobs, from the first delta
@@ -443,13 +444,14 @@ class Output:
         """tool_choice "auto": the model's calls in OpenAI's shape (whole, or as stream entries); a call
         ends the choice with "tool_calls" where the model stopped by itself."""
         if whole:
-            parsed = self.tool_parser.parse(text)
+            parsed = self.tool_parser.parse(text, accept=self.tool_accept)
             calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
             content = parsed.content if calls else text
         else:
             if self._tool_stream is None:
                 self._tool_stream = self.tool_parser.stream()
+                self._tool_stream.accept = self.tool_accept
             step = self._tool_stream.feed(text)
             content, calls = step.content, list(step.tool_calls)
             if delta.finished:

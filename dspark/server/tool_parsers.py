@@ -105,10 +105,16 @@ class ToolStream:
 
     def __init__(self) -> None:
         self.calls: list[ParsedCall] = []  # the calls emitted so far, in order
+        # a parsed call this refuses stays content, as one that does not parse (the server: strict tools
+        # whose arguments do not validate against their schema)
+        self.accept: Callable[[ParsedCall], bool] | None = None
 
     @property
     def has_calls(self) -> bool:
         return bool(self.calls)
+
+    def _accepts(self, call: ParsedCall) -> bool:
+        return self.accept is None or self.accept(call)
 
     def feed(self, text: str) -> StreamDelta:
         raise NotImplementedError
@@ -152,7 +158,7 @@ class _MarkedCallStream(ToolStream):
                 stop = at + len(self._end)
                 block, self._held, self._inside = self._held[:stop], self._held[stop:], False
                 call = _attempt(self._parse_body, block[len(self._start):at])
-                if call is None:
+                if call is None or not self._accepts(call):
                     content.append(block)  # a call that does not parse stays content, markers included
                 else:
                     calls.append(call)
@@ -206,7 +212,7 @@ class _WholeOutputStream(ToolStream):
         held, self._held = self._held, ""
         if self._is_call:
             calls = _attempt(self._parse_all, held)
-            if calls:
+            if calls and all(self._accepts(c) for c in calls):
                 return self._delta("", calls)
         return self._delta(held, [])
 
@@ -219,8 +225,9 @@ class ToolParser:
     def stream(self) -> ToolStream:
         raise NotImplementedError
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, accept: Callable[[ParsedCall], bool] | None = None) -> ParsedOutput:
         stream = self.stream()
+        stream.accept = accept
         content = stream.feed(text).content + stream.finish().content
         if stream.calls:
             content = content.strip()

@@ -63,6 +63,29 @@ def tool_constraint(req, bad_request, *, auto_tools: bool = False) -> tuple[dict
                       "tool_choice")
 
 
+def strict_check(req):
+    """For tool_choice "auto" with `strict` tools: ParsedCall -> is it a call the response may carry (a
+    strict tool's arguments valid under its `parameters`; with any strict tool, only the request's tools)?
+    None where no tool is strict. A call it refuses comes back as content."""
+    if not req.tools or not any(t.function.strict for t in req.tools):
+        return None
+    import jsonschema
+    tools = {t.function.name: t.function for t in req.tools}
+
+    def accept(call) -> bool:
+        tool = tools.get(call.name)
+        if tool is None:
+            return False
+        if not tool.strict:
+            return True
+        try:
+            jsonschema.validate(json.loads(call.arguments), tool.parameters or ANY_OBJECT)
+        except (jsonschema.ValidationError, jsonschema.SchemaError, ValueError):
+            return False
+        return True
+    return accept
+
+
 def template_tools(req) -> list[dict] | None:
     """The tools as the chat template takes them (None when there are none)."""
     return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
