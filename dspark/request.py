@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dspark.logits_processors import check_token_ids
 from dspark.sampling import SamplingParams
 
 
@@ -152,3 +153,23 @@ class Request:
         self.draft_confidence = None
         self.draft_from_model = True
         self.verify_len = 0
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int,
+                  max_logprobs: int) -> None:
+    """ValueError naming what is wrong with a request before the engine takes it: an empty prompt, one with
+    no room for a token, an id outside the vocabulary, more logprobs than the server allows, token ids in
+    the parameters outside the vocabulary."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum model length is "
+                         f"{max_model_len} (prompt + at least one generated token)")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name, None)
+        if isinstance(k, int) and max_logprobs != -1 and k > max_logprobs:
+            raise ValueError(f"{name}={k} exceeds the server's max_logprobs ({max_logprobs}; --max-logprobs)")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    check_token_ids(params, vocab_size)

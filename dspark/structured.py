@@ -93,6 +93,16 @@ class GrammarCompiler:
             self._tokenizer = self._make_tokenizer()
         return self._tokenizer
 
+    def request_grammar(self, params, prompt_ids: list[int]):
+        """A request's grammar: its `structured_outputs`, applied after its reasoning where the request carries
+        a reasoning format's tags (`AfterReasoning`)."""
+        grammar = self.matcher(params.structured_outputs)
+        tags = params.reasoning_tags
+        if tags is None:
+            return grammar
+        return AfterReasoning(grammar, start_ids=tags.start, end_ids=tags.end, prompt_ids=prompt_ids,
+                              always_thinks=tags.always_thinks)
+
     def matcher(self, spec: dict[str, Any]) -> "GrammarMatcher":
         import llguidance
 

@@ -23,9 +23,8 @@ from dspark.engine.metrics import EngineMetrics
 from dspark.engine.model_runner import (DTYPES, ModelRunner, StepBatch, allocate_kv_pool,
                                         kv_bytes_per_block, kv_dtype, pool_bytes)
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
-from dspark.request import PendingContext, Request, SpecStats
-from dspark.engine.sampler import argmax_suffices, sample_step, token_logprobs
-from dspark.logits_processors import check_token_ids
+from dspark.request import PendingContext, Request, SpecStats, check_request
+from dspark.engine.sampler import argmax_suffices, sample_step, score_prompts
 from dspark.sampling import RowArgmax, SamplingParams, TokenLogprob
 from dspark.verify.rejection import VerifyResult
 
@@ -137,23 +136,10 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
         request_id = request_id or f"req-{next(self._ids)}"
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum model length is "
-                             f"{self.max_model_len} (prompt + at least one generated token)")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        limit = self.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name, None)
-            if isinstance(k, int) and limit != -1 and k > limit:
-                raise ValueError(f"{name}={k} exceeds the server's max_logprobs ({limit}; --max-logprobs)")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
-                             f"(size {self.model_config.vocab_size})")
-        check_token_ids(params, self.model_config.vocab_size)
+        check_request(prompt_ids, params, max_model_len=self.max_model_len,
+                      vocab_size=self.model_config.vocab_size, max_logprobs=self.config.max_logprobs)
         req = Request(request_id, list(prompt_ids), params, eos_token_ids=self.eos_token_ids)
         if params.seed is None:
             req.sample_seed = hash((self.config.seed, request_id)) % 2**63
@@ -161,12 +147,7 @@ class Engine:
         if params.structured_outputs is not None:
             if self.grammar_compiler is None:
                 raise ValueError("structured output needs the tokenizer (the engine was built without one)")
-            req.grammar = self.grammar_compiler.matcher(params.structured_outputs)
-            if params.reasoning_tags is not None:  # the grammar starts where the reasoning ends
-                from dspark.structured import AfterReasoning
-                tags = params.reasoning_tags
-                req.grammar = AfterReasoning(req.grammar, start_ids=tags.start, end_ids=tags.end,
-                                             prompt_ids=prompt_ids, always_thinks=tags.always_thinks)
+            req.grammar = self.grammar_compiler.request_grammar(params, prompt_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -196,7 +177,7 @@ class Engine:
             logits, taps = self.runner.forward(  # taps only where the drafter keeps a context
                 batch, with_taps=any(s.request.needs_draft_context for s in sched.scheduled))
             if batch.host.num_prompt_logits:  # the rows that score prompt tokens come after the emitting ones
-                self._score_prompts(sched, logits[-batch.host.num_prompt_logits:])
+                score_prompts(sched.scheduled, logits[-batch.host.num_prompt_logits:])
                 logits = logits[:-batch.host.num_prompt_logits]
             if argmax_only and not isinstance(logits, RowArgmax):  # one pass over the rows serves the fault
                 logits = RowArgmax.of(logits)  # check and the verification (the row maxima show the faults)
@@ -237,15 +218,6 @@ class Engine:
             return StepVerify({}, {})
         result, logprobs = sample_step(items, logits, eos_token_ids=self.eos_token_ids)
         return self._observed(items, result, logprobs)
-
-    @staticmethod
-    def _score_prompts(sched: SchedulerOutput, rows: torch.Tensor) -> None:
-        """Each scheduled request's prompt logprobs for the positions it scores this step, from their raw
-        logits `rows` [num_prompt_logits, vocab_size] (in item order)."""
-        scoring = [(s.request, s.prompt_positions) for s in sched.scheduled if s.prompt_positions]
-        for (req, positions), part in zip(scoring, torch.split(rows, [len(p) for _, p in scoring])):
-            req.prompt_logprobs += token_logprobs(part, [req.prompt_ids[p + 1] for p in positions],
-                                                  req.params.prompt_logprobs)
 
     def _observed(self, items: list, result: VerifyResult, logprobs: dict) -> "StepVerify":
         """Hand each request's verification outcome to the observers; the step's results by request."""

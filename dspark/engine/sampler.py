@@ -156,6 +156,16 @@ def _probs(items: list, rows: list[torch.Tensor]) -> torch.Tensor:  # [sum of nu
         min_p=torch.tensor(per_row(lambda p: p.min_p), device=dev))
 
 
+def score_prompts(scheduled: list, rows: torch.Tensor) -> None:
+    """Each scheduled request's prompt logprobs for the positions it scores this step
+    (`ScheduledRequest.prompt_positions`), from their raw logits `rows` [num_prompt_logits, vocab_size] in
+    item order."""
+    scoring = [(s.request, s.prompt_positions) for s in scheduled if s.prompt_positions]
+    for (req, positions), part in zip(scoring, torch.split(rows, [len(p) for _, p in scoring])):
+        req.prompt_logprobs += token_logprobs(part, [req.prompt_ids[p + 1] for p in positions],
+                                              req.params.prompt_logprobs)
+
+
 def token_logprobs(rows: torch.Tensor,  # [>= len(token_ids), vocab_size]
                    token_ids: list[int], k: int) -> list[TokenLogprob]:
     """Row j's log-softmax at token_ids[j], that token's rank and the row's top k: an emitted token's under

@@ -32,19 +32,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark.server.reasoning import get_reasoning_format
-from dspark.server.tool_parsers import get_tool_parser
 from dspark.server import serving
 from dspark.server.async_engine import AdmissionError, AsyncEngine, RequestFault, RequestStream
+from dspark.server.choices import Output
 from dspark.server.config import ServerConfig
 from dspark.server.disconnect import unless_disconnected
 from dspark.server.guard import APIKeyGuard, BodyGuard
 from dspark.server.logprobs import LogprobFormatter
 from dspark.server.metrics import ServerMetrics
+from dspark.server.reasoning import get_reasoning_format
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     ModelCard, ModelList, TokenizeRequest)
 from dspark.server.serving import APIError, bad_request
 from dspark.server.streams import PrimedStream
+from dspark.server.tool_parsers import get_tool_parser
+from dspark.server.tools import strict_check
 from dspark.server.tokenize import detokenize as detokenize_ids
 from dspark.server.tokenize import tokenize as tokenize_ids
 from dspark.server.validation import check_context, check_fields
@@ -197,7 +199,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         prompt_ids = serving.completion_prompt_ids(body, tokenizer)
         echo = serving.echo_text(body, prompt_ids, tokenizer) if body.echo else ""
         echo_logprobs = bool(body.echo) and params.logprobs is not None  # the prompt's tokens lead the logprobs
-        outputs = [serving.Output(
+        outputs = [Output(
             echo=echo, echo_logprobs=echo_logprobs, first_prompt_id=prompt_ids[0] if prompt_ids else 0,
             logprobs=None if params.logprobs is None else
             LogprobFormatter(tokenizer, chat=False, text_offset=0 if echo_logprobs else len(echo), top_k=body.logprobs),
@@ -218,8 +220,8 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         mode = serving.tool_mode(body, auto_tools=auto_tools)
         parser = tool_parser if serving.parses_tool_calls(body, auto_tools) else None
         phase = None if reasoning is None else reasoning.prompt_phase(tokenizer.decode(prompt_ids))
-        outputs = [serving.Output(logprobs=None if params.logprobs is None else LogprobFormatter(tokenizer, chat=True),
-                                  tool_mode=mode, tool_parser=parser, tool_accept=serving.strict_check(body),
+        outputs = [Output(logprobs=None if params.logprobs is None else LogprobFormatter(tokenizer, chat=True),
+                                  tool_mode=mode, tool_parser=parser, tool_accept=strict_check(body),
                                   reasoning=None if reasoning is None else reasoning.stream(phase),
                                   prompt_logprobs=None if body.prompt_logprobs is None else
                                   LogprobFormatter(tokenizer, chat=True, top_k=body.prompt_logprobs))

@@ -344,8 +344,7 @@ class AsyncEngine:
                 busy = engine.has_unfinished() or self._reap
                 if busy:
                     trim_at = None
-                elif stepped:  # the step ended the last requests, their responses out and objects freed
-                    # (a request that ends in the step that admitted it too: the loop was not busy before)
+                elif stepped:  # it ended the last requests (also one it admitted): responses out, objects freed
                     trim_at = time.perf_counter() + IDLE_TRIM_S
             except Exception as e:  # a bug or device error: fail every request, refuse new ones
                 log.exception("engine step failed; the server stops accepting requests")
@@ -435,14 +434,12 @@ class AsyncEngine:
             text += self.detokenizer.flush(tracked.state)
             reason = "stop" if stopped else (out.finish_reason or "abort")
             del self._tracked[out.request_id]
-        spec = out.spec
         delta = RequestDelta(
             request_id=out.request_id, text=text, num_tokens=num_kept, finished=finished,
             finish_reason=reason, num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=len(tracked.state.token_ids), num_cached_tokens=out.num_cached_tokens,
-            spec=_snapshot(spec),
-            logprobs=None if out.logprobs is None else out.logprobs[:num_kept],
-            prompt_logprobs=out.prompt_logprobs)
+            spec=_snapshot(out.spec), prompt_logprobs=out.prompt_logprobs,
+            logprobs=None if out.logprobs is None else out.logprobs[:num_kept])
         _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
         if finished:
             self._record_end(out.request_id, tracked, reason, end_s=now_s)
