@@ -125,8 +125,10 @@ class SamplingParams:
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(_is_real(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        # at least MIN_REPETITION_PENALTY: a positive logit divided by a vanishing one overflows to +inf, and a
+        # row with +inf has no distribution to sample from
+        _check(_is_real(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10], got {self.repetition_penalty}")
         _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(all(math.isfinite(b) and -100.0 <= b <= 100.0 for _, b in self.logit_bias),
                "logit_bias values must be in [-100, 100]")
@@ -166,6 +168,7 @@ class ReasoningTags:
         _check(bool(self.start) and bool(self.end), "reasoning_tags: the start and end tags need token ids")
 
 
+MIN_REPETITION_PENALTY = 0.01
 MAX_TEMPERATURE = 1e4  # beyond it every distribution is uniform to float32 anyway
 MAX_INT32 = 2**31 - 1
 

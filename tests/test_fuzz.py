@@ -86,11 +86,11 @@ def test_request_models_map_to_engine_input_or_a_4xx(data):
     try:
         max_tokens = serving.chat_max_tokens(req) if chat else req.max_tokens
         params = serving.sampling_params(req, max_tokens)
-        ids = serving.chat_prompt_ids(req, tok) if chat else serving.completion_prompt_ids(req, tok)
+        batch = [serving.chat_prompt_ids(req, tok)] if chat else [ids for ids, _ in serving.completion_prompts(req, tok)]
     except serving.APIError as e:
         assert 400 <= e.status_code < 500
         return
-    assert isinstance(params, SamplingParams) and all(isinstance(t, int) for t in ids)
+    assert isinstance(params, SamplingParams) and all(isinstance(t, int) for ids in batch for t in ids)
 
 
 # -- the HTTP API from its OpenAPI schema ------------------------------------------------------------

@@ -74,7 +74,8 @@ HOSTILE = [
     ("prompt_empty", C, cmpl(prompt=""), 400, "empty"),
     ("prompt_empty_ids", C, cmpl(prompt=[]), 400, "empty"),
     ("prompt_empty_nested", C, cmpl(prompt=[[]]), 400, "empty"),
-    ("prompt_batched", C, cmpl(prompt=["a", "b"]), 400, "batched prompts not supported"),
+    ("prompt_batch_too_large", C, cmpl(prompt=["a"] * 257), 400, "at most 256 prompts"),
+    ("prompt_batch_one_empty", C, cmpl(prompt=["a", ""]), 400, "empty"),
     # types: nothing coerces
     ("max_tokens_str", C, cmpl(max_tokens="2"), 400, "'max_tokens'"),
     ("max_tokens_bool", C, cmpl(max_tokens=True), 400, "'max_tokens'"),
@@ -172,3 +173,12 @@ def test_a_body_just_under_the_limit_is_served(srv):
     assert len(body) < BODY_LIMIT
     resp = srv.post(C, content=body.encode(), headers=J)
     assert resp.status_code == 200, resp.text
+
+
+def test_a_vanishing_repetition_penalty_is_refused_not_sampled_from(srv):
+    """A repetition penalty of 5e-324 (what the schema fuzz found) divided positive logits to +inf, the
+    keyed draw returned a token past the vocabulary and the engine stopped: it is refused with a 400."""
+    resp = srv.post("/v1/completions", **cmpl(repetition_penalty=5e-324))
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "repetition_penalty"
+    ok = srv.post("/v1/completions", **cmpl(repetition_penalty=0.01))
+    assert ok.status_code == 200

@@ -171,7 +171,8 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "greater than or equal to 1"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "batched prompts not supported"),
+    ({"model": MODEL, "prompt": ["a"] * 257}, 400, "at most 256 prompts"),
+    ({"model": MODEL, "prompt": [[5, 6], [5, 10_000]]}, 400, "vocabulary"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "prompt": [5, 10_000]}, 400, "vocabulary"),
     ({"model": MODEL, "prompt": []}, 400, "empty"),
@@ -454,3 +455,33 @@ def test_heap_trim_after_a_request_that_ends_in_its_first_step(monkeypatch):
         ae.shutdown()
     assert [(d.finished, d.num_output_tokens) for d in deltas] == [(True, 1)]
     assert calls == [False]
+
+
+def test_batched_prompts_come_back_in_prompt_order(plain):
+    """A list of prompts (strings or id lists, what eval harnesses send) is answered as OpenAI and vLLM do:
+    n choices per prompt, `index` = prompt * n + choice, each as the prompt alone would get it (greedy), the
+    usage counting each prompt once; streamed chunks carry the same indexes; an empty prompt in the batch
+    refuses the whole request before any of it runs."""
+    base = {"model": MODEL, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    prompts = ["hello", "xyz!", "abc"]
+    alone = [plain.post("/v1/completions", json={**base, "prompt": p}).json() for p in prompts]
+    batch = plain.post("/v1/completions", json={**base, "prompt": prompts, "n": 2}).json()
+    assert [c["index"] for c in batch["choices"]] == list(range(6))
+    assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone for _ in range(2)]
+    assert batch["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert batch["usage"]["completion_tokens"] == 30
+    events = stream_events(plain, "/v1/completions", {**base, "prompt": prompts, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+    texts = {}
+    for e in events[:-1]:
+        for c in json.loads(e)["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(3)] == [a["choices"][0]["text"] for a in alone]
+    assert json.loads(events[-2])["usage"]["prompt_tokens"] == batch["usage"]["prompt_tokens"]
+    echoed = plain.post("/v1/completions", json={**base, "prompt": ["ab", "cd"], "echo": True, "logprobs": 0,
+                                                 "max_tokens": 0}).json()
+    assert [c["text"] for c in echoed["choices"]] == ["ab", "cd"]
+    assert [c["logprobs"]["tokens"] for c in echoed["choices"]] == [["a", "b"], ["c", "d"]]
+    ids = plain.post("/v1/completions", json={**base, "prompt": [[5, 6, 7], [8, 9]]}).json()
+    assert [c["text"] for c in ids["choices"]] == [
+        plain.post("/v1/completions", json={**base, "prompt": p}).json()["choices"][0]["text"] for p in ([5, 6, 7], [8, 9])]

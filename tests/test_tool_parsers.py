@@ -28,6 +28,20 @@ def hermes(name, arguments):
 WEATHER = hermes("get_weather", {"city": "Paris", "days": 3})
 TIME = hermes("get_time", {})
 BRACES = {"code": "def f(x):\n    return {'a': [x, {}]}", "pattern": "}{][", "nested": {"a": {"b": [1, {"c": "}"}]}}}
+
+
+def qwen(name, **parameters):
+    """A qwen3_coder block as the Qwen3-Coder / Qwen3.5 template writes it: each tag and value on its own
+    lines; the values are given as the raw text the model writes."""
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+QWEN_WEATHER = qwen("get_weather", city="Paris", days="3")
+QWEN_TIME = qwen("get_time")
+# a value with blank lines, braces, `<`, `>` and `</parameter` without its `>`
+QWEN_CODE = ("def f(x):\n    if x < 1 and x > -1:\n        return {'a': [x, {}]}\n\n"
+             "    return '</parameter' + '}{'")
 GEMMA_WEATHER = (f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:3,units:{{system:{Q}metric{Q}}},"
                  f"tags:[{Q}a{Q},{Q}b{Q}],exact:true}}<tool_call|>")
 GEMMA_WEATHER_ARGS = {"city": "Paris", "days": 3, "units": {"system": "metric"}, "tags": ["a", "b"],
@@ -64,6 +78,53 @@ CASES = [
     ("hermes", "plain text", "The capital of France is Paris.", SAME, []),
     ("hermes", "text with marker-like pieces", "Compare a < b, use <tool> or <tool_cal and </tool_call>.", SAME, []),
     ("hermes", "empty", "", None, []),
+    # qwen3_coder
+    ("qwen3_coder", "single", QWEN_WEATHER, None, [call("get_weather", city="Paris", days=3)]),
+    ("qwen3_coder", "parallel", f"{QWEN_WEATHER}\n{QWEN_TIME}", None,
+     [call("get_weather", city="Paris", days=3), call("get_time")]),
+    ("qwen3_coder", "text before", f"Let me check the weather.\n\n{QWEN_WEATHER}", "Let me check the weather.",
+     [call("get_weather", city="Paris", days=3)]),
+    ("qwen3_coder", "text between and after", f"First:\n{QWEN_WEATHER}\nthen\n{QWEN_TIME}\nDone.",
+     "First:\n\nthen\n\nDone.", [call("get_weather", city="Paris", days=3), call("get_time")]),
+    ("qwen3_coder", "multi-line value with braces and <", qwen("write_file", path="a.py", content=QWEN_CODE),
+     None, [call("write_file", path="a.py", content=QWEN_CODE)]),
+    ("qwen3_coder", "only one newline stripped each side", qwen("echo", text="\n  indented\n"), None,
+     [call("echo", text="\n  indented\n")]),
+    ("qwen3_coder", "typed values",
+     qwen("f", i="-2", x="1.5e3", yes="true", no="false", none="null", obj='{"k": [1, {"n": null}]}',
+          arr='[1, "a"]'),
+     None, [call("f", i=-2, x=1500.0, yes=True, no=False, none=None, obj={"k": [1, {"n": None}]},
+                 arr=[1, "a"])]),
+    ("qwen3_coder", "values that stay text",
+     qwen("f", quoted='"3"', word="Paris", phrase="3 apples", empty="", nan="NaN", huge="1e999", bad="{oops}"),
+     None, [call("f", quoted='"3"', word="Paris", phrase="3 apples", empty="", nan="NaN", huge="1e999",
+                 bad="{oops}")]),
+    ("qwen3_coder", "no newlines, blanks between tags",
+     "<tool_call><function=get_weather> <parameter=city>Paris</parameter>\t<parameter=days>3</parameter>"
+     "</function></tool_call>", None, [call("get_weather", city="Paris", days=3)]),
+    ("qwen3_coder", "unicode", qwen("translate", text="Zürich ☀ 東京"), None,
+     [call("translate", text="Zürich ☀ 東京")]),
+    ("qwen3_coder", "no function tag", "<tool_call>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
+     SAME, []),
+    ("qwen3_coder", "unclosed function tag",
+     "<tool_call>\n<function=get_weather\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+     SAME, []),
+    ("qwen3_coder", "no </function>",
+     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>", SAME, []),
+    ("qwen3_coder", "unclosed parameter",
+     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>", SAME, []),
+    ("qwen3_coder", "text between parameters",
+     "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\nand\n<parameter=b>\n2\n</parameter>\n"
+     "</function>\n</tool_call>", SAME, []),
+    ("qwen3_coder", "two functions in one block",
+     "<tool_call>\n<function=get_time>\n</function>\n<function=get_date>\n</function>\n</tool_call>", SAME, []),
+    ("qwen3_coder", "missing end marker", f"Sure.\n{QWEN_WEATHER.removesuffix('</tool_call>')}", SAME, []),
+    ("qwen3_coder", "JSON body (hermes syntax)", WEATHER, SAME, []),
+    ("qwen3_coder", "one good call, one malformed",
+     f"{QWEN_WEATHER}\n<tool_call>\n<function=get_time>\n</tool_call>",
+     "<tool_call>\n<function=get_time>\n</tool_call>", [call("get_weather", city="Paris", days=3)]),
+    ("qwen3_coder", "plain text", "The capital of France is Paris. Use <function=x> or <tool_cal", SAME, []),
+    ("qwen3_coder", "empty", "", None, []),
     # llama3_json
     ("llama3_json", "single", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None,
      [call("get_weather", city="Paris", days=3)]),
@@ -228,13 +289,21 @@ def test_openai_client_assembles_the_stream():
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "pythonic", "gemma4"}
+    assert set(TOOL_PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "pythonic", "gemma4"}
     for name, cls in TOOL_PARSERS.items():
         parser = get_tool_parser(name)
         assert type(parser) is cls and parser.name == name
     with pytest.raises(ValueError) as err:
         get_tool_parser("nope")
     assert "'nope'" in str(err.value) and all(name in str(err.value) for name in TOOL_PARSERS)
+
+
+def test_qwen3_coder_deep_value_stays_text():
+    """A value nested past json's recursion limit is not JSON to this parser: it stays the text."""
+    deep = "[" * 5000 + "]" * 5000
+    out = get_tool_parser("qwen3_coder").parse(qwen("f", x=deep))
+    assert out.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("f", {"x": deep})]
 
 
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))

@@ -157,18 +157,19 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
             raise
         return streams
 
-    async def respond(request: Request, body, streams, shape, outputs):
+    async def respond(request: Request, body, streams, shape, outputs, choices_per_prompt: int | None = None):
         if body.stream:
             opts = body.stream_options
             return StreamingResponse(
                 serving.stream_response(
                     streams, shape, model=model_name,
                     include_usage=bool(opts and opts.include_usage),
-                    continuous_usage=bool(opts and opts.continuous_usage_stats), outputs=outputs),
+                    continuous_usage=bool(opts and opts.continuous_usage_stats), outputs=outputs,
+                    choices_per_prompt=choices_per_prompt),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         result = await unless_disconnected(serving.collect_response(
             streams, shape, model=model_name, is_disconnected=request.is_disconnected,
-            outputs=outputs), request.is_disconnected)
+            outputs=outputs, choices_per_prompt=choices_per_prompt), request.is_disconnected)
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(result.model_dump())
@@ -196,18 +197,28 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         check_fields(body, vocab_size=vocab_size)
         params = apply_defaults(serving.sampling_params(body, body.max_tokens, tokenizer), body, defaults)
         admit()
-        prompt_ids = serving.completion_prompt_ids(body, tokenizer)
-        echo = serving.echo_text(body, prompt_ids, tokenizer) if body.echo else ""
+        prompts = serving.completion_prompts(body, tokenizer)
+        for ids, _ in prompts:  # every prompt checked before any starts
+            check_context(len(ids), params.max_tokens, max_model_len=async_engine.max_model_len,
+                          vocab_size=vocab_size, prompt_ids=ids)
         echo_logprobs = bool(body.echo) and params.logprobs is not None  # the prompt's tokens lead the logprobs
-        outputs = [Output(
-            echo=echo, echo_logprobs=echo_logprobs, first_prompt_id=prompt_ids[0] if prompt_ids else 0,
-            logprobs=None if params.logprobs is None else
-            LogprobFormatter(tokenizer, chat=False, text_offset=0 if echo_logprobs else len(echo), top_k=body.logprobs),
-            prompt_logprobs=None if body.prompt_logprobs is None else
-            LogprobFormatter(tokenizer, chat=False, top_k=body.prompt_logprobs),
-            score_only=bool(body.echo) and body.max_tokens == 0) for _ in range(params.n)]
-        streams = await start(prompt_ids, params)
-        return await respond(request, body, streams, serving.COMPLETION, outputs)
+        streams, outputs = [], []
+        try:
+            for ids, text in prompts:  # choices in prompt order: index = prompt * n + choice
+                echo = (text if text is not None else tokenizer.decode(ids)) if body.echo else ""  # ids checked
+                outputs += [Output(
+                    echo=echo, echo_logprobs=echo_logprobs, first_prompt_id=ids[0],
+                    logprobs=None if params.logprobs is None else LogprobFormatter(
+                        tokenizer, chat=False, text_offset=0 if echo_logprobs else len(echo), top_k=body.logprobs),
+                    prompt_logprobs=None if body.prompt_logprobs is None else
+                    LogprobFormatter(tokenizer, chat=False, top_k=body.prompt_logprobs),
+                    score_only=bool(body.echo) and body.max_tokens == 0) for _ in range(params.n)]
+                streams += await start(ids, params)
+        except APIError:
+            for s in streams:
+                s.close()
+            raise
+        return await respond(request, body, streams, serving.COMPLETION, outputs, choices_per_prompt=params.n)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -55,7 +55,8 @@ class ServerConfig:
     # model's own tool-call format parsed into tool_calls (dspark/server/tool_parsers.py)
     enable_auto_tool_choice: bool = opt(False, "tool_choice 'auto': parse the model's tool calls (needs "
                                         "--tool-call-parser)")
-    tool_call_parser: str | None = opt(None, "the model's tool-call format: hermes, llama3_json, pythonic, gemma4")
+    tool_call_parser: str | None = opt(None, "the model's tool-call format: hermes, qwen3_coder, llama3_json, "
+                                             "pythonic, gemma4")
     # a thinking model's reasoning apart in reasoning_content; structured output and tool grammars apply to
     # the answer after it (dspark/server/reasoning.py)
     reasoning_parser: str | None = opt(None, "the model's reasoning tags: qwen3, deepseek_r1, gemma4")

@@ -69,7 +69,7 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool | None = False
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10)
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) → bias
     min_tokens: int | None = Field(default=None, ge=0)
     bad_words: list[str] | None = None

@@ -236,23 +236,18 @@ def parses_tool_calls(req: ChatCompletionRequest, auto_tools: bool) -> bool:
     return auto_tools and bool(req.tools) and req.tool_choice in (None, "auto")
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
+MAX_BATCHED_PROMPTS = 256  # prompts in one /v1/completions request (a list of strings or of id lists)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[list[int], str | None]]:
+    """(token ids, the text where the prompt was one) of each prompt of a completions request: one (a string
+    or a list of ids), or a batch of them, whose choices come back in prompt order (`index` = prompt * n +
+    choice), as OpenAI's and vLLM's (eval harnesses send batches)."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"batched prompts not supported (got {len(prompt)}); send one prompt "
-                              f"per request", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    return list(prompt)
-
-
-def echo_text(req: CompletionRequest, prompt_ids: list[int], tokenizer) -> str:
-    """The prompt as `echo` returns it before the completion."""
-    prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
-        isinstance(req.prompt[0], (str, list)) else req.prompt
-    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    if len(batch) > MAX_BATCHED_PROMPTS:
+        raise bad_request(f"at most {MAX_BATCHED_PROMPTS} prompts in one request, got {len(batch)}", param="prompt")
+    return [(tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None) for p in batch]
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
@@ -296,16 +291,17 @@ def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
 
 
 # -- engine output → response ----------------------------------------------------------------------
-def usage_of(*deltas: RequestDelta) -> UsageInfo:
-    """Usage of one request, or of the n choices of one (the prompt counted once)."""
-    first = deltas[0]
+def usage_of(*deltas: RequestDelta, choices_per_prompt: int | None = None) -> UsageInfo:
+    """Usage of one request, or of its choices in index order: each prompt counted once (the choices of one
+    prompt are `choices_per_prompt` consecutive deltas; None: they all share one)."""
+    firsts = deltas[::choices_per_prompt or len(deltas)]
+    prompt = sum(d.num_prompt_tokens for d in firsts)
     num_drafts = sum(d.spec.num_drafts for d in deltas)
     accepted = sum(d.spec.num_accepted_tokens for d in deltas)
     completion = sum(d.num_output_tokens for d in deltas)
     return UsageInfo(
-        prompt_tokens=first.num_prompt_tokens, completion_tokens=completion,
-        total_tokens=first.num_prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(d.num_cached_tokens for d in firsts)),
         spec=SpecUsage(num_drafts=num_drafts, num_draft_tokens=sum(d.spec.num_draft_tokens for d in deltas),
                        num_accepted_tokens=accepted,
                        acceptance_length=1.0 + accepted / num_drafts if num_drafts else 1.0))
@@ -364,7 +360,8 @@ def _error_event(message: str, status: int = 500) -> str:
 
 async def stream_response(streams: list[RequestStream], shape: _Shape, *, model: str,
                           include_usage: bool, continuous_usage: bool,
-                          outputs: list[Output] | None = None) -> AsyncIterator[str]:
+                          outputs: list[Output] | None = None,
+                          choices_per_prompt: int | None = None) -> AsyncIterator[str]:
     """SSE events: per choice [first chunk] and [the echoed prompt], one chunk per delta that carries
     text or tokens, the finishing chunk; then [a usage-only chunk] and `[DONE]`. The streams are closed
     (requests aborted) if the client goes away mid-way."""
@@ -389,7 +386,8 @@ async def stream_response(streams: list[RequestStream], shape: _Shape, *, model:
                 choice = outputs[i].choice(i, text, delta, outputs[i].format_logprobs(delta))
                 yield sse_event(shape.chunk(rid, model, choice, usage))
         if include_usage and last and not any(d.error for d in last.values()):
-            yield sse_event(shape.chunk(rid, model, None, usage_of(*last.values())))
+            yield sse_event(shape.chunk(rid, model, None, usage_of(*(last[i] for i in sorted(last)),
+                                                                   choices_per_prompt=choices_per_prompt)))
         yield "data: [DONE]\n\n"
     finally:
         for s in streams:
@@ -397,7 +395,8 @@ async def stream_response(streams: list[RequestStream], shape: _Shape, *, model:
 
 
 async def collect_response(streams: list[RequestStream], shape: _Shape, *, model: str,
-                           is_disconnected: Callable, outputs: list[Output] | None = None):
+                           is_disconnected: Callable, outputs: list[Output] | None = None,
+                           choices_per_prompt: int | None = None):
     """The whole response once every choice finishes; aborts them if the client disconnects (seen
     between deltas; the app also watches on its own: `disconnect.unless_disconnected`)."""
     outputs = outputs or [Output() for _ in streams]
@@ -418,7 +417,8 @@ async def collect_response(streams: list[RequestStream], shape: _Shape, *, model
                     choices = [outputs[j].choice(j, "".join(parts[j]), final[j], LogprobFormatter.merge(logprobs[j]),
                                                  whole=True) for j in range(len(streams))]
                     return shape.response(streams[0].request_id, model, choices,
-                                          usage_of(*(final[j] for j in range(len(streams)))))
+                                          usage_of(*(final[j] for j in range(len(streams))),
+                                                   choices_per_prompt=choices_per_prompt))
             elif await is_disconnected():
                 break
         return None

@@ -5,8 +5,14 @@ name in TOOL_PARSERS:
 * `hermes` (Hermes, Qwen2.5/Qwen3): zero or more
   `<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>` blocks, with
   content before, between and after them. The arguments may also be a JSON string holding the object.
-  (Qwen3-Coder and Qwen3.5 put XML, `<function=NAME><parameter=KEY>...`, inside the same markers:
-  not JSON, so such blocks stay content here.)
+  (Qwen3-Coder and Qwen3.5 put XML inside the same markers: that is `qwen3_coder`; hermes keeps such
+  blocks as content.)
+* `qwen3_coder` (Qwen3-Coder, Qwen3.5): the same `<tool_call>` blocks holding one function each, as
+  `<function=get_weather>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>`. A value is the
+  raw text up to the first `</parameter>`, less one leading and one trailing newline. Qwen's own parser
+  converts values by the tool's schema, which a parser does not have here: a value that is JSON other
+  than a string (a number, true/false/null, an object, a list) becomes that value; anything else, a
+  JSON string literal included, stays the text as written.
 * `llama3_json` (Llama 3.1/3.2 JSON tool calling): the whole output, optionally after `<|python_tag|>`,
   is one JSON object `{"name": ..., "parameters": {...}}` ("arguments" accepted too) or several
   separated by `;`.
@@ -136,7 +142,8 @@ class ToolStream:
 
 
 class _MarkedCallStream(ToolStream):
-    """Calls between a start and an end marker, with content around them (hermes, gemma4)."""
+    """Calls between a start and an end marker, with content around them (hermes, qwen3_coder,
+    gemma4)."""
 
     def __init__(self, start: str, end: str, parse_body: Callable[[str], ParsedCall | None]) -> None:
         super().__init__()
@@ -245,6 +252,52 @@ class HermesParser(ToolParser):
 
     def stream(self) -> ToolStream:
         return _MarkedCallStream("<tool_call>", "</tool_call>", _hermes_call)
+
+
+# ---- qwen3_coder -----------------------------------------------------------------------------------
+
+_QWEN_FUNCTION = re.compile(r"\s*<function=([^<>\s]+)>")
+_QWEN_PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>")
+_QWEN_PARAMETER_END = "</parameter>"
+_QWEN_FUNCTION_END = re.compile(r"\s*</function>\s*")
+
+
+def _qwen_value(text: str):
+    """A parameter's text as a value: JSON when it is JSON other than a string, else the text itself."""
+    try:
+        value = json.loads(text)
+        _dumps(value)  # NaN, Infinity and 1e999 read as floats but are not JSON: keep them as text
+    except (ValueError, RecursionError):
+        return text
+    return text if isinstance(value, str) else value
+
+
+def _qwen3_coder_call(body: str) -> ParsedCall | None:
+    """`<function=NAME>`, then `<parameter=KEY>value</parameter>` blocks, then `</function>`; only
+    whitespace between the tags."""
+    function = _QWEN_FUNCTION.match(body)
+    if function is None:
+        return None
+    arguments, pos = {}, function.end()
+    while (parameter := _QWEN_PARAMETER.match(body, pos)) is not None:
+        end = body.find(_QWEN_PARAMETER_END, parameter.end())
+        if end < 0:
+            return None
+        # the template writes each value on lines of its own: drop the newline after the tag and before
+        # the end tag, and nothing more, so a value's own blank lines are kept
+        text = body[parameter.end():end].removeprefix("\n").removesuffix("\n")
+        arguments[parameter.group(1)] = _qwen_value(text)
+        pos = end + len(_QWEN_PARAMETER_END)
+    if _QWEN_FUNCTION_END.fullmatch(body, pos) is None:  # stray text, an unclosed tag, no </function>
+        return None
+    return ParsedCall(function.group(1), _dumps(arguments))
+
+
+class Qwen3CoderParser(ToolParser):
+    name = "qwen3_coder"
+
+    def stream(self) -> ToolStream:
+        return _MarkedCallStream("<tool_call>", "</tool_call>", _qwen3_coder_call)
 
 
 # ---- llama3_json -----------------------------------------------------------------------------------
@@ -414,7 +467,8 @@ class Gemma4Parser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesParser, Llama3JsonParser, PythonicParser, Gemma4Parser)}
+    cls.name: cls
+    for cls in (HermesParser, Qwen3CoderParser, Llama3JsonParser, PythonicParser, Gemma4Parser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:
