@@ -98,7 +98,7 @@ def save_tokenizer(folder: Path) -> None:
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(folder))
 
 
-def run_lm_eval(lm_eval: str, base_url: str, work: Path) -> tuple[float, list[list[float]]]:
+def run_lm_eval(lm_eval: str, base_url: str, work: Path, batch_size: int) -> tuple[float, list[list[float]]]:
     task_dir = work / "tasks"
     task_dir.mkdir()
     (task_dir / "dspark_mc_local.yaml").write_text(TASK.format(data=DATA))
@@ -108,7 +108,7 @@ def run_lm_eval(lm_eval: str, base_url: str, work: Path) -> tuple[float, list[li
            str(task_dir), "--model_args",
            f"model={MODEL},base_url={base_url}/v1/completions,num_concurrent=1,max_retries=1,"
            f"tokenized_requests=True,tokenizer_backend=huggingface,tokenizer={work / 'tokenizer'}",
-           "--output_path", str(out_dir), "--log_samples"]
+           "--batch_size", str(batch_size), "--output_path", str(out_dir), "--log_samples"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0:
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--lm-eval", required=True, help="the lm_eval executable (its own environment)")
     p.add_argument("--out", default="benchmarks/results/lm_eval_check.json")
+    p.add_argument("--batch-size", type=int, default=4, help="prompts per request (the harness batches them)")
     p.add_argument("--serve-args", default="--matmul-dtype float32",
                    help="extra `dspark serve` flags (default: fp32 products, as transformers computes)")
     args = p.parse_args(argv)
@@ -137,14 +138,15 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         _wait_healthy(url, server)
         with tempfile.TemporaryDirectory() as tmp:
-            acc, served = run_lm_eval(args.lm_eval, url, Path(tmp))
+            acc, served = run_lm_eval(args.lm_eval, url, Path(tmp), args.batch_size)
     finally:
         server.terminate()
         server.wait(30)
     reference = hf_scores(docs)
     hf_correct = sum(max(range(len(r)), key=r.__getitem__) == d["answer"] for r, d in zip(reference, docs))
     diff = max(abs(a - b) for ra, rb in zip(served, reference) for a, b in zip(ra, rb))
-    result = {**run_info(argv), "serve_args": args.serve_args, "questions": len(docs), "lm_eval_accuracy": acc,
+    result = {**run_info(argv), "serve_args": args.serve_args, "batch_size": args.batch_size,
+              "questions": len(docs), "lm_eval_accuracy": acc,
               "transformers_accuracy": hf_correct / len(docs), "max_abs_loglikelihood_diff": diff,
               "served_loglikelihoods": served, "transformers_loglikelihoods": reference,
               "same_choices": [max(range(len(a)), key=a.__getitem__) == max(range(len(b)), key=b.__getitem__)
