@@ -182,3 +182,22 @@ def test_a_vanishing_repetition_penalty_is_refused_not_sampled_from(srv):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "repetition_penalty"
     ok = srv.post("/v1/completions", **cmpl(repetition_penalty=0.01))
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_constraints_no_token_satisfies_end_the_request_with_a_400(srv, temperature, stream):
+    """min_tokens beyond where a grammar must end (guided_choice "a", EOS held back 5 tokens) leaves a
+    position no token may take: the request ends with a 400 saying so, nothing drawn from the empty row
+    reaches the engine (a draw from it returned a token past the vocabulary and stopped the engine), and
+    the server keeps serving."""
+    body = cmpl(guided_choice=["a"], min_tokens=5, max_tokens=8, temperature=temperature, stream=stream)
+    resp = srv.post("/v1/completions", **body)
+    if stream:
+        assert resp.status_code == 200
+        error = [json.loads(e[len("data: "):]) for e in resp.text.split("\n\n") if e.startswith("data: {")][-1]
+        assert error["error"]["code"] == 400, error
+        assert "no token may follow" in error["error"]["message"]
+    else:
+        assert resp.status_code == 400 and "no token may follow" in resp.json()["error"]["message"]
+    assert srv.post("/v1/completions", **cmpl(max_tokens=2)).status_code == 200

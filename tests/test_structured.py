@@ -88,14 +88,14 @@ def test_forbidden_drafts_are_cut_before_verification(model):
     seen = []
     verify = engine._verify
 
-    def checking(sched, logits):
+    def checking(sched, logits, faults):
         for s in sched.scheduled:
             g = s.request.grammar
             if g is not None and s.num_drafts:
                 drafts = s.request.draft_ids[:s.num_drafts]
                 seen.append(len(drafts))
                 assert g.valid_prefix(drafts) == len(drafts), "a draft the grammar forbids was verified"
-        return verify(sched, logits)
+        return verify(sched, logits, faults)
     engine._verify = checking
     prompts, params = _requests(4)
     run(engine, prompts, params)

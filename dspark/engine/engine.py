@@ -182,7 +182,7 @@ class Engine:
             if argmax_only and not isinstance(logits, RowArgmax):  # one pass over the rows serves the fault
                 logits = RowArgmax.of(logits)  # check and the verification (the row maxima show the faults)
             logits, faults = isolate_target_faults(emitting, logits)  # rows, or their RowArgmax
-            result = self._verify(sched, logits)
+            result = self._verify(sched, logits, faults)  # + requests no token may follow
             if self.upkeep is not None:  # verify synchronised the device: the timing is complete
                 self.cost_table = self.upkeep.observe_step(
                     num_tokens=sched.num_batched_tokens, seconds=time.perf_counter() - start)
@@ -212,11 +212,11 @@ class Engine:
         return outputs
 
     # -- phases ----------------------------------------------------------------------------------
-    def _verify(self, sched: SchedulerOutput, logits: "torch.Tensor | RowArgmax") -> "StepVerify":
+    def _verify(self, sched: SchedulerOutput, logits: "torch.Tensor | RowArgmax", faults: dict) -> "StepVerify":
         items = [s for s in sched.scheduled if s.emits]
         if not items:
             return StepVerify({}, {})
-        result, logprobs = sample_step(items, logits, eos_token_ids=self.eos_token_ids)
+        result, logprobs = sample_step(items, logits, eos_token_ids=self.eos_token_ids, faults=faults)
         return self._observed(items, result, logprobs)
 
     def _observed(self, items: list, result: VerifyResult, logprobs: dict) -> "StepVerify":

@@ -39,6 +39,13 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor | None:
     return bad if bool(bad.any()) else None
 
 
+class RequestError(str):
+    """A failure message whose cause is the request itself (constraints no token satisfies), not the model or
+    the engine: the server answers it with a 400 rather than a 500."""
+
+    status = 400
+
+
 def isolate_target_faults(items, logits: "torch.Tensor | RowArgmax") -> tuple["torch.Tensor | RowArgmax",
                                                                               dict[str, str]]:
     """For the emitting `items` (ScheduledRequest, rows in order): the logits (or their `RowArgmax`, whose

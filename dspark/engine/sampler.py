@@ -30,6 +30,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from dspark.engine.faults import RequestError
 from dspark.logits_processors import WindowRows, apply_processors
 from dspark.sampling import RowArgmax, TokenLogprob, greedy_ids, logits_to_probs, target_argmax
 from dspark.verify.rejection import (VerifyResult, _accept_greedy, _verify_one_rejection,
@@ -96,8 +97,12 @@ def argmax_suffices(items: list) -> bool:
     return all(s.request.params.is_greedy and not _needs_rows(s.request) for s in items)
 
 
-def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *,
-                eos_token_ids: tuple[int, ...]) -> tuple[VerifyResult, dict[str, list[TokenLogprob]]]:
+NO_TOKEN_ALLOWED = RequestError("no token may follow at this position: the request's min_tokens, allowed_token_ids, "
+                                "bad_words or structured output exclude every token")
+
+
+def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *, eos_token_ids: tuple[int, ...],
+                faults: dict[str, str] | None = None) -> tuple[VerifyResult, dict[str, list[TokenLogprob]]]:
     """Verify every emitting item (`ScheduledRequest`) of a step against its `logits` rows
     [sum of num_logits, vocab_size] (or only their `RowArgmax`, where `argmax_suffices`); returns the
     result (in item order) and the logprobs of the emitted tokens by request id (for requests that
@@ -111,6 +116,7 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *,
     if isinstance(logits, RowArgmax):
         raise ValueError("a step with sampled, logprobs, processed or structured requests needs the logits rows")
     rows = list(torch.split(logits, [s.num_logits for s in items]))  # per item [num_logits, vocab_size]
+    dead_rows: dict[int, list[bool]] = {}
     for i, s in enumerate(items):
         req = s.request
         if req.params.has_processors or req.grammar is not None:
@@ -118,6 +124,10 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *,
                                                             drafts[i], eos_token_ids))
             if req.grammar is not None:
                 rows[i].masked_fill_(~req.grammar.window_masks(drafts[i]).to(rows[i].device), float("-inf"))
+            dead = ~torch.isfinite(rows[i]).any(dim=-1)  # [num_logits]: rows that allow no token
+            if bool(dead.any()):  # drawn from a harmless row; a request that reaches one is failed below
+                rows[i] = rows[i].masked_fill(dead.unsqueeze(1), 0.0)
+                dead_rows[i] = dead.tolist()
     sampled = [i for i, s in enumerate(items) if not s.request.params.is_greedy]
     sampled_probs = _probs([items[i] for i in sampled], [rows[i] for i in sampled]) if sampled else None
     probs = dict(zip(sampled, torch.split(sampled_probs, [items[i].num_logits for i in sampled]))) if sampled else {}
@@ -139,6 +149,9 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *,
             results.append(_accept_greedy([next(draws) for _ in range(s.num_logits)], drafts[i]))
     result = VerifyResult(num_accepted=[r[0] for r in results], output_ids=[r[1] for r in results],
                           is_bonus=[r[2] for r in results])
+    for i, dead in dead_rows.items():  # a row the emitted tokens went through allowed none: the request ends
+        if any(dead[:result.num_accepted[i] + 1]) and faults is not None:
+            faults[items[i].request.request_id] = NO_TOKEN_ALLOWED
     logprobs = {s.request.request_id: token_logprobs(rows[i], result.output_ids[i], s.request.params.logprobs)
                 for i, s in enumerate(items) if s.request.params.logprobs is not None}
     return result, logprobs

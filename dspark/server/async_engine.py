@@ -407,8 +407,8 @@ class AsyncEngine:
     def _process(self, out, fault: str | None = None) -> None:
         if out.request_id not in self._tracked:
             return  # aborted by its client, or ended by a stop string in an earlier step
-        if fault is not None:
-            self._fail(out.request_id, fault)
+        if fault is not None:  # 400 where the request's own constraints caused it (engine.faults.RequestError)
+            self._fail(out.request_id, fault, status=getattr(fault, "status", 500))
             return
         try:
             self._deliver(out)

@@ -353,8 +353,14 @@ COMPLETION = _Shape(_completion_chunk, _completion_response, None)
 CHAT = _Shape(_chat_chunk, _chat_response, _chat_first_chunk)
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error type of a request that failed while it ran: past its deadline, refused by its own
+    constraints, or a fault of the model or engine."""
+    return "timeout_error" if status == 504 else "invalid_request_error" if status < 500 else "internal_error"
+
+
 def _error_event(message: str, status: int = 500) -> str:
-    body = APIError(status, message, type="internal_error").body()
+    body = APIError(status, message, type=error_type(status)).body()
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -407,7 +413,7 @@ async def collect_response(streams: list[RequestStream], shape: _Shape, *, model
         async for i, delta in _merged(streams):
             delta = outputs[i].view(delta)
             if delta.error:
-                kind = "timeout_error" if delta.error_status == 504 else "internal_error"
+                kind = error_type(delta.error_status)
                 raise APIError(delta.error_status, delta.error, type=kind)
             parts[i].append(delta.text)
             logprobs[i].append(outputs[i].format_logprobs(delta))
