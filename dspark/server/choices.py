@@ -30,7 +30,6 @@ class Choice:
     reasoning: str | None = None  # chat: reasoning_content (--reasoning-parser)
 
 
-
 @dataclass
 class Output:
     """What one choice adds around the engine's text: an echoed prompt (with its tokens' logprobs leading
