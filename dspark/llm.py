@@ -175,9 +175,7 @@ class LLM:
 
     def _after_reasoning(self, params, fmt, n: int):
         """The SamplingParams with the reasoning tags as token ids where a structured output is asked."""
-        from dspark.sampling import ReasoningTags
-        tags = ReasoningTags(tuple(self.tokenizer.encode(fmt.start, add_special_tokens=False)),
-                             tuple(self.tokenizer.encode(fmt.end, add_special_tokens=False)), fmt.always_thinks)
+        tags = fmt.tags(self.tokenizer)
         if params is None or isinstance(params, SamplingParams):
             params = [params or self.get_default_sampling_params()] * n
         return [dataclasses.replace(p, reasoning_tags=tags) if p.structured_outputs is not None else p

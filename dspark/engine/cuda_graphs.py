@@ -19,11 +19,10 @@ benchmarks/device_check.sh check the real capture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import gc
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch

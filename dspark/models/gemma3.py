@@ -144,7 +144,7 @@ class Gemma3DecoderLayer(nn.Module):
 def _rounded(value: float, dtype: torch.dtype) -> float:
     """`value` rounded to `dtype`, as a Python float: a product with it equals the product with the 0-dim
     `dtype` tensor (both computed in the activations' precision) without making that tensor in each step
-    (a host-to-device copy on CUDA, which a captured graph would replay from freed host memory)."""
+    (a host-to-device copy on CUDA, inside a captured step too)."""
     return float(torch.tensor(value, dtype=dtype))
 
 

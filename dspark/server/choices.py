@@ -7,7 +7,6 @@ apart from its answer, the answer's tool calls), for a stream chunk by chunk or 
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -15,7 +14,7 @@ from dspark.server.async_engine import RequestDelta
 from dspark.server.logprobs import LogprobFormatter
 from dspark.server.reasoning import ReasoningStream
 from dspark.server.tool_parsers import ToolParser
-from dspark.server.tools import ToolMode
+from dspark.server.tools import ToolMode, openai_tool_call
 
 
 @dataclass
@@ -104,8 +103,7 @@ class Output:
         ends the choice with "tool_calls" where the model stopped by itself."""
         if whole:
             parsed = self.tool_parser.parse(text, accept=self.tool_accept)
-            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
+            calls = [openai_tool_call(c.name, c.arguments) for c in parsed.calls]
             content = parsed.content if calls else text
         else:
             if self._tool_stream is None:

@@ -47,14 +47,10 @@ def configs_from_args(args: argparse.Namespace):
 
     from dspark.cli import engine_config_from_args
     from dspark.server.config import server_config_from_args
-    from dspark.config import DEFAULT_SPEC
     server = server_config_from_args(args)
     config = engine_config_from_args(args)
-    if args.speculative_config is None or config.spec == DEFAULT_SPEC:
-        asked = config.spec == DEFAULT_SPEC
+    if args.speculative_config is None:  # (an explicit "default" is resolved by build_engine)
         config = dataclasses.replace(config, spec=default_spec(config))
-        if asked and config.spec is None:
-            raise SystemExit(f"error: --speculative-config default: no drafter is shipped for {config.model!r}")
     return config, server
 
 
@@ -70,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         from dspark.models.tokenizer import with_chat_template
         tokenizer = with_chat_template(tokenizer, server_config.chat_template)
     model_names = server_config.served_model_name or (config.model,)
-    spec = config.spec.method if config.spec else "none"
+    spec = engine.config.spec.method if engine.config.spec else "none"  # "default" resolved
     log.info("serving %s as %s on http://%s:%d (speculation: %s)", config.model,
              ", ".join(repr(n) for n in model_names), server_config.host, server_config.port, spec)
     async_engine = AsyncEngine(engine, tokenizer, own_thread=False)

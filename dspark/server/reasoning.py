@@ -18,6 +18,8 @@ skipped, as in these models' tokenizers).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from dspark.sampling import ReasoningTags
 from enum import Enum
 
 
@@ -43,6 +45,11 @@ class ReasoningFormat:
         if e >= 0:
             return Phase.ANSWER
         return Phase.THINKING if self.always_thinks else Phase.OPEN
+
+    def tags(self, tokenizer) -> ReasoningTags:
+        """The start and end tags as the tokenizer's ids (what the engine's `AfterReasoning` reads)."""
+        return ReasoningTags(tuple(tokenizer.encode(self.start, add_special_tokens=False)),
+                             tuple(tokenizer.encode(self.end, add_special_tokens=False)), self.always_thinks)
 
     def split(self, text: str, phase: Phase) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a whole output starting in `phase` (None where empty)."""

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import AsyncIterator, Callable
 
-from dspark.sampling import ReasoningTags, SamplingParams
+from dspark.sampling import SamplingParams
 from dspark.server.async_engine import RequestDelta, RequestStream
 from dspark.server.choices import Choice, Output
 from dspark.server.logprobs import LogprobFormatter
@@ -152,9 +152,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     structured = structured_request(req, auto_tools=auto_tools)
     tags = None
     if reasoning is not None and structured is not None and isinstance(req, ChatCompletionRequest):
-        tags = ReasoningTags(tuple(tokenizer.encode(reasoning.start, add_special_tokens=False)),
-                             tuple(tokenizer.encode(reasoning.end, add_special_tokens=False)),
-                             always_thinks=reasoning.always_thinks)
+        tags = reasoning.tags(tokenizer)
     stop = req.stop if req.stop is not None else ()
     try:
         return SamplingParams(

@@ -31,8 +31,14 @@ class ToolMode:
         """[one OpenAI tool call] from the grammar-constrained output."""
         value = json.loads(text)
         name, arguments = (self.name, value) if self.name is not None else (value["name"], value["arguments"])
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments)}}]
+        return [openai_tool_call(name, json.dumps(arguments))]
+
+
+def openai_tool_call(name: str, arguments: str) -> dict:
+    """One entry of a response's `message.tool_calls`: a fresh call id, the function's name and its arguments
+    as JSON text."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def tool_constraint(req, bad_request, *, auto_tools: bool = False) -> tuple[dict, ToolMode] | None:
