@@ -26,7 +26,7 @@ SHAPES = [(1, 1), (1, 8), (8, 1), (8, 8), (16, 1), (16, 2), (16, 8), (32, 1), (3
 def main(argv: list[str] | None = None) -> dict:
     from dspark import kernels
     from dspark.llm import LLM
-    from dspark.verify.step_profiler import StepProfiler
+    from dspark.engine.step_profiler import StepProfiler
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="git revision whose kernels are the baseline")

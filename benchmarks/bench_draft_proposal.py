@@ -36,7 +36,7 @@ PATHS = {"current": {}, "module-bf16": {"fused": False}, "module-fp32": {"fused"
 def main(argv: list[str] | None = None) -> dict:
     from dspark import kernels
     from dspark.llm import LLM
-    from dspark.verify.step_profiler import StepProfiler
+    from dspark.engine.step_profiler import StepProfiler
 
     p = argparse.ArgumentParser()
     p.add_argument("--num-reqs", default="1,4,16,32,64")

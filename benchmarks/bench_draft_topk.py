@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from dspark.llm import LLM
-    from dspark.verify.step_profiler import StepProfiler
+    from dspark.engine.step_profiler import StepProfiler
 
     p = argparse.ArgumentParser()
     p.add_argument("--num-reqs", default="1,4")

@@ -30,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_resident import checkout  # noqa: E402
-from dspark.engine.sampler import keyed_samples  # noqa: E402
+from dspark.verify.sampler import keyed_samples  # noqa: E402
 
 
 def base_sampler(rev: str, tmp: Path):
     """The sampler module of revision `rev` (its own file; its dspark imports resolve to the working tree)."""
     tree = checkout(rev, tmp)
-    spec = importlib.util.spec_from_file_location("base_sampler", tree / "dspark/engine/sampler.py")
+    spec = importlib.util.spec_from_file_location("base_sampler", tree / "dspark/verify/sampler.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -54,7 +54,7 @@ llm.generate(prompts[:2], params[:2], use_tqdm=False)
 t = time.perf_counter()
 outs = llm.generate(prompts, params, use_tqdm=False)
 dt = time.perf_counter() - t
-import dspark.engine.sampler as sampler
+import dspark.verify.sampler as sampler
 print(json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt, "sampler": sampler.__file__}))
 """
 

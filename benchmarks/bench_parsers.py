@@ -35,8 +35,8 @@ ANSWER = ("<think>" + "The user asks for the weather; I should call the tool wit
 def parser_cost_us(reps: int = 300, delta_chars: int = 6) -> dict:
     """Microseconds per streamed delta of the reasoning and tool parsers together (the work `--reasoning-parser
     qwen3 --tool-call-parser hermes` add to each chunk), the median over `reps` whole answers."""
-    from dspark.server.reasoning import Phase, get_reasoning_format
-    from dspark.server.tool_parsers import get_tool_parser
+    from dspark.chat.reasoning import Phase, get_reasoning_format
+    from dspark.chat.tool_parsers import get_tool_parser
     fmt, tools = get_reasoning_format("qwen3"), get_tool_parser("hermes")
     deltas = [ANSWER[i:i + delta_chars] for i in range(0, len(ANSWER), delta_chars)]
     times = []

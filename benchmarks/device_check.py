@@ -50,7 +50,7 @@ def _llm(device: str, dtype: str, spec=None, *, eager: bool = False, max_num_seq
                           parallel=ParallelConfig(tensor_parallel_size=tp))
     engine, tok = build_engine(config)
     if device == "cpu" and not eager:  # the CPU rehearsal: the graphed runner on its stand-in backend
-        from dspark.engine.cuda_graphs import EagerBackend, GraphedRunner
+        from dspark.worker.cuda_graphs import EagerBackend, GraphedRunner
         engine.runner = GraphedRunner(engine.runner, backend=EagerBackend(), max_num_seqs=max_num_seqs)
     return LLM(engine=engine, tokenizer=tok)
 
@@ -104,7 +104,7 @@ def check_parity(device, dtype, prompts, max_tokens) -> dict:
 
 
 def _our_prompt_logits(model, ids: list[int], device) -> torch.Tensor:
-    from dspark.engine.model_runner import allocate_kv_pool
+    from dspark.worker.model_runner import allocate_kv_pool
     from dspark.models.attention import flat_batch
     kv_block_size = 16
     blocks = -(-len(ids) // kv_block_size)
@@ -162,7 +162,7 @@ def _recorded(llm):
 
 def poison_child(device, dtype, quick: bool) -> dict:
     """Plain and prompt-lookup decoding through graphs captured under poison, against eager (the child)."""
-    from dspark.engine.cuda_graphs import GraphedRunner, LifetimeCheckBackend, PoisonedCudaGraphBackend
+    from dspark.worker.cuda_graphs import GraphedRunner, LifetimeCheckBackend, PoisonedCudaGraphBackend
     n, tokens = (4, 16) if quick else (8, 32)
     prompts = _prompts(n)
     out = {}

@@ -1,7 +1,7 @@
-"""Regenerate the benchmark board, docs/board.md, from the JSON results under
-benchmarks/results/ (searched recursively, in path order).
+"""Generate the benchmark board, benchmarks/board.md (git-ignored: generated on demand, not committed), from
+the JSON results under benchmarks/results/ (searched recursively, in path order).
 
-    python benchmarks/make_board.py [--results-dir benchmarks/results] [--out docs/board.md]
+    python benchmarks/make_board.py [--results-dir benchmarks/results] [--out benchmarks/board.md]
 
 Only the text between the lines `<!-- board:start -->` and `<!-- board:end -->` (each alone on its
 line) is rewritten; hand-written notes before and after them are kept byte for byte (a file without markers gets them
@@ -152,7 +152,7 @@ def splice(document: str, board: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results-dir", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--out", default=str(REPO / "docs" / "board.md"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "board.md"))
     args = ap.parse_args(argv)
     results_dir, out = Path(args.results_dir), Path(args.out)
     results, ignored = load_results(results_dir) if results_dir.is_dir() else ([], [])

@@ -20,7 +20,7 @@ COMMANDS = {
     "serve": "dspark.server.cli",
     "generate": "dspark.cli_generate",
     "parity": "dspark.parity",
-    "profile": "dspark.verify.profile_cli",
+    "profile": "dspark.cli_profile",
     "calibrate": "dspark.train.calibrate_cli",
     "prepare-data": "dspark.train.prepare_data",
     "build-corpus": "dspark.train.corpus_cli",

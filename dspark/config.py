@@ -16,7 +16,7 @@ from typing import Any
 from dspark.utils.options import human_int, opt, optional_human_int
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-SPEC_METHODS = ("dspark", "dflash", "eagle3", "ngram", "draft_model")
+SPEC_METHODS = ("dspark", "dflash", "eagle3", "ngram", "draft_model", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 LENGTH_POLICY_NAMES = ("fixed", "threshold", "prefix", "async")
 # length_policy "threshold": "cumulative" keeps the drafts whose survival Π_{i≤k} c_i stays >= the threshold;
@@ -97,9 +97,9 @@ class SchedulerConfig:
     max_model_len: int | None = opt(None, "context length, prompt + output (4k = 4000, 4K = 4096; "
                                     "default: the model's max_position_embeddings)", parse=optional_human_int)
     # hold arriving prompts up to this many steps (while they fill under half of a step's budget) so
-    # several share one mixed step: a ~100-token chunk costs ~2.3 ms a token beside decoding requests,
-    # a 512-token one ~1.6 ms (SmolLM2, 2 cores); without it, speculation's uneven finishing times make
-    # replacement prompts arrive one by one (measured 2026-11-30, 2-vCPU AMD EPYC). 0: off
+    # several share one mixed step: a short prompt chunk beside decoding requests costs more a token than
+    # a long one, and speculation's uneven finishing times make replacement prompts arrive one by one
+    # (docs/design-notes.md, "Prompt coalescing"). 0: off
     coalesce_steps: int = opt(4, "hold an arriving prompt up to N steps while decoding requests run, so "
                               "prompts arriving close together share a prefill step (0: off)")
 
@@ -156,12 +156,12 @@ class SpecConfig:
     online_upkeep: bool = False  # refresh the cost table and confidence temperatures from live steps
     draft_gate: bool = True  # prefix / async: skip drafting in steps where it cannot pay (DraftGate)
     # with the draft gate: a request joining a load where drafting could not pay even with the drafter's long-run
-    # survival curve (dspark.verify.admission) gets no drafter context (its drafts, if any, come from
+    # survival curve (dspark.spec.admission) gets no drafter context (its drafts, if any, come from
     # prompt lookup; it takes target-only prefix-cache hits): speculation held off by the load costs no drafter
     # work
     gate_admission: bool = True
     # with the draft gate: speculation on or off per load by the engine's measured seconds per emitted token in
-    # decode steps with and without it (dspark.verify.switch.MeasuredSwitch): off where it does not beat plain
+    # decode steps with and without it (dspark.spec.switch.MeasuredSwitch): off where it does not beat plain
     # decoding by a margin, whatever the cost table predicts
     measured_switch: bool = True
     prompt_lookup_min: int = 2  # n-gram (and ngram_first)
@@ -188,6 +188,10 @@ class SpecConfig:
     # whole draft vocabulary. The drafts (and with sampling, the proposal distribution, zero outside the
     # candidates) change, never the output: the target verifies
     draft_topk: int = 0
+    # dspark / dflash / eagle3: a full-vocabulary checkpoint (no d2t) drafts over only this many target tokens,
+    # the target's special tokens and the most frequent in `lookup_corpus` (its token counts), chosen at load
+    # (dspark.drafters.vocab); its head's other rows are never scored. None: the checkpoint's own vocabulary
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -218,8 +222,14 @@ class SpecConfig:
             raise ValueError(f"draft_topk applies to method 'dspark' (its Markov head); {self.method!r} has none")
         if self.lookup_cache_entries < 0:
             raise ValueError(f"lookup_cache_entries must be >= 0, got {self.lookup_cache_entries}")
-        if self.lookup_corpus and not (self.ngram_first or self.method == "ngram"):
-            raise ValueError(f"lookup_corpus applies to method 'ngram' or ngram_first, not {self.method!r} alone")
+        if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool) or
+                                                  not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1):
+            raise ValueError(f"draft_vocab_size must be a positive number of tokens, got {self.draft_vocab_size!r}")
+        if self.draft_vocab_size is not None and self.method not in ("dspark", "dflash", "eagle3"):
+            raise ValueError(f"draft_vocab_size applies to methods 'dspark', 'dflash' and 'eagle3', not {self.method!r}")
+        if self.lookup_corpus and not (self.ngram_first or self.method == "ngram" or self.draft_vocab_size):
+            raise ValueError(f"lookup_corpus applies to method 'ngram', ngram_first or draft_vocab_size (its token "
+                             f"counts), not {self.method!r} alone")
         if self.ngram_first and self.method == "ngram":
             raise ValueError("ngram_first wraps a model drafter; method 'ngram' is prompt lookup already")
         if self.method in ("dspark", "dflash", "eagle3") and not self.model:
@@ -282,7 +292,7 @@ class EngineConfig:
     # "auto": cuda where torch sees a GPU, else cpu (resolved here, so `config.device` is always concrete)
     device: str = opt("auto", "auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N")
     # CUDA: run every step eager; --no-enforce-eager captures and replays decode and verification steps as CUDA
-    # graphs (dspark.engine.cuda_graphs); eager stays the default until graphed parity is confirmed on a device
+    # graphs (dspark.worker.cuda_graphs); eager stays the default until graphed parity is confirmed on a device
     enforce_eager: bool = opt(True, "CUDA: every step eager (the default); --no-enforce-eager replays decode and "
                               "verification steps as CUDA graphs (docs/parallel.md says what they have been "
                               "checked on); the CPU always runs eagerly")

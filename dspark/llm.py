@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from dspark.config import DEFAULT_MODEL, EngineConfig
-from dspark.detokenizer import Detokenizer, StreamState
+from dspark.engine.output import OutputProcessor, fan_out
 from dspark.request import SpecStats
 from dspark.sampling import SamplingParams, TokenLogprob
 
@@ -40,7 +40,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it, if one did
     # LLM.chat(..., reasoning_parser=, tool_parser=): the thoughts apart, the answer's parsed calls
-    # (`dspark.server.tool_parsers.ParsedCall`); `text` stays the whole output
+    # (`dspark.chat.tool_parsers.ParsedCall`); `text` stays the whole output
     reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list | None = None
@@ -100,7 +100,6 @@ class LLM:
                                 f"{', '.join(sorted(engine_args))}")
             from dspark.engine.build import build_engine
             self.engine, self.tokenizer = build_engine(config)
-        self.detokenizer = Detokenizer(self.tokenizer.tokenizer) if self.tokenizer else None
         self._default_params: SamplingParams | None = None
         self._hf_tokenizer = None
 
@@ -145,8 +144,8 @@ class LLM:
         (`chat_template` instead of the model's), then generated. `reasoning_parser` / `tool_parser` (the
         server's `--reasoning-parser` / `--tool-call-parser` names) fill each output's `reasoning_content`,
         `content` and `tool_calls`; with a reasoning parser a structured output applies after the thoughts."""
-        from dspark.server.reasoning import get_reasoning_format
-        from dspark.server.tool_parsers import get_tool_parser
+        from dspark.chat.reasoning import get_reasoning_format
+        from dspark.chat.tool_parsers import get_tool_parser
         reasoning = None if reasoning_parser is None else get_reasoning_format(reasoning_parser)
         calls = None if tool_parser is None else get_tool_parser(tool_parser)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -188,52 +187,42 @@ class LLM:
         if len(params) != len(prompt_ids):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_ids)} prompts")
         engine = self.engine
-        order, states, results, slot = [], {}, {}, {}
-        logprobs: dict[str, list[TokenLogprob]] = {}  # engine request → its tokens' logprobs so far
+        output = OutputProcessor(engine, self.tokenizer.tokenizer if self.tokenizer else None)
+        order, results, slot = [], {}, {}
+        logprobs: dict[str, list[TokenLogprob]] = {}  # engine request → its kept tokens' logprobs so far
         start, wall = time.perf_counter(), time.time()
         for ids, text, p in zip(prompt_ids, texts, params):
             n = getattr(p, "n", 1)
             res = RequestOutput("", text, list(ids), [CompletionOutput(i, "", [], None) for i in range(n)],
                                 metrics=RequestMetrics(arrival_time=wall))
-            for i, sub in enumerate(_fan_out(p, n)):
+            for i, sub in enumerate(fan_out(p, n)):
                 rid = engine.add_request(ids, sub)
                 res.request_id = res.request_id or rid
-                states[rid] = StreamState(stop=sub.stop, include_stop_str_in_output=sub.include_stop_str_in_output)
+                output.add(rid, sub)
                 results[rid], slot[rid] = res, i
                 if sub.logprobs is not None:
                     logprobs[rid] = []
             order.append(res)
         bar = _progress(len(order), use_tqdm)
-        reap = False  # an abort's finished output is reported (and dropped) by the next step
-        while engine.has_unfinished() or reap:
-            reap = False
-            for out in engine.step():
-                if out.request_id not in results:
+        while output.has_work():
+            for out in output.step():
+                delta = output.process(out)
+                if delta is None:
                     continue  # left over from an earlier call
-                res, state, i = results[out.request_id], states[out.request_id], slot[out.request_id]
-                if out.new_token_ids and res.metrics.first_token_time is None:
+                res, i = results[out.request_id], slot[out.request_id]
+                if delta.num_kept and res.metrics.first_token_time is None:
                     res.ttft_s = time.perf_counter() - start
                     res.metrics.first_token_time = time.time()
-                if out.new_token_ids:
+                if delta.num_kept:
                     res.metrics.last_token_time = time.time()
-                if self.detokenizer is not None:
-                    _, kept = self.detokenizer.feed(state, out.new_token_ids)
-                    if state.stopped and not out.finished:
-                        engine.abort(out.request_id, "stop")
-                        reap = True
-                else:
-                    kept = len(out.new_token_ids)
-                    state.token_ids.extend(out.new_token_ids)
                 if out.request_id in logprobs:
-                    logprobs[out.request_id] += (out.logprobs or [])[:kept]
-                res.num_cached_tokens = out.num_cached_tokens
-                res.spec = out.spec
+                    logprobs[out.request_id] += delta.logprobs or []
+                res.num_cached_tokens, res.spec = out.num_cached_tokens, out.spec
                 if out.prompt_logprobs is not None and res.prompt_logprobs is None:  # n > 1: one prompt
                     res.prompt_logprobs = out.prompt_logprobs
-                if (out.finished or state.stopped) and res.outputs[i].finish_reason is None:
-                    res.outputs[i] = CompletionOutput(i, state.text, list(state.token_ids),
-                                                      "stop" if state.stopped else out.finish_reason,
-                                                      logprobs=logprobs.get(out.request_id))
+                if delta.finished:
+                    res.outputs[i] = CompletionOutput(i, delta.state.text, list(delta.state.token_ids),
+                                                      delta.finish_reason, logprobs=logprobs.get(out.request_id))
                     if all(o.finish_reason is not None for o in res.outputs):
                         res.finished = True
                         res.e2e_s = time.perf_counter() - start
@@ -248,15 +237,6 @@ class LLM:
             rid, why = next(iter(failed.items()))
             raise RuntimeError(f"{len(failed)} of {len(order)} requests failed ({rid}: {why})")
         return order
-
-
-def _fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n > 1: n engine requests, one per output (seeded requests get seeds seed, seed+1, ...), as the
-    server does."""
-    if n == 1:
-        return [params]
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            for i in range(n)]
 
 
 def _prompt_list(prompts) -> list:

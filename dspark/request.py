@@ -41,6 +41,13 @@ class PendingContext(NamedTuple):
     taps: torch.Tensor | None  # [len(token_ids), num_taps * hidden] target taps, None without taps
 
 
+class RequestError(str):
+    """A failure message whose cause is the request itself (constraints no token satisfies), not the model or
+    the engine: the server answers it with a 400 rather than a 500."""
+
+    status = 400
+
+
 @dataclass
 class Request:
     request_id: str
@@ -53,7 +60,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose target K/V are in the pool (committed)
     num_cached_tokens: int = 0  # of the prompt, served by a prefix-cache hit at admission
     num_draft_computed: int = 0  # positions whose drafter context K/V are in the pool
-    # the model drafter keeps a context for this request (decided at admission, `Scheduler.admit_model_drafting`:
+    # the model drafter keeps a context for this request (decided at admission, `Scheduler.admission`:
     # False where drafting could not pay at the load it joined): without it, prompt lookup is its only drafter
     model_drafting: bool = True
     # committed positions whose drafter context is deferred while the draft gate skips, contiguous from
@@ -61,6 +68,7 @@ class Request:
     pending_context: list["PendingContext"] = field(default_factory=list)
     num_pending_positions: int = 0
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # a hybrid target's recurrent state slot (held with the KV blocks)
     draft_ids: list[int] = field(default_factory=list)  # proposed for the next verification
     draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] or None (point mass)
     draft_confidence: list[float] | None = None  # conditional c_k per draft position
@@ -71,7 +79,7 @@ class Request:
     waiting_steps: int = 0  # steps spent held back by prompt coalescing
     spec: SpecStats = field(default_factory=SpecStats)
     generator: torch.Generator | None = None  # rejection sampling of probabilistic drafts
-    sample_seed: int = 0  # keys the target's sampling noise per output position (engine/sampler.py)
+    sample_seed: int = 0  # keys the target's sampling noise per output position (verify/sampler.py)
     grammar: Any = None  # structured output: a `structured.GrammarMatcher` over the committed output
     # prompt logprobs (`SamplingParams.prompt_logprobs`): [None, then one per prompt token scored so far], in
     # prompt order; positions scored before a preemption are not scored again
@@ -155,21 +163,87 @@ class Request:
         self.verify_len = 0
 
 
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 64, 4096, 1024
+
+
+class InvalidRequest(ValueError):
+    """What is wrong with a request, naming its field (`param`): the server answers a 400 with both."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 def check_request(prompt_ids: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int,
-                  max_logprobs: int) -> None:
-    """ValueError naming what is wrong with a request before the engine takes it: an empty prompt, one with
-    no room for a token, an id outside the vocabulary, more logprobs than the server allows, token ids in
-    the parameters outside the vocabulary."""
-    if not prompt_ids:
-        raise ValueError("prompt is empty")
-    if len(prompt_ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum model length is "
-                         f"{max_model_len} (prompt + at least one generated token)")
+                  max_logprobs: int, max_tokens_fit: bool = False) -> None:
+    """The one check of a request before the engine takes it (the engine runs it on every request; the server
+    also before queueing, with `max_tokens_fit`: prompt + max_tokens within the context, vLLM's 400). Raises
+    `InvalidRequest` naming the field: an empty prompt, one with no room for a token, an id outside the
+    vocabulary, more logprobs than the server allows, too many or too long stop strings, token ids in the
+    parameters outside the vocabulary."""
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}", "stop")
+    long = [s for s in params.stop if len(s) > MAX_STOP_STRING_CHARS]
+    if long:
+        raise InvalidRequest(f"stop strings are at most {MAX_STOP_STRING_CHARS} characters, got {len(long[0])}",
+                             "stop")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(params.stop_token_ids)}",
+                             "stop_token_ids")
+    n = len(prompt_ids)
+    if not n:
+        raise InvalidRequest("prompt is empty", "prompt")
+    if n >= max_model_len:
+        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens; the prompt has {n} "
+                             f"tokens, which leaves no room for the completion (the maximum model length is "
+                             f"{max_model_len})", "prompt")
+    if max_tokens_fit and params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                             f"requested {n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} "
+                             f"in the completion). Reduce the prompt or max_tokens.", "max_tokens")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name, None)
         if isinstance(k, int) and max_logprobs != -1 and k > max_logprobs:
-            raise ValueError(f"{name}={k} exceeds the server's max_logprobs ({max_logprobs}; --max-logprobs)")
+            raise InvalidRequest(f"{name}={k} exceeds the server's max_logprobs ({max_logprobs}; --max-logprobs)",
+                                 name)
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
-    check_token_ids(params, vocab_size)
+        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})", "prompt")
+    try:
+        check_token_ids(params, vocab_size)
+    except ValueError as e:
+        raise InvalidRequest(str(e), str(e).partition(":")[0]) from None
+
+
+# -- the scheduler's output: what one step computes for each request (read by the runner and the verifier) --
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens of this request in the batch
+    num_drafts: int  # drafts at the end of the window (ℓ); 0 for a prompt chunk or plain decode
+    emits: bool  # the window reaches the last token: 1 + num_drafts logits rows
+    start_pos: int = 0  # num_computed_tokens when scheduled: position of the first new token
+
+    @property
+    def num_logits(self) -> int:
+        return 1 + self.num_drafts if self.emits else 0
+
+    @property
+    def prompt_positions(self) -> range:
+        """Positions of this window whose logits score the next prompt token (a request asking for prompt
+        logprobs): prompt positions before the last that no earlier step scored."""
+        req = self.request
+        if not req.scores_prompt:
+            return range(0)
+        end = min(self.start_pos + self.num_new_tokens, len(req.prompt_ids) - 1)
+        return range(max(self.start_pos, len(req.prompt_logprobs) - 1), end)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)

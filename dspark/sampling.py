@@ -24,9 +24,8 @@ GREEDY_EPS = 1e-5
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """[..., vocab] → [...] long: the index of each row's maximum, the first on ties (torch.argmax's
-    answer). Through `max(dim).indices`, which the CPU computes ~2.5x faster than `argmax` (32 rows of
-    SmolLM2's 49,152 logits: 0.43 vs 1.10 ms on a 2-vCPU Intel Xeon with AMX, 2026-12-02), or the CPU kernel's
-    `row_argmax` (the same answer) for fp32 rows."""
+    answer). Through `max(dim).indices`, which torch computes faster than `argmax` on the CPU, or the CPU
+    kernel's `row_argmax` (the same answer) for fp32 rows."""
     found = kernels.row_argmax(logits)
     return found[1] if found is not None else logits.max(dim=-1).indices
 
@@ -34,7 +33,7 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class RowArgmax:
     """Each logits row's maximum and the index of its first occurrence: all that a step whose every request
-    is greedy without logprobs or processors reads of the target's rows (`dspark.engine.sampler.
+    is greedy without logprobs or processors reads of the target's rows (`dspark.verify.sampler.
     argmax_suffices`). The vocabulary-parallel head merges it from its shards' winners without gathering
     the rows (dspark.distributed.vocab_argmax). A NaN anywhere in a row makes its value NaN, a +inf
     +inf, a row masked throughout -inf: the fault check reads the values as the rows themselves."""
@@ -158,7 +157,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class ReasoningTags:
-    """A reasoning format's start and end tags as token ids (`dspark.server.reasoning`)."""
+    """A reasoning format's start and end tags as token ids (`dspark.chat.reasoning`)."""
 
     start: tuple[int, ...]
     end: tuple[int, ...]

@@ -3,7 +3,8 @@ and what vLLM infers filled in the same way.
 
 - `method` omitted: inferred from the drafter's config.json (`train_config.json`'s method when the folder
   has one; DSpark-format blocks with a Markov or confidence head: dspark, without: dflash; EAGLE-3
-  heads: eagle3; a full causal LM: draft_model). `"[ngram]"` is `ngram`.
+  heads: eagle3; Gemma 4's assistant (model_type gemma4_assistant): mtp; a full causal LM: draft_model).
+  `"[ngram]"` is `ngram`; `"gemma4_assistant"`, `"qwen3_next_mtp"` and `"qwen3_5_mtp"` are `mtp`.
 - `num_speculative_tokens` omitted: the drafter's block (drafts one block yields; EAGLE-3's
   `num_draft_tokens`).
 - n-gram (`method: ngram`): vLLM's `prompt_lookup_min` / `prompt_lookup_max` defaults (both 5; one given:
@@ -85,9 +86,15 @@ def infer_drafter(model: str) -> tuple[str, int | None]:
             return trained, drafts
         heads = int(cfg.get("markov_rank") or 0) > 0 or bool(cfg.get("enable_confidence_head"))
         return ("dspark" if heads else "dflash"), drafts
+    if cfg.get("model_type") == "gemma4_assistant":  # Gemma 4's assistant: vLLM's "mtp" (drafters/gemma4_assistant.py)
+        return "mtp", None
     if any(a.endswith("ForCausalLM") for a in cfg.get("architectures") or ()):
         return "draft_model", None
     raise ValueError(f"cannot infer the speculative method from {folder / 'config.json'}; give \"method\"")
+
+
+# vLLM's other spellings of a method
+METHOD_ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp", "gemma4_assistant": "mtp"}
 
 
 def normalize(d: dict[str, Any]) -> dict[str, Any]:
@@ -100,8 +107,7 @@ def normalize(d: dict[str, Any]) -> dict[str, Any]:
                 if k in d and d[k] != v:
                     raise ValueError(f"{key}={d[key]!r} sets {k}={v!r}, but {k}={d[k]!r} was given too")
                 out[k] = v
-    if out.get("method") == "[ngram]":
-        out["method"] = "ngram"
+    out["method"] = METHOD_ALIASES.get(out.get("method"), out.get("method"))
     if out.get("method") is None:
         if not out.get("model"):
             raise ValueError("speculative config needs 'method' (or a drafter 'model' to infer it from)")

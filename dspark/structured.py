@@ -8,7 +8,7 @@ dependencies, token masks in ~tens of microseconds, rollback of consumed tokens)
 tokenizer's byte vocabulary; JSON is compact (no free whitespace) unless the schema's `x-guidance` says
 otherwise.
 
-Under speculation (`engine/sampler.py`): window row j is masked with the grammar state after the
+Under speculation (`verify/sampler.py`): window row j is masked with the grammar state after the
 committed output and the drafts d1..dj (consumed, masked, then rolled back), and drafts the grammar
 forbids are cut before verification (`valid_prefix`: they could never be accepted). The matcher
 advances only by committed tokens (`advance`).
@@ -171,7 +171,7 @@ class AfterReasoning:
     """A grammar applied to the answer only (`SamplingParams.reasoning_tags`, from `--reasoning-parser`): tokens
     are free while the output reasons and the grammar starts after the end tag's tokens, so drafts inside
     the thoughts are never cut by the answer's grammar. The phase the output starts in is read off the prompt
-    ids as the server's parser reads its text (`dspark.server.reasoning.Phase`): thinking inside a block the
+    ids as the server's parser reads its text (`dspark.chat.reasoning.Phase`): thinking inside a block the
     prompt opened (or always, for a model that always reasons first), the grammar after a block it closed;
     otherwise the first token either opens a block (the start tag's first token) or begins the answer."""
 

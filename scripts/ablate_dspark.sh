@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The DSpark drafter ablation of docs/drafters.md on SmolLM2-135M-Instruct, 2 CPU cores: one data set the
+# The DSpark drafter ablation (docs/results-index.md) on SmolLM2-135M-Instruct, 2 CPU cores: one data set the
 # target writes with speculation on (train/ prompts, never eval/), target features once, then arms trained
 # from the same data, features, batch, lr schedule and steps, two at a time (one thread each), each exporting
 # the validation with the highest held-out tau_process. Every step resumes: rerun after an interruption.
@@ -43,7 +43,7 @@ arm anchors_128 --set num_anchors=128 &
 arm anchors_32_accum4 --set grad_accum=4 &
 wait
 arm anchors_32_steps4x --set max_steps=$((4 * STEPS)) --set eval_every=$STEPS --set ckpt_every=100
-# 6. a warm stage from the shipped drafter (docs/drafters.md ran it from the stage-5 weights) on this data (answers
+# 6. a warm stage from the shipped drafter (docs/results-index.md: run from the stage-5 weights) on this data (answers
 #    to prompts its earlier stages saw), DSpark's loss against a 10x CE weight (loss_ce 1.0, the DFlash weight on the
 #    greedy label): whether more steps or the loss mix pay without new data
 SHIPPED='"dspark/assets/drafters/dspark-smollm2-135m"'

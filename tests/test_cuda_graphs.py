@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dspark import kernels
-from dspark.engine.cuda_graphs import (EagerBackend, GraphedRunner, LifetimeCheckBackend, batch_buckets,
+from dspark.worker.cuda_graphs import (EagerBackend, GraphedRunner, LifetimeCheckBackend, batch_buckets,
                                        bucket_for)
 from dspark.models.attention import build_attn_metadata, SeqSpec
 from tests.conftest import TINY_GEMMA3, TINY_LLAMA, TINY_QWEN3
@@ -122,7 +122,7 @@ def test_cuda_graph_replay_equals_eager_on_gpu():
     """The smallest case of the replay failure docs/parallel.md describes (a device-side assert in
     `vectorized_gather_kernel`: the graph gathered through `token_index` after its memory went back to the
     allocator): graphed greedy output equals eager on CUDA."""
-    from dspark.engine.cuda_graphs import CudaGraphBackend
+    from dspark.worker.cuda_graphs import CudaGraphBackend
     cfg = TINY_LLAMA
     model, _ = tiny_target(cfg)
     model = model.to("cuda", torch.bfloat16)
@@ -141,7 +141,7 @@ def test_cuda_graph_replay_equals_eager_on_gpu():
 def test_cuda_graphs_replay_under_poison(speculative):
     """Right after each capture the allocator's free blocks hold out-of-range indices: a graph that reads a
     tensor freed after its capture (token_index before the fix) asserts or diverges at its first replay."""
-    from dspark.engine.cuda_graphs import PoisonedCudaGraphBackend
+    from dspark.worker.cuda_graphs import PoisonedCudaGraphBackend
     cfg = TINY_LLAMA
     model, _ = tiny_target(cfg)
     model = model.to("cuda", torch.bfloat16)

@@ -12,7 +12,7 @@ from dspark import kernels
 from dspark.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpecConfig
 from dspark.drafters import build_drafter
 from dspark.drafters.shipped import drafter_dir
-from dspark.engine.cuda_graphs import EagerBackend, GraphedRunner
+from dspark.worker.cuda_graphs import EagerBackend, GraphedRunner
 from dspark.engine.engine import Engine
 from dspark.llm import LLM
 from dspark.sampling import SamplingParams

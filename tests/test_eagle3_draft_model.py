@@ -30,7 +30,7 @@ from dspark.drafters import build_drafter, check_drafter
 from dspark.drafters.base import ContextSegment, ContextUpdate, ProposeBatch, ProposeRequest
 from dspark.drafters.draft_model import DraftModelDrafter, truncated_view
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, bind_to_target, save_eagle3
-from dspark.engine.model_runner import allocate_kv_pool
+from dspark.worker.model_runner import allocate_kv_pool
 from dspark.models import build_model
 from dspark.sampling import SamplingParams
 
@@ -314,8 +314,9 @@ def test_eagle3_reduced_draft_vocab(tmp_path):
     assert set(drafts.flatten().tolist()) <= set(d2t.tolist())
     from safetensors.torch import load_file, save_file
     tensors = load_file(str(tmp_path / "model.safetensors"))
-    save_file({**tensors, "d2t": torch.zeros(40, dtype=torch.long)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="d2t must hold distinct target ids"):
+    assert torch.equal(tensors["d2t"], d2t - torch.arange(40))  # stored as offsets
+    save_file({**tensors, "d2t": 7 - torch.arange(40)}, str(tmp_path / "model.safetensors"))  # every id 7
+    with pytest.raises(ValueError, match="d2t .* must hold distinct target ids"):
         build_drafter(spec, target_config=CFG, target_model=target, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="draft_vocab_size=300"):
         Eagle3Config.from_dict({**cfg.to_dict(), "draft_vocab_size": 300})

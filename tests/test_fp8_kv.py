@@ -11,7 +11,7 @@ import torch
 
 from dspark.config import CacheConfig, EngineConfig, SchedulerConfig
 from dspark.engine.engine import Engine
-from dspark.engine.model_runner import pool_bytes
+from dspark.worker.model_runner import pool_bytes
 from dspark.llm import LLM
 from dspark.sampling import SamplingParams
 from tests.conftest import TINY_GEMMA3, TINY_LLAMA, TINY_QWEN3

@@ -14,8 +14,8 @@ import itertools
 import pytest
 import torch
 
-from dspark.verify.cost_table import CostTable
-from dspark.verify.length_policy import (
+from dspark.spec.cost_table import CostTable
+from dspark.spec.length_policy import (
     AsyncPrefixScheduler,
     PrefixScheduler,
 )
@@ -43,7 +43,7 @@ def test_draft_gate_skips_unprofitable_steps_and_stays_lossless(target, drafter_
     ungated = _spec_engine(target, drafter_dir, make_policy(), cost=COSTLY_DRAFTS, coalesce_steps=2,
                            draft_gate=False)
     run_staged(ungated, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
-    assert ungated.metrics.num_draft_skips == 0 and ungated.draft_gate is None
+    assert ungated.metrics.num_draft_skips == 0 and ungated.spec.draft_gate is None
 
 
 def test_skipped_requests_defer_drafter_context_and_draft_the_same(target, drafter_dir, plain_outputs):
@@ -59,14 +59,14 @@ def test_skipped_requests_defer_drafter_context_and_draft_the_same(target, draft
         engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, coalesce_steps=2,
                               draft_matmul_dtype="float32", measured_switch=False)
         if not defer:
-            engine.MAX_DEFERRED_BYTES = 0
+            engine.spec.MAX_DEFERRED_BYTES = 0
         # nor the gate's wall-clock observations (step and proposal seconds): on a loaded machine they
         # made one run stop proposing where the other did not (20 vs 8 proposals in one CI run)
-        engine.draft_gate.observe_step = lambda **_: None
-        engine.draft_gate.observe_proposal = lambda **_: None
+        engine.spec.draft_gate.observe_step = lambda **_: None
+        engine.spec.draft_gate.observe_proposal = lambda **_: None
         step = {"n": 0}
         # drafting in 2 of every 7 steps, per request in turn; the rest plain
-        engine.draft_gate.drafted_requests = lambda *, num_reqs, **_: (
+        engine.spec.draft_gate.drafted_requests = lambda *, num_reqs, **_: (
             [i for i in range(num_reqs) if (step["n"] + i) % 7 in (0, 3)])
         calls = {"extend": 0, "propose": []}
         extend, propose = engine.drafter.extend_context, engine.drafter.propose
@@ -134,8 +134,8 @@ def test_a_closed_gate_extends_prompts_only_and_bounds_the_kept_taps(target, dra
     prompts = _prompts()
     row_bytes = len(engine.drafter.tap_layer_ids) * TINY_LLAMA.hidden_size * 4  # fp32 taps
     if budget_rows is not None:
-        engine.MAX_DEFERRED_BYTES = budget_rows * row_bytes
-    engine.draft_gate.drafted_requests = lambda **_: []
+        engine.spec.MAX_DEFERRED_BYTES = budget_rows * row_bytes
+    engine.spec.draft_gate.drafted_requests = lambda **_: []
     extended: list[tuple[str, int, int]] = []  # (request id, first position, positions)
     prompt_len: dict[str, int] = {}
     extend = engine.drafter.extend_context
@@ -178,19 +178,19 @@ def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(ta
     model proposal (prompt lookup still drafts for it), and its prefix-cache hits need no drafter K/V.
     Requests admitted before the gate closed keep theirs. Output equals plain decoding."""
     engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, coalesce_steps=2, ngram_first=True)
-    gate = engine.draft_gate
+    gate = engine.spec.draft_gate
     closed_from = 3  # the first three prompts are admitted while the gate is open
-    engine.draft_gate.drafted_requests = lambda *, num_reqs, **_: []  # the gate never lets the model draft
+    engine.spec.draft_gate.drafted_requests = lambda *, num_reqs, **_: []  # the gate never lets the model draft
     admitted: dict[str, bool] = {}
-    admit = engine.scheduler.admit_model_drafting
+    admit = engine.scheduler.admission
 
     gate.admits_model_drafting = lambda **_: len(admitted) < closed_from  # (the gate's rule: test_length_policy)
 
-    def recording_admit(_f=admit):
-        ok = _f()
+    def recording_admit(load, _f=admit):
+        ok = _f(load)
         admitted[f"n{len(admitted)}"] = ok
         return ok
-    engine.scheduler.admit_model_drafting = recording_admit
+    engine.scheduler.admission = recording_admit
     extended: set[str] = set()
     extend = engine.drafter.extend_context
 
@@ -225,13 +225,13 @@ def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(ta
 
 
 def test_a_load_measured_off_proposes_nothing_and_admits_without_drafter_context(target, drafter_dir, plain_outputs):
-    """Where the measured switch (dspark/verify/switch.py; its rule: tests/test_switch.py) has found
+    """Where the measured switch (dspark/spec/switch.py; its rule: tests/test_switch.py) has found
     speculation slower than plain decoding, scripted here for every load: no proposal at all (lookup
     included), no drafts verified, every request admitted without drafter context (no extension, no taps),
     and output equal to plain decoding. Off in the config, the engine has no switch."""
     engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=FLAT, coalesce_steps=2, ngram_first=True,
                           measured_switch=True)
-    switch = engine.switch
+    switch = engine.spec.switch
     switch.propose = lambda **_: False  # every load measured off, and no speculative probe in this run
     switch.is_off = lambda **_: True
     proposed: list[int] = []
@@ -255,7 +255,7 @@ def test_a_load_measured_off_proposes_nothing_and_admits_without_drafter_context
     assert engine.metrics.num_draft_tokens == 0 and engine.metrics.num_measured_off_steps > 0
     assert engine.metrics.num_admitted_without_drafter == len(prompts)
     assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
-    assert _spec_engine(target, drafter_dir, PrefixScheduler(), cost=FLAT, measured_switch=False).switch is None
+    assert _spec_engine(target, drafter_dir, PrefixScheduler(), cost=FLAT, measured_switch=False).spec.switch is None
 
 
 @pytest.mark.parametrize("policy", ["prefix", "async"])
@@ -266,7 +266,7 @@ def test_a_switch_turning_on_and_off_keeps_greedy_parity(target, drafter_dir, pl
     engine = _spec_engine(target, drafter_dir, PrefixScheduler() if policy == "prefix" else AsyncPrefixScheduler(),
                           cost=FLAT, coalesce_steps=2, ngram_first=True, measured_switch=True)
     pattern = itertools.cycle([True, True, True, False, False])
-    engine.switch.propose = lambda **_: next(pattern)
+    engine.spec.switch.propose = lambda **_: next(pattern)
     staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
     assert _mismatches(staged.outputs, plain_outputs) == 0
     assert engine.metrics.num_draft_tokens > 0 and engine.metrics.num_measured_off_steps > 0

@@ -68,7 +68,7 @@ HOSTILE = [
     ("stop_many", C, cmpl(stop=[f"s{i}" for i in range(65)]), 400, "at most 64 stop strings"),
     ("stop_long", C, cmpl(stop="s" * 5000), 400, "at most 4096 characters"),
     ("stop_token_out_of_vocab", C, cmpl(stop_token_ids=[10**6]), 400, "outside the vocabulary"),
-    ("stop_token_neg", C, cmpl(stop_token_ids=[-1]), 400, "outside the vocabulary"),
+    ("stop_token_neg", C, cmpl(stop_token_ids=[-1]), 400, "stop_token_ids must be >= 0"),
     ("prompt_token_neg", C, cmpl(prompt=[-1]), 400, "outside the vocabulary"),
     ("prompt_token_huge", C, cmpl(prompt=[2**70]), 400, "outside the vocabulary"),
     ("prompt_empty", C, cmpl(prompt=""), 400, "empty"),

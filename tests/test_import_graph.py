@@ -1,6 +1,7 @@
-"""The package's import graph has no cycles: every `import` / `from ... import` inside dspark/ (at module
-level or deferred inside a function) is an edge from the importing module to the dspark module it names,
-and the graph's strongly connected components are single modules.
+"""The package's import graph: every `import` / `from ... import` inside dspark/ (at module level or deferred
+inside a function) is an edge from the importing module to the dspark module it names. The graph has no cycles
+(its strongly connected components are single modules), and it keeps the package layers of docs/structure.md:
+a module imports its own layer and the layers below, never one above.
 
     pytest tests/test_import_graph.py -q
 """
@@ -94,6 +95,53 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+# The layers, from the bottom up (a top-level module or package of dspark/ each; "dspark" is the package's
+# __init__, the public API).
+LAYERS = (
+    ("utils", "kernels", "config", "spec_schema", "sampling", "logits_processors", "request", "structured",
+     "detokenizer", "generation_config", "engine_args"),  # configuration, requests, sampling, CPU kernels
+    ("models",),  # target families, loading, attention, recurrent state
+    ("verify", "drafters", "chat"),  # the verifier; the drafters; chat output parsing
+    ("worker", "distributed"),  # the model runner and CUDA graphs; tensor-parallel ranks
+    ("spec",),  # speculation control
+    ("engine",),  # scheduler, block manager, the step, building an engine
+    ("llm", "server", "train", "bench", "parity", "cli", "cli_generate", "cli_profile", "__main__", "dspark"),
+)
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) edges that go to a higher layer; a module of no layer is one too."""
+    out = []
+    for module, deps in graph.items():
+        here = LAYER_OF.get(_part(module))
+        for dep in deps:
+            there = LAYER_OF.get(_part(dep))
+            if here is None or there is None or there > here:
+                out.append((module, dep))
+    return sorted(out)
+
+
+def test_every_package_keeps_its_layer():
+    found = upward_imports(import_graph())
+    assert not found, "imports from a lower layer to a higher one (tests/test_import_graph.py LAYERS):\n" + \
+        "\n".join(f"  {a} -> {b}" for a, b in found)
+
+
+def test_an_upward_import_is_caught():
+    graph = import_graph()
+    assert not upward_imports(graph)
+    graph["dspark.models.llama"] = graph["dspark.models.llama"] | {"dspark.engine.engine"}
+    assert upward_imports(graph) == [("dspark.models.llama", "dspark.engine.engine")]
+    assert upward_imports({"dspark.newpackage.x": set()}) == [] and \
+        upward_imports({"dspark.newpackage.x": {"dspark.config"}}) == [("dspark.newpackage.x", "dspark.config")]
+
+
 def test_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
@@ -102,7 +150,7 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_graph_sees_deferred_and_relative_imports():
     graph = import_graph()
-    assert "dspark.verify.step_profiler" in graph["dspark.engine.build"]  # imported inside a function
+    assert "dspark.engine.step_profiler" in graph["dspark.engine.engine"]  # imported inside a function
     assert len(graph) > 50
 
 

@@ -1,4 +1,4 @@
-"""Logits processors and the target sampler (dspark/logits_processors.py, dspark/engine/sampler.py):
+"""Logits processors and the target sampler (dspark/logits_processors.py, dspark/verify/sampler.py):
 
 * every processor against a naive per-token twin (Python loops over the vocabulary), and window row j
   of a verify window equal to plain decoding after the drafts d1..dj;
@@ -22,7 +22,7 @@ from collections import Counter
 import pytest
 import torch
 
-import dspark.engine.sampler as sampler
+import dspark.verify.sampler as sampler
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.logits_processors import WindowRows, apply_processors
 from dspark.request import Request

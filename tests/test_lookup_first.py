@@ -184,7 +184,7 @@ def _lookup_engine(target, drafter_dir, policy_name, *, cost=None, **kw):
     engine = _spec_engine(target, drafter_dir, make_policy(), cost=cost or default_cost, coalesce_steps=2,
                           ngram_first=True, **kw)
     assert isinstance(engine.drafter, LookupFirstDrafter)
-    assert engine.drafter.observe_verify in engine.verify_observers, "Engine wires the lookup counts"
+    assert engine.drafter.observe_verify in engine.spec.verify_observers, "Engine wires the lookup counts"
     return engine
 
 
@@ -224,9 +224,9 @@ def test_model_observers_see_model_rounds_only_and_skipped_requests_verify_looku
                                                                                     plain_outputs):
     engine = _lookup_engine(target, drafter_dir, "prefix", cost=COSTLY_DRAFTS)  # the gate skips the model
     seen = {"model": [], "all": []}
-    engine.model_verify_observers.append(
+    engine.spec.model_verify_observers.append(
         lambda rid, conf, n, k: seen["model"].append(engine.requests[rid].draft_from_model) if n else None)
-    engine.verify_observers.append(
+    engine.spec.verify_observers.append(
         lambda rid, conf, n, k: seen["all"].append(engine.requests[rid].draft_from_model) if n else None)
     staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
     assert _mismatches(staged.outputs, plain_outputs) == 0
@@ -244,13 +244,13 @@ def test_build_drafter_wraps_and_a_sampled_batch_mixes_sources(target, drafter_d
     drafter = engine.drafter
     assert drafter.has_confidence and drafter.tap_layer_ids == drafter.model_drafter.tap_layer_ids
     rows = []
-    propose = engine._propose_and_choose
+    propose = engine.spec._propose_and_choose
 
     def recorded(reqs, allowed, num_nondraft):
         n = propose(reqs, allowed, num_nondraft)
         rows.append([(r.draft_from_model, r.draft_probs is None) for r in reqs if r.draft_ids])
         return n
-    engine._propose_and_choose = recorded
+    engine.spec._propose_and_choose = recorded
     params = SamplingParams(temperature=0.5, max_tokens=MAX_TOKENS, ignore_eos=True, seed=5)
     staged = run_staged(engine, _prompts(), params, ARRIVAL_STEPS)
     assert all(len(o) == MAX_TOKENS for o in staged.outputs)

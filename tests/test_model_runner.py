@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspark import kernels
-from dspark.engine.model_runner import HostBatch, ModelRunner, allocate_kv_pool, cut_rows
+from dspark.worker.model_runner import HostBatch, ModelRunner, allocate_kv_pool, cut_rows
 from dspark.models.attention import SeqSpec
 from tests.conftest import TINY_LLAMA
 from tests.engine_helpers import tiny_target

@@ -48,7 +48,9 @@ def hf_reference(hf_model, ids: list[int]):
 
 
 def test_registry_has_every_family():
-    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                                   "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                                   "Gemma4ForCausalLM"}
 
 
 @pytest.mark.parametrize("kv_block_size", [4, 16])

@@ -1,4 +1,4 @@
-"""Online upkeep (dspark/verify/upkeep.py): moves the cost table and the temperatures toward the truth,
+"""Online upkeep (dspark/spec/upkeep.py): moves the cost table and the temperatures toward the truth,
 stays bounded, keeps greedy and sampling fits apart, is a no-op when switched off, and keeps greedy parity
 in the engine.
 
@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from dspark.verify.calibration import OnlineCalibrationConfig
-from dspark.verify.cost_table import CostTable
-from dspark.verify.length_policy import (
+from dspark.spec.calibration import OnlineCalibrationConfig
+from dspark.spec.cost_table import CostTable
+from dspark.spec.length_policy import (
     PrefixScheduler,
 )
-from dspark.verify.upkeep import OnlineUpkeep, UpkeepConfig
+from dspark.spec.upkeep import OnlineUpkeep, UpkeepConfig
 from tests.engine_helpers import greedy
 from tests.scheduled_helpers import (  # noqa: F401  (fixtures)
     ARRIVAL_STEPS, GAMMA, MAX_TOKENS, MILD, _mismatches, _prompts, _spec_engine, drafter_dir,
@@ -134,22 +134,22 @@ def test_upkeep_switched_off_changes_nothing():
 
 def test_engine_online_upkeep_wiring(target, drafter_dir, plain_outputs):
     off = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD)
-    assert off.upkeep is None, "online_upkeep defaults to off"
-    assert off.verify_observers == [] and off.model_verify_observers == [off.draft_gate.observe_verify], \
+    assert off.spec.upkeep is None, "online_upkeep defaults to off"
+    assert off.spec.verify_observers == [] and off.spec.model_verify_observers == [off.spec.draft_gate.observe_verify], \
         "only the draft gate observes"
 
     engine = _spec_engine(target, drafter_dir, PrefixScheduler(), cost=MILD, online_upkeep=True)
-    assert engine.upkeep is not None and engine.upkeep.observe_verify in engine.model_verify_observers
+    assert engine.spec.upkeep is not None and engine.spec.upkeep.observe_verify in engine.spec.model_verify_observers
     # the same wiring with a faster schedule, so a short run refreshes and refits
-    engine.model_verify_observers.remove(engine.upkeep.observe_verify)
+    engine.spec.model_verify_observers.remove(engine.spec.upkeep.observe_verify)
     fast = UpkeepConfig(refresh_every=8, min_samples=1,
                         calibration=OnlineCalibrationConfig(refit_every=2, min_trials=8.0))
-    engine.upkeep = OnlineUpkeep(drafter=engine.drafter, cost_table=engine.cost_table, config=fast)
-    engine.model_verify_observers.append(engine.upkeep.observe_verify)
+    engine.spec.upkeep = OnlineUpkeep(drafter=engine.drafter, cost_table=engine.cost_table, config=fast)
+    engine.spec.model_verify_observers.append(engine.spec.upkeep.observe_verify)
     temps_before = engine.drafter.confidence_temperatures.clone()
     staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
     assert _mismatches(staged.outputs, plain_outputs) == 0
-    assert engine.cost_table is engine.upkeep.cost_table
+    assert engine.spec.cost_table is engine.spec.upkeep.cost_table
     assert engine.cost_table.meta.get("online_refreshes", 0) >= 1
     assert engine.cost_table.num_tokens == MILD.num_tokens
     assert not torch.equal(engine.drafter.confidence_temperatures, temps_before), \

@@ -16,7 +16,7 @@ from dspark.config import SpecConfig
 from dspark.llm import LLM
 from dspark.sampling import ReasoningTags, SamplingParams
 from dspark.server.config import ServerConfig
-from dspark.server.reasoning import REASONING_FORMATS, Phase, get_reasoning_format
+from dspark.chat.reasoning import REASONING_FORMATS, Phase, get_reasoning_format
 from dspark.structured import AfterReasoning, GrammarCompiler
 from server_harness import CharTokenizer, ScriptedTarget, build_tiny_model, make_engine, serve, stream_events
 

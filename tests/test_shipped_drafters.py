@@ -49,6 +49,38 @@ def test_gemma_drafter_fits_its_target_and_is_calibrated():
     assert train["model"] == "gemma-3-270m" and train["warm_start"] == "none"
 
 
+# sha256 of each shipped drafter's draft vocabulary as absolute target ids (int64, little-endian), as the files held
+# it before their d2t was stored as offsets: loading must give exactly these ids
+SHIPPED_VOCAB_SHA256 = {
+    "dspark-smollm2-135m": "398f8af3eaa4887c3c27b4039dbddb5ce43b74de1d5f5007a89aa7794a3e2b95",
+    "dflash-smollm2-135m": "398f8af3eaa4887c3c27b4039dbddb5ce43b74de1d5f5007a89aa7794a3e2b95",
+    "eagle3-smollm2-135m": "398f8af3eaa4887c3c27b4039dbddb5ce43b74de1d5f5007a89aa7794a3e2b95",
+    "dspark-gemma-3-270m": "ec520559397f3ee457582439c1751d03597f8ca4798af3e63de54dea85fae582",
+}
+
+
+def test_shipped_d2t_is_stored_as_offsets_and_loads_to_the_same_target_ids():
+    """Every shipped drafter stores d2t as offsets (target id = draft id + d2t[draft id], what llama.cpp's
+    converter, vLLM and SGLang read), says so in config.json, and loads to the draft vocabulary it was trained
+    with: strictly increasing distinct ids inside the target's vocabulary, the same ids as before."""
+    import hashlib
+
+    import torch
+
+    from dspark.drafters.vocab import read_d2t, read_maps
+    assert {name for name in SHIPPED.values()} == set(SHIPPED_VOCAB_SHA256)
+    for name, digest in SHIPPED_VOCAB_SHA256.items():
+        folder = ASSETS / name
+        cfg = json.loads((folder / "config.json").read_text())
+        assert cfg["d2t_format"] == "offset" and cfg["draft_vocab_size"] == 8192, name
+        stored = read_maps(folder)["d2t"]
+        ids = read_d2t(folder, vocab_size=cfg["vocab_size"], where=name)
+        assert torch.equal(ids, stored + torch.arange(stored.numel())), name
+        assert bool((ids[1:] > ids[:-1]).all()) and 0 <= int(ids[0]) and int(ids[-1]) < cfg["vocab_size"], name
+        assert int(stored.min()) >= 0 and int(stored.max()) + stored.numel() - 1 < cfg["vocab_size"]
+        assert hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest() == digest, name
+
+
 def test_smollm2_drafter_loads_lean():
     """Checking and loading the shipped SmolLM2 drafter (built on the meta device) imports none of torch's Python
     meta decompositions (sympy: ~70 MiB resident for the rest of a served process), its model has the buffers
@@ -70,7 +102,8 @@ model, temps = load_dspark(folder, num_target_layers=30, embed_weight=torch.zero
                            lm_head_weight=torch.zeros(49152, 576))
 assert "sympy" not in sys.modules
 assert not any("model.safetensors" in line for line in Path("/proc/self/maps").read_text().splitlines())
-assert torch.equal(model.d2t, tensors["d2t"]) and int(model.t2d[model.d2t[5]]) == 5
+assert torch.equal(model.d2t, tensors["d2t"] + torch.arange(cfg.draft_vocab_size))  # stored as offsets
+assert int(model.t2d[model.d2t[5]]) == 5
 assert int((model.t2d >= 0).sum()) == cfg.draft_vocab_size and model.inv_freq.device.type == "cpu"
 torch.manual_seed(0)
 a = DSparkModel(cfg)

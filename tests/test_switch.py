@@ -1,4 +1,4 @@
-"""The measured switch (dspark/verify/switch.py): speculation on or off per load by the engine's own seconds
+"""The measured switch (dspark/spec/switch.py): speculation on or off per load by the engine's own seconds
 per emitted token, driven here by scripted step times (no clock, so every outcome is exact):
 
 * speculation that measures slower than plain decoding (or within the margin) is switched off once both
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.verify.switch import MeasuredSwitch
+from dspark.spec.switch import MeasuredSwitch
 
 
 def warm(**settings) -> MeasuredSwitch:
@@ -168,7 +168,7 @@ def test_metrics_expose_each_load_decision_and_figures():
 
     switch = warm()
     drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
-    engine = SimpleNamespace(cost_table=None, switch=switch)
+    engine = SimpleNamespace(cost_table=None, spec=SimpleNamespace(switch=switch))
     ae = SimpleNamespace(metrics=EngineMetrics(), engine=engine, kv_usage=0.0, num_waiting=0, num_running=0)
     families = {f.name: f for f in _EngineCollector(ae).collect()}
     on = {s.labels["load"]: s.value for s in families["vllm:measured_switch_on"].samples}
@@ -176,5 +176,5 @@ def test_metrics_expose_each_load_decision_and_figures():
                  for s in families["vllm:measured_switch_seconds_per_token"].samples}
     assert on == {"6-8": 0.0}
     assert per_token == pytest.approx({("6-8", "speculative"): 1.2e-3, ("6-8", "plain"): 1.0e-3})
-    engine.switch = None
+    engine.spec.switch = None
     assert "vllm:measured_switch_on" not in {f.name for f in _EngineCollector(ae).collect()}

@@ -1,4 +1,4 @@
-"""Tool-call parsers (dspark/server/tool_parsers.py): recorded model outputs parse to the expected content
+"""Tool-call parsers (dspark/chat/tool_parsers.py): recorded model outputs parse to the expected content
 and calls, malformed calls come back as content, and streaming any output in any split (every cut into
 two pieces, one character at a time) gives the same content and calls as the whole-text parse.
 Run: pytest tests/test_tool_parsers.py -q"""
@@ -10,7 +10,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from dspark.server.tool_parsers import (TOOL_PARSERS, ParsedOutput, StreamDelta, ToolParser,
+from dspark.chat.tool_parsers import (TOOL_PARSERS, ParsedOutput, StreamDelta, ToolParser,
                                         get_tool_parser)
 
 SAME = "<the whole output, unchanged>"  # expected content: no call parsed, the text comes back as is

@@ -16,7 +16,8 @@ import torch
 from dspark.train.anchors import (block_eval_mask, block_labels, process_rounds, sample_anchors,
                                   valid_anchor_mask)
 from dspark.train.config import load_train_config
-from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, done_keys)
+from dspark.drafters.vocab import build_draft_vocab
+from dspark.train.data import BatchSampler, Cursor, TokenDataset, done_keys
 from dspark.train.losses import LossWeights, dspark_loss, eagle3_loss, eagle3_step_masks, summarise
 
 W1 = math.exp(-1 / 4)  # position weight of slot 1

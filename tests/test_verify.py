@@ -10,14 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.verify.rejection import (
-    VerifyResult,
-    rejection_sample_batched,
-    verify,
-    verify_greedy,
-    verify_greedy_argmax,
-    verify_rejection,
-)
+from dspark.verify.rejection import VerifyResult, rejection_sample_batched, verify_greedy_argmax
+from verify_reference import verify, verify_greedy, verify_rejection
 from stat_checks import (
     assert_differs_from_distribution,
     assert_matches_distribution,

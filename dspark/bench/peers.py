@@ -76,7 +76,7 @@ def hf_peer(*, model: str, prompt_ids: list[list[int]], lengths: list[int],
 
 def llama_without_repack(**kwargs):
     """llama_cpp.Llama with `use_extra_bufts` off: llama-cpp-python 0.3.36's runtime weight repacking
-    segfaults in the first decode of the shipped Q4_1 GGUF on this project's AVX-512 machines (F16/F32
+    segfaults in the first decode of the shipped Q4_1 GGUF on AVX-512 CPUs (F16/F32
     copies are unaffected). `Llama` takes no model-params override, so its default-params factory is
     swapped for the duration of the load."""
     from llama_cpp import llama as llama_module

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from dspark.config import EngineConfig
 from dspark.distributed.group import STARTUP_TIMEOUT_S, TPGroup
 from dspark.distributed.vocab_argmax import gather_argmax
-from dspark.engine.model_runner import DTYPES, ModelRunner, StepBatch, allocate_kv_pool, kv_dtype
+from dspark.worker.model_runner import DTYPES, ModelRunner, StepBatch, allocate_kv_pool, kv_dtype
 from dspark.sampling import RowArgmax
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,11 @@ def threads_per_rank(config: EngineConfig) -> int | None:
 
 
 def load_full_target(config: EngineConfig):
-    """The whole target on the CPU with fp32 products -> (model, model config, tokenizer)."""
-    from dspark.models.loader import load_model
+    """The whole target on the CPU with fp32 products -> (model, model config, tokenizer); a model that
+    `shard.check_shardable` refuses fails before any weight loads."""
+    from dspark.distributed.shard import check_shardable
+    from dspark.models.loader import load_model, read_model_config
+    check_shardable(read_model_config(config.model))
     return load_model(config.model, dtype=DTYPES[config.dtype], device="cpu", decode_layout=False,
                       matmul_dtype="float32")
 
@@ -118,7 +121,8 @@ def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, 
         kind, num_kv_blocks, kv_block_size = message
         if kind != "init":
             raise RuntimeError(f"expected the pool size from rank 0, got {message!r}")
-        pool = allocate_kv_pool([model.kv_spec] * model.num_kv_layers, num_kv_blocks=num_kv_blocks,
+        specs = model.kv_layer_specs() if hasattr(model, "kv_layer_specs") else [model.kv_spec] * model.num_kv_layers
+        pool = allocate_kv_pool(specs, num_kv_blocks=num_kv_blocks,
                                 kv_block_size=kv_block_size,
                                 dtype=kv_dtype(config.cache.kv_cache_dtype, DTYPES[config.dtype]),
                                 device=rank_device(config.device, rank))

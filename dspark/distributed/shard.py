@@ -16,7 +16,8 @@ Llama, Qwen3 and any family built from the same modules (the Gemma 3 decoder reu
 Products on a shard run through the same `linear` as on one process (the fp32/bf16 CPU kernels where they
 apply); the fused one-call decoder stack does not run under tensor parallelism (an all-reduce sits between
 its layers), nor Q4_1 blocks (the ranks multiply slices of the dequantized weights: the loader keeps
-Q4_1 for a single process).
+Q4_1 for a single process). Mixture-of-experts models (Qwen3-MoE) are refused by `check_shardable`, before any
+weight loads.
 """
 
 from __future__ import annotations
@@ -128,10 +129,23 @@ def _vocab_slice(weight: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, int]:
     return part, start
 
 
+def check_shardable(config) -> None:
+    """Refuse what `shard_model` cannot split (a `ModelConfig`, read from the checkpoint's header): MoE layers,
+    whose stacked experts the MLP sharding above does not know; Gemma 4, whose per-kind head shapes, KV sharing and
+    per-layer inputs it does not split."""
+    if config.architecture == "Gemma4ForCausalLM":
+        raise ValueError("tensor parallelism over Gemma4ForCausalLM is not supported (per-kind head shapes, KV "
+                         "sharing and per-layer inputs are not split over ranks); run it with tensor_parallel_size 1")
+    if config.num_experts:
+        raise ValueError(f"tensor parallelism over MoE layers ({config.architecture}) is not supported; "
+                         "run it with tensor_parallel_size 1")
+
+
 def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
     """Shard `model` (weights loaded, products not yet specialised) for rank `tp.rank` of `tp.size`."""
     if tp.size == 1:
         return model
+    check_shardable(model.config)
     num_kv = set()
     for module in list(model.modules()):
         if hasattr(module, "qkv_proj") and hasattr(module, "o_proj") and hasattr(module, "num_kv_heads"):

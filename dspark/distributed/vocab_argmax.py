@@ -1,4 +1,4 @@
-"""The vocabulary-parallel head's argmax: a greedy-only step (`dspark.engine.sampler.argmax_suffices`) needs
+"""The vocabulary-parallel head's argmax: a greedy-only step (`dspark.verify.sampler.argmax_suffices`) needs
 each logits row's argmax, not the row, so every rank reduces its slice of the vocabulary to one
 (maximum, global index) pair per row and rank 0 gathers those [num_logits, 2] pairs instead of the
 [num_logits, V / size] slices, then keeps each row's winner.

@@ -19,6 +19,7 @@ DRAFTER_REGISTRY = {
     "eagle3": "dspark.drafters.eagle3",
     "dflash": "dspark.drafters.dspark",
     "dspark": "dspark.drafters.dspark",
+    "mtp": "dspark.drafters.mtp",
 }
 
 

@@ -84,6 +84,10 @@ class Drafter(ABC):
     def bind_kv(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Receive the pool tensors for the layers declared in `kv_layer_specs`."""
 
+    def bind_target_kv(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_layer_of: list[int] | None) -> None:
+        """Receive the target's own pool (read in place, never written: Gemma 4's assistant attends to it);
+        `kv_layer_of[i]` is target layer i's pool entry (None: entry i). Most drafters ignore it."""
+
     @property
     def needs_context_kv(self) -> bool:
         return bool(self.kv_layer_specs())

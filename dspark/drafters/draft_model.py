@@ -36,6 +36,7 @@ from torch import nn
 from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
 from dspark.drafters.draft_sampling import DraftAccumulator
 from dspark.models.attention import flat_batch
+from dspark.models.config import HYBRID_ARCHITECTURES
 
 
 class DraftModelDrafter(Drafter):
@@ -47,6 +48,8 @@ class DraftModelDrafter(Drafter):
         self.max_positions = draft_model.config.max_position_embeddings
 
     def kv_layer_specs(self) -> list[tuple[int, int]]:
+        if hasattr(self.model, "kv_layer_specs"):  # per-entry shapes (a Gemma 4 draft model)
+            return self.model.kv_layer_specs()
         return [tuple(self.model.kv_spec)] * self.model.num_kv_layers
 
     def bind_kv(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -124,6 +127,14 @@ def check(spec, target_config) -> None:
         if spec.draft_num_layers is None:
             raise ValueError("draft_model needs 'model' (a draft checkpoint) or 'draft_num_layers' "
                              "(a layer-truncated copy of the target)")
+        if target_config.architecture in HYBRID_ARCHITECTURES:
+            raise ValueError(f"draft_num_layers (a layer view of the target) is not supported for the hybrid "
+                             f"{target_config.architecture}: its linear-attention layers would need state slots "
+                             f"of their own; pass a draft checkpoint as 'model', or use 'ngram' or 'mtp'")
+        if target_config.architecture == "Gemma4ForCausalLM":
+            raise ValueError("draft_num_layers (a layer view of the target) is not supported for Gemma4ForCausalLM: "
+                             "its KV sharing and per-layer inputs span every layer; pass a draft checkpoint as "
+                             "'model', or use 'ngram'")
         if not 1 <= spec.draft_num_layers <= target_config.num_hidden_layers:
             raise ValueError(f"draft_num_layers={spec.draft_num_layers} is outside [1, target "
                              f"num_hidden_layers={target_config.num_hidden_layers}]")
@@ -134,6 +145,9 @@ def check(spec, target_config) -> None:
 
 
 def check_draft_config(draft_config, target_config) -> None:
+    if draft_config.architecture in HYBRID_ARCHITECTURES:
+        raise ValueError(f"a hybrid draft model ({draft_config.architecture}) is not supported: its "
+                         f"linear-attention layers would need state slots of their own")
     if draft_config.vocab_size != target_config.vocab_size:
         raise ValueError(f"draft model vocab_size={draft_config.vocab_size} differs from the target's "
                          f"vocab_size={target_config.vocab_size}: the draft model must share the "

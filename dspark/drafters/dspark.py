@@ -13,7 +13,8 @@ Per step (reference §1.6, §7.2-7.3):
 
 Checkpoints (`dspark_checkpoint.py`, `formats.py`): DeepSpec folders (config.json + safetensors,
 reference §3), ours (the same plus `draft_vocab_size` / `d2t`, `slot_layout`, and an optional
-`calibration.json`: c_k = σ(z_k / T_k + b_k), per regime) or vLLM Speculators' DSpark / DFlash folders.
+`calibration.json`: c_k = σ(z_k / T_k + b_k), per regime) or vLLM Speculators' DSpark / DFlash folders; `d2t`
+stored as offsets or absolute ids (`vocab.py`), and spec "draft_vocab_size" reduces a full-vocabulary one at load.
 `check` reads config.json and the safetensors headers only and fails before any weight is read. method
 "dflash" on a checkpoint with heads uses it with the heads off (DeepSpec's DFlash is exactly that network);
 method "dspark" on a checkpoint without a Markov head is an error.
@@ -26,7 +27,8 @@ import torch
 from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
 from dspark.drafters.checkpoint import DTYPE_NAMES
 from dspark.drafters.dspark_checkpoint import (CALIBRATION_KEYS, CALIBRATION_NAME, check, check_config,  # noqa: F401
-                                               load_dspark, read_calibration, save_dspark, without_heads)
+                                               load_dspark, read_calibration, save_dspark, spec_draft_vocab,
+                                               without_heads)
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.heads import MarkovHead
 from dspark import kernels
@@ -364,7 +366,8 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
     """Registry entry for "dspark" and "dflash" (dflash = heads off)."""
     check(spec, target_config)
     model, temps = load_dspark(spec.model, target_model=target_model, dtype=dtype, device=device,
-                               drop_heads=spec.method == "dflash", num_target_layers=target_config.num_hidden_layers)
+                               drop_heads=spec.method == "dflash", num_target_layers=target_config.num_hidden_layers,
+                               draft_vocab=spec_draft_vocab(spec, target_config))
     temps = temps if spec.method == "dspark" and temps else {}
     matmul_dtype = resolve_matmul_dtype(spec.draft_matmul_dtype, dtype=dtype, device=device)
     if matmul_dtype != dtype:  # the backbone's products; the heads (and their calibration) stay as loaded,

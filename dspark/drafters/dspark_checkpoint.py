@@ -8,6 +8,10 @@ target's values (up to its dtype's rounding) takes the target's too; a checkpoin
 own (logged, with the largest difference): the drafter was trained with them. A reduced-vocabulary LM head is
 always the checkpoint's own. Calibration: an optional `calibration.json` beside the weights
 ({"temperatures": [T_k]} and optionally "greedy_temperatures", "biases", "greedy_biases").
+
+`d2t` is written as offsets with `"d2t_format": "offset"` in config.json and read in either convention
+(`vocab.py`); a full-vocabulary checkpoint can be given a reduced vocabulary at load (spec "draft_vocab_size":
+`load_dspark(draft_vocab=)` keeps those rows of the LM head and of Markov W2).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.formats import (checkpoint_format, header_shapes_speculators, speculators_dspark_json,
                                      speculators_tensors)
+from dspark.drafters.vocab import (D2T_FORMAT_KEY, MAP_NAMES, WRITTEN_FORMAT, draft_vocab_at_load, read_d2t,
+                                   slices_at_load, to_offsets)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,16 @@ def check(spec, target_config) -> None:
     cfg = read_dspark_config(spec.model, num_target_layers=target_config.num_hidden_layers)
     check_config(cfg, spec=spec, target_config=target_config)
     check_header(spec.model, cfg, drop_heads=spec.method == "dflash")
+    where = f"drafter checkpoint {str(spec.model)!r}"
+    read_d2t(spec.model, vocab_size=cfg.vocab_size, where=where)  # the map alone: refused before any weight
+    slices_at_load(spec, target_config, checkpoint_draft_vocab=cfg.draft_vocab_size, where=where)
+
+
+def spec_draft_vocab(spec, target_config) -> torch.Tensor | None:
+    """The target ids spec "draft_vocab_size" keeps of a full-vocabulary checkpoint (None: none sliced)."""
+    cfg = read_dspark_config(spec.model, num_target_layers=target_config.num_hidden_layers)
+    return draft_vocab_at_load(spec, target_config, checkpoint_draft_vocab=cfg.draft_vocab_size,
+                               where=f"drafter checkpoint {str(spec.model)!r}")
 
 
 def expected_shapes(cfg: DSparkConfig) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
@@ -129,31 +145,41 @@ def target_shared_weights(target_model) -> tuple[torch.Tensor | torch.nn.Module,
 def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tensor | None = None,
                 lm_head_weight: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", drop_heads: bool = False,
-                num_target_layers: int | None = None) -> tuple[DSparkModel, dict[str, list[float]] | None]:
+                num_target_layers: int | None = None, draft_vocab: torch.Tensor | None = None
+                ) -> tuple[DSparkModel, dict[str, list[float]] | None]:
     """Build a DSparkModel from a checkpoint folder → (model, calibration or None).
 
     The frozen embedding / LM head come from the target (`target_model`, or explicit weights) where the
     checkpoint has none or holds the target's values; a checkpoint's own differing copies are kept (see the
     module docstring). `drop_heads` loads a DSpark checkpoint as DFlash. `num_target_layers` defaults to the
-    target's depth (Speculators checkpoints do not store it)."""
+    target's depth (Speculators checkpoints do not store it). `draft_vocab` (target ids, ascending) gives a
+    full-vocabulary checkpoint that reduced vocabulary: its LM head rows (the target's or its own) and Markov W2
+    rows at those ids (`vocab.draft_vocab_at_load`). The stored d2t is read and checked before any weight."""
     if target_model is not None:
         embed_weight, lm_head_weight = target_shared_weights(target_model)
         if num_target_layers is None:
             num_target_layers = len(target_model.model.layers)
     cfg = read_dspark_config(path, num_target_layers=num_target_layers)
+    where = f"drafter checkpoint {str(path)!r}"
+    d2t = read_d2t(path, vocab_size=cfg.vocab_size, where=where)  # absolute target ids, or None
+    if draft_vocab is not None:
+        if cfg.draft_vocab_size is not None:
+            raise ValueError(f"draft_vocab_size {draft_vocab.numel()}: {where} already has a {cfg.draft_vocab_size}"
+                             "-token d2t; a reduced vocabulary is chosen at load for a full-vocabulary one only")
+        d2t = draft_vocab.long().cpu()
+        cfg = dataclasses.replace(cfg, draft_vocab_size=d2t.numel())
     if drop_heads:
         cfg = without_heads(cfg)
     with torch.device("meta"):
         model = DSparkModel(cfg).to(dtype)  # no memory until the checkpoint's tensors are assigned
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    where = f"drafter checkpoint {str(path)!r}"
-    tensors = load_tensors(path, skip=HEAD_PREFIXES if drop_heads else (), device=device)
+    tensors = load_tensors(path, skip=(HEAD_PREFIXES if drop_heads else ()) + MAP_NAMES, device=device)
     if checkpoint_format(read_config(path)).startswith("speculators-"):
         tensors = speculators_tensors(tensors, where=where)
     share = {}
     for key, target_w in (("embed_tokens.weight", embed_weight), ("lm_head.weight", lm_head_weight)):
         in_ckpt = tensors.get(key)
-        own_rows = key == "lm_head.weight" and cfg.draft_vocab_size is not None
+        own_rows = key == "lm_head.weight" and cfg.draft_vocab_size is not None and draft_vocab is None
         if target_w is None or own_rows:
             continue
         dense = None if in_ckpt is None else target_w if isinstance(target_w, torch.Tensor) else target_w.dense_weight()
@@ -166,6 +192,12 @@ def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tens
         tensors.pop(key, None)
         expected.pop(key)
         share[key] = target_w
+    if draft_vocab is not None:  # the kept rows of a full-vocabulary checkpoint's own head and Markov W2
+        for key in ("lm_head.weight", "markov_head.markov_w2.weight"):
+            if key in tensors:
+                tensors[key] = tensors[key][d2t.to(tensors[key].device)]
+    if d2t is not None:
+        tensors["d2t"] = d2t.to(device)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     check_shapes(expected, {k: t.shape for k, t in tensors.items()}, where=where)
     model.load_state_dict(tensors, strict=False, assign=True)
@@ -195,7 +227,9 @@ def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtyp
                 include_shared: bool = False, max_shard_bytes: int | None = None) -> None:
     """Write config.json + model.safetensors (float tensors in `dtype`; with `max_shard_bytes`, shards of at most
     that size and an index). The frozen embedding and a full-vocab LM head are left out unless `include_shared`
-    (loading takes them from the target); a reduced-vocab LM head and `d2t` are always written."""
+    (loading takes them from the target); a reduced-vocab LM head and `d2t` are always written, `d2t` as offsets
+    (target id = draft id + d2t[draft id], `"d2t_format": "offset"` in config.json: what vLLM, SGLang and
+    llama.cpp read)."""
     if cfg != model.cfg:
         raise ValueError("save_dspark: cfg differs from model.cfg")
     if dtype not in DTYPE_NAMES:
@@ -207,5 +241,9 @@ def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtyp
         state.pop("embed_tokens.weight")
         if cfg.draft_vocab_size is None:
             state.pop("lm_head.weight")
+    extra = {}
+    if "d2t" in state:
+        state["d2t"] = to_offsets(state["d2t"])
+        extra[D2T_FORMAT_KEY] = WRITTEN_FORMAT
     save_weights(state, path, dtype=DTYPE_NAMES[dtype], max_shard_bytes=max_shard_bytes)
-    write_json({**cfg.to_json(), "dtype": dtype}, path / "config.json")
+    write_json({**cfg.to_json(), "dtype": dtype, **extra}, path / "config.json")

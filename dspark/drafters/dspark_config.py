@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dspark.models.config import dense_width
+
 SLOT_LAYOUTS = ("dspark", "zlab")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # keys of heads.SEQUENTIAL_HEADS
 
@@ -188,7 +190,7 @@ def dspark_config_for_target(
     """
     return DSparkConfig(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size, num_hidden_layers=num_hidden_layers,
+        intermediate_size=dense_width(target), num_hidden_layers=num_hidden_layers,
         num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
         head_dim=target.head_dim, num_target_layers=target.num_hidden_layers, block_size=block_size,
         mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,

@@ -22,7 +22,8 @@ hit's last position were computed with the *original* request's next token.
 
 Sampling: greedy or probabilistic per request (`draft_sampling.py`); `draft_probs` over the full target
 vocabulary only when some request samples. A reduced draft vocabulary (`d2t`) scores only its rows and
-puts −inf logits (probability 0) on every other target id.
+puts −inf logits (probability 0) on every other target id; spec "draft_vocab_size" gives a full-vocabulary
+checkpoint one at load (`vocab.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeB
 from dspark.drafters.checkpoint import check_shapes, header_shapes, read_config, same_weights
 from dspark.drafters.formats import checkpoint_format, header_shapes_speculators
 from dspark.drafters.draft_sampling import DraftAccumulator
+from dspark.drafters.vocab import draft_vocab_at_load, read_d2t, slices_at_load
 from dspark.drafters.eagle3_model import (Eagle3Config, Eagle3Model, default_tap_layer_ids, load_eagle3,
                                           read_eagle3_config, save_eagle3, state_dict_hf, ttt_targets)
 from dspark.models.attention import flat_batch
@@ -200,6 +202,10 @@ def check(spec, target_config) -> None:
                          f"{cfg.target_num_hidden_layers}; this target has num_hidden_layers="
                          f"{target_config.num_hidden_layers}")
     check_header(spec.model, cfg)
+    where = f"EAGLE-3 checkpoint {spec.model!r}"
+    read_d2t(spec.model, vocab_size=cfg.vocab_size, where=where)  # the map alone: refused before any weight
+    slices_at_load(spec, target_config, checkpoint_draft_vocab=cfg.draft_vocab_size if cfg.reduced_vocab else None,
+                   where=where)
 
 
 def check_header(path: str, cfg: Eagle3Config) -> None:
@@ -216,6 +222,9 @@ def check_header(path: str, cfg: Eagle3Config) -> None:
 
 def build(spec, *, target_config, target_model, dtype, device) -> Eagle3Drafter:
     check(spec, target_config)
-    model = bind_to_target(load_eagle3(spec.model, dtype=dtype, device=device,
+    cfg = read_eagle3_config(spec.model, num_target_layers=target_config.num_hidden_layers)
+    keep = draft_vocab_at_load(spec, target_config, checkpoint_draft_vocab=cfg.draft_vocab_size if cfg.reduced_vocab
+                               else None, where=f"EAGLE-3 checkpoint {spec.model!r}")
+    model = bind_to_target(load_eagle3(spec.model, dtype=dtype, device=device, draft_vocab=keep,
                                        num_target_layers=target_config.num_hidden_layers), target_model)
     return Eagle3Drafter(model.eval(), num_draft_tokens=spec.num_speculative_tokens)

@@ -30,7 +30,8 @@ keys the same row produced at steps 2..j — exactly what the paged drafter sees
 
 Checkpoint (our format): `config.json` = `Eagle3Config.to_dict()`; `model.safetensors` with HF-style
 unfused names (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ..., `norm.weight`), no embed/lm_head;
-plus `d2t` [draft_vocab] int64 when the draft vocabulary is reduced.
+plus `d2t` [draft_vocab] int64 when the draft vocabulary is reduced, stored as offsets (target id = draft id +
+d2t[draft id], `"d2t_format": "offset"`) and read in either convention (`vocab.py`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from torch import nn
 
 from dspark.drafters.checkpoint import (CONFIG_NAME, check_tensors, load_tensors, read_config, save_weights,
                                        write_json)
+from dspark.drafters.vocab import D2T_FORMAT_KEY, MAP_NAMES, WRITTEN_FORMAT, read_d2t, to_offsets
 from dspark.models.attention import AttnMetadata
-from dspark.models.config import ModelConfig
+from dspark.models.config import ModelConfig, dense_width
 from dspark.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
 from dspark.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from dspark.models.qwen3 import Qwen3Attention
@@ -113,7 +115,7 @@ class Eagle3Config:
                     num_draft_tokens: int = 7, **overrides: Any) -> "Eagle3Config":
         """Drafter geometry copied from the target (heads, head_dim, MLP width, RoPE)."""
         taps = default_tap_layer_ids(target.num_hidden_layers) if tap_layer_ids is None else tap_layer_ids
-        base = dict(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        base = dict(hidden_size=target.hidden_size, intermediate_size=dense_width(target),
                     num_attention_heads=target.num_attention_heads,
                     num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
                     vocab_size=target.vocab_size, tap_layer_ids=tuple(taps),
@@ -407,10 +409,14 @@ def state_dict_hf(model: Eagle3Model) -> dict[str, torch.Tensor]:
 def save_eagle3(model: Eagle3Model, cfg: Eagle3Config, path: str, *,
                 dtype: torch.dtype | None = None, max_shard_bytes: int | None = None) -> None:
     """Write `path/config.json` and `path/model.safetensors` (shards of at most `max_shard_bytes` and an index
-    when given; no shared embedding / LM head)."""
+    when given; no shared embedding / LM head; a reduced vocabulary's `d2t` as offsets)."""
     os.makedirs(path, exist_ok=True)
-    write_json(cfg.to_dict(), os.path.join(path, CONFIG_NAME))
-    save_weights(state_dict_hf(model), path, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    state = state_dict_hf(model)
+    extra = {}
+    if "d2t" in state:
+        state["d2t"], extra[D2T_FORMAT_KEY] = to_offsets(state["d2t"]), WRITTEN_FORMAT
+    write_json({**cfg.to_dict(), **extra}, os.path.join(path, CONFIG_NAME))
+    save_weights(state, path, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
 def read_eagle3_config(path: str, *, num_target_layers: int | None = None) -> Eagle3Config:
@@ -422,27 +428,38 @@ def read_eagle3_config(path: str, *, num_target_layers: int | None = None) -> Ea
 
 
 def load_eagle3(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                num_target_layers: int | None = None) -> Eagle3Model:
+                num_target_layers: int | None = None, draft_vocab: torch.Tensor | None = None) -> Eagle3Model:
     """Build from `path/config.json` and fill every parameter from its safetensors (a missing, unknown or
-    mis-shaped tensor raises ValueError naming it). A stored embedding / LM head (DeepSpec, Speculators) is
-    kept aside in `model.own_shared` (native dtype) for `eagle3.bind_to_target`. Call `bind_target` before
-    use."""
+    mis-shaped tensor raises ValueError naming it; a bad `d2t` is refused before any weight is read). A stored
+    embedding / LM head (DeepSpec, Speculators) is kept aside in `model.own_shared` (native dtype) for
+    `eagle3.bind_to_target`. `draft_vocab` (target ids, ascending) gives a full-vocabulary checkpoint that
+    reduced vocabulary (the head's rows at those ids). Call `bind_target` before use."""
+    import dataclasses
+
     from dspark.drafters.formats import SHARED_KEYS, eagle3_tensors
-    model = Eagle3Model(read_eagle3_config(path, num_target_layers=num_target_layers), dtype=dtype, device=device)
-    tensors = eagle3_tensors(read_config(path), load_tensors(path, device=device), where=f"EAGLE-3 checkpoint {path!r}")
+    where = f"EAGLE-3 checkpoint {path!r}"
+    cfg = read_eagle3_config(path, num_target_layers=num_target_layers)
+    d2t = read_d2t(path, vocab_size=cfg.vocab_size, where=where)  # absolute target ids, or None
+    if draft_vocab is not None:
+        if cfg.reduced_vocab:
+            raise ValueError(f"draft_vocab_size {draft_vocab.numel()}: {where} already has a {cfg.draft_vocab_size}"
+                             "-token d2t; a reduced vocabulary is chosen at load for a full-vocabulary one only")
+        d2t = draft_vocab.long().cpu()
+        cfg = dataclasses.replace(cfg, draft_vocab_size=d2t.numel())
+    model = Eagle3Model(cfg, dtype=dtype, device=device)
+    tensors = eagle3_tensors(read_config(path), load_tensors(path, skip=MAP_NAMES, device=device), where=where)
     model.own_shared = {k: tensors.pop(k) for k in SHARED_KEYS if k in tensors}
+    own_head = model.own_shared.get("lm_head.weight")
+    if draft_vocab is not None and own_head is not None and own_head.shape[0] == cfg.vocab_size:
+        model.own_shared["lm_head.weight"] = own_head[d2t.to(own_head.device)]  # the kept rows
+    if d2t is not None:
+        tensors["d2t"] = d2t
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    check_tensors({k: v.shape for k, v in state_dict_hf(model).items()}, tensors,
-                  where=f"EAGLE-3 checkpoint {path!r}")
+    check_tensors({k: v.shape for k, v in state_dict_hf(model).items()}, tensors, where=where)
     params = dict(model.named_parameters())
     with torch.no_grad():
         if "d2t" in tensors:
-            d2t = tensors.pop("d2t").to(device=device, dtype=torch.long)
-            vocab = model.config.vocab_size
-            if int(d2t.min()) < 0 or int(d2t.max()) >= vocab or d2t.unique().numel() != d2t.numel():
-                raise ValueError(f"EAGLE-3 checkpoint {path!r}: d2t must hold distinct target ids in "
-                                 f"[0, {vocab})")
-            model.d2t = d2t
+            model.d2t = tensors.pop("d2t").to(device=device, dtype=torch.long)
         for hf_name, tensor in tensors.items():
             parts = hf_name.split(".")
             if len(parts) >= 2 and parts[-2] in LlamaForCausalLM.packed_modules_mapping:

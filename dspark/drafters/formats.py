@@ -19,7 +19,8 @@ Formats (facts from each project's published config classes and checkpoints, no 
   `confidence_head_with_markov`); EAGLE-3's `norm_before_residual`. The target's depth is not in the
   file: the target's own is used. Tensors carry our names plus `embed_tokens.weight`, a reduced-vocab
   `lm_head.weight` [draft_vocab, d], `d2t` as *offsets* (target id = draft id + d2t[draft id]) and `t2d`
-  (a boolean mask over the target vocabulary), translated here to our absolute `d2t`.
+  (a boolean mask over the target vocabulary), read into our in-memory absolute `d2t` by `vocab.read_d2t`
+  (the offset convention, which every checkpoint of ours stores too, with `"d2t_format": "offset"`).
 """
 
 from __future__ import annotations
@@ -159,23 +160,10 @@ def _eagle3_geometry(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def speculators_tensors(tensors: dict[str, torch.Tensor], *, where: str) -> dict[str, torch.Tensor]:
-    """Speculators tensor names → ours: `d2t` offsets made absolute target ids (checked against `t2d`),
-    `t2d` and the verifier's copies dropped."""
-    out = {k: v for k, v in tensors.items() if k not in _SPECULATORS_DROPPED and k != "t2d"}
-    d2t, t2d = out.pop("d2t", None), tensors.get("t2d")
-    if d2t is not None:
-        ids = d2t.long() + torch.arange(d2t.numel(), dtype=torch.long)
-        if t2d is not None and ids.numel() == t2d.numel():  # the whole vocabulary: must be the identity
-            if not torch.equal(ids, torch.arange(ids.numel())):
-                raise ValueError(f"{where}: a full-vocabulary d2t that is not the identity is unsupported")
-            return out
-        if t2d is not None:
-            mask = t2d.bool()
-            if int(ids.min()) < 0 or int(ids.max()) >= mask.numel() or not bool(mask[ids].all()) \
-                    or int(mask.sum()) != ids.numel():
-                raise ValueError(f"{where}: d2t (offsets) and t2d disagree: not the same draft vocabulary")
-        out["d2t"] = ids
-    return out
+    """Speculators tensor names → ours: the vocabulary maps (`d2t` offsets, `t2d`; read and checked by
+    `vocab.read_d2t`) and the verifier's copies dropped."""
+    del where
+    return {k: v for k, v in tensors.items() if k not in _SPECULATORS_DROPPED and k not in ("d2t", "t2d")}
 
 
 def header_shapes_speculators(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -203,11 +191,11 @@ def eagle3_config_dict(d: dict[str, Any], *, num_target_layers: int | None, wher
     if "target_layer_ids" in d and "tap_layer_ids" not in d:
         raise ValueError(f"checkpoint {where!r} looks like a DSpark / DFlash block drafter (target_layer_ids, no "
                          "ttt_length): use method 'dspark' or 'dflash'")
-    return d
+    return {k: v for k, v in d.items() if k != "d2t_format"}  # how d2t is stored: `vocab.decode_d2t` reads it
 
 
 def eagle3_tensors(d: dict[str, Any], tensors: dict[str, torch.Tensor], *, where: str) -> dict[str, torch.Tensor]:
-    """An EAGLE-3 checkpoint's tensors under our names (Speculators' `d2t` / `t2d` translated)."""
+    """An EAGLE-3 checkpoint's tensors under our names (Speculators' verifier copies and maps dropped)."""
     if checkpoint_format(d).startswith("speculators-"):
         return speculators_tensors(tensors, where=where)
     return tensors

@@ -2,7 +2,7 @@
 
 Text that repeats its context (code that re-states a signature, an answer that quotes its question)
 is drafted almost for free by n-gram prompt lookup (`ngram.py`, ~0.3 ms a step), while a model drafter
-costs a forward per step (the shipped DSpark: ~5 ms at batch 1, 30% of a decode step). This wrapper
+costs a forward per step (for the shipped DSpark a sizeable share of a batch-1 decode step). This wrapper
 asks the lookup first for every request and runs the model drafter only for the requests where the
 lookup found nothing or is expected to keep fewer drafts than the model does.
 
@@ -112,6 +112,9 @@ class LookupFirstDrafter(Drafter):
     def bind_kv(self, kv_caches) -> None:
         self.model_drafter.bind_kv(kv_caches)
 
+    def bind_target_kv(self, kv_caches, kv_layer_of) -> None:
+        self.model_drafter.bind_target_kv(kv_caches, kv_layer_of)
+
     @property
     def needs_context_kv(self) -> bool:
         return self.model_drafter.needs_context_kv
@@ -191,7 +194,7 @@ class LookupFirstDrafter(Drafter):
             old = self.model_expected[g]
             self.model_expected[g] = value if old is None else self.model_decay * old + (1 - self.model_decay) * value
 
-    # -- verification outcomes (an Engine.verify_observers callback) ------------------------------
+    # -- verification outcomes (a `SpecController.verify_observers` callback) ------------------------------
     def observe_verify(self, request_id: str, confidence, num_verified: int, num_accepted: int) -> None:
         pending = self._pending.pop(request_id, None)
         if pending is not None and num_verified > 0:

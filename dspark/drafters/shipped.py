@@ -1,8 +1,8 @@
 """Drafters shipped inside the package: for the embedded default model (SmolLM2-135M-Instruct) and for
 gemma-3-270m.
 
-`dspark serve` with no `--speculative-config` uses `default_spec_config(model)`: the drafter measured fastest
-at batch 1 for that model (`SERVED_DEFAULTS`): for the embedded default the trained DSpark drafter (Markov
+`dspark serve` with no `--speculative-config` uses `default_spec_config(model)`: the drafting fastest at batch 1
+for that model (`SERVED_DEFAULTS`, docs/benchmarks.md): for the embedded default the trained DSpark drafter (Markov
 head + calibrated confidence head) with prompt lookup first; for gemma-3-270m prompt lookup alone (its shipped
 DSpark drafter accepts too little to pay for its 2 layers, docs/benchmarks.md); no speculation for any other
 model or where the weights are missing. How they were made: docs/drafters.md.
@@ -25,7 +25,7 @@ SHIPPED: dict[tuple[str, str], str] = {  # (model, method) → folder under ASSE
 # model -> its shipped lookup corpus under ASSETS (`dspark build-corpus`: the model's own answers to train/ prompts)
 CORPORA: dict[str, str] = {DEFAULT_MODEL: "lookup-smollm2-135m/corpus.safetensors"}
 DEFAULT_NUM_SPECULATIVE_TOKENS = 7
-# model -> the method `dspark serve` drafts with by default (the fastest measured at batch 1)
+# model -> the method `dspark serve` drafts with by default (the fastest at batch 1: docs/benchmarks.md)
 SERVED_DEFAULTS: dict[str, str] = {DEFAULT_MODEL: "dspark", "gemma-3-270m": "ngram"}
 # prompt lookup as served by default: gemma-3-270m's continuations repeat their own text (τ ≈ 4 at γ 4)
 NGRAM_DEFAULT = dict(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=5)
@@ -72,11 +72,11 @@ def corpus_path(model: str) -> Path | None:
 
 
 def default_spec_config(model: str, matmul_dtype: str = "float32") -> SpecConfig | None:
-    """DSpark with prompt lookup first (`ngram_first`) and the prefix scheduler (Algorithm 1) on the cost
-    table profiled on this project's machines (2 CPU cores) with the engine's matmul dtype and, where one
-    was profiled, this machine's kind of kernels (`shipped_cost_table`); on other hardware run `dspark
-    profile` or pass "cost_table": "auto". Lookup first: 1.28-1.54x the tok/s of DSpark alone at batch 1
-    on gsm8k and humaneval (a served sweep on a 2-vCPU AMD EPYC, 2026-11-29). A model whose served default
+    """DSpark with prompt lookup first (`ngram_first`) and the prefix scheduler (Algorithm 1) on the shipped
+    cost table for the engine's matmul dtype and, where one was profiled, this machine's kind of kernels
+    (`shipped_cost_table`: profiled on 2-core CPUs); on other hardware run `dspark profile` or pass
+    "cost_table": "auto". Lookup first: lookup drafts cost no forward, so at batch 1 they carry most of the
+    speedup (docs/drafters.md, docs/benchmarks.md). A model whose served default
     is prompt lookup (`SERVED_DEFAULTS`) gets `NGRAM_DEFAULT`. The lookup asks the shipped corpus where there is
     one (`CORPORA`)."""
     method = SERVED_DEFAULTS.get(_canonical(model))

@@ -5,6 +5,10 @@ A request's `block_table` lists the kv_blocks that hold its positions (kv_block 
 the drafter's scratch slots sit past the committed length); rejected drafts leave stale K/V that no one
 reads, because context lengths come from `num_computed_tokens`.
 
+A hybrid target (linear-attention layers) also needs one recurrent state slot per request
+(`dspark.models.recurrent`): with `num_state_slots` the manager hands one out with a request's first
+blocks and takes it back with its last, so a finished, aborted or preempted request frees both at once.
+
 Prefix caching: once a full block holds only committed tokens, its hash — of the previous block's
 hash and its own token ids — is registered. A freed block keeps its hash and contents until the pool
 hands it out again, so a later request with the same prefix takes it back (LRU reuse order). Each
@@ -35,8 +39,11 @@ def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, *, num_kv_blocks: int, kv_block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, *, num_kv_blocks: int, kv_block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         self.kv_block_size = kv_block_size
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_kv_blocks)]
         # Free blocks in reuse order (oldest first); an OrderedDict gives O(1) removal on a cache hit.
@@ -90,6 +97,10 @@ class BlockManager:
         need = self.blocks_needed(req, num_slots)
         if need > len(self.free):
             return False
+        if self.num_state_slots and req.state_slot is None:
+            if not self.free_state_slots:
+                return False
+            req.state_slot = self.free_state_slots.pop()
         for _ in range(need):
             block_id = next(iter(self.free))
             self._evict_hash(block_id)
@@ -112,6 +123,14 @@ class BlockManager:
                     self.free[block_id] = None
         req.block_table = []
         self.hash_state.pop(req.request_id, None)
+        if req.state_slot is not None:
+            assert req.state_slot not in self.free_state_slots, f"state slot {req.state_slot} freed twice"
+            self.free_state_slots.append(req.state_slot)
+            req.state_slot = None
+
+    @property
+    def num_used_state_slots(self) -> int:
+        return self.num_state_slots - len(self.free_state_slots)
 
     # -- prefix-cache registration ---------------------------------------------------------------
     def commit(self, req: Request) -> None:

@@ -15,7 +15,7 @@ import torch
 from dspark.config import DEFAULT_SPEC, EngineConfig, SpecConfigError
 from dspark.drafters import build_drafter, check_drafter
 from dspark.engine.engine import Engine
-from dspark.engine.model_runner import DTYPES
+from dspark.worker.model_runner import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ def build_engine(config: EngineConfig):
         config = dataclasses.replace(config, spec=default_spec_config(config.model, matmul_dtype=matmul_dtype))
         if config.spec is None:
             raise SpecConfigError(f"--speculative-config default: no drafter is shipped for {config.model!r}")
+    if config.spec is not None and config.spec.method == "mtp" and not config.spec.model:  # the target's own
+        config = dataclasses.replace(config, spec=dataclasses.replace(
+            config.spec, model=str(resolve_model_path(config.model))))
     if config.spec is not None:
         try:
             check_drafter(config.spec, target_config)
@@ -66,36 +69,47 @@ def build_engine(config: EngineConfig):
             drafter = build_drafter(config.spec, target_config=target_config, target_model=shared,
                                     dtype=DTYPES[config.dtype], device=config.device)
         policy, cost = build_policy(config, drafter)
-        engine = Engine(config, model=model, model_config=target_config, drafter=drafter,
-                        length_policy=policy, cost_table=cost, eos_token_ids=tokenizer.eos_token_ids)
-        if workers is not None:
-            from dspark.distributed.runner import TPModelRunner
-            engine.runner = TPModelRunner(engine.runner, workers)
-            engine.workers = workers
-        elif config.device.startswith("cuda") and not config.enforce_eager:
-            from dspark.engine.cuda_graphs import CudaGraphBackend, GraphedRunner
-            engine.runner = GraphedRunner(engine.runner, backend=CudaGraphBackend(),
-                                          max_num_seqs=config.scheduler.max_num_seqs)
+        from dspark.structured import GrammarCompiler
+        engine = Engine(config, model=model, model_config=target_config, drafter=drafter, length_policy=policy,
+                        cost_table=cost, eos_token_ids=tokenizer.eos_token_ids, workers=workers,
+                        wrap_runner=_runner_wrapper(config, model, target_config, workers),
+                        grammar_compiler=GrammarCompiler.for_tokenizer(  # built on the first structured request
+                            tokenizer, vocab_size=target_config.vocab_size,
+                            eos_token_ids=tokenizer.eos_token_ids or target_config.eos_token_ids))
     except BaseException:
         if workers is not None:
             workers.close()
         raise
-    from dspark.structured import GrammarCompiler
-    engine.grammar_compiler = GrammarCompiler.for_tokenizer(  # built on the first structured request
-        tokenizer, vocab_size=target_config.vocab_size, eos_token_ids=engine.eos_token_ids)
-    if config.spec is not None and config.spec.cost_table == "auto":
-        from dspark.verify.step_profiler import profile_engine
-        log.info("profiling the step-cost table at startup (cost_table='auto')")
-        engine.cost_table = profile_engine(engine, repeats=3, warmup=1)
     if str(config.device).startswith("cpu"):
         from dspark.utils.host import trim_heap
         trim_heap()  # the load's freed temporaries back to the OS (tune_malloc would keep up to 512 MiB)
     return engine, tokenizer
 
 
+def _runner_wrapper(config: EngineConfig, model, target_config, workers):
+    """What wraps the engine's model runner: the tensor-parallel driver over `workers`, CUDA graphs on CUDA
+    (unless `enforce_eager`, or a hybrid target), else nothing."""
+    if workers is not None:
+        from dspark.distributed.runner import TPModelRunner
+        return lambda runner: TPModelRunner(runner, workers)
+    if not config.device.startswith("cuda") or config.enforce_eager:
+        return None
+    if getattr(model, "has_recurrent_state", False):
+        log.info("CUDA graphs are off for %s: its linear-attention steps run per request (eager)",
+                 target_config.architecture)
+        return None
+    from dspark.worker.cuda_graphs import CudaGraphBackend, GraphedRunner
+    return lambda runner: GraphedRunner(runner, backend=CudaGraphBackend(), max_num_seqs=config.scheduler.max_num_seqs)
+
+
 def _check_tensor_parallel(config: EngineConfig, matmul_dtype: str, target_config) -> None:
     """Before any worker starts: what tensor parallelism cannot split fails here."""
     size = config.tensor_parallel_size
+    from dspark.models.config import HYBRID_ARCHITECTURES
+    if target_config.architecture in HYBRID_ARCHITECTURES:
+        raise ValueError(f"tensor parallelism over the hybrid {target_config.architecture} is not supported "
+                         f"(its linear-attention layers and state slots are not split over ranks); run it "
+                         f"with tensor_parallel_size 1")
     if target_config.num_key_value_heads < size:
         raise ValueError(f"tensor_parallel_size {size} exceeds the model's {target_config.num_key_value_heads} "
                          f"KV heads (each rank keeps whole KV heads)")
@@ -132,9 +146,9 @@ def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: s
                          model: str | None = None, tensor_parallel_size: int = 1) -> str:
     """The target's matrix-product dtype (EngineConfig.matmul_dtype), "auto" resolved for a float32 CPU
     engine: q4_1 for a Q4_1 GGUF `model` (the default model) where the kernels multiply Q4_1 (AVX2 + FMA
-    + F16C): the file's own 4-bit weights, 3.1-3.3x the fp32 batch-1 decode on AVX2 and on AVX-512, where
-    it is also 2.2x bf16's (2-vCPU AMD EPYC machines, 2026-12-02); else bfloat16 where the kernels multiply
-    bf16 (AVX512-BF16); else float32. An explicit bfloat16 or q4_1 without such kernels still runs (torch
+    + F16C): the file's own 4-bit weights, the fastest batch-1 decode of the three since a few-row step is
+    bound by the weight bytes it streams (docs/benchmarks.md, "Batch-1 decode"); else bfloat16 where the
+    kernels multiply bf16 (AVX512-BF16); else float32. An explicit bfloat16 or q4_1 without such kernels still runs (torch
     multiplies the same values in fp32), slower: said in the log. "auto" device / dtype are resolved first;
     under tensor parallelism (`tensor_parallel_size` > 1) "auto" never means q4_1 (the ranks multiply
     their row or column slices of the dequantized weights: dspark.distributed)."""
@@ -176,7 +190,7 @@ def _check_length_policy(config: EngineConfig, matmul_dtype: str = "float32") ->
     if spec.cost_table and spec.cost_table != "auto" and not Path(spec.cost_table).is_file():
         raise ValueError(f"cost_table {spec.cost_table!r} does not exist (run `dspark profile --out PATH`)")
     if spec.cost_table and spec.cost_table != "auto":
-        from dspark.verify.cost_table import CostTable
+        from dspark.spec.cost_table import CostTable
         table_dtype = CostTable.load(spec.cost_table).meta.get("matmul_dtype", "float32")
         if table_dtype != matmul_dtype:
             raise ValueError(f"cost_table {spec.cost_table!r} was profiled with {table_dtype} matrix products; "
@@ -194,8 +208,8 @@ def build_policy(config: EngineConfig, drafter):
     spec = config.spec
     if spec is None or drafter is None:
         return None, None
-    from dspark.verify.cost_table import CostTable
-    from dspark.verify.length_policy import build_length_policy
+    from dspark.spec.cost_table import CostTable
+    from dspark.spec.length_policy import build_length_policy
     # "auto": profiled at startup once the engine exists (see build_engine)
     cost = CostTable.load(spec.cost_table) if spec.cost_table and spec.cost_table != "auto" else None
     kwargs = {"fixed": {"verify_len": spec.num_speculative_tokens},

@@ -17,57 +17,25 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from dspark.config import SchedulerConfig
 from dspark.engine.block_manager import BlockManager
-from dspark.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens of this request in the batch
-    num_drafts: int  # drafts at the end of the window (ℓ); 0 for a prompt chunk or plain decode
-    emits: bool  # the window reaches the last token: 1 + num_drafts logits rows
-    start_pos: int = 0  # num_computed_tokens when scheduled: position of the first new token
-
-    @property
-    def num_logits(self) -> int:
-        return 1 + self.num_drafts if self.emits else 0
-
-    @property
-    def prompt_positions(self) -> range:
-        """Positions of this window whose logits score the next prompt token (a request asking for prompt
-        logprobs): prompt positions before the last that no earlier step scored."""
-        req = self.request
-        if not req.scores_prompt:
-            return range(0)
-        end = min(self.start_pos + self.num_new_tokens, len(req.prompt_ids) - 1)
-        return range(max(self.start_pos, len(req.prompt_logprobs) - 1), end)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    preempted_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+from dspark.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput  # noqa: F401 (the contract)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, max_model_len: int,
-                 num_lookahead_slots: int = 0, drafter_needs_kv: bool = False):
+                 num_lookahead_slots: int = 0, drafter_needs_kv: bool = False,
+                 admission: Callable[[int], bool] | None = None):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.num_lookahead_slots = num_lookahead_slots  # drafter scratch past the committed end (γ)
         self.drafter_needs_kv = drafter_needs_kv  # prefix hits must carry drafter K/V too
-        # asked at each admission of a speculative request (a preempted one is asked again): may the model
-        # drafter keep a context for it (`Request.model_drafting`)? None: always
-        self.admit_model_drafting: Callable[[], bool] | None = None
+        # asked at each admission of a speculative request (a preempted one is asked again) with the load it
+        # joins (running and waiting requests, up to max_num_seqs): may the model drafter keep a context for it
+        # (`Request.model_drafting`)? None: always
+        self.admission = admission
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []  # finished since the last take_finished()
@@ -142,8 +110,9 @@ class Scheduler:
             req = self.waiting[0]
             queried = 0
             if not req.block_table and req.num_computed_tokens == 0:
-                if req.uses_speculation and self.drafter_needs_kv and self.admit_model_drafting is not None:
-                    req.model_drafting = self.admit_model_drafting()
+                if req.uses_speculation and self.drafter_needs_kv and self.admission is not None:
+                    req.model_drafting = self.admission(
+                        min(len(self.running) + len(self.waiting), self.config.max_num_seqs))
                 need_draft_kv = self.drafter_needs_kv and req.needs_draft_context
                 # a prompt whose logprobs are still to score computes every position it scores (no hit)
                 cached = 0 if req.scores_prompt else self.block_manager.match_prefix(req, need_draft_kv=need_draft_kv)

@@ -95,8 +95,8 @@ def cpu_has_amx_bf16() -> bool:
 
 def bf16_kernel_rows() -> int:
     """Up to how many input rows `Linear`'s bf16 copies multiply through the kernel (beyond: torch's bf16
-    product). With AMX, oneDNN's tiles beat the kernel's dot products past ~16 rows (576 x 8192 at 32
-    rows: 0.70 vs 1.54 ms, at 128: 1.13 vs 6.05 ms; 2-vCPU Intel Xeon with AMX, 2026-12-02); else up to MAX_ROWS."""
+    product). With AMX, oneDNN's tiles beat the kernel's dot products past about 16 rows, increasingly so
+    as the rows grow; else up to MAX_ROWS."""
     if BF16_KERNEL_ROWS is not None:
         return BF16_KERNEL_ROWS
     return Linear.LOWP_MIN_ROWS if cpu_has_amx_bf16() else MAX_ROWS
@@ -114,8 +114,8 @@ def row_bucket(rows: int) -> int:
 
 def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x in weight's dtype, weight, bias) [..., out] with the rows zero-padded to `row_bucket`.
-    oneDNN (torch's CPU bf16 products) builds a primitive for every new input shape, 8-30 ms each here
-    (a 300-row product then takes ~1 ms), so products whose row count follows the load (prompt chunks
+    oneDNN (torch's CPU bf16 products) builds a primitive for every new input shape, which costs many
+    times the product itself, so products whose row count follows the load (prompt chunks
     through the drafter's context, proposals for a changing number of requests) would pay that on most
     calls; the buckets bound the shapes. Each output row is its own row's product (padding rows are
     dropped)."""
@@ -142,8 +142,8 @@ class Linear(torch.nn.Linear):
     bf16 dot products) a bf16 copy takes the kernel's widening path up to MAX_ROWS rows (`linear`,
     fp32_input: the fp32 product of the same values, half the bytes) and the fp32 weight above. Once
     `release_dense_weights` freed the weight, the kernel takes the rows the fp32 weight took. The DSpark
-    drafter's step, side by side against fp32 kernel products up to 16 rows and torch's bf16 above:
-    1 request 3.7 vs 5.1 ms, 4: 6.7 vs 8.5, 16: 20.1 vs 21.7."""
+    drafter's step runs faster so than with fp32 kernel products up to 16 rows and torch's bf16 above,
+    most at one request."""
 
     LOWP_MIN_ROWS = 16
 

@@ -1,5 +1,6 @@
-"""Target-model families (Llama, Qwen3, Gemma 3): `MODEL_REGISTRY` maps an HF architecture name to its module class, and
-`build_model` instantiates one from a `ModelConfig` (weights uninitialised; see `loader.load_model`)."""
+"""Target-model families (Llama, Qwen3, Gemma 3, Gemma 4, Qwen3-MoE): `MODEL_REGISTRY` maps an HF architecture
+name to its module class, and `build_model` instantiates one from a `ModelConfig` (weights uninitialised;
+see `loader.load_model`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,22 @@ from torch import nn
 
 from dspark.models.config import QK_NORM_ARCHITECTURES, ModelConfig
 from dspark.models.gemma3 import Gemma3ForCausalLM
+from dspark.models.gemma4 import Gemma4ForCausalLM
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.qwen3 import Qwen3ForCausalLM
+from dspark.models.qwen3_next import Qwen3NextForCausalLM
+from dspark.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # hybrid linear-attention targets: one module, the layout read from the config
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
 }
 
 

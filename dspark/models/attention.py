@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark import kernels
+from dspark.models.recurrent import StateRows
 
 SHORT_QUERY_MAX = 16  # queries up to this length share one padded group
 
@@ -85,6 +86,7 @@ class AttnMetadata:
     num_tokens: int
     all_stored: bool = False  # no -1 in slot_mapping: store without a mask (and without a host sync)
     captured: bool = False  # a CUDA graph's step (or its stand-in): no op reads tensor values on the host
+    state: StateRows | None = None  # a hybrid target's state slots per request (dspark.models.recurrent)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class SeqSpec:
     token_offset: int  # row of its first new token in the flat batch
     causal: bool = True  # False: the new tokens see each other both ways (a DSpark draft block)
     store: bool = True  # False: queries only, the K/V of these positions are not written
+    state_slot: int = -1  # the request's recurrent state slot (hybrid targets); -1: none
 
 
 def slots_for(block_table: list[int], start: int, end: int, kv_block_size: int) -> np.ndarray:
@@ -119,9 +122,13 @@ def build_attn_metadata(
     groups = [_group([s], kv_block_size, device) for s in seqs if s.num_query > SHORT_QUERY_MAX]
     if short:
         groups.append(_group(short, kv_block_size, device))
+    state = None
+    if any(s.state_slot >= 0 for s in seqs):
+        state = StateRows(tuple(s.state_slot for s in seqs), tuple(s.num_cached for s in seqs),
+                          tuple(s.num_query for s in seqs), tuple(s.token_offset for s in seqs))
     return AttnMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        groups=groups, num_tokens=num_tokens, all_stored=bool((slot_mapping >= 0).all()))
+        groups=groups, num_tokens=num_tokens, all_stored=bool((slot_mapping >= 0).all()), state=state)
 
 
 def flat_batch(
@@ -299,7 +306,7 @@ def _attend(
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, max_q, head_dim]
     """SDPA in fp32 (its fused CPU kernel); for bf16/fp16 the grouped-query matmul path with an fp32
-    softmax, which is ~10x faster than SDPA's reduced-precision CPU path (benchmarked on AVX-512)."""
+    softmax, which is many times faster than SDPA's reduced-precision CPU path."""
     if q.dtype == torch.float32 or q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])

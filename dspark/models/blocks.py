@@ -18,8 +18,8 @@ reads, with gguf's own dequantization; Q8_0 from the interleaved rows, bit for b
 head multiplies the same bytes where its type has a product, else holds a bf16 copy.
 
 The LM head's Q8_0 product quantizes its input to Q8_0 blocks and sums integers, as llama.cpp does: with the
-fp32 input it is compute-bound (gemma-3-270m's 262144 x 640 head: ~30 ms on one AMD EPYC thread), with the
-int8 input on rows interleaved by 8 near the memory's speed (~8 ms; docs/benchmarks.md). The layers' Q8_0 parts keep the fp32 input:
+fp32 input it is compute-bound (gemma-3-270m's 262144 x 640 head), with the int8 input on
+rows interleaved by 8 near the memory's speed (docs/models.md). The layers' Q8_0 parts keep the fp32 input:
 they are a small share of the step, and their rounding, carried down the residual stream, moved gemma-3-270m's
 logits further from the dense model's (mean KL 0.0060 -> 0.0093 nats on the test prompt) where the head's
 rounding alone moves them by 0.0005 (tests/test_gemma3_270m.py).

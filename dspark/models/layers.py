@@ -166,8 +166,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- linear
 
-# On CPU (MKL), few-row products are up to ~2x faster as W @ x^T than as F.linear's x @ W^T (measured on
-# the 576x49152 head and 576x3072 gate_up at 1-8 rows); many-row products are the same either way. In fp32
+# On CPU (MKL), few-row products (1-8 rows of an LM head or an MLP) run faster as W @ x^T than as
+# F.linear's x @ W^T; many-row products are the same either way. In fp32
 # up to kernels.MAX_ROWS rows go to dspark.kernels' small_mm first.
 SMALL_M = 16
 
@@ -177,8 +177,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            weight_q4: torch.Tensor | None = None, weight_q8: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] @ weight[out, in]^T (+ bias) -> [rows, out] contiguous.
 
-    `weight_t` [in, out] (see `add_decode_layout`): a one-row product streams it ~1.8x faster than
-    the [out, in] layout on CPU (measured: 7.2 vs 12.7 ms for SmolLM2's 113 MB LM head).
+    `weight_t` [in, out] (see `add_decode_layout`): a one-row product streams it faster than the
+    [out, in] layout on CPU (a large LM head most).
     `weight_bf16` (see `use_bf16_products`): the product of x rounded to bf16 with the bf16 weight,
     accumulated in fp32 — the kernel's when it applies, else the same values in fp32 through torch
     (`weight` holds the bf16-rounded values), so every path computes one model. `weight_q4` (see

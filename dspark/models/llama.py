@@ -7,7 +7,8 @@ layer i (HF `output_hidden_states[i + 1]`), -1 is the embeddings.
 
 Parameters are fused (qkv_proj, gate_up_proj); `load_weights` accepts HF names and routes each tensor
 through `packed_modules_mapping` and the parameter's `weight_loader`. Qwen3 (`qwen3.py`) subclasses this
-file's classes and only adds the per-head q/k RMSNorm.
+file's classes and only adds the per-head q/k RMSNorm; Qwen3-MoE (`qwen3_moe.py`) swaps the MLP of its MoE
+layers (`LlamaDecoderLayer.build_mlp`) for a sparse MoE block, which the one-call CPU stack does not run.
 """
 
 from __future__ import annotations
@@ -86,10 +87,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
+                 layer_id: int = 0) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(cfg, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(cfg, dtype=dtype, device=device)
+        self.mlp = self.build_mlp(cfg, layer_id, dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype,
                                                 device=device)
@@ -100,6 +102,11 @@ class LlamaDecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm
         return x + self.mlp(h)
 
+    def build_mlp(self, cfg: ModelConfig, layer_id: int, *, dtype: torch.dtype,
+                  device: torch.device | str) -> nn.Module:
+        """Decoder layer `layer_id`'s feed-forward block (families with MoE layers choose per layer)."""
+        return LlamaMLP(cfg, dtype=dtype, device=device)
+
 
 class LlamaModel(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
@@ -107,8 +114,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, dtype=dtype, device=device)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, dtype=dtype, device=device, layer_id=i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(head_dim=cfg.head_dim, max_positions=cfg.max_position_embeddings,
                                           theta=cfg.rope_theta, scaling=cfg.rope_scaling, dtype=dtype,
@@ -135,6 +142,12 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_kv_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose feed-forward block is a sparse MoE block (`ModelConfig.is_moe_layer`)."""
+        cfg = self.config
+        return tuple(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)) if cfg.num_experts else ()
 
     @property
     def kv_spec(self) -> tuple[int, int]:
@@ -188,8 +201,10 @@ class LlamaForCausalLM(nn.Module):
         """The most rows a step of this model may have and run every decoder layer in one CPU kernel call
         (`kernels.MAX_ROWS`), 0 where no step does: what `_stack_applies` and the stacks check that does not
         depend on the step (the runner checks the device, the dtype and that every row is stored). The runner
-        cuts a larger step into pieces of at most this many rows."""
-        if kernels.ops() is None or self.config.attention_bias or getattr(self, "tp", None) is not None:
+        cuts a larger step into pieces of at most this many rows. MoE layers (`moe_layers`): 0, the stack
+        multiplies dense MLPs only."""
+        if kernels.ops() is None or self.config.attention_bias or getattr(self, "tp", None) is not None or \
+                self.moe_layers:
             return 0
         qkv = getattr(self.model.layers[0].self_attn, "qkv_proj", None)
         if getattr(qkv, "blocks", None) is not None and self._block_stack() is None:
@@ -199,10 +214,10 @@ class LlamaForCausalLM(nn.Module):
     def _stack_applies(self, x: torch.Tensor, meta: AttnMetadata, kv_caches: list[KVCache]) -> bool:
         """Does a one-call decoder stack serve this step: an fp32 CPU step of at most `kernels.MAX_ROWS` rows
         (decode and verification rows, prompt chunks, or a mix: its attention groups read as one,
-        `one_group_metadata`) over an fp32 KV pool, every row stored, no bias, no tensor parallelism, the
-        kernels built (checked last: a CUDA step never loads them)?"""
+        `one_group_metadata`) over an fp32 KV pool, every row stored, no bias, no MoE layer, no tensor
+        parallelism, the kernels built (checked last: a CUDA step never loads them)?"""
         return not (not meta.groups or not meta.all_stored or x.shape[0] > kernels.MAX_ROWS or self.config.attention_bias
-                    or x.dtype != torch.float32 or x.device.type != "cpu" or kv_caches[0][0].dtype != torch.float32
+                    or self.moe_layers or x.dtype != torch.float32 or x.device.type != "cpu" or kv_caches[0][0].dtype != torch.float32
                     or getattr(self, "tp", None) is not None  # tensor parallelism: all-reduces between layers
                     or not kernels.enabled())
 
@@ -331,7 +346,8 @@ class LlamaForCausalLM(nn.Module):
         expected = set()
         for name in params:
             module_name, _, leaf = name.rpartition(".")
-            shards = getattr(self.get_submodule(module_name), "shard_rows", None)
+            shards = (getattr(params[name], "shard_ids", None)  # a parameter packing several tensors
+                      or getattr(self.get_submodule(module_name), "shard_rows", None))
             expected.update(f"{name}:{s}" for s in shards) if shards else expected.add(name)
         loaded: set[str] = set()
         for hf_name, tensor in weights:

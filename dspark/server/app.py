@@ -21,7 +21,6 @@ served model name answers; responses carry the first.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import uuid
 from collections.abc import Sequence
@@ -32,6 +31,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark.engine.output import fan_out
+from dspark.request import InvalidRequest
 from dspark.server import serving
 from dspark.server.async_engine import AdmissionError, AsyncEngine, RequestFault, RequestStream
 from dspark.server.choices import Output
@@ -40,16 +41,15 @@ from dspark.server.disconnect import unless_disconnected
 from dspark.server.guard import APIKeyGuard, BodyGuard
 from dspark.server.logprobs import LogprobFormatter
 from dspark.server.metrics import ServerMetrics
-from dspark.server.reasoning import get_reasoning_format
+from dspark.chat.reasoning import get_reasoning_format
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     ModelCard, ModelList, TokenizeRequest)
 from dspark.server.serving import APIError, bad_request
 from dspark.server.streams import PrimedStream
-from dspark.server.tool_parsers import get_tool_parser
+from dspark.chat.tool_parsers import get_tool_parser
 from dspark.server.tools import strict_check
 from dspark.server.tokenize import detokenize as detokenize_ids
 from dspark.server.tokenize import tokenize as tokenize_ids
-from dspark.server.validation import check_context, check_fields
 from dspark.generation_config import apply_defaults
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,6 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
     if api_key:
         app.add_middleware(APIKeyGuard, api_key=api_key, protect_metrics=config.api_key_metrics)
     v1 = APIRouter(prefix="/v1")
-    vocab_size = async_engine.engine.model_config.vocab_size
     auto_tools = config.enable_auto_tool_choice
     tool_parser = None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser)
     reasoning = None if config.reasoning_parser is None else get_reasoning_format(config.reasoning_parser)
@@ -121,6 +120,13 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         except RuntimeError as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
+    def validate(prompt_ids: list[int], params) -> None:
+        """The engine's one check of a request (`request.check_request`), as a 400 naming the field."""
+        try:
+            async_engine.check_request(prompt_ids, params)
+        except InvalidRequest as e:
+            raise bad_request(str(e), param=e.param) from None
+
     async def start_one(prompt_ids: list[int], params, request_id: str) -> RequestStream:
         try:
             return await async_engine.add_request(prompt_ids, params, request_id)
@@ -128,8 +134,10 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
             raise refusal(e) from None
         except RequestFault as e:
             raise APIError(500, str(e), type="internal_error") from None
+        except InvalidRequest as e:
+            raise bad_request(str(e), param=e.param) from None
         except ValueError as e:
-            raise bad_request(str(e), param="prompt" if "prompt" in str(e) else None) from None
+            raise bad_request(str(e)) from None
         except RuntimeError as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
@@ -137,16 +145,13 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         """One engine request per choice (n); choice i > 0 is `<id>-<i>`, seeded with seed + i, added once
         choice 0 has emitted (so they share its prompt's KV through the prefix cache). Ids are `cmpl-...`,
         chat's `chatcmpl-...` (OpenAI's and vLLM's)."""
-        check_context(len(prompt_ids), params.max_tokens, max_model_len=async_engine.max_model_len,
-                      vocab_size=vocab_size, prompt_ids=prompt_ids)
+        validate(prompt_ids, params)
         base = f"{prefix}-{uuid.uuid4().hex}"
         if config.enable_log_requests:
             log.info("request %s: %d prompt tokens, %s", base, len(prompt_ids), params)
         streams: list[RequestStream] = []
         try:
-            for i in range(params.n):
-                sub = params if params.n == 1 else dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i, sub in enumerate(fan_out(params, params.n)):
                 stream = await start_one(prompt_ids, sub, base if i == 0 else f"{base}-{i}")
                 if i == 0 and params.n > 1:  # its first token: its prompt blocks are in the prefix cache
                     stream = await PrimedStream.after_first(stream)
@@ -194,13 +199,11 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        check_fields(body, vocab_size=vocab_size)
         params = apply_defaults(serving.sampling_params(body, body.max_tokens, tokenizer), body, defaults)
         admit()
         prompts = serving.completion_prompts(body, tokenizer)
         for ids, _ in prompts:  # every prompt checked before any starts
-            check_context(len(ids), params.max_tokens, max_model_len=async_engine.max_model_len,
-                          vocab_size=vocab_size, prompt_ids=ids)
+            validate(ids, params)
         echo_logprobs = bool(body.echo) and params.logprobs is not None  # the prompt's tokens lead the logprobs
         streams, outputs = [], []
         try:
@@ -223,7 +226,6 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        check_fields(body, vocab_size=vocab_size)
         params = apply_defaults(serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer,
                                                         auto_tools=auto_tools, reasoning=reasoning), body, defaults)
         admit()

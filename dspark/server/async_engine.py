@@ -6,7 +6,8 @@ gives a non-main thread's parallel regions less spinning (it throttles once the 
 OpenMP threads than cores), which made every kernel-per-op step of a served engine ~30% slower.
 
 Threading contract:
-- Only the engine thread touches the `Engine` (add_request, abort, step) and the detokenizer state.
+- Only the engine thread touches the `Engine` (add_request, abort, step) and the output processor
+  (`dspark.engine.output`: detokenization, stop strings, finish reasons, shared with the offline `LLM`).
   Coroutines hand it commands through a locked list and a condition variable; the thread applies
   them between steps, and sleeps on the condition while there is no work (no busy loop).
 - Results go back through one `asyncio.Queue` per request, fed with `loop.call_soon_threadsafe`.
@@ -37,7 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dspark.detokenizer import Detokenizer, StreamState
+from dspark.detokenizer import StreamState
+from dspark.engine.output import OutputProcessor
 from dspark.request import SpecStats
 from dspark.sampling import SamplingParams
 from dspark.utils.host import IDLE_TRIM_S
@@ -153,7 +155,7 @@ class AsyncEngine:
         self.request_timeout_s = request_timeout_s
         self.own_thread = own_thread  # False: the caller runs the loop with `run_forever()`
         self.tokenizer = tokenizer  # bundle with .tokenizer (HF) for decoding
-        self.detokenizer = Detokenizer(tokenizer.tokenizer)
+        self.output = OutputProcessor(engine, tokenizer.tokenizer)  # detokenization, stop strings, finish reasons
         self.on_request_end = on_request_end  # called on the engine thread; must be thread-safe
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
@@ -161,7 +163,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._looping = False  # the engine loop runs (on its own thread or the caller's)
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
-        self._reap = False  # an abort left a finished request for the next step() to report
         self.error: str | None = None  # set if the engine thread died
         self.draining = False  # `begin_drain`: new requests get 503
         self._drain_deadline_s: float | None = None  # the loop ends when drained; aborts past it
@@ -245,6 +246,11 @@ class AsyncEngine:
     @property
     def num_running(self) -> int:
         return self.engine.num_running
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's check of a request (`Engine.check_request`, reading only its limits), with prompt +
+        max_tokens within the context: raised before the request is queued."""
+        self.engine.check_request(prompt_ids, params, max_tokens_fit=True)
 
     # -- requests (event loop side) --------------------------------------------------------------
     def check_admission(self) -> None:
@@ -334,14 +340,13 @@ class AsyncEngine:
                     self._apply(command)
                 if self.request_timeout_s is not None:
                     self._expire(time.perf_counter())
-                stepped = engine.has_unfinished() or self._reap
+                stepped = self.output.has_work()
                 if stepped:
-                    self._reap = False
-                    outs = engine.step()
+                    outs = self.output.step()
                     failed = engine.take_failed() if hasattr(engine, "take_failed") else {}
                     for out in outs:
                         self._process(out, failed.get(out.request_id))
-                busy = engine.has_unfinished() or self._reap
+                busy = self.output.has_work()
                 if busy:
                     trim_at = None
                 elif stepped:  # it ended the last requests (also one it admitted): responses out, objects freed
@@ -359,13 +364,13 @@ class AsyncEngine:
             self._num_queued_adds -= 1
         try:
             self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+            self.output.states[command.request_id] = command.tracked.state
         except ValueError as e:
             _call_soon(command.tracked.loop, _settle, command.future, e)
             return
         except Exception as e:  # a fault of this request's own (the engine is untouched): a 500
             log.exception("adding request %s failed", command.request_id)
-            self.engine.abort(command.request_id, "abort")
-            self._reap = True
+            self.output.abort(command.request_id)
             _call_soon(command.tracked.loop, _settle, command.future,
                        RequestFault(f"{type(e).__name__}: {e}"))
             return
@@ -392,8 +397,7 @@ class AsyncEngine:
         if tracked is None:
             return
         req = self.engine.requests.get(request_id)
-        self.engine.abort(request_id, "abort")
-        self._reap = True
+        self.output.abort(request_id)
         spec = SpecStats() if req is None else _snapshot(req.spec)
         delta = RequestDelta(
             request_id=request_id, text="", num_tokens=0, finished=True, finish_reason="abort",
@@ -407,7 +411,7 @@ class AsyncEngine:
     def _process(self, out, fault: str | None = None) -> None:
         if out.request_id not in self._tracked:
             return  # aborted by its client, or ended by a stop string in an earlier step
-        if fault is not None:  # 400 where the request's own constraints caused it (engine.faults.RequestError)
+        if fault is not None:  # 400 where the request's own constraints caused it (request.RequestError)
             self._fail(out.request_id, fault, status=getattr(fault, "status", 500))
             return
         try:
@@ -418,31 +422,23 @@ class AsyncEngine:
 
     def _deliver(self, out) -> None:
         tracked = self._tracked[out.request_id]
-        text, num_kept = self.detokenizer.feed(tracked.state, out.new_token_ids)
-        stopped = tracked.state.stopped
-        finished = out.finished or stopped
-        if stopped and not out.finished:
-            self.engine.abort(out.request_id, "stop")
-            self._reap = True
+        delta = self.output.process(out)
+        if delta is None:
+            return
         now_s = time.perf_counter()
-        if num_kept and tracked.first_token_s is None:
+        if delta.num_kept and tracked.first_token_s is None:
             tracked.first_token_s = now_s
-        if num_kept:
+        if delta.num_kept:
             tracked.token_times_s.append(now_s)
-        reason = None
-        if finished:
-            text += self.detokenizer.flush(tracked.state)
-            reason = "stop" if stopped else (out.finish_reason or "abort")
+        if delta.finished:
             del self._tracked[out.request_id]
-        delta = RequestDelta(
-            request_id=out.request_id, text=text, num_tokens=num_kept, finished=finished,
-            finish_reason=reason, num_prompt_tokens=out.num_prompt_tokens,
+        _call_soon(tracked.loop, tracked.queue.put_nowait, RequestDelta(
+            request_id=out.request_id, text=delta.text, num_tokens=delta.num_kept, finished=delta.finished,
+            finish_reason=delta.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=len(tracked.state.token_ids), num_cached_tokens=out.num_cached_tokens,
-            spec=_snapshot(out.spec), prompt_logprobs=out.prompt_logprobs,
-            logprobs=None if out.logprobs is None else out.logprobs[:num_kept])
-        _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
-        if finished:
-            self._record_end(out.request_id, tracked, reason, end_s=now_s)
+            spec=_snapshot(out.spec), prompt_logprobs=out.prompt_logprobs, logprobs=delta.logprobs))
+        if delta.finished:
+            self._record_end(out.request_id, tracked, delta.finish_reason, end_s=now_s)
 
     def _record_end(self, request_id: str, tracked: _Tracked, reason: str,
                     end_s: float | None = None) -> None:

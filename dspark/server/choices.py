@@ -12,8 +12,8 @@ from typing import Callable
 
 from dspark.server.async_engine import RequestDelta
 from dspark.server.logprobs import LogprobFormatter
-from dspark.server.reasoning import ReasoningStream
-from dspark.server.tool_parsers import ToolParser
+from dspark.chat.reasoning import ReasoningStream
+from dspark.chat.tool_parsers import ToolParser
 from dspark.server.tools import ToolMode, openai_tool_call
 
 

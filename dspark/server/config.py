@@ -52,13 +52,13 @@ class ServerConfig:
     max_connections: int | None = opt(None, "open connections served at once (503 beyond it, before reading a "
                                       "body); default no limit")
     # chat requests with tools and tool_choice "auto" (OpenAI's default with tools): generated freely, the
-    # model's own tool-call format parsed into tool_calls (dspark/server/tool_parsers.py)
+    # model's own tool-call format parsed into tool_calls (dspark/chat/tool_parsers.py)
     enable_auto_tool_choice: bool = opt(False, "tool_choice 'auto': parse the model's tool calls (needs "
                                         "--tool-call-parser)")
     tool_call_parser: str | None = opt(None, "the model's tool-call format: hermes, qwen3_coder, llama3_json, "
                                              "pythonic, gemma4")
     # a thinking model's reasoning apart in reasoning_content; structured output and tool grammars apply to
-    # the answer after it (dspark/server/reasoning.py)
+    # the answer after it (dspark/chat/reasoning.py)
     reasoning_parser: str | None = opt(None, "the model's reasoning tags: qwen3, deepseek_r1, gemma4")
 
     def __post_init__(self) -> None:
@@ -86,10 +86,10 @@ class ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser NAME)")
         if self.tool_call_parser is not None:
-            from dspark.server.tool_parsers import get_tool_parser
+            from dspark.chat.tool_parsers import get_tool_parser
             get_tool_parser(self.tool_call_parser)  # ValueError naming the parsers
         if self.reasoning_parser is not None:
-            from dspark.server.reasoning import get_reasoning_format
+            from dspark.chat.reasoning import get_reasoning_format
             get_reasoning_format(self.reasoning_parser)
 
 

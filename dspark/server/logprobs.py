@@ -4,7 +4,7 @@
 * completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`
 
 A token's string is its own decoding (`tokenizer.decode([id])`); the logprobs are the engine's: the
-processed target distribution of the emitted token (`engine/sampler.py`).
+processed target distribution of the emitted token (`verify/sampler.py`).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class _EngineCollector:
             for num_tokens, value in zip(cost_table.num_tokens, cost_table.steps_per_second):
                 sps.add_metric(self.labels + [str(num_tokens)], value)
             yield sps
-        switch = getattr(ae.engine, "switch", None)
+        switch = getattr(getattr(ae.engine, "spec", None), "switch", None)
         if switch is not None:
             on = self._family(GaugeMetricFamily, "measured_switch_on", "Speculation on (1) or off (0) at a "
                               "load (requests in a step), as the measured switch decided it.", ["load"])
@@ -135,6 +135,11 @@ class _EngineCollector:
             yield on
             yield per_token
         yield gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", ae.kv_usage)
+        blocks = getattr(sched, "block_manager", None)
+        if getattr(blocks, "num_state_slots", 0):  # a hybrid target's recurrent state slots
+            yield gauge("num_state_slots_used", "Recurrent state slots held by requests (hybrid targets).",
+                        blocks.num_used_state_slots)
+            yield gauge("num_state_slots", "Recurrent state slots in all (hybrid targets).", blocks.num_state_slots)
         yield gauge("num_requests_waiting", "Requests waiting for admission.", ae.num_waiting)
         yield gauge("num_requests_running", "Requests being scheduled.", ae.num_running)
         yield from self._reliability_families(ae)

@@ -245,7 +245,7 @@ class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None  # vLLM's: a thinking model's reasoning (--reasoning-parser)
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # server/tools.py, server/tool_parsers.py
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # server/tools.py, chat/tool_parsers.py
 
 
 class ChatCompletionChoice(_Response):

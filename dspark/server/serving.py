@@ -16,7 +16,7 @@ from dspark.sampling import SamplingParams
 from dspark.server.async_engine import RequestDelta, RequestStream
 from dspark.server.choices import Choice, Output
 from dspark.server.logprobs import LogprobFormatter
-from dspark.server.reasoning import ReasoningFormat
+from dspark.chat.reasoning import ReasoningFormat
 from dspark.server.streams import merged as _merged
 from dspark.server.tools import ToolMode, template_tools, tool_constraint
 from dspark.server.protocol import (

@@ -7,7 +7,7 @@ The output is generated under a JSON-schema grammar (dspark/structured.py), so i
   tools); the output names the function and carries its arguments.
 The response carries `message.tool_calls` (content null) and `finish_reason: "tool_calls"`. "auto" (and
 tools without tool_choice, OpenAI's default "auto") generates freely and parses the model's own tool-call
-format (`--enable-auto-tool-choice --tool-call-parser NAME`, dspark/server/tool_parsers.py); without
+format (`--enable-auto-tool-choice --tool-call-parser NAME`, dspark/chat/tool_parsers.py); without
 those flags it is refused with a 400 that says so, as vLLM does. "none" ignores the tools. The tools are
 handed to the chat template either way.
 """

@@ -6,7 +6,7 @@ drafter, where the DSpark drafter reads them.
         --plot results/reliability.png --num-prompts 200 --max-tokens 256 --temperature 1
 
 How: speculative decoding at a fixed verification length γ (length policy "fixed", so every draft
-position is verified whenever the drafter proposes it) over the prompts; `Engine.verify_observers`
+position is verified whenever the drafter proposes it) over the prompts; the engine's `spec.verify_observers`
 records each round's conditional confidences c_k and accepted count. The raw logits are
 z_k = logit(c_k) · T_k, with T_k the temperatures the drafter already applied (its
 `confidence_temperatures`, read from an existing calibration.json; 1 when none; a fitted shift b_k is
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.verify.acceptance import RoundRecord, RoundRecorder
+from dspark.spec.acceptance import RoundRecord, RoundRecorder
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def calibrate_rounds(rounds: list[RoundRecord], *, applied_temperatures=None, ap
     the returned calibration is then refitted on every round."""
     import zlib
 
-    from dspark.verify.calibration import (STS_BIAS_GRID, calibration_report, fit_sts, plot_reliability,
+    from dspark.spec.calibration import (STS_BIAS_GRID, calibration_report, fit_sts, plot_reliability,
                                            survival, survival_labels, verified_mask)
 
     if not rounds:

@@ -229,21 +229,6 @@ def token_counts(dataset: TokenDataset, *, vocab_size: int, assistant_only: bool
     return counts
 
 
-def build_draft_vocab(counts: torch.Tensor, *, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
-    """d2t [size] long, ascending target ids: the `always` ids (EOS, ...) plus the most frequent tokens;
-    ties broken by the lower id so the result is deterministic. size >= vocab → the identity map."""
-    vocab = counts.numel()
-    if size >= vocab:
-        return torch.arange(vocab)
-    score = counts.double() - torch.arange(vocab, dtype=torch.float64) / vocab  # frequency, then low id
-    score[list(always)] = float("inf")
-    return score.topk(size).indices.sort().values
-
-
-def vocab_coverage(counts: torch.Tensor, d2t: torch.Tensor) -> float:
-    return float(counts[d2t].sum()) / max(1, int(counts.sum()))
-
-
 def t2d_labels(ids: torch.Tensor, d2t: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
     """Target ids → draft ids, -100 for tokens outside the draft vocab (and for -100 inputs)."""
     table = torch.full((vocab_size,), -100, dtype=torch.long)

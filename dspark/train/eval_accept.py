@@ -13,7 +13,7 @@ gemma-3-270m: the text itself, continued; `--prompt-format`), prompts shuffled w
 (`dspark.bench.datasets`), per-sample seed = seed + index, every prompt of a (dataset, temperature)
 pair submitted as one batch through the `LLM` API. Verification length is fixed at γ (the length
 policy is forced to "fixed"), so τ measures the drafter, not the scheduler. Rounds are recorded
-exactly through `Engine.verify_observers`; differences from DeepSpec (batch 1, EOS-truncated rounds
+exactly through the engine's `spec.verify_observers`; differences from DeepSpec (batch 1, EOS-truncated rounds
 counted as accepted + 1) are below the second decimal on these sets.
 """
 
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from dspark.bench.datasets import add_prompt_format_argument, resolve_prompt_format
-from dspark.verify.acceptance import AcceptCounts, RoundRecorder, summarize
+from dspark.spec.acceptance import AcceptCounts, RoundRecorder, summarize
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def evaluate_acceptance(llm, prompts_by_dataset: dict, *, temperatures, max_toke
     from dspark.sampling import SamplingParams
 
     engine = llm.engine
-    recorder = RoundRecorder().attach(engine) if hasattr(engine, "verify_observers") else None
+    recorder = RoundRecorder().attach(engine) if hasattr(engine, "spec") else None
     gamma = num_draft_tokens or getattr(getattr(engine, "drafter", None), "num_draft_tokens", 0)
     results = []
     try:

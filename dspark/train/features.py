@@ -26,6 +26,7 @@ Optional on-disk caches:
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.models.attention import flat_batch
+from dspark.models.recurrent import StateRows
 
 
 @dataclass(frozen=True)
@@ -349,9 +351,19 @@ def _flat_features(target, input_ids, lengths, tap_layer_ids):
     ids, positions, meta = flat_batch(chunks, kv_block_size=seq_len, device=device)
     flat_ids = torch.tensor(ids, dtype=torch.long, device=device)
     positions = torch.tensor(positions, dtype=torch.long, device=device)
-    kv_heads, head_dim = target.kv_spec
+    specs = target.kv_layer_specs() if hasattr(target, "kv_layer_specs") else [target.kv_spec] * target.num_kv_layers
     kv_caches = [(torch.empty(batch, seq_len, kv_heads, head_dim, dtype=dtype, device=device),
                   torch.empty(batch, seq_len, kv_heads, head_dim, dtype=dtype, device=device))
-                 for _ in range(target.num_kv_layers)]
-    hidden, taps = target(flat_ids, positions, meta, kv_caches, tap_layer_ids=tuple(tap_layer_ids))
+                 for kv_heads, head_dim in specs]
+    kept = getattr(target, "states", None)
+    if getattr(target, "has_recurrent_state", False):  # a hybrid target: a state slot per sequence, for this pass
+        target.allocate_state(num_slots=batch, window=1, dtype=dtype, device=device)
+        offsets = [0, *itertools.accumulate(len(c[2]) for c in chunks)][:-1]
+        meta.state = StateRows(tuple(range(len(chunks))), (0,) * len(chunks), tuple(len(c[2]) for c in chunks),
+                               tuple(offsets))
+    try:
+        hidden, taps = target(flat_ids, positions, meta, kv_caches, tap_layer_ids=tuple(tap_layer_ids))
+    finally:
+        if kept is not None:
+            target.states = kept
     return taps.cpu(), hidden.cpu()

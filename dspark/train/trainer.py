@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from dspark.train import methods
 from dspark.train.config import TrainConfig
-from dspark.train.data import (BatchSampler, Cursor, TokenDataset, build_draft_vocab, check_feature_caches, collate,
-                               token_counts, vocab_coverage)
+from dspark.drafters.vocab import build_draft_vocab, vocab_coverage
+from dspark.train.data import (BatchSampler, Cursor, TokenDataset, check_feature_caches, collate,
+                               token_counts)
 from dspark.train.features import FeatureCache, ShardedFeatureCache, batch_features, noisy_taps
 from dspark.train.losses import add_stats, summarise
 

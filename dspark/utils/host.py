@@ -3,10 +3,10 @@
 glibc's malloc serves large blocks (a prompt step's activations: hundreds of rows × a few thousand
 floats) by mmap, and by default raises its mmap threshold to the size of each such block freed: a
 process's allocation history then decides whether the next step's temporaries come from the heap or from
-fresh pages, which are faulted in on first touch. Measured (2026-12-02, 2-vCPU Intel Xeon with AMX, HumanEval at 16 concurrent,
-offline): with speculation on, the elementwise ops of prompt steps ran ~2× slower than in a plain engine
-on the same prompts, the target forward 2–4% slower with speculation all but off; fixed thresholds made
-the two forwards equal and left plain decoding's speed where it was. `tune_malloc` fixes them (256 MiB
+fresh pages, which are faulted in on first touch. So a speculative engine, whose allocations differ, ran the
+elementwise ops of its prompt steps slower than a plain engine on the same prompts, and its target forward
+slower even with speculation all but off; fixed thresholds make the two forwards equal and leave plain
+decoding's speed where it was. `tune_malloc` fixes them (256 MiB
 mmap threshold, 512 MiB trim threshold), so freed temporaries stay in the heap for the next step.
 """
 

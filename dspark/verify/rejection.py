@@ -1,11 +1,11 @@
 """Verification of draft tokens against the target: accepted / recovered / bonus.
 
-Two lanes, routed per request by `verify()`:
+Two lanes, routed per request by the sampler (`sampler.py`, the engine's verifier):
 
-* `verify_greedy` — compare only: draft k is accepted while it equals the target argmax at k; the
+* greedy (`accept_greedy`, `verify_greedy_argmax`) — compare only: draft k is accepted while it equals the target argmax at k; the
   token after the accepted prefix is the target argmax there (recovered on a mismatch, bonus when
   every draft was accepted). No randomness.
-* `verify_rejection` — lossless speculative sampling: draft k is accepted with probability
+* rejection sampling (`verify_one_rejection`) — lossless speculative sampling: draft k is accepted with probability
   min(1, target(d_k) / draft(d_k)); at the first rejection a recovered token is drawn from
   normalize(max(target - draft, 0)); if every draft is accepted a bonus token is drawn from the
   target row after the last draft. Drafts without a distribution (`draft_probs=None`: n-gram or
@@ -13,10 +13,11 @@ Two lanes, routed per request by `verify()`:
   target(d_k), recover from the target row with d_k zeroed and renormalised.
 
 The emitted tokens are distributed exactly as if sampled from the target one at a time, whatever the
-drafts were. A one-hot (greedy) target row makes `verify_rejection` reproduce `verify_greedy`.
+drafts were. A one-hot (greedy) target row makes rejection sampling reproduce the greedy lane.
 
 `rejection_sample_batched` is the vectorised core: the per-request path calls it with one row, and
-the Monte-Carlo tests call it with 10^5 rows. Randomness comes only from the caller's
+the Monte-Carlo tests call it with 10^5 rows (tests/verify_reference.py routes a batch through the two lanes
+as the sampler does). Randomness comes only from the caller's
 `torch.Generator` (per request), consumed in a fixed order: `verify_len` uniforms, then one more
 uniform for the inverse-CDF draw of the recovered/bonus token.
 
@@ -29,10 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.sampling import greedy_ids
 
-__all__ = ["VerifyResult", "verify", "verify_greedy", "verify_rejection",
-           "rejection_sample_batched"]
+__all__ = ["VerifyResult", "accept_greedy", "rejection_sample_batched", "verify_greedy_argmax",
+           "verify_one_rejection"]
 
 # Guards the draft probability in the acceptance ratio and decides when a residual is empty
 # (DeepSpec's constants, `base_evaluator.py` / `sampling.py`).
@@ -51,62 +51,6 @@ class VerifyResult:
     @property
     def num_emitted(self) -> list[int]:  # [num_reqs] num_accepted + 1
         return [len(ids) for ids in self.output_ids]
-
-
-def verify(
-    *,
-    target_probs: list[torch.Tensor],  # per request [verify_len + 1, vocab_size] float32, processed
-    draft_ids: list[list[int]],  # per request [verify_len] (may be empty: plain sampling)
-    draft_probs: list[torch.Tensor | None],  # per request [>= verify_len, vocab_size] or None
-    is_greedy: list[bool],  # [num_reqs]
-    generators: list[torch.Generator | None],  # [num_reqs]
-) -> VerifyResult:
-    """Verify a mixed batch: greedy requests take the compare-only lane, the others rejection
-    sampling.
-
-    `target_probs[i]` must be processed with request i's sampling params (one-hot rows for greedy);
-    `draft_probs[i]` must be the exact distribution draft i was sampled from (rows beyond
-    `verify_len`, i.e. drafts the length policy cut, are ignored)."""
-    num_reqs = len(target_probs)
-    _check_lengths(num_reqs, draft_ids=draft_ids, draft_probs=draft_probs, is_greedy=is_greedy,
-                   generators=generators)
-    num_accepted: list[int] = []
-    output_ids: list[list[int]] = []
-    is_bonus: list[bool] = []
-    for i in range(num_reqs):
-        if is_greedy[i]:
-            accepted, ids, bonus = _verify_one_greedy(target_probs[i], draft_ids[i])
-        else:
-            accepted, ids, bonus = _verify_one_rejection(
-                target_probs[i], draft_ids[i], draft_probs[i], generators[i])
-        num_accepted.append(accepted)
-        output_ids.append(ids)
-        is_bonus.append(bonus)
-    return VerifyResult(num_accepted=num_accepted, output_ids=output_ids, is_bonus=is_bonus)
-
-
-def verify_greedy(
-    *,
-    target_probs: list[torch.Tensor],  # per request [verify_len + 1, vocab_size] (argmax used)
-    draft_ids: list[list[int]],  # per request [verify_len]
-) -> VerifyResult:
-    """Compare-only lane for every request (greedy targets)."""
-    n = len(target_probs)
-    return verify(target_probs=target_probs, draft_ids=draft_ids, draft_probs=[None] * n,
-                  is_greedy=[True] * n, generators=[None] * n)
-
-
-def verify_rejection(
-    *,
-    target_probs: list[torch.Tensor],  # per request [verify_len + 1, vocab_size] float32
-    draft_ids: list[list[int]],  # per request [verify_len]
-    draft_probs: list[torch.Tensor | None],  # per request [>= verify_len, vocab_size] or None
-    generators: list[torch.Generator | None],  # [num_reqs]
-) -> VerifyResult:
-    """Lossless rejection-sampling lane for every request."""
-    n = len(target_probs)
-    return verify(target_probs=target_probs, draft_ids=draft_ids, draft_probs=draft_probs,
-                  is_greedy=[False] * n, generators=generators)
 
 
 def rejection_sample_batched(
@@ -182,14 +126,6 @@ def _uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: 
     return torch.rand(shape, generator=generator, device=source, dtype=dtype).to(device)
 
 
-def _verify_one_greedy(
-    target_probs: torch.Tensor,  # [verify_len + 1, vocab_size]
-    draft_ids: list[int],  # [verify_len]
-) -> tuple[int, list[int], bool]:
-    _check_target_rows(target_probs, len(draft_ids))
-    return _accept_greedy(greedy_ids(target_probs).tolist(), draft_ids)
-
-
 def verify_greedy_argmax(
     *,
     target_argmax: list[list[int]],  # per request [verify_len + 1] argmax of the target logits
@@ -198,17 +134,17 @@ def verify_greedy_argmax(
     """The compare-only lane from the target's argmax ids: for an all-greedy batch the engine takes one
     argmax over the logits instead of building one-hot distributions (`verify` with one-hot rows gives
     the same result)."""
-    _check_lengths(len(target_argmax), draft_ids=draft_ids)
+    check_lengths(len(target_argmax), draft_ids=draft_ids)
     results = []
     for ids, drafts in zip(target_argmax, draft_ids):
         if len(ids) != len(drafts) + 1:
             raise ValueError(f"target_argmax needs verify_len + 1 = {len(drafts) + 1} ids, got {len(ids)}")
-        results.append(_accept_greedy(ids, drafts))
+        results.append(accept_greedy(ids, drafts))
     return VerifyResult(num_accepted=[r[0] for r in results], output_ids=[r[1] for r in results],
                         is_bonus=[r[2] for r in results])
 
 
-def _accept_greedy(
+def accept_greedy(
     target_argmax: list[int],  # [verify_len + 1]
     draft_ids: list[int],  # [verify_len]
 ) -> tuple[int, list[int], bool]:
@@ -220,14 +156,14 @@ def _accept_greedy(
     return num_accepted, output_ids, num_accepted == verify_len
 
 
-def _verify_one_rejection(
+def verify_one_rejection(
     target_probs: torch.Tensor,  # [verify_len + 1, vocab_size]
     draft_ids: list[int],  # [verify_len]
     draft_probs: torch.Tensor | None,  # [>= verify_len, vocab_size] or None
     generator: torch.Generator | None,
 ) -> tuple[int, list[int], bool]:
     verify_len = len(draft_ids)
-    _check_target_rows(target_probs, verify_len)
+    check_target_rows(target_probs, verify_len)
     if draft_probs is not None:
         if draft_probs.shape[0] < verify_len or draft_probs.shape[-1] != target_probs.shape[-1]:
             raise ValueError(f"draft_probs must be [>= {verify_len}, {target_probs.shape[-1]}], "
@@ -244,13 +180,13 @@ def _verify_one_rejection(
     return accepted, list(draft_ids[:accepted]) + [int(final_ids.item())], accepted == verify_len
 
 
-def _check_target_rows(target_probs: torch.Tensor, verify_len: int) -> None:
+def check_target_rows(target_probs: torch.Tensor, verify_len: int) -> None:
     if target_probs.dim() != 2 or target_probs.shape[0] != verify_len + 1:
         raise ValueError(f"target_probs must be [verify_len + 1 = {verify_len + 1}, vocab_size], "
                          f"got {tuple(target_probs.shape)}")
 
 
-def _check_lengths(num_reqs: int, **per_request: list) -> None:
+def check_lengths(num_reqs: int, **per_request: list) -> None:
     for name, values in per_request.items():
         if len(values) != num_reqs:
             raise ValueError(f"{name} has {len(values)} entries, "

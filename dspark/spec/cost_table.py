@@ -175,9 +175,9 @@ def _interleaved_medians(points: list[tuple[Callable[[int], None], int]], *, rep
     every point once. Rounds, not one point after another, so a machine that slows down for a while
     (shared VMs do, by 20-40% for seconds at a time) slows every point alike instead of a few. Each
     timed call follows `settle` untimed calls of its own point: a step right after a much larger one (a
-    128-token step, a 64-request proposal) inherits its cold caches for two or three steps, which on a
-    2-core CPU made a 1-token step ~1.3x slower than in decoding and a verified token's marginal cost
-    look a fraction of what it is."""
+    128-token step, a 64-request proposal) inherits its cold caches for two or three steps, which makes a
+    1-token step slower than in decoding and a verified token's marginal cost look a fraction of what it
+    is (docs/benchmarks.md, "The step-cost table")."""
     for fn, n in points:
         for _ in range(warmup):
             fn(n)

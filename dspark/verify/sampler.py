@@ -30,11 +30,10 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from dspark.engine.faults import RequestError
+from dspark.request import RequestError
 from dspark.logits_processors import WindowRows, apply_processors
 from dspark.sampling import RowArgmax, TokenLogprob, greedy_ids, logits_to_probs, target_argmax
-from dspark.verify.rejection import (VerifyResult, _accept_greedy, _verify_one_rejection,
-                                     verify_greedy_argmax)
+from dspark.verify.rejection import VerifyResult, accept_greedy, verify_greedy_argmax, verify_one_rejection
 
 _MASK64 = (1 << 64) - 1
 KEYED_BLOCK = 512  # tokens per block of the two-level inverse-CDF draw
@@ -141,12 +140,12 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *, eos_token_id
     for i, s in enumerate(items):
         req = s.request
         if req.params.is_greedy:
-            results.append(_accept_greedy(greedy_ids(rows[i]).tolist(), drafts[i]))
+            results.append(accept_greedy(greedy_ids(rows[i]).tolist(), drafts[i]))
         elif _rejection(s):
-            results.append(_verify_one_rejection(probs[i], drafts[i], req.draft_probs[:s.num_drafts],
+            results.append(verify_one_rejection(probs[i], drafts[i], req.draft_probs[:s.num_drafts],
                                                  req.generator))
         else:
-            results.append(_accept_greedy([next(draws) for _ in range(s.num_logits)], drafts[i]))
+            results.append(accept_greedy([next(draws) for _ in range(s.num_logits)], drafts[i]))
     result = VerifyResult(num_accepted=[r[0] for r in results], output_ids=[r[1] for r in results],
                           is_bonus=[r[2] for r in results])
     for i, dead in dead_rows.items():  # a row the emitted tokens went through allowed none: the request ends

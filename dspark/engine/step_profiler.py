@@ -1,6 +1,6 @@
 """Synthetic engine steps timed for the step-cost table: `StepProfiler` builds verification batches
 and draft calls on a built engine, `profile_engine` turns their timings into a `CostTable`.
-How the batches are made: `dspark.verify.profile_cli` (the `dspark profile` command).
+How the batches are made: `dspark.cli_profile` (the `dspark profile` command).
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class StepProfiler:
             ScheduledRequest(r, 1 + len(r.draft_ids), len(r.draft_ids), emits=True,
                              start_pos=self.context_len) for r in reqs])
         runner = self.engine.runner
+        for state in getattr(runner.model, "states", ()):  # a hybrid target: start from an (unread) state
+            for r in reqs:
+                state.claim(r.state_slot, self.context_len - 1)
         runner.forward(runner.prepare(sched))
         self._sync()
 
@@ -115,7 +118,7 @@ def profile_engine(engine, *, token_counts=DEFAULT_TOKEN_COUNTS, draft_num_reqs=
                    context_len: int = 256, tokens_per_request: int | None = None, repeats: int = 5,
                    warmup: int = 2, meta: dict | None = None):
     """Profile a built engine; returns a `CostTable` (draft curve only when it has a drafter)."""
-    from dspark.verify.cost_table import profile
+    from dspark.spec.cost_table import profile
 
     gamma = engine.drafter.num_draft_tokens if engine.drafter else 7
     profiler = StepProfiler(engine, context_len=context_len,

@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dspark.engine.model_runner import ModelRunner, StepBatch
+from dspark.worker.model_runner import ModelRunner, StepBatch
 from dspark.models.attention import SHORT_QUERY_MAX, AttnGroup, AttnMetadata, slots_for
 
 

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dspark.verify.admission import AdmissionRule
-from dspark.verify.cost_table import CostTable
-from dspark.verify.length_policy import decode_tokens, drafting_gain, ema, masked_survival, throughput_curve
+from dspark.spec.admission import AdmissionRule
+from dspark.spec.cost_table import CostTable
+from dspark.spec.length_policy import decode_tokens, drafting_gain, ema, masked_survival, throughput_curve
 
 __all__ = ["DraftGate"]
 
@@ -52,11 +52,10 @@ class DraftGate:
     """
 
     # Without live step times drafting must promise this much over plain decoding: the profiled verify
-    # forward runs 10-20% faster than the engine's live step (logits rows, sampling, scheduling around
-    # it), so a predicted gain below ~1.15 is not a gain (measured: humaneval at batch 1, τ 1.38,
-    # gain 1.10 -> 0.86x). With them, the live ratios carry that difference; the margin left covers what
-    # the engine's clock cannot see (the API thread's per-token work on the same cores): 1.03 left
-    # humaneval at batch 1 at 0.82x plain, 1.10 at 0.96x (benchmarks/results/serving_gate_margin).
+    # forward runs faster than the engine's live step (logits rows, sampling, scheduling around it), so a
+    # smaller predicted gain is not a gain. With them, the live ratios carry that difference; the margin
+    # left covers what the engine's clock cannot see (the API thread's per-token work on the same cores):
+    # docs/benchmarks.md, "The draft gate's margin" (benchmarks/results/serving_gate_margin).
     MIN_GAIN = 1.15
     LIVE_MIN_GAIN = 1.10
     # lookup-only proposals whose survivals `proposing_pays` pools (16 × the requests of each)
@@ -209,7 +208,7 @@ class DraftGate:
 
     def observe_verify(self, request_id: str, confidence: list[float] | None, num_drafts: int,
                        num_accepted: int) -> None:
-        """A verify observer (engine.verify_observers): compare the drafts the confidences predicted to
+        """A verify observer (engine.spec.verify_observers): compare the drafts the confidences predicted to
         survive in the verified window with the drafts actually accepted."""
         if not confidence or num_drafts <= 0:
             return

@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import json
 
-from dspark.verify.step_profiler import DEFAULT_DRAFT_NUM_REQS, DEFAULT_TOKEN_COUNTS, profile_engine
+from dspark.engine.step_profiler import DEFAULT_DRAFT_NUM_REQS, DEFAULT_TOKEN_COUNTS, profile_engine
 
 
 def _int_list(text: str) -> list[int]:

@@ -36,8 +36,8 @@ from typing import Callable
 
 import torch
 
-from dspark.verify.calibration import OnlineCalibrationConfig, OnlineCalibrator, STSCalibration
-from dspark.verify.cost_table import CostTable
+from dspark.spec.calibration import OnlineCalibrationConfig, OnlineCalibrator, STSCalibration
+from dspark.spec.cost_table import CostTable
 
 __all__ = ["UpkeepConfig", "OnlineUpkeep"]
 
@@ -67,7 +67,7 @@ class UpkeepConfig:
 
 
 class OnlineUpkeep:
-    """Engine-facing: `observe_verify` is an `Engine.verify_observers` callback; `observe_step`
+    """Engine-facing: `observe_verify` is an the engine's `spec.verify_observers` callback; `observe_step`
     is called once per step with its size and wall time and returns the cost table to use next."""
 
     def __init__(self, *, drafter=None, cost_table: CostTable | None = None,

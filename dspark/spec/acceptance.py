@@ -15,7 +15,7 @@ from the engine's per-request `SpecStats` alone, which do not record how many dr
 verified; it assumes every round verified the same γ drafts (the fixed-length policy with full
 proposals, e.g. DSpark) and says so in `exact`.
 
-`RoundRecorder` attaches to `Engine.verify_observers` and keeps one `RoundRecord` per round, with the
+`RoundRecorder` attaches to the engine's `spec.verify_observers` and keeps one `RoundRecord` per round, with the
 drafter's conditional confidences, for `dspark eval accept` and `dspark calibrate`.
 
     pytest tests/test_eval_tools.py -q
@@ -142,7 +142,7 @@ def summarize(tau_by_dataset: dict[str, float], domain_by_dataset: dict[str, str
 
 @dataclass(eq=False)  # identity equality: detach() must remove this very recorder
 class RoundRecorder:
-    """Observer for `Engine.verify_observers`: records every round that verified ≥ 1 draft."""
+    """Observer for the engine's `spec.verify_observers`: records every round that verified ≥ 1 draft."""
 
     rounds: list[RoundRecord] = field(default_factory=list)
 
@@ -164,15 +164,12 @@ class RoundRecorder:
         return out
 
     def attach(self, engine) -> RoundRecorder:
-        observers = getattr(engine, "verify_observers", None)
-        if observers is None:
-            raise RuntimeError("this engine has no verify_observers hook (dspark/engine/engine.py)")
-        observers.append(self)
+        engine.spec.verify_observers.append(self)
         return self
 
     def detach(self, engine) -> None:
-        if self in engine.verify_observers:
-            engine.verify_observers.remove(self)
+        if self in engine.spec.verify_observers:
+            engine.spec.verify_observers.remove(self)
 
 
 def _add(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:

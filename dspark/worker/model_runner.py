@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.scheduler import SchedulerOutput
 from dspark.models.attention import AttnMetadata, SeqSpec, build_attn_metadata
+from dspark.request import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -83,7 +83,8 @@ def host_batch(sched: SchedulerOutput, *, argmax_only: bool = False) -> HostBatc
         token_offsets.append(offset)
         logits_offsets.append(len(logits_indices))
         seqs.append(SeqSpec(block_table=req.block_table, num_cached=start,
-                            num_query=item.num_new_tokens, token_offset=offset))
+                            num_query=item.num_new_tokens, token_offset=offset,
+                            state_slot=-1 if req.state_slot is None else req.state_slot))
         input_ids.extend(ids)
         positions.extend(range(start, start + item.num_new_tokens))
         if item.emits:
@@ -127,6 +128,51 @@ def cut_rows(seqs: list[SeqSpec], max_rows: int) -> list[tuple[int, int, list[Se
                 close()
     close()
     return pieces
+
+
+@dataclass
+class Caches:
+    kv_caches: list  # the target's (k_cache, v_cache) per KV layer
+    num_kv_blocks: int  # the block manager's blocks (the pools hold one more: CUDA graphs' padding rows)
+    state_bytes: int  # a hybrid target's recurrent state slots (0: none)
+
+
+def allocate_caches(model: torch.nn.Module, drafter, config) -> Caches:
+    """The target's KV pool (and its state slots, for a hybrid target), and the drafter's KV layers, bound to
+    it, in one memory budget: `num_kv_blocks`, or the bytes `pool_bytes` allows over what one block of every
+    layer takes."""
+    dtype = DTYPES[config.dtype]
+    target_kv_dtype = kv_dtype(config.cache.kv_cache_dtype, dtype)
+    layer_specs = (model.kv_layer_specs() if hasattr(model, "kv_layer_specs")
+                   else [model.kv_spec] * model.num_kv_layers)
+    draft_specs = drafter.kv_layer_specs() if drafter else []
+    kv_block_size = config.cache.kv_block_size
+    block_bytes = (kv_bytes_per_block(layer_specs, kv_block_size, target_kv_dtype)
+                   + kv_bytes_per_block(draft_specs, kv_block_size, dtype))
+    gamma = drafter.num_draft_tokens if drafter else 0
+    # a hybrid target's state slots, one per running request, come out of the same memory budget
+    state_bytes = allocate_state_slots(model, num_slots=config.scheduler.max_num_seqs, window=1 + gamma,
+                                       dtype=dtype, device=config.device)
+    num_kv_blocks = config.cache.num_kv_blocks or max(16, int((pool_bytes(config.cache, config.device)
+                                                               - state_bytes) // block_bytes))
+    # one block past the block manager's: the padding rows of a replayed CUDA graph store their K/V
+    # there (dspark.worker.cuda_graphs), no request ever owns it
+    pool = allocate_kv_pool(layer_specs, num_kv_blocks=num_kv_blocks + 1, kv_block_size=kv_block_size,
+                            dtype=target_kv_dtype, device=config.device)
+    if drafter:
+        drafter.bind_kv(allocate_kv_pool(draft_specs, num_kv_blocks=num_kv_blocks + 1,
+                                         kv_block_size=kv_block_size, dtype=dtype, device=config.device))
+        drafter.bind_target_kv(pool, getattr(model, "cache_index", None))  # read in place (Gemma 4's assistant)
+    return Caches(pool, num_kv_blocks, state_bytes)
+
+
+def allocate_state_slots(model: torch.nn.Module, *, num_slots: int, window: int, dtype: torch.dtype, device) -> int:
+    """A hybrid target's recurrent state slots (`window` kept states each: 1 + the most drafts a window
+    verifies); returns their bytes, 0 for a target without linear-attention layers."""
+    if not getattr(model, "has_recurrent_state", False):
+        return 0
+    model.allocate_state(num_slots=num_slots, window=window, dtype=dtype, device=device)
+    return num_slots * model.state_bytes_per_slot(window, dtype)
 
 
 def kv_bytes_per_block(layer_specs: list[tuple[int, int]], kv_block_size: int, dtype: torch.dtype) -> int:

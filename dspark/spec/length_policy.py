@@ -49,7 +49,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 
-from dspark.verify.cost_table import CostTable
+from dspark.spec.cost_table import CostTable
 
 __all__ = ["LengthPolicy", "FixedLength", "ConfidenceThreshold", "PrefixScheduler",
            "AsyncPrefixScheduler", "LENGTH_POLICIES", "build_length_policy", "masked_survival",
@@ -312,8 +312,8 @@ def throughput_curve(
     the prompt's and leaves the denominator, while the drafts still pay what they add at the step's
     real size. Θ counts output tokens only: keeping the chunk's time in would value a draft against a
     long step (e.g. 16 decoding requests + a 256-token chunk: ~1 s for 16 tokens), so a draft with
-    survival 0.06 would seem to pay, when each verified draft costs its full compute (~3 ms here)
-    and saves at best a share of a later step. The draft seconds are the drafter's for the requests it
+    survival 0.06 would seem to pay, when each verified draft costs its full compute and saves at
+    best a share of a later step. The draft seconds are the drafter's for the requests it
     ran for (`num_drafted_reqs`): prompt-lookup rows cost nothing, and charging a model forward that did
     not run would dilute the verify cost (at 16 lookup rows: 36 ms beside a 60 ms step, so drafts of
     survival 0.5 would pass where 0.75 is the break-even)."""

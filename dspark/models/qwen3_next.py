@@ -1,0 +1,286 @@
+"""Hybrid linear-attention targets: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text decoders), over the paged KV pool
+for their full-attention layers and recurrent state slots for their Gated DeltaNet layers.
+
+Layers follow `layer_types`: "linear_attention" layers are Gated DeltaNet (one input projection split into
+q | k | v | z | b | a, a depthwise causal conv with SiLU over q | k | v, the gated delta rule of
+`dspark.models.recurrent`, a gated RMSNorm, the output projection); "full_attention" layers are Qwen3 attention
+with a sigmoid output gate (q_proj gives query and gate per head), per-head (1 + weight) RMSNorm on q and k and
+RoPE over the first `partial_rotary_factor` of each head. Every RMSNorm outside the gated one multiplies by
+(1 + weight). The MLP is dense, or the MoE block where `config.is_moe_layer(i)`.
+
+Weights: Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` load into the fused `in_proj`; Qwen3-Next's
+`in_proj_qkvz` / `in_proj_ba` (grouped per key head) are regrouped into the same layout at load. A multimodal
+folder's `model.language_model.*` is the decoder; its vision tower and the `mtp.*` layers are skipped here
+(`dspark.drafters.mtp` loads the latter).
+
+The model keeps no per-request state in its parameters: the state slots (`allocate_state`) are indexed by the
+step's `AttnMetadata.state` rows, and `num_kv_layers` counts the full-attention layers, whose paged K/V the
+engine allocates as for any target.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from dspark.models.attention import AttnMetadata, paged_attention, store_kv
+from dspark.models.config import ModelConfig
+from dspark.models.gemma3 import GemmaRMSNorm
+from dspark.models.layers import (LMHead, Linear, MergedLinear, VocabEmbedding, apply_rope, default_weight_loader,
+                                  rope_cos_sin, _set_loader)
+from dspark.models.llama import KVCache, LlamaForCausalLM, LlamaMLP
+from dspark.models.moe import MoeWeights, SparseMoeBlock
+from dspark.models.recurrent import (LayerState, StateRows, allocate_layer_state, causal_conv, delta_rule_chunked,
+                                     delta_rule_tokens, gated_rms_norm, layer_state_bytes, prepare_qk)
+
+log = logging.getLogger(__name__)
+
+SKIPPED_WEIGHTS = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.vision_tower\.)")
+
+
+def _param(shape: tuple[int, ...], *, dtype: torch.dtype, device, fill: float = 0.0) -> nn.Parameter:
+    return _set_loader(nn.Parameter(torch.full(shape, fill, dtype=dtype, device=device), requires_grad=False),
+                       default_weight_loader)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate and partial RoPE."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            cfg.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, (("q", 2 * q_size), ("k", kv_size), ("v", kv_size)),
+                                     bias=cfg.attention_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        self.q_norm = GemmaRMSNorm(self.head_dim, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = GemmaRMSNorm(self.head_dim, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
+        self.scale = self.head_dim ** -0.5
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rotary_dim  # [T, heads, hd]: the first r dims rotate, the rest pass
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], -1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                kv_cache: KVCache) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qg = qkv[:, :q_size].reshape(T, self.num_heads, 2 * self.head_dim)  # per head: query | gate
+        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(T, -1)
+        k = qkv[:, q_size:q_size + kv_size].reshape(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(T, self.num_kv_heads, self.head_dim).contiguous()
+        q = self._rope(self.q_norm(q.contiguous()), cos, sin)  # [T, H, hd]
+        k = self._rope(self.k_norm(k.contiguous()), cos, sin)  # [T, Hkv, hd]
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_stored=meta.all_stored)
+        out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)  # [T, H, hd]
+        return self.o_proj(out.reshape(T, -1) * torch.sigmoid(gate))
+
+
+class GatedDeltaNet(nn.Module):
+    """A linear-attention layer; its state lives in the slots of `LayerState`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_k_heads}")
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        hv = self.num_v_heads
+        self.in_proj = MergedLinear(cfg.hidden_size, (("qkv", self.conv_dim), ("z", self.value_dim), ("b", hv),
+                                                      ("a", hv)), bias=False, dtype=dtype, device=device)
+        self.conv_weight = _param((self.conv_dim, self.kernel), dtype=dtype, device=device)  # HF [C, 1, K]
+        self.conv_weight.weight_loader = self._load_conv  # type: ignore[attr-defined]
+        self.dt_bias = _param((hv,), dtype=dtype, device=device, fill=1.0)
+        self.A_log = _param((hv,), dtype=dtype, device=device)
+        self.norm_weight = _param((self.head_v_dim,), dtype=dtype, device=device, fill=1.0)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        self.eps = cfg.rms_norm_eps
+
+    @staticmethod
+    def _load_conv(param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        default_weight_loader(param, loaded.reshape(param.shape))
+
+    def state_shape(self) -> dict[str, int]:
+        return {"kernel": self.kernel, "conv_dim": self.conv_dim, "num_v_heads": self.num_v_heads,
+                "head_k_dim": self.head_k_dim, "head_v_dim": self.head_v_dim}
+
+    def forward(self, x: torch.Tensor, rows: StateRows, state: LayerState) -> torch.Tensor:  # [T, hidden]
+        T = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split(self.in_proj.split_sizes, dim=-1)
+        beta = b.float().sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
+        core = x.new_empty(T, self.num_v_heads, self.head_v_dim)
+        weight = self.conv_weight
+        for slot, start, n, off in zip(rows.slots, rows.starts, rows.lengths, rows.offsets):
+            conv0, rec0 = state.start(slot, start)
+            mixed, conv_states = causal_conv(qkv[off:off + n], conv0, weight)  # [n, C], [n, K - 1, C]
+            q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+            q, k = prepare_qk(q.reshape(n, self.num_k_heads, -1), k.reshape(n, self.num_k_heads, -1),
+                              self.num_v_heads)  # [n, Hv, dk] fp32
+            v = v.reshape(n, self.num_v_heads, -1).float()
+            if n <= state.window:  # every state of the window is kept: a rejection rolls back into it
+                out, states = delta_rule_tokens(q, k, v, g[off:off + n], beta[off:off + n], rec0)
+                state.keep(slot, start, conv_states, states)
+            else:  # a long prompt chunk: its last state only
+                out, last = delta_rule_chunked(q, k, v, g[off:off + n], beta[off:off + n], rec0)
+                state.keep(slot, start + n - 1, conv_states[-1:], last.unsqueeze(0))
+            core[off:off + n] = out.to(x.dtype)
+        normed = gated_rms_norm(core, z.reshape(T, self.num_v_heads, -1), self.norm_weight, self.eps)
+        return self.out_proj(normed.reshape(T, -1))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.linear = cfg.layer_type(i) == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, device=device)
+        else:
+            self.self_attn = GatedAttention(cfg, dtype=dtype, device=device)
+        moe = cfg.is_moe_layer(i)
+        self.mlp = (SparseMoeBlock if moe else LlamaMLP)(cfg, dtype=dtype, device=device)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype,
+                                                     device=device)
+
+    def forward(self, x: torch.Tensor, cos, sin, meta: AttnMetadata, cache) -> torch.Tensor:  # [T, hidden]
+        h = self.input_layernorm(x)
+        if self.linear:
+            if meta.state is None:
+                raise ValueError("a hybrid target's step needs state rows (every request holds a state slot)")
+            h = self.linear_attn(h, meta.state, cache)
+        else:
+            h = self.self_attn(h, cos, sin, meta, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, dtype=dtype, device=device)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        rotary = int(cfg.head_dim * cfg.partial_rotary_factor)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rotary, 2, dtype=torch.int64).float() / rotary))
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)  # [rotary / 2] fp32
+
+
+class Qwen3NextForCausalLM(MoeWeights, LlamaForCausalLM):
+    """Qwen3-Next / Qwen3.5 / Qwen3.5-MoE text decoder (see the module docstring)."""
+
+    packed_modules_mapping = {
+        **LlamaForCausalLM.packed_modules_mapping,
+        "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"), "in_proj_b": ("in_proj", "b"),
+        "in_proj_a": ("in_proj", "a"),
+    }
+    has_recurrent_state = True
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = HybridModel(cfg, dtype=dtype, device=device)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
+                              dtype=dtype, device=device)
+        self.attention_layers = [i for i, layer in enumerate(self.model.layers) if not layer.linear]
+        self.linear_layers = [i for i, layer in enumerate(self.model.layers) if layer.linear]
+        self.states: list[LayerState] = []
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.attention_layers)
+
+    def stack_rows(self) -> int:
+        return 0  # the one-call CPU decoder stacks are attention-only
+
+    # -- recurrent state ----------------------------------------------------------------------------
+    def state_bytes_per_slot(self, window: int, dtype: torch.dtype) -> int:
+        return sum(layer_state_bytes(window=window, dtype=dtype, **self.model.layers[i].linear_attn.state_shape())
+                   for i in self.linear_layers)
+
+    def allocate_state(self, *, num_slots: int, window: int, dtype: torch.dtype, device) -> None:
+        """The state slots: `window` kept states per slot and linear layer (1 + the most drafts a window
+        verifies)."""
+        self.states = [allocate_layer_state(num_slots=num_slots, window=window, dtype=dtype, device=device,
+                                            **self.model.layers[i].linear_attn.state_shape())
+                       for i in self.linear_layers]
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttnMetadata,
+                kv_caches: list[KVCache], tap_layer_ids: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions [T] -> (final-normed hidden [T, hidden], taps [T, n_taps * hidden] | None)."""
+        m = self.model
+        if len(kv_caches) != self.num_kv_layers:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {self.num_kv_layers} full-attention layers")
+        if len(self.states) != len(self.linear_layers):
+            raise ValueError("the state slots are not allocated (allocate_state)")
+        caches = [None] * len(m.layers)
+        for i, kv in zip(self.attention_layers, kv_caches):
+            caches[i] = kv
+        for i, st in zip(self.linear_layers, self.states):
+            caches[i] = st
+        x = m.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = rope_cos_sin(positions, m.inv_freq, x.dtype)  # [T, 1, rotary] each
+        tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
+        hidden = x.shape[-1]
+        taps = x.new_empty(x.shape[0], len(tap_layer_ids) * hidden) if tap_slots else None  # [T, taps * hidden]
+
+        def capture(layer_id: int, value: torch.Tensor) -> None:
+            for j in tap_slots.get(layer_id, ()):
+                taps[:, j * hidden:(j + 1) * hidden] = value
+
+        capture(-1, x)
+        for i, (layer, cache) in enumerate(zip(m.layers, caches)):
+            x = layer(x, cos, sin, attn_meta, cache)
+            capture(i, x)
+        return m.norm(x), taps
+
+    # -- weights ------------------------------------------------------------------------------------
+    def _regroup(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Qwen3-Next's per-key-head grouped in_proj_qkvz / in_proj_ba -> Qwen3.5's in_proj_qkv, _z, _b, _a."""
+        prefix, _, leaf = hf_name.rpartition(".in_proj_")
+        layer = self.model.layers[int(re.search(r"layers\.(\d+)\.", hf_name).group(1))].linear_attn
+        hk, dk, dv = layer.num_k_heads, layer.head_k_dim, layer.head_v_dim
+        r = layer.num_v_heads // hk
+        w = tensor.reshape(hk, -1, tensor.shape[-1])  # [Hk, group rows, hidden]
+        if leaf.startswith("qkvz"):
+            q, k, v, z = w.split((dk, dk, r * dv, r * dv), dim=1)
+            flat = [t.reshape(-1, tensor.shape[-1]) for t in (q, k, v, z)]
+            return [(f"{prefix}.in_proj_qkv.weight", torch.cat(flat[:3])), (f"{prefix}.in_proj_z.weight", flat[3])]
+        b, a = w.split((r, r), dim=1)
+        return [(f"{prefix}.in_proj_b.weight", b.reshape(-1, tensor.shape[-1])),
+                (f"{prefix}.in_proj_a.weight", a.reshape(-1, tensor.shape[-1]))]
+
+    def _hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        skipped = 0
+        for name, tensor in weights:
+            name = name.replace("model.language_model.", "model.", 1)
+            if SKIPPED_WEIGHTS.search(name):
+                skipped += 1
+                continue
+            if ".in_proj_qkvz." in name or ".in_proj_ba." in name:
+                yield from self._regroup(name, tensor)
+                continue
+            name = (name.replace(".linear_attn.conv1d.weight", ".linear_attn.conv_weight")
+                    .replace(".linear_attn.norm.weight", ".linear_attn.norm_weight"))
+            yield name, tensor
+        if skipped:
+            log.info("%s: skipped %d checkpoint tensors (vision tower, MTP layers)", self.config.architecture, skipped)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True) -> set[str]:
+        return super().load_weights(self._hf_weights(weights), strict=strict)

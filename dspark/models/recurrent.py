@@ -1,0 +1,183 @@
+"""Recurrent state of linear-attention layers (Gated DeltaNet, Qwen3-Next / Qwen3.5) beside the paged KV pool.
+
+Each request that runs through a hybrid target holds one state slot (`Request.state_slot`, handed out and
+taken back by the block manager with its KV blocks). A slot keeps a ring of `window` states per linear layer:
+the state after position p sits at ring index p % window. A step that starts a request at position c reads
+the state after c - 1 (zero at c = 0) and writes the states of the positions it computes, so after a
+verification window of n <= window tokens the state after *every* position of the window is kept. When the
+target accepts j drafts the request's next step starts at c + j + 1 and reads the state after c + j: the
+rollback is the scheduler's counter moving back, no state is copied or recomputed. A prompt chunk longer
+than the window keeps only its last state (nothing rolls back into a prompt).
+
+The recurrence (the gated delta rule, per value head with a [dk, dv] state S):
+    S <- exp(g_t) * S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+`delta_rule_tokens` runs it one token at a time and returns every intermediate state (the verification
+path and the slow twin of everything else); `delta_rule_chunked` runs a long prompt chunk in blocks of
+`CHUNK` tokens with the WY form (a unit lower-triangular solve per block), returning the last state only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # tokens per block of the chunked recurrence
+
+
+@dataclass(frozen=True)
+class StateRows:
+    """Where each request of a step reads and writes its recurrent state (host ints, one per request)."""
+
+    slots: tuple[int, ...]  # state slot
+    starts: tuple[int, ...]  # position of the first new token (the request's num_cached)
+    lengths: tuple[int, ...]  # new tokens
+    offsets: tuple[int, ...]  # row of the first new token in the flat batch
+
+
+@dataclass
+class LayerState:
+    """One linear-attention layer's state slots."""
+
+    conv: torch.Tensor  # [num_slots, window, kernel - 1, conv_dim]: the last kernel - 1 conv inputs
+    recurrent: torch.Tensor  # [num_slots, window, num_v_heads, head_k_dim, head_v_dim] fp32
+    # [num_slots][window] the position whose state each ring entry holds (-1: none); checked on every read, so a
+    # step that starts where no state was kept fails loudly instead of reading another position's state
+    positions: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.positions = [[-1] * self.window for _ in range(self.conv.shape[0])]
+
+    @property
+    def window(self) -> int:
+        return self.conv.shape[1]
+
+    def start(self, slot: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [kernel - 1, conv_dim], recurrent [Hv, dk, dv]) after position start - 1 (zeros at 0), copies."""
+        if start == 0:
+            return torch.zeros_like(self.conv[slot, 0]), torch.zeros_like(self.recurrent[slot, 0])
+        i = (start - 1) % self.window
+        if self.positions[slot][i] != start - 1:
+            raise RuntimeError(f"state slot {slot} keeps no state after position {start - 1} (it holds "
+                               f"{sorted(p for p in self.positions[slot] if p >= 0)})")
+        return self.conv[slot, i].clone(), self.recurrent[slot, i].clone()
+
+    def claim(self, slot: int, pos: int) -> None:
+        """Let a step start at pos + 1 without the state after pos computed: for timing runs (the step
+        profiler), whose results nobody reads."""
+        self.positions[slot][pos % self.window] = pos
+
+    def keep(self, slot: int, first_pos: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Store the states after positions first_pos .. first_pos + n - 1 (conv [n, kernel - 1, conv_dim],
+        recurrent [n, Hv, dk, dv]; n <= window)."""
+        n = conv.shape[0]
+        idx = torch.arange(first_pos, first_pos + n, device=conv.device) % self.window  # [n]
+        self.conv[slot].index_copy_(0, idx, conv.to(self.conv.dtype))
+        self.recurrent[slot].index_copy_(0, idx, recurrent)
+        for p in range(first_pos, first_pos + n):
+            self.positions[slot][p % self.window] = p
+
+
+def allocate_layer_state(*, num_slots: int, window: int, kernel: int, conv_dim: int, num_v_heads: int,
+                         head_k_dim: int, head_v_dim: int, dtype: torch.dtype, device) -> LayerState:
+    return LayerState(torch.zeros(num_slots, window, kernel - 1, conv_dim, dtype=dtype, device=device),
+                      torch.zeros(num_slots, window, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32,
+                                  device=device))
+
+
+def layer_state_bytes(*, window: int, kernel: int, conv_dim: int, num_v_heads: int, head_k_dim: int,
+                      head_v_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one slot of one layer."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return window * ((kernel - 1) * conv_dim * elem + num_v_heads * head_k_dim * head_v_dim * 4)
+
+
+# -------------------------------------------------------------------------------------- causal conv
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over one request's new inputs.
+
+    x [n, C], state [K - 1, C] (the inputs before x), weight [C, K] -> (out [n, C], states [n, K - 1, C]: the
+    last K - 1 inputs after each position)."""
+    kernel = weight.shape[1]
+    full = torch.cat([state.to(x.dtype), x])  # [K - 1 + n, C]
+    windows = full.unfold(0, kernel, 1)  # [n, C, K]
+    out = F.silu((windows * weight).sum(-1))  # [n, C]
+    states = full[1:].unfold(0, kernel - 1, 1).transpose(1, 2) if kernel > 1 else full.new_zeros(x.shape[0], 0,
+                                                                                                x.shape[1])
+    return out, states  # states [n, K - 1, C]
+
+
+# -------------------------------------------------------------------------------------- delta rule
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [n, Hk, dk] -> fp32 [n, Hv, dk]: L2-normalised (eps 1e-6 inside the root), each key head serving
+    Hv / Hk consecutive value heads, q scaled by dk ** -0.5."""
+    q, k = q.float(), k.float()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    rep = num_v_heads // q.shape[1]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    return q * q.shape[-1] ** -0.5, k
+
+
+def delta_rule_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token at a time. q, k [n, H, dk], v [n, H, dv], g, beta [n, H] (fp32, q and k from `prepare_qk`),
+    state [H, dk, dv] -> (out [n, H, dv], states [n, H, dk, dv]: the state after each token)."""
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        predicted = (state * k[t].unsqueeze(-1)).sum(-2)  # [H, dv]: S^T k
+        delta = (v[t] - predicted) * beta[t].unsqueeze(-1)  # [H, dv]
+        state = state + k[t].unsqueeze(-1) * delta.unsqueeze(-2)  # [H, dk, dv]
+        outs.append((state * q[t].unsqueeze(-1)).sum(-2))  # [H, dv]: S^T q
+        states.append(state)
+    return torch.stack(outs), torch.stack(states)
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence in blocks of `chunk` tokens -> (out [n, H, dv], the last state [H, dk, dv]).
+
+    Within a block with log-decays cumulated from its start (c_t), the writes u = beta (v - S_{t-1}^T k) of the
+    block depend on each other through a unit lower-triangular system: with
+    L_ts = beta_t exp(c_t - c_s) k_t.k_s (s < t), u = (I + L)^-1 (beta v - beta exp(c) k S_0). Then
+    out_t = exp(c_t) q_t S_0 + sum_{s<=t} exp(c_t - c_s) (q_t.k_s) u_s and
+    S_end = exp(c_end) S_0 + sum_s exp(c_end - c_s) k_s u_s^T."""
+    n, heads, dk = k.shape
+    pad = (-n) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    blocks = (n + pad) // chunk
+    # [blocks, H, chunk, d]
+    q, k, v = (x.view(blocks, chunk, heads, -1).transpose(1, 2) for x in (q, k, v))
+    g, beta = (x.view(blocks, chunk, heads).transpose(1, 2) for x in (g, beta))  # [blocks, H, chunk]
+    c = g.cumsum(-1)  # [blocks, H, chunk]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # [blocks, H, t, s]
+    kb = k * beta.unsqueeze(-1)  # [blocks, H, chunk, dk]
+    system = (kb @ k.transpose(-1, -2)) * decay  # diagonal read as 1 by the unitriangular solve
+    u0 = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay  # [blocks, H, t, s]
+    q_decayed = q * c.exp().unsqueeze(-1)
+    k_to_end = k * (c[..., -1:] - c).exp().unsqueeze(-1)
+    end_decay = c[..., -1].exp()[..., None, None]  # [blocks, H, 1, 1]
+    out = torch.empty_like(v)
+    for b in range(blocks):
+        u = u0[b] - w[b] @ state  # [H, chunk, dv]
+        out[b] = q_decayed[b] @ state + scores[b] @ u
+        state = state * end_decay[b] + k_to_end[b].transpose(-1, -2) @ u
+    return out.transpose(1, 2).reshape(-1, heads, v.shape[-1])[:n], state
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [..., d] -> rms_norm(x) * weight * silu(gate), normalised in fp32 (the HF order)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return (weight * normed * F.silu(gate.float())).to(x.dtype)
