@@ -2,7 +2,7 @@
 with 8 concurrent requests, plain decoding and the served default (`speculative_config="default"`), on the
 embedded default model. Each measurement is a child process importing one tree (a detached `git worktree` of the
 revision, made once), the order rotating per round, so a load change on a shared machine hits both; medians
-over rounds, and the ratio working tree ÷ revision per configuration. Greedy outputs are compared too (a
+over rounds, and the median over rounds of the ratio working tree ÷ revision (the two runs of a round back to back). Greedy outputs are compared too (a
 refactor must not change them).
 
     python benchmarks/ab_revision.py --base 4db87a4 --rounds 3 --out benchmarks/results/ab_revision_spec_controller.json
@@ -85,7 +85,8 @@ def main() -> None:
                                                                          runs[f"{mode}_{num}"].items()}}),
                   flush=True)
     summary = {key: {"base_tok_s": statistics.median(v["base"]), "head_tok_s": statistics.median(v["head"]),
-                     "head_vs_base": statistics.median(v["head"]) / statistics.median(v["base"]),
+                     # each round's two runs ran back to back: the median of their ratios is the comparison
+                     "head_vs_base": statistics.median(h / b for h, b in zip(v["head"], v["base"])),
                      "same_greedy_outputs": same[key]} for key, v in runs.items()}
     result = {"command": " ".join(["python", "benchmarks/ab_revision.py"] + sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+import sys
 import statistics
 import tempfile
 import time
@@ -151,7 +153,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(7)
     prompt_sets = {n: [torch.randint(3, CFG.vocab_size, (96,), generator=g).tolist() for _ in range(n)]
                    for n in (1, 8)}
-    results: dict = {"config": "Qwen3.5 layout, random weights, 12 layers (9 Gated DeltaNet, 3 full attention), "
+    results: dict = {"command": " ".join(["python", "benchmarks/bench_hybrid.py"] + sys.argv[1:]),
+                     "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+                     "config": "Qwen3.5 layout, random weights, 12 layers (9 Gated DeltaNet, 3 full attention), "
                                "hidden 512, vocab 32000, fp32", "threads": args.threads, "new_tokens": args.new}
     with tempfile.TemporaryDirectory() as tmp:
         folder = mtp_folder(Path(tmp) / "mtp")

@@ -277,20 +277,20 @@ def projection(med: dict[str, float], tau_name: str) -> dict:
     points = {"macro": statistics.fmean(taus.values()),
               **{d: statistics.fmean(taus[b] for b in names) for d, names in DOMAINS.items()},
               "min": min(taus.values()), "max": max(taus.values())}
-    s1, s4, s8 = (med[f"step_{n}"] for n in STEP_TOKENS)
-    base = min(s1, s4, s8)  # a 1-token step slower than a wider one is a slow one-row path, not the cost of a token
+    step1, step4, step8 = (med[f"step_{n}"] for n in STEP_TOKENS)
+    base = min(step1, step4, step8)  # a 1-token step slower than a wider one is a slow one-row path, not the cost of a token
     out = {"tau_model": tau_name, "tau": {k: round(v, 3) for k, v in points.items()}, "tau_per_benchmark": taus,
-           "step_1_over_step_4": round(s1 / s4, 3)}
+           "step_1_over_step_4": round(step1 / step4, 3)}
     for vocab in ("full_vocab", "reduced_vocab"):
         prop, ctx = med[f"proposal_{vocab}"], med[f"context_update_{vocab}"]
-        round_s, round_ctx_s = s8 + prop, s8 + prop + ctx
+        round_s, round_ctx_s = step8 + prop, step8 + prop + ctx
         out[vocab] = {
-            "proposal_over_step_1": round(prop / s1, 4), "proposal_over_verify_4": round(prop / s4, 4),
-            "proposal_over_verify_8": round(prop / s8, 4), "context_update_over_step_1": round(ctx / s1, 4),
+            "proposal_over_step_1": round(prop / step1, 4), "proposal_over_verify_4": round(prop / step4, 4),
+            "proposal_over_verify_8": round(prop / step8, 4), "context_update_over_step_1": round(ctx / step1, 4),
             "round_s": round(round_s, 6), "round_with_context_update_s": round(round_ctx_s, 6),
-            "break_even_tau": round(round_s / s1, 3), "break_even_tau_with_context_update": round(round_ctx_s / s1, 3),
-            "projected_speedup": {k: round(t * s1 / round_s, 3) for k, t in points.items()},
-            "projected_speedup_with_context_update": {k: round(t * s1 / round_ctx_s, 3) for k, t in points.items()},
+            "break_even_tau": round(round_s / step1, 3), "break_even_tau_with_context_update": round(round_ctx_s / step1, 3),
+            "projected_speedup": {k: round(t * step1 / round_s, 3) for k, t in points.items()},
+            "projected_speedup_with_context_update": {k: round(t * step1 / round_ctx_s, 3) for k, t in points.items()},
             # the baseline the fastest step per call: lower where the 1-token step is slower than a 4- or 8-token one
             "projected_speedup_conservative": {k: round(t * base / round_ctx_s, 3) for k, t in points.items()},
         }

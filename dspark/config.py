@@ -16,7 +16,11 @@ from typing import Any
 from dspark.utils.options import human_int, opt, optional_human_int
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-SPEC_METHODS = ("dspark", "dflash", "eagle3", "ngram", "draft_model", "mtp")
+# speculative method -> the module that checks and builds its drafter (`dspark.drafters.DRAFTER_REGISTRY`); "dflash"
+# is the DSpark drafter with its Markov and confidence heads off
+SPEC_METHODS = {"dspark": "dspark.drafters.dspark", "dflash": "dspark.drafters.dspark",
+                "eagle3": "dspark.drafters.eagle3", "ngram": "dspark.drafters.ngram",
+                "draft_model": "dspark.drafters.draft_model", "mtp": "dspark.drafters.mtp"}
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 LENGTH_POLICY_NAMES = ("fixed", "threshold", "prefix", "async")
 # length_policy "threshold": "cumulative" keeps the drafts whose survival Π_{i≤k} c_i stays >= the threshold;

@@ -416,3 +416,18 @@ def test_a_gemma4_gguf_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="GGUF architecture 'gemma4' is not supported"):
         read_model_config(tmp_path / "g.gguf")
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash", "eagle3"])
+def test_tap_drafters_on_gemma4_are_lossless_with_prefix_cache(pair, method, tmp_path):
+    """DSpark, DFlash and EAGLE-3 read the Gemma 4 stack's taps (the per-layer-input, KV-sharing config and the
+    MoE one): random drafters saved and built as the engine builds them, greedy output equal to plain, with
+    prefix caching on."""
+    from tests.test_hybrid_drafters import _tap_drafter
+    model, _, cfg = pair
+    prompts = _looping_prompts(4, seed=9)
+    plain = run(make_engine(model, cfg, prefix=False), prompts, greedy(16))
+    drafter, spec = _tap_drafter(method, model, cfg, tmp_path / method)
+    engine = make_engine(model, cfg, budget=24, num_kv_blocks=64, drafter=drafter, spec=spec)
+    assert run(engine, prompts, greedy(16)) == plain
+    assert engine.metrics.num_draft_tokens > 0

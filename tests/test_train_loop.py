@@ -456,3 +456,38 @@ def test_schedule_by_time_fits_the_lr_schedule_to_max_minutes(tmp_path, monkeypa
         t.close()
     with pytest.raises(ValueError, match="schedule_by_time needs max_minutes"):
         tiny_config(schedule_by_time=True)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
+def test_training_on_gemma4_and_hybrid_targets(tmp_path, family):
+    """`dspark train` on a Gemma 4 target (KV sharing, per-layer inputs) and a hybrid Qwen3.5 one (recurrent state
+    slots in the feature pass): a few steps reduce the loss, and the exported drafter serves the target losslessly."""
+    from dspark.config import SpecConfig
+    from dspark.drafters import build_drafter
+    from tests.engine_helpers import greedy, make_engine, run
+    if family == "gemma4":
+        from tests.test_gemma4 import DENSE as model_cfg, target
+        model, _ = target(model_cfg)
+        with torch.no_grad():  # a peaked target (its final norm scales the tied head's input): learnable
+            model.model.norm.weight.mul_(8.0)
+    else:
+        from tests.engine_helpers import tiny_target as hf_target
+        from tests.test_hybrid import TINY_QWEN3_5 as model_cfg
+        model, _ = hf_target(model_cfg)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)
+    cfg = tiny_config(method="dspark", max_steps=30, lr=3e-2, log_every=10)
+    trainer = Trainer(cfg, data_dir=toy_data(tmp_path / "data"), out_dir=tmp_path / "run",
+                      target=(model, model_cfg, model_cfg.eos_token_ids), show_progress=False)
+    before = _fixed_loss(trainer)
+    trainer.fit()
+    after = _fixed_loss(trainer)
+    trainer.export(tmp_path / "export")
+    trainer.close()
+    assert after < 0.9 * before, (before, after)
+    spec = SpecConfig(method="dspark", model=str(tmp_path / "export"), num_speculative_tokens=3)
+    drafter = build_drafter(spec, target_config=model_cfg, target_model=model, dtype=torch.float32, device="cpu")
+    prompts = [[5, 9, 14, 20, 26, 32], [40, 3, 7, 7, 7]]
+    plain = run(make_engine(model, model_cfg, prefix=False), prompts, greedy(12))
+    engine = make_engine(model, model_cfg, prefix=False, drafter=drafter, spec=spec)
+    assert run(engine, prompts, greedy(12)) == plain and engine.metrics.num_draft_tokens > 0

@@ -10,17 +10,10 @@ from __future__ import annotations
 
 import importlib
 
-from dspark.config import SpecConfig
+from dspark.config import SPEC_METHODS, SpecConfig
 from dspark.drafters.base import DraftProposal, Drafter
 
-DRAFTER_REGISTRY = {
-    "ngram": "dspark.drafters.ngram",
-    "draft_model": "dspark.drafters.draft_model",
-    "eagle3": "dspark.drafters.eagle3",
-    "dflash": "dspark.drafters.dspark",
-    "dspark": "dspark.drafters.dspark",
-    "mtp": "dspark.drafters.mtp",
-}
+DRAFTER_REGISTRY = SPEC_METHODS  # method -> module (one table: dspark.config)
 
 
 def _module(method: str):

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dspark.models.config import dense_width
+from dspark.models.layers import drafter_rope_scaling
 
 SLOT_LAYOUTS = ("dspark", "zlab")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # keys of heads.SEQUENTIAL_HEADS
@@ -197,7 +198,7 @@ def dspark_config_for_target(
         tap_layer_ids=tuple(tap_layer_ids) if tap_layer_ids is not None
         else default_tap_layer_ids(target.num_hidden_layers),
         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-        rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
+        rope_scaling=drafter_rope_scaling(target.rope_scaling), max_position_embeddings=target.max_position_embeddings,
         markov_rank=markov_rank, markov_head_type=markov_head_type,
         enable_confidence_head=(markov_rank > 0 if enable_confidence_head is None
                                 else enable_confidence_head),

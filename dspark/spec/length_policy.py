@@ -49,6 +49,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 
+from dspark.config import LENGTH_POLICY_NAMES
 from dspark.spec.cost_table import CostTable
 
 __all__ = ["LengthPolicy", "FixedLength", "ConfidenceThreshold", "PrefixScheduler",
@@ -201,12 +202,9 @@ class AsyncPrefixScheduler:
         return _lengths_from_ranking(ranked_reqs[:_capped(capacity, max_drafts)], num_reqs)
 
 
-LENGTH_POLICIES: dict[str, type] = {
-    "fixed": FixedLength,
-    "threshold": ConfidenceThreshold,
-    "prefix": PrefixScheduler,
-    "async": AsyncPrefixScheduler,
-}
+# the names `SpecConfig.length_policy` takes (dspark.config), in their order
+LENGTH_POLICIES: dict[str, type] = dict(zip(LENGTH_POLICY_NAMES, (FixedLength, ConfidenceThreshold, PrefixScheduler,
+                                                                   AsyncPrefixScheduler), strict=True))
 
 
 def build_length_policy(
