@@ -12,7 +12,9 @@ model, bf16 weights on CUDA unless told otherwise,
    asserts or diverges at its first replay rather than by chance (on the CPU: `LifetimeCheckBackend`);
 4. tok/s of plain and speculative decoding (shipped DSpark drafter) at batch 1 and at 32 concurrent, with
    CUDA graphs and eager side by side;
-5. with two GPUs: TP=2 (NCCL) logits against TP=1.
+5. with two GPUs: TP=2 (NCCL) logits against TP=1;
+6. the new target families (device_check_targets.py): tiny random Gemma 4 and hybrid Qwen3.5 configs, greedy output
+   on the device == the CPU's, speculative == plain, batch-1 and c = 8 tok/s.
 
 One JSON out (`--out`). `--device cpu --quick` runs the same code on the CPU in a few minutes (the graph
 runner on its eager stand-in): a check of this script, not of CUDA.
@@ -30,6 +32,8 @@ import sys
 import time
 
 import torch
+
+from device_check_targets import check_new_targets  # noqa: E402 (benchmarks/ is the script's folder)
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -294,7 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
               ("cuda_graphs", lambda: check_graphs(args.device, dtype, prompts[:n], tokens)),
               ("speed", lambda: check_speed(args.device, dtype, prompts if not args.quick else prompts[:8],
                                             32 if args.quick else 128)),
-              ("tensor_parallel", lambda: check_tp(args.device, dtype, prompts[:n], tokens)))
+              ("tensor_parallel", lambda: check_tp(args.device, dtype, prompts[:n], tokens)),
+              ("new_targets", lambda: check_new_targets(args.device, args.quick)))
     for name, run in checks:
         t = time.perf_counter()
         try:

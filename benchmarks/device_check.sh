@@ -2,7 +2,8 @@
 # The prepared device check for one GPU (under 8 minutes): greedy parity of speculative vs plain decoding on
 # CUDA for every drafter, HF transformers' logits parity in bf16 (and fp32), graphs captured under allocator
 # poison (a freed tensor read by a graph asserts at once), CUDA-graph replay == eager, batch-1 and c=32 tok/s
-# plain vs speculative with and without graphs, TP=2 when two GPUs are present. One JSON out.
+# plain vs speculative with and without graphs, TP=2 when two GPUs are present, and the new target families
+# (tiny random Gemma 4 and hybrid Qwen3.5: device == CPU, speculative == plain, tok/s). One JSON out.
 #
 #   bash benchmarks/device_check.sh [OUT.json]        # default benchmarks/results/device_check_cuda.json
 #

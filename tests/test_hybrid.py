@@ -106,6 +106,13 @@ def test_chunked_recurrence_and_conv_equal_their_slow_twins():
         _, one = delta_rule_tokens(q[t:t + 1], k[t:t + 1], v[t:t + 1], gate[t:t + 1], beta[t:t + 1], state)
         state = one[0]
         assert torch.equal(state, states[t])
+    # two requests' windows at once (the engine's path for windows of one length) equal each run on its own
+    both, both_states = delta_rule_tokens(torch.stack([q[:4], q[4:8]]), torch.stack([k[:4], k[4:8]]),
+                                          torch.stack([v[:4], v[4:8]]), torch.stack([gate[:4], gate[4:8]]),
+                                          torch.stack([beta[:4], beta[4:8]]), torch.stack([state0, states[3]]))
+    for j, (a, b, init) in enumerate(((0, 4, state0), (4, 8, states[3]))):
+        alone, alone_states = delta_rule_tokens(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], init)
+        assert (both[j] - alone).abs().max() < 1e-6 and (both_states[j] - alone_states).abs().max() < 1e-6
     x, w, s = torch.randn(9, 5, generator=g), torch.randn(5, 4, generator=g), torch.randn(3, 5, generator=g)
     out, conv_states = causal_conv(x, s, w)
     full = torch.cat([s, x])

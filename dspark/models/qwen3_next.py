@@ -122,23 +122,46 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
         core = x.new_empty(T, self.num_v_heads, self.head_v_dim)
-        weight = self.conv_weight
-        for slot, start, n, off in zip(rows.slots, rows.starts, rows.lengths, rows.offsets):
-            conv0, rec0 = state.start(slot, start)
-            mixed, conv_states = causal_conv(qkv[off:off + n], conv0, weight)  # [n, C], [n, K - 1, C]
-            q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-            q, k = prepare_qk(q.reshape(n, self.num_k_heads, -1), k.reshape(n, self.num_k_heads, -1),
-                              self.num_v_heads)  # [n, Hv, dk] fp32
-            v = v.reshape(n, self.num_v_heads, -1).float()
-            if n <= state.window:  # every state of the window is kept: a rejection rolls back into it
-                out, states = delta_rule_tokens(q, k, v, g[off:off + n], beta[off:off + n], rec0)
-                state.keep(slot, start, conv_states, states)
-            else:  # a long prompt chunk: its last state only
-                out, last = delta_rule_chunked(q, k, v, g[off:off + n], beta[off:off + n], rec0)
-                state.keep(slot, start + n - 1, conv_states[-1:], last.unsqueeze(0))
-            core[off:off + n] = out.to(x.dtype)
+        windows: dict[int, list[int]] = {}  # n -> the step's requests with n new tokens, n <= the ring
+        for r, n in enumerate(rows.lengths):
+            if n <= state.window:
+                windows.setdefault(n, []).append(r)
+            else:  # a long prompt chunk: the chunked recurrence, its last state only
+                self._chunk(r, qkv, g, beta, rows, state, core)
+        for n, members in windows.items():  # every state of a window is kept: a rejection rolls back into it
+            self._windows(n, members, qkv, g, beta, rows, state, core)
         normed = gated_rms_norm(core, z.reshape(T, self.num_v_heads, -1), self.norm_weight, self.eps)
         return self.out_proj(normed.reshape(T, -1))
+
+    def _qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv output [..., n, C] -> q, k [..., n, Hv, dk] (prepared), v [..., n, Hv, dv], fp32."""
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        lead = q.shape[:-1]
+        q, k = prepare_qk(q.reshape(*lead, self.num_k_heads, -1), k.reshape(*lead, self.num_k_heads, -1),
+                          self.num_v_heads)
+        return q, k, v.reshape(*lead, self.num_v_heads, -1).float()
+
+    def _windows(self, n: int, members: list[int], qkv, g, beta, rows: StateRows, state: LayerState, core) -> None:
+        """Requests with n new tokens each, at once: the one-token recurrence, every position's state kept."""
+        slots, starts = [rows.slots[r] for r in members], [rows.starts[r] for r in members]
+        idx = torch.tensor([rows.offsets[r] + t for r in members for t in range(n)], device=qkv.device)  # [B * n]
+        conv0, rec0 = state.start_many(slots, starts)  # [B, K - 1, C], [B, Hv, dk, dv]
+        mixed, conv_states = causal_conv(qkv[idx].view(len(members), n, -1), conv0, self.conv_weight)
+        q, k, v = self._qkv(mixed)  # [B, n, Hv, d]
+        out, states = delta_rule_tokens(q, k, v, g[idx].view(len(members), n, -1),
+                                        beta[idx].view(len(members), n, -1), rec0)  # [B, n, Hv, dv], [B, n, ...]
+        for j, (slot, start) in enumerate(zip(slots, starts)):
+            state.keep(slot, start, conv_states[j], states[j])
+        core[idx] = out.reshape(len(members) * n, self.num_v_heads, -1).to(core.dtype)
+
+    def _chunk(self, r: int, qkv, g, beta, rows: StateRows, state: LayerState, core) -> None:
+        slot, start, n, off = rows.slots[r], rows.starts[r], rows.lengths[r], rows.offsets[r]
+        conv0, rec0 = state.start(slot, start)
+        mixed, conv_states = causal_conv(qkv[off:off + n], conv0, self.conv_weight)  # [n, C], [n, K - 1, C]
+        q, k, v = self._qkv(mixed)
+        out, last = delta_rule_chunked(q, k, v, g[off:off + n], beta[off:off + n], rec0)
+        state.keep(slot, start + n - 1, conv_states[-1:], last.unsqueeze(0))
+        core[off:off + n] = out.to(core.dtype)
 
 
 class HybridDecoderLayer(nn.Module):

@@ -12,7 +12,7 @@ than the window keeps only its last state (nothing rolls back into a prompt).
 The recurrence (the gated delta rule, per value head with a [dk, dv] state S):
     S <- exp(g_t) * S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 `delta_rule_tokens` runs it one token at a time and returns every intermediate state (the verification
-path and the slow twin of everything else); `delta_rule_chunked` runs a long prompt chunk in blocks of
+path, for every request of a step with windows of the same length at once, and the slow twin of everything else); `delta_rule_chunked` runs a long prompt chunk in blocks of
 `CHUNK` tokens with the WY form (a unit lower-triangular solve per block), returning the last state only.
 """
 
@@ -63,6 +63,11 @@ class LayerState:
                                f"{sorted(p for p in self.positions[slot] if p >= 0)})")
         return self.conv[slot, i].clone(), self.recurrent[slot, i].clone()
 
+    def start_many(self, slots: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`start` of several requests, stacked: (conv [B, kernel - 1, conv_dim], recurrent [B, Hv, dk, dv])."""
+        parts = [self.start(slot, start) for slot, start in zip(slots, starts)]
+        return torch.stack([c for c, _ in parts]), torch.stack([r for _, r in parts])
+
     def claim(self, slot: int, pos: int) -> None:
         """Let a step start at pos + 1 without the state after pos computed: for timing runs (the step
         profiler), whose results nobody reads."""
@@ -98,47 +103,48 @@ def layer_state_bytes(*, window: int, kernel: int, conv_dim: int, num_v_heads: i
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU over one request's new inputs.
+    """Depthwise causal conv + SiLU over requests' new inputs (leading dims: requests, or none for one).
 
-    x [n, C], state [K - 1, C] (the inputs before x), weight [C, K] -> (out [n, C], states [n, K - 1, C]: the
-    last K - 1 inputs after each position)."""
+    x [..., n, C], state [..., K - 1, C] (the inputs before x), weight [C, K] -> (out [..., n, C], states
+    [..., n, K - 1, C]: the last K - 1 inputs after each position)."""
     kernel = weight.shape[1]
-    full = torch.cat([state.to(x.dtype), x])  # [K - 1 + n, C]
-    windows = full.unfold(0, kernel, 1)  # [n, C, K]
-    out = F.silu((windows * weight).sum(-1))  # [n, C]
-    states = full[1:].unfold(0, kernel - 1, 1).transpose(1, 2) if kernel > 1 else full.new_zeros(x.shape[0], 0,
-                                                                                                x.shape[1])
-    return out, states  # states [n, K - 1, C]
+    full = torch.cat([state.to(x.dtype), x], dim=-2)  # [..., K - 1 + n, C]
+    windows = full.unfold(-2, kernel, 1)  # [..., n, C, K]
+    out = F.silu((windows * weight).sum(-1))  # [..., n, C]
+    states = full[..., 1:, :].unfold(-2, kernel - 1, 1).transpose(-1, -2)  # [..., n, K - 1, C]
+    return out, states
 
 
 # -------------------------------------------------------------------------------------- delta rule
 
 
 def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k [n, Hk, dk] -> fp32 [n, Hv, dk]: L2-normalised (eps 1e-6 inside the root), each key head serving
+    """q, k [..., Hk, dk] -> fp32 [..., Hv, dk]: L2-normalised (eps 1e-6 inside the root), each key head serving
     Hv / Hk consecutive value heads, q scaled by dk ** -0.5."""
     q, k = q.float(), k.float()
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    rep = num_v_heads // q.shape[1]
+    rep = num_v_heads // q.shape[-2]
     if rep > 1:
-        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
     return q * q.shape[-1] ** -0.5, k
 
 
 def delta_rule_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token at a time. q, k [n, H, dk], v [n, H, dv], g, beta [n, H] (fp32, q and k from `prepare_qk`),
-    state [H, dk, dv] -> (out [n, H, dv], states [n, H, dk, dv]: the state after each token)."""
+    """One token at a time, for requests of n tokens each (leading dims: requests, or none for one). q, k
+    [..., n, H, dk], v [..., n, H, dv], g, beta [..., n, H] (fp32, q and k from `prepare_qk`), state [..., H, dk, dv]
+    -> (out [..., n, H, dv], states [..., n, H, dk, dv]: the state after each token)."""
     outs, states = [], []
-    for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        predicted = (state * k[t].unsqueeze(-1)).sum(-2)  # [H, dv]: S^T k
-        delta = (v[t] - predicted) * beta[t].unsqueeze(-1)  # [H, dv]
-        state = state + k[t].unsqueeze(-1) * delta.unsqueeze(-2)  # [H, dk, dv]
-        outs.append((state * q[t].unsqueeze(-1)).sum(-2))  # [H, dv]: S^T q
+    for t in range(q.shape[-3]):
+        q_t, k_t, v_t = q[..., t, :, :], k[..., t, :, :], v[..., t, :, :]  # [..., H, d]
+        state = state * g[..., t, :].exp()[..., None, None]
+        predicted = (state * k_t.unsqueeze(-1)).sum(-2)  # [..., H, dv]: S^T k
+        delta = (v_t - predicted) * beta[..., t, :].unsqueeze(-1)  # [..., H, dv]
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)  # [..., H, dk, dv]
+        outs.append((state * q_t.unsqueeze(-1)).sum(-2))  # [..., H, dv]: S^T q
         states.append(state)
-    return torch.stack(outs), torch.stack(states)
+    return torch.stack(outs, dim=-3), torch.stack(states, dim=-4)
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
