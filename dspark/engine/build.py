@@ -95,7 +95,7 @@ def _runner_wrapper(config: EngineConfig, model, target_config, workers):
     if not config.device.startswith("cuda") or config.enforce_eager:
         return None
     if getattr(model, "has_recurrent_state", False):
-        log.info("CUDA graphs are off for %s: its linear-attention steps run per request (eager)",
+        log.info("CUDA graphs are off for %s: its linear-attention layers read their state bookkeeping on the host (eager)",
                  target_config.architecture)
         return None
     from dspark.worker.cuda_graphs import CudaGraphBackend, GraphedRunner
