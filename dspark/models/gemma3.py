@@ -218,15 +218,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = m.embed_tokens(input_ids)  # [T, hidden]: the weights' dtype (fp32 rows from resident blocks)
         x = x * _rounded(m.embed_scale, x.dtype)  # HF scales by the factor in the activations' dtype
         tables = {kind: m.rotary_emb.lookup(positions, kind, x.dtype) for kind in self._layer_kinds}
-        tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
-        taps = x.new_empty(x.shape[0], len(tap_layer_ids) * x.shape[1]) if tap_slots else None
-        hidden_size = x.shape[1]
-
-        def capture(layer_id: int, value: torch.Tensor) -> None:
-            for j in tap_slots.get(layer_id, ()):
-                taps[:, j * hidden_size:(j + 1) * hidden_size] = value
-
-        capture(-1, x)
+        taps, tap_slots, capture = self._tap_buffer(x, tap_layer_ids)
         if self._gemma_stack(x, tables, attn_meta, kv_caches, taps, tap_slots):
             return m.norm(x), taps
         for i, (layer, kv_cache) in enumerate(zip(m.layers, kv_caches)):

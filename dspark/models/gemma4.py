@@ -43,7 +43,7 @@ from dspark import kernels
 from dspark.models.attention import AttnMetadata, paged_attention, sliding_window_metadata, store_kv
 from dspark.models.config import ModelConfig
 from dspark.models.gemma3 import Gemma3MLP, _rounded
-from dspark.models.layers import (LMHead, Fp32Buffers, Linear, MergedLinear, RMSNorm, VocabEmbedding, ROPE_INIT,
+from dspark.models.layers import (Fp32Buffers, Linear, MergedLinear, RMSNorm, VocabEmbedding, ROPE_INIT,
                                   _set_loader, apply_rope, default_weight_loader, rope_cos_sin, rope_type)
 from dspark.models.llama import KVCache, LlamaForCausalLM
 from dspark.models.moe import Experts, MoeWeights
@@ -292,14 +292,11 @@ class Gemma4ForCausalLM(MoeWeights, LlamaForCausalLM):
     """Loading (HF names, fused q|k|v and gate|up, stacked experts) and taps as `LlamaForCausalLM`; the pool
     holds one entry per layer that owns K/V (`kv_layer_specs`)."""
 
+    model_cls = Gemma4Model
+
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = Gemma4Model(cfg, dtype=dtype, device=device)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
-                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
-                              dtype=dtype, device=device)
+        super().__init__(cfg, dtype=dtype, device=device)
         self.kv_owners, self.cache_index = kv_layout(cfg)
         self._layer_kinds = {cfg.layer_type(i) for i in range(cfg.num_hidden_layers)}
 
@@ -334,15 +331,7 @@ class Gemma4ForCausalLM(MoeWeights, LlamaForCausalLM):
         x = x * _rounded(m.embed_scale, x.dtype)
         per_layer = m.per_layer_inputs(input_ids, x)  # [T, L, P] or None
         tables = {kind: m.rotary_emb.lookup(positions, kind, x.dtype) for kind in self._layer_kinds}
-        tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
-        hidden = x.shape[1]
-        taps = x.new_empty(x.shape[0], len(tap_layer_ids) * hidden) if tap_slots else None
-
-        def capture(layer_id: int, value: torch.Tensor) -> None:
-            for j in tap_slots.get(layer_id, ()):
-                taps[:, j * hidden:(j + 1) * hidden] = value
-
-        capture(-1, x)
+        taps, tap_slots, capture = self._tap_buffer(x, tap_layer_ids)
         for i, layer in enumerate(m.layers):
             x = layer(x, None if per_layer is None else per_layer[:, i], *tables[layer.self_attn.layer_type],
                       attn_meta, kv_caches[self.cache_index[i]])

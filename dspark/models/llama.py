@@ -178,17 +178,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(m.layers)} layers")
         x = m.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = m.rotary_emb.lookup(positions)  # [T, 1, hd] each
-        taps = None
-        tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
-        if tap_slots:
-            hidden_size = x.shape[-1]
-            taps = x.new_empty(x.shape[0], len(tap_layer_ids) * hidden_size)  # [T, n_taps * hidden]
-
-            def capture(layer_id: int, value: torch.Tensor) -> None:
-                for j in tap_slots.get(layer_id, ()):
-                    taps[:, j * hidden_size:(j + 1) * hidden_size] = value
-
-            capture(-1, x)
+        taps, tap_slots, capture = self._tap_buffer(x, tap_layer_ids)
         if self._fused_layers(x, cos, sin, attn_meta, kv_caches, taps, tap_slots):
             return m.norm(x), taps
         for i, (layer, kv_cache) in enumerate(zip(m.layers, kv_caches)):
@@ -196,6 +186,20 @@ class LlamaForCausalLM(nn.Module):
             if i in tap_slots:
                 capture(i, x)
         return m.norm(x), taps
+
+    def _tap_buffer(self, x: torch.Tensor, tap_layer_ids: tuple[int, ...]):
+        """A forward's taps: (taps [T, len(tap_layer_ids) * hidden] or None, layer id -> tap columns, capture(layer
+        id, value) writing a layer's output into its columns), the embedding `x` (tap -1) already captured."""
+        tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
+        hidden = x.shape[-1]
+        taps = x.new_empty(x.shape[0], len(tap_layer_ids) * hidden) if tap_slots else None  # [T, n_taps * hidden]
+
+        def capture(layer_id: int, value: torch.Tensor) -> None:
+            for j in tap_slots.get(layer_id, ()):
+                taps[:, j * hidden:(j + 1) * hidden] = value
+
+        capture(-1, x)
+        return taps, tap_slots, capture
 
     def stack_rows(self) -> int:
         """The most rows a step of this model may have and run every decoder layer in one CPU kernel call

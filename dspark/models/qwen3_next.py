@@ -30,7 +30,7 @@ from torch import nn
 from dspark.models.attention import AttnMetadata, paged_attention, store_kv
 from dspark.models.config import ModelConfig
 from dspark.models.gemma3 import GemmaRMSNorm
-from dspark.models.layers import (LMHead, Linear, MergedLinear, VocabEmbedding, apply_rope, default_weight_loader,
+from dspark.models.layers import (Linear, MergedLinear, VocabEmbedding, apply_rope, default_weight_loader,
                                   rope_cos_sin, _set_loader)
 from dspark.models.llama import KVCache, LlamaForCausalLM, LlamaMLP
 from dspark.models.moe import MoeWeights, SparseMoeBlock
@@ -212,13 +212,10 @@ class Qwen3NextForCausalLM(MoeWeights, LlamaForCausalLM):
     }
     has_recurrent_state = True
 
+    model_cls = HybridModel
+
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device="cpu") -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = HybridModel(cfg, dtype=dtype, device=device)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
-                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
-                              dtype=dtype, device=device)
+        super().__init__(cfg, dtype=dtype, device=device)
         self.attention_layers = [i for i, layer in enumerate(self.model.layers) if not layer.linear]
         self.linear_layers = [i for i, layer in enumerate(self.model.layers) if layer.linear]
         self.states: list[LayerState] = []
@@ -259,15 +256,7 @@ class Qwen3NextForCausalLM(MoeWeights, LlamaForCausalLM):
             caches[i] = st
         x = m.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = rope_cos_sin(positions, m.inv_freq, x.dtype)  # [T, 1, rotary] each
-        tap_slots = self._tap_slots(tuple(tap_layer_ids)) if tap_layer_ids else {}
-        hidden = x.shape[-1]
-        taps = x.new_empty(x.shape[0], len(tap_layer_ids) * hidden) if tap_slots else None  # [T, taps * hidden]
-
-        def capture(layer_id: int, value: torch.Tensor) -> None:
-            for j in tap_slots.get(layer_id, ()):
-                taps[:, j * hidden:(j + 1) * hidden] = value
-
-        capture(-1, x)
+        taps, _, capture = self._tap_buffer(x, tap_layer_ids)
         for i, (layer, cache) in enumerate(zip(m.layers, caches)):
             x = layer(x, cos, sin, attn_meta, cache)
             capture(i, x)
