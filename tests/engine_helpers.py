@@ -72,3 +72,28 @@ def repetitive_prompts(n: int, vocab: int, *, seed: int = 0, length: int = 40) -
         body = (motif * (length // 5 + 1))[:length - 9 - i]
         out.append((shared if i % 2 == 0 else []) + body + motif[:2])
     return out
+
+
+def two_token_law(hf, prompt: list[int], temperature: float, firsts: int = 4):
+    """The categories (first token among the `firsts` likeliest, second token) plus one for any other first token,
+    and their exact probabilities under the transformers model `hf` at `temperature`: (those first tokens, law)."""
+    def last_probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.softmax(hf(torch.tensor([ids])).logits[0, -1].double() / temperature, -1)
+    p1 = last_probs(prompt)
+    top = p1.topk(firsts).indices.tolist()
+    rows = [p1[t] * last_probs(prompt + [t]) for t in top]
+    return top, torch.cat(rows + [torch.tensor([1.0 - p1[top].sum()], dtype=torch.float64)])
+
+
+def two_token_samples(engine, prompt: list[int], n: int, top: list[int], temperature: float) -> torch.Tensor:
+    """n seeded requests of two tokens through `engine` -> each one's category of `two_token_law`."""
+    ids = [engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=2, ignore_eos=True, seed=s))
+           for s in range(n)]
+    outs: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+    vocab = engine.model_config.vocab_size
+    return torch.tensor([top.index(o[0]) * vocab + o[1] if o[0] in top else len(top) * vocab
+                         for o in (outs[i] for i in ids)])

@@ -31,8 +31,8 @@ from dspark.models import build_model
 from dspark.models import gemma4
 from dspark.models.attention import SeqSpec, build_attn_metadata, sliding_window_metadata
 from dspark.models.config import ModelConfig
-from dspark.sampling import SamplingParams
-from tests.engine_helpers import greedy, hf_greedy, make_engine, ngram_engine_args, run
+from tests.engine_helpers import (greedy, hf_greedy, make_engine, ngram_engine_args, run, two_token_law,
+                                  two_token_samples)
 from tests.stat_checks import assert_differs_from_distribution, assert_matches_distribution
 
 ATOL = 1e-4
@@ -297,35 +297,19 @@ def test_speculative_greedy_equals_plain_with_prefix_cache_and_preemption(pair, 
     engine.block_manager.check_invariants()
 
 
-def _joint_law(hf, prompt: list[int], temperature: float, firsts: int = 4):
-    """Categories (first token among the `firsts` likeliest, second token) + one for any other first token, and
-    their exact probabilities under the target."""
-    p1 = torch.softmax(_hf_logits(hf, prompt)[-1].double() / temperature, -1)
-    top = p1.topk(firsts).indices.tolist()
-    rows = [p1[t] * torch.softmax(_hf_logits(hf, prompt + [t])[-1].double() / temperature, -1) for t in top]
-    return top, torch.cat(rows + [torch.tensor([1.0 - p1[top].sum()], dtype=torch.float64)])
-
-
 def test_sampled_law_under_speculation_matches_the_target():
     """Seeded sampling at temperature 0.7 through a draft model: the joint law of the first two tokens (the second
     verified against drafts) matches the target's; the same samples fail against the law at 1.0 (it can fail)."""
     model, hf = target(DENSE, seed=5)
     prompt, t = _ids(12, 6), 0.7
-    top, law = _joint_law(hf, prompt, t)
+    top, law = two_token_law(hf, prompt, t)
     engine = make_engine(model, DENSE, budget=256, prefix=False, max_num_seqs=64,
                          drafter=DraftModelDrafter(_tiny_draft_model(DENSE), num_draft_tokens=2),
                          spec=SpecConfig(method="draft_model", model="tiny", num_speculative_tokens=2,
                                          draft_sample_method="probabilistic"))
-    ids = [engine.add_request(prompt, SamplingParams(temperature=t, max_tokens=2, ignore_eos=True, seed=s))
-           for s in range(3000)]
-    outs: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id] += o.new_token_ids
-    samples = torch.tensor([top.index(o[0]) * 256 + o[1] if o[0] in top else len(top) * 256
-                            for o in (outs[i] for i in ids)])
+    samples = two_token_samples(engine, prompt, 3000, top, t)
     assert_matches_distribution(samples, law, what="Gemma 4 target, draft-model speculation")
-    assert_differs_from_distribution(samples, _joint_law(hf, prompt, 1.0)[1], what="the law at temperature 1.0")
+    assert_differs_from_distribution(samples, two_token_law(hf, prompt, 1.0)[1], what="the law at temperature 1.0")
 
 
 # -- checkpoints and refusals -------------------------------------------------------------------------------

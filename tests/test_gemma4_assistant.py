@@ -27,9 +27,9 @@ from dspark.drafters.base import ContextSegment, ContextUpdate, ProposeBatch, Pr
 from dspark.llm import LLM
 from dspark.models.config import ModelConfig
 from dspark.sampling import SamplingParams
-from tests.engine_helpers import greedy, make_engine, run
+from tests.engine_helpers import greedy, make_engine, run, two_token_law, two_token_samples
 from tests.stat_checks import assert_differs_from_distribution, assert_matches_distribution
-from tests.test_gemma4 import DENSE, MOE, WINDOW, Pool, _ids, _joint_law, _looping_prompts, target
+from tests.test_gemma4 import DENSE, MOE, WINDOW, Pool, _ids, _looping_prompts, target
 
 K = 4
 
@@ -180,18 +180,12 @@ def test_speculative_greedy_equals_plain_with_prefix_cache_and_preemption(setup)
 
 
 def _sampled_pairs(model, spec: SpecConfig, prompt: list[int], top: list[int], t: float) -> torch.Tensor:
-    """3000 seeded requests of two tokens at temperature t -> their categories (`_joint_law`'s)."""
+    """3000 seeded requests of two tokens at temperature t -> their categories (`two_token_law`'s)."""
     drafter = build_drafter(spec, target_config=DENSE, target_model=model, dtype=torch.float32, device="cpu")
     engine = make_engine(model, DENSE, budget=256, prefix=False, max_num_seqs=64, drafter=drafter, spec=spec)
-    ids = [engine.add_request(prompt, SamplingParams(temperature=t, max_tokens=2, ignore_eos=True, seed=s))
-           for s in range(3000)]
-    outs: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id] += o.new_token_ids
+    samples = two_token_samples(engine, prompt, 3000, top, t)
     assert engine.metrics.num_accepted_tokens > 0
-    return torch.tensor([top.index(o[0]) * 256 + o[1] if o[0] in top else len(top) * 256
-                         for o in (outs[i] for i in ids)])
+    return samples
 
 
 def test_sampled_law_under_speculation_matches_the_target(tmp_path, monkeypatch):
@@ -206,11 +200,11 @@ def test_sampled_law_under_speculation_matches_the_target(tmp_path, monkeypatch)
         model.model.norm.weight.mul_(4.0)
     hf_assistant(DENSE, ordered=True, head_scale=10.0).save_pretrained(tmp_path)
     prompt, t = _ids(12, 6), 0.7
-    top, law = _joint_law(hf, prompt, t)
+    top, law = two_token_law(hf, prompt, t)
     spec = _spec(str(tmp_path), num_speculative_tokens=2, draft_sample_method="probabilistic")
     samples = _sampled_pairs(model, spec, prompt, top, t)
     assert_matches_distribution(samples, law, what="Gemma 4 target, sampled assistant drafts")
-    assert_differs_from_distribution(samples, _joint_law(hf, prompt, 1.0)[1], what="the law at temperature 1.0")
+    assert_differs_from_distribution(samples, two_token_law(hf, prompt, 1.0)[1], what="the law at temperature 1.0")
     proposal = DraftAccumulator.proposal
 
     def uniform(self):

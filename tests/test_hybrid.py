@@ -20,8 +20,8 @@ from dspark.models import build_model
 from dspark.models.attention import SeqSpec, build_attn_metadata
 from dspark.models.config import ModelConfig
 from dspark.models.recurrent import causal_conv, delta_rule_chunked, delta_rule_tokens, prepare_qk
-from dspark.sampling import SamplingParams
-from tests.engine_helpers import greedy, hf_greedy, make_engine, ngram_engine_args, run, tiny_target
+from tests.engine_helpers import (greedy, hf_greedy, make_engine, ngram_engine_args, run, tiny_target, two_token_law,
+                                  two_token_samples)
 from tests.stat_checks import assert_differs_from_distribution, assert_matches_distribution
 
 ATOL = 1e-4
@@ -298,28 +298,6 @@ def test_aborts_mid_window_free_every_slot_and_block(pair):
         bm.check_invariants()
 
 
-def _joint_law(hf, prompt: list[int], temperature: float, firsts: int = 4):
-    """Categories (first token among the `firsts` likeliest, second token) + one for any other first token;
-    their exact probabilities under the target."""
-    p1 = torch.softmax(_hf_logits(hf, prompt)[-1].double() / temperature, -1)
-    top = p1.topk(firsts).indices.tolist()
-    rows = [p1[t] * torch.softmax(_hf_logits(hf, prompt + [t])[-1].double() / temperature, -1) for t in top]
-    law = torch.cat(rows + [torch.tensor([1.0 - p1[top].sum()], dtype=torch.float64)])
-    return top, law
-
-
-def _sampled_pairs(engine, prompt: list[int], n: int, top: list[int], temperature: float) -> torch.Tensor:
-    ids = [engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=2, ignore_eos=True,
-                                                     seed=s)) for s in range(n)]
-    outs: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id] += o.new_token_ids
-    vocab = 256
-    return torch.tensor([top.index(o[0]) * vocab + o[1] if o[0] in top else len(top) * vocab
-                         for o in (outs[i] for i in ids)])
-
-
 def test_sampled_law_under_speculation_matches_the_target():
     """Seeded sampling at temperature 0.7 through a draft model: the joint law of the first two tokens
     (the second one verified against drafts) matches the target's; the same samples fail against the law
@@ -330,14 +308,14 @@ def test_sampled_law_under_speculation_matches_the_target():
         hf.lm_head.weight.mul_(6.0)
         model.lm_head.weight.mul_(6.0)
     prompt, t = _ids(12, 6), 0.7
-    top, law = _joint_law(hf, prompt, t)
+    top, law = two_token_law(hf, prompt, t)
     engine = make_engine(model, cfg, budget=256, prefix=False, max_num_seqs=64,
                          drafter=DraftModelDrafter(_tiny_draft_model(cfg), num_draft_tokens=2),
                          spec=SpecConfig(method="draft_model", model="tiny", num_speculative_tokens=2,
                                          draft_sample_method="probabilistic"))
-    samples = _sampled_pairs(engine, prompt, 3000, top, t)
+    samples = two_token_samples(engine, prompt, 3000, top, t)
     assert_matches_distribution(samples, law, what="hybrid target, draft-model speculation")
-    _, hotter = _joint_law(hf, prompt, 1.0)
+    _, hotter = two_token_law(hf, prompt, 1.0)
     assert_differs_from_distribution(samples, hotter, what="the law at temperature 1.0")
 
 
