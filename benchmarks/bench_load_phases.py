@@ -21,7 +21,8 @@ time ÷ tokens per step, both terms measured. Medians over repeats, and each var
 `--coalesce-steps` sets the scheduler's prompt-coalescing bound for every variant (0: off).
 
 Variants: plain (no speculation), default (the shipped config: DSpark + lookup first + prefix
-scheduler), dspark (DSpark alone, prefix), fp32-draft (default with fp32 drafter products), q4-draft (default
+scheduler), dspark (DSpark alone, prefix), dspark-nogate (DSpark alone without the draft gate: the model drafts
+every step), dspark-bf16 (DSpark alone with bf16 drafter products, op by op), fp32-draft (default with fp32 drafter products), q4-draft (default
 with the drafter's backbone and head quantized to Q4_1 blocks, `draft_matmul_dtype` "q4_1"), topk16 (default with
 top-K Markov drafting, K 16), q4-topk16 (both), nogate
 (default without the draft gate), nocache (default without the lookup's cross-request cache), nocorpus (default
@@ -53,6 +54,8 @@ VARIANTS = {
     "plain": None,
     "default": DEFAULT,
     "dspark": {**DEFAULT, "ngram_first": False, "lookup_corpus": None},
+    "dspark-nogate": {**DEFAULT, "ngram_first": False, "lookup_corpus": None, "draft_gate": False},
+    "dspark-bf16": {**DEFAULT, "ngram_first": False, "lookup_corpus": None, "draft_matmul_dtype": "bfloat16"},
     "fp32-draft": {**DEFAULT, "draft_matmul_dtype": "float32"},
     "q4-draft": {**DEFAULT, "draft_matmul_dtype": "q4_1"},
     "nogate": {**DEFAULT, "draft_gate": False},

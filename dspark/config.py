@@ -178,14 +178,15 @@ class SpecConfig:
     lookup_corpus: str | None = None
     draft_num_layers: int | None = None  # draft_model: layer-truncated copy of the target
     # dspark / dflash: dtype of the drafter backbone's matrix products (activations and
-    # weights keep the engine dtype, a copy is kept in this one). "auto": bfloat16 for a float32 engine
-    # on a CPU with bf16 dot products (AVX512-BF16 / AMX; the input rounded to bf16) or with AVX2 (the
-    # kernels widen the bf16 weights against the fp32 input: a bf16 checkpoint's exact fp32 products in
-    # half the bytes), else the engine dtype. "q4_1": the backbone's matrices (and a reduced-vocabulary
-    # LM head) quantized to Q4_1 blocks at load (llama.cpp's quantizer, as gguf implements it) and
-    # multiplied as the target's q4_1 products (CPU kernels with AVX2: input widths in multiples of 32,
-    # output rows in multiples of 8). Drafts only propose, so this never changes the output (the
-    # target verifies).
+    # weights keep the engine dtype, a copy is kept in this one). "q4_1": the backbone's matrices (and a
+    # reduced-vocabulary LM head) quantized to Q4_1 blocks at load (llama.cpp's quantizer, as gguf implements
+    # it) and multiplied as the target's q4_1 products (CPU kernels with AVX2: input widths in multiples of
+    # 32, output rows in multiples of 8). "auto": q4_1 for a float32 engine on a CPU whose kernels multiply
+    # it and a drafter whose shapes it holds (a third of bf16's bytes at τ within 1%: docs/drafters.md), else
+    # bfloat16 on a CPU with bf16 dot products (AVX512-BF16 / AMX; the input rounded to bf16) or with AVX2
+    # (the bf16 weights widened against the fp32 input: a bf16 checkpoint's exact fp32 products in half the
+    # bytes), else the engine dtype. Drafts only propose, so this never changes the output (the target
+    # verifies).
     draft_matmul_dtype: str = "auto"
     # dspark: top-K Markov drafting (vLLM-Metal's `dspark_draft_topk`): at each draft position the K best
     # base logits are the candidates and the Markov head corrects only those rows; 0 (default) corrects the

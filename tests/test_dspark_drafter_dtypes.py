@@ -22,7 +22,7 @@ from dspark.config import SpecConfig
 from dspark.drafters.base import ContextSegment, ContextUpdate, ProposeBatch
 from dspark.drafters.dspark import DSparkDrafter, build, save_dspark
 from dspark.drafters.dspark_config import DSparkConfig
-from dspark.drafters.dspark_model import stacked_rows
+from dspark.drafters.dspark_fused import stacked_rows
 from tests.dspark_helpers import (TAPS, TARGET, greedy_engine_run, make_pool, propose_request, random_model,
                                   random_target, spec, tiny_cfg)
 
@@ -157,6 +157,8 @@ def test_draft_matmul_dtype_q4_1_quantizes_the_backbone_and_keeps_heads(tmp_path
     original = kernels.linear
     monkeypatch.setattr(kernels, "linear", lambda x, w, **k: None if w.dtype == torch.uint8 else original(x, w, **k))
     monkeypatch.setattr(m, "fused_backbone", lambda *a, **k: None)
+    monkeypatch.setattr(m, "fused_context_kv", lambda *a, **k: None)  # the one-call paths multiply in C++
+    monkeypatch.setattr(q4, "_fused_proposal", lambda batch: None)
     twin_logits, twin_conf = _drafts_on_shared_context(q4)
     torch.testing.assert_close(logits4, twin_logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(conf4, twin_conf, rtol=1e-4, atol=1e-5)
@@ -165,6 +167,12 @@ def test_draft_matmul_dtype_q4_1_quantizes_the_backbone_and_keeps_heads(tmp_path
     save_dspark(random_model(narrow), narrow, tmp_path / "n", dtype="float32")
     with pytest.raises(ValueError, match="down_proj is .*multiples of 32"):
         build(spec(tmp_path / "n", draft_matmul_dtype="q4_1"), **kw)
+    # "auto" (the default) takes Q4_1 where the shapes allow it, and the next choice where they do not
+    save_dspark(random_model(cfg), cfg, tmp_path / "q", dtype="float32")
+    auto = build(spec(tmp_path / "q", draft_matmul_dtype="auto"), **kw)
+    assert auto.model.layers[0].mlp.down_proj.lowp_weight.dtype == torch.uint8
+    narrow_auto = build(spec(tmp_path / "n", draft_matmul_dtype="auto"), **kw).model.layers[0].mlp.down_proj
+    assert getattr(narrow_auto, "lowp_weight", narrow_auto.weight).dtype != torch.uint8
 
 
 @pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels unavailable")
@@ -199,6 +207,7 @@ def test_fused_block_forward_matches_the_module_path(tmp_path, monkeypatch, draf
     original = kernels.decoder_layers
     monkeypatch.setattr(kernels, "decoder_layers", lambda *a, **k: ran.append(True) or original(*a, **k))
     fused_logits, fused_hidden, _ = drafter.forward_blocks(batch)
+    monkeypatch.setattr(drafter, "_fused_proposal", lambda batch: None)  # the proposal op by op over the fused stack
     fused = drafter.propose(batch)
     assert len(ran) == 2, "the fused stack did not run"
     if draft_matmul_dtype != "float32":  # the stack reads each layer's packed copies in place, no second copy
@@ -277,11 +286,18 @@ def test_draft_matmul_dtype_auto_and_validation(monkeypatch):
     from dspark.drafters import dspark as dspark_mod
 
     resolve = dspark_mod.resolve_matmul_dtype
+    monkeypatch.setattr(dspark_mod, "has_q4_1_kernels", lambda: True)
+    assert resolve("auto", dtype=torch.float32, device="cpu") == torch.uint8  # Q4_1 where the kernels take it
+    assert resolve("auto", dtype=torch.bfloat16, device="cpu") == torch.bfloat16  # not for a bf16 engine
+    monkeypatch.setattr(dspark_mod, "cpu_has_bf16_dot", lambda: True)
+    assert resolve("auto", dtype=torch.float32, device="cpu", q4_1_fits=False) == torch.bfloat16  # shapes it can't hold
+    monkeypatch.setattr(dspark_mod, "has_q4_1_kernels", lambda: False)
     for has_bf16, widens, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
                                        (False, False, torch.float32)):
         monkeypatch.setattr(dspark_mod, "cpu_has_bf16_dot", lambda: has_bf16)
         monkeypatch.setattr(dspark_mod, "has_bf16w_kernels", lambda: widens)  # AVX2's widening bf16 path
         assert resolve("auto", dtype=torch.float32, device="cpu") == expected
+    monkeypatch.setattr(dspark_mod, "has_q4_1_kernels", lambda: True)
     assert resolve("auto", dtype=torch.float32, device="cuda:0") == torch.float32  # no change on CUDA
     assert resolve("auto", dtype=torch.bfloat16, device="cpu") == torch.bfloat16
     assert resolve("float32", dtype=torch.bfloat16, device="cpu") == torch.float32

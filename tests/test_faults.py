@@ -77,7 +77,8 @@ def _plant(drafter, name: str, corrupt):
     return calls
 
 
-def test_nan_draft_logit_falls_back_to_plain_decoding(target, drafter_dir, plain):
+@pytest.mark.parametrize("path", ["per-op", "one call"])
+def test_nan_draft_logit_falls_back_to_plain_decoding(target, drafter_dir, plain, path):
     engine = build(target, drafter_dir)
 
     def nan_row0(n, real, batch):
@@ -86,7 +87,17 @@ def test_nan_draft_logit_falls_back_to_plain_decoding(target, drafter_dir, plain
         hidden[0] = float("nan")
         return logits, hidden, prev
 
-    calls = _plant(engine.drafter, "forward_blocks", nan_row0)
+    def nan_conf_row0(n, real, *args, **kwargs):  # the greedy proposal in one kernel call (dspark_fused.py)
+        out = real(*args, **kwargs)
+        if out is not None and out[1] is not None:
+            out[1][0] = float("nan")  # a NaN hidden row gives a NaN confidence there
+        return out
+
+    if path == "per-op":
+        engine.drafter._fused_proposal = lambda batch: None
+        calls = _plant(engine.drafter, "forward_blocks", nan_row0)
+    else:
+        calls = _plant(engine.drafter.model, "fused_proposal", nan_conf_row0)
     assert list(run(engine).values()) == plain
     assert calls["n"] > 0 and engine.metrics.num_draft_faults > 0
     assert engine.metrics.num_accepted_tokens > 0, "the other rows still speculate"

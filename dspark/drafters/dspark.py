@@ -32,10 +32,10 @@ from dspark.drafters.dspark_checkpoint import (CALIBRATION_KEYS, CALIBRATION_NAM
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.heads import MarkovHead
 from dspark import kernels
-from dspark.kernels import (cpu_has_bf16_dot, has_bf16w_kernels, release_dense_weights, set_matmul_dtype,
-                            set_q4_1_products)
-from dspark.models.attention import SeqSpec, build_attn_metadata, slots_for
-from dspark.sampling import GREEDY_EPS, greedy_ids, logits_to_probs
+from dspark.kernels import (cpu_has_bf16_dot, has_bf16w_kernels, has_q4_1_kernels, q4_1_misfit,
+                            release_dense_weights, set_matmul_dtype, set_q4_1_products)
+from dspark.models.attention import block_metadata, slots_for
+from dspark.sampling import greedy_ids, logits_to_probs
 
 
 
@@ -114,8 +114,12 @@ class DSparkDrafter(Drafter):
         dev = self.device
         taps = update.taps[torch.cat(rows).to(update.taps.device)].to(dev)  # [num_rows, num_taps * hidden]
         slot_mapping = torch.cat(slots).to(dev)  # [num_rows]
-        h_ctx = self.model.context_features(taps)  # [num_rows, hidden]
-        stores = list(zip(self.model.context_kv(taps, torch.cat(positions).to(dev), h_ctx=h_ctx), self.kv_caches))
+        positions = torch.cat(positions).to(dev)  # [num_rows]
+        h_ctx = self.model.fused_context_kv(taps, positions, slot_mapping, self.kv_caches)  # K/V stored, or None
+        stores = []
+        if h_ctx is None:
+            h_ctx = self.model.context_features(taps)  # [num_rows, hidden]
+            stores = list(zip(self.model.context_kv(taps, positions, h_ctx=h_ctx), self.kv_caches))
         if self.feature_rows is not None:
             half = h_ctx.shape[-1] // 2
             stores.append(((h_ctx[:, None, :half], h_ctx[:, None, half:]), self.feature_rows))
@@ -133,33 +137,67 @@ class DSparkDrafter(Drafter):
         fp32, hidden [num_reqs, num_draft, hidden], anchor target ids [num_reqs]). On the CPU, where every
         block's positions have pool slots (the scheduler's lookahead), the fused decoder stack
         (`DSparkModel.fused_backbone`); otherwise the module path over the gathered context."""
-        cfg, model, dev = self.cfg, self.model, self.device
-        reqs = batch.requests
-        kv_block_size = self.kv_caches[0][0].shape[1]
-        anchor_pos = torch.tensor([r.anchor_pos for r in reqs], dtype=torch.long)  # [num_reqs]
-        anchor_ids = torch.tensor([r.all_ids[r.anchor_pos] for r in reqs], dtype=torch.long, device=dev)
-        block_ids = model.block_ids(anchor_ids)  # [num_reqs, block_size]
-        positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(cfg.block_size, device=dev)
-        anchor_input = self._anchor_input(reqs, anchor_pos, kv_block_size)  # [num_reqs, block_size, hidden] or None
-        hidden = None
-        if dev.type == "cpu" and all(len(r.block_table) * kv_block_size >= r.anchor_pos + cfg.block_size
-                                     for r in reqs):
-            per_call = max(1, kernels.MAX_ROWS // cfg.block_size)  # requests per fused call (blocks are independent)
-            parts = []
-            for i in range(0, len(reqs), per_call):
-                part = model.fused_backbone(block_ids[i:i + per_call], positions[i:i + per_call], kv_caches=self.kv_caches,
-                                            meta=self._block_meta(reqs[i:i + per_call], kv_block_size),
-                                            anchor_input=None if anchor_input is None else anchor_input[i:i + per_call])
-                if part is None:  # the kernels do not apply (the same for every part): the module path
-                    break
-                parts.append(part)
-            else:
-                hidden = torch.cat(parts)
-        if hidden is None:
-            hidden = self._module_backbone(reqs, anchor_pos, block_ids, positions, kv_block_size, anchor_input)
-        off = cfg.slot_offset
+        model, reqs = self.model, batch.requests
+        anchor_pos, anchor_ids, block_ids, positions, anchor_input = self._block_inputs(reqs)
+        parts = self._in_fused_parts(reqs, lambda part, meta: model.fused_backbone(
+            block_ids[part], positions[part], kv_caches=self.kv_caches, meta=meta,
+            anchor_input=None if anchor_input is None else anchor_input[part]))
+        if parts is not None:
+            hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+        else:
+            hidden = self._module_backbone(reqs, anchor_pos, block_ids, positions, self.kv_caches[0][0].shape[1],
+                                           anchor_input)
+        off = self.cfg.slot_offset
         hidden = hidden[:, off:off + self.num_draft_tokens]  # [num_reqs, num_draft, hidden]
         return model.compute_logits(hidden), hidden, anchor_ids
+
+    def _block_inputs(self, reqs):
+        """(anchor positions [num_reqs] long on the CPU, anchor target ids [num_reqs], block ids [num_reqs,
+        block_size], positions [num_reqs, block_size], anchor_input [num_reqs, block_size, hidden] or None)."""
+        dev, size = self.device, self.cfg.block_size
+        anchor_pos = torch.tensor([r.anchor_pos for r in reqs], dtype=torch.long)  # [num_reqs]
+        anchor_ids = torch.tensor([r.all_ids[r.anchor_pos] for r in reqs], dtype=torch.long, device=dev)
+        positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(size, device=dev)  # [num_reqs, block_size]
+        anchor_input = self._anchor_input(reqs, anchor_pos, self.kv_caches[0][0].shape[1])
+        return anchor_pos, anchor_ids, self.model.block_ids(anchor_ids), positions, anchor_input
+
+    def _in_fused_parts(self, reqs, run) -> list | None:
+        """`run(part, meta)` over consecutive slices of the requests, as many as one fused kernel call takes (blocks
+        are independent), `meta` the part's block metadata → the parts' results; None where the blocks lack pool
+        slots (off the CPU, or past the scheduler's lookahead) or `run` returns None (the kernels do not apply,
+        the same for every part)."""
+        kv_block_size, size = self.kv_caches[0][0].shape[1], self.cfg.block_size
+        if self.device.type != "cpu" or any(len(r.block_table) * kv_block_size < r.anchor_pos + size for r in reqs):
+            return None
+        per_call, parts = max(1, kernels.MAX_ROWS // size), []
+        for i in range(0, len(reqs), per_call):
+            part = run(slice(i, i + per_call), self._block_meta(reqs[i:i + per_call], kv_block_size))
+            if part is None:
+                return None
+            parts.append(part)
+        return parts
+
+    def _fused_proposal(self, batch: ProposeBatch) -> DraftProposal | None:
+        """The greedy proposal with the vanilla Markov head in one kernel call per part (`DSparkModel.fused_proposal`:
+        block forward, LM head, Markov walk, confidence head): the per-op path's drafts and confidences bit for bit;
+        None where it does not apply."""
+        model, reqs = self.model, batch.requests
+        head = model.markov_head
+        if (head is None or not self._walks_in_kernel(head)
+                or not model.fused_proposal_applies(len(reqs) * self.num_draft_tokens)):
+            return None
+        _, anchor_ids, block_ids, positions, anchor_input = self._block_inputs(reqs)
+        if anchor_input is not None:
+            return None
+        parts = self._in_fused_parts(reqs, lambda part, meta: model.fused_proposal(
+            block_ids[part], positions[part], meta=meta, kv_caches=self.kv_caches, anchor_ids=anchor_ids[part],
+            num_draft=self.num_draft_tokens))
+        if parts is None:
+            return None
+        drafts, conf = parts[0] if len(parts) == 1 else (  # [num_reqs, num_draft] target ids and confidence logits
+            torch.cat([d for d, _ in parts]), None if parts[0][1] is None else torch.cat([c for _, c in parts]))
+        return DraftProposal(draft_ids=drafts, draft_probs=None,
+                             confidence=self._confidence(conf, [r.params.is_greedy for r in reqs]))
 
     def _anchor_input(self, reqs, anchor_pos: torch.Tensor, kv_block_size: int) -> torch.Tensor | None:
         """anchor_features: anchor_proj of each request's newest context feature (position anchor_pos - 1, read
@@ -206,21 +244,20 @@ class DSparkDrafter(Drafter):
     def _block_meta(self, reqs, kv_block_size: int):
         """Attention metadata of the flat block rows (request i's block at rows i·block_size ..): each
         block sees its request's context and itself both ways, its K/V stored past the context."""
-        size = self.cfg.block_size
-        seqs = [SeqSpec(block_table=r.block_table, num_cached=r.anchor_pos, num_query=size, token_offset=i * size,
-                        causal=False) for i, r in enumerate(reqs)]
-        return build_attn_metadata(seqs, num_tokens=len(reqs) * size, kv_block_size=kv_block_size)
+        return block_metadata([r.block_table for r in reqs], [r.anchor_pos for r in reqs], self.cfg.block_size,
+                              kv_block_size)
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         model, dev = self.model, self.device
         reqs = batch.requests
-        base_logits, hidden, prev = self.forward_blocks(batch)
         probabilistic = batch.draft_sample_method == "probabilistic"
-        temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev)
-        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
-        greedy_rows = (temperature < GREEDY_EPS).tolist()
+        if not probabilistic and self.draft_topk == 0:
+            fused = self._fused_proposal(batch)
+            if fused is not None:
+                return fused
+        base_logits, hidden, prev = self.forward_blocks(batch)
+        greedy_rows = [r.params.is_greedy for r in reqs]
         head = model.markov_head
         state = head.init_state(num_rows=len(reqs), device=dev, dtype=hidden.dtype) if head else None
         cand = None
@@ -243,6 +280,10 @@ class DSparkDrafter(Drafter):
                 return DraftProposal(draft_ids=walked.cpu(), draft_probs=None, confidence=self._confidence(
                     model.confidence_logits(hidden, prev_ids=prev_ids), greedy_rows))
         draft_ids, draft_probs, prev_ids = [], [], []
+        if probabilistic:
+            temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
+            top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev)
+            top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
         for k in range(self.num_draft_tokens):
             prev_ids.append(prev)
             logits = base_logits[:, k]  # [num_reqs, draft_vocab] fp32, or [num_reqs, K] candidates
@@ -325,19 +366,26 @@ class DSparkDrafter(Drafter):
         if conf_logits is None:
             return None
         z = conf_logits.cpu()  # [num_reqs, num_draft] fp32
+        if len(set(greedy_rows)) == 1:  # one regime: its [num_draft] vectors broadcast over the rows
+            return torch.sigmoid(z / self.temperatures_for(greedy_rows[0]) + self.biases_for(greedy_rows[0]))
         temps = torch.stack([self.temperatures_for(g) for g in greedy_rows])  # [num_reqs, num_draft]
         shifts = torch.stack([self.biases_for(g) for g in greedy_rows])  # [num_reqs, num_draft]
         return torch.sigmoid(z / temps + shifts)
 
 
-def resolve_matmul_dtype(name: str, *, dtype: torch.dtype, device) -> torch.dtype:
+def resolve_matmul_dtype(name: str, *, dtype: torch.dtype, device, q4_1_fits: bool = True) -> torch.dtype:
     """The drafter's product dtype for spec "draft_matmul_dtype" (see SpecConfig); torch.uint8 stands for
-    Q4_1 blocks (`kernels.set_q4_1_products`)."""
+    Q4_1 blocks (`kernels.set_q4_1_products`). "auto" on a CPU with an fp32 engine: Q4_1 where the kernels
+    multiply it and the drafter's matrices take it (`q4_1_fits`: widths in multiples of 32, rows of 8) — a
+    third of bf16's bytes, the proposal's cost, at τ within 1% of bf16's on the shipped drafter
+    (docs/benchmarks.md) — else bf16 where bf16 products pay, else the engine dtype."""
     if name == "q4_1":
         return torch.uint8
     if name != "auto":
         return DTYPE_NAMES[name]
     on_cpu = torch.device(device).type == "cpu"
+    if on_cpu and dtype == torch.float32 and q4_1_fits and has_q4_1_kernels():
+        return torch.uint8
     bf16_pays = cpu_has_bf16_dot() or has_bf16w_kernels()  # bf16 dot products, or AVX2's widening kernel
     return torch.bfloat16 if on_cpu and dtype == torch.float32 and bf16_pays else dtype
 
@@ -369,11 +417,13 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
                                drop_heads=spec.method == "dflash", num_target_layers=target_config.num_hidden_layers,
                                draft_vocab=spec_draft_vocab(spec, target_config))
     temps = temps if spec.method == "dspark" and temps else {}
-    matmul_dtype = resolve_matmul_dtype(spec.draft_matmul_dtype, dtype=dtype, device=device)
-    if matmul_dtype != dtype:  # the backbone's products; the heads (and their calibration) stay as loaded,
-        # and so does a full-vocabulary LM head (it is the target's own weight, not copied)
-        shared_head = model.lm_head if model.cfg.draft_vocab_size is None else None
-        skip = (model.markov_head, model.confidence_head, shared_head)
+    # the backbone's products; the heads (and their calibration) stay as loaded, and so does a full-vocabulary
+    # LM head (it is the target's own weight, not copied)
+    shared_head = model.lm_head if model.cfg.draft_vocab_size is None else None
+    skip = (model.markov_head, model.confidence_head, shared_head)
+    matmul_dtype = resolve_matmul_dtype(spec.draft_matmul_dtype, dtype=dtype, device=device,
+                                        q4_1_fits=q4_1_misfit(model, skip=skip) is None)
+    if matmul_dtype != dtype:
         if matmul_dtype == torch.uint8:
             set_q4_1_products(model, skip=skip)
         else:
@@ -382,6 +432,7 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
         release_dense_weights(model)  # an engine's drafter only infers: the copies alone stay
     if model.markov_head is not None:
         model.markov_head.hold_rows_bf16()  # a bf16 checkpoint's W1 rows: the same values in half the memory
+    model.freeze()
     return DSparkDrafter(model, num_draft_tokens=spec.num_speculative_tokens,
                          confidence_temperatures=temps.get("temperatures"),
                          greedy_confidence_temperatures=temps.get("greedy_temperatures"),

@@ -28,27 +28,11 @@ from dspark import kernels
 from dspark.kernels import Linear  # nn.Linear; few-row fp32 inference through the CPU kernel
 
 from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.dspark_fused import FusedInference
 from dspark.drafters.heads import build_heads, embedding
 from dspark.models.layers import ROPE_INIT, rope_type
 
 IGNORE_INDEX = -100
-
-
-def stacked_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The row-wise concatenation of `parts`: a view where they are consecutive row ranges of one
-    contiguous buffer (`DSparkModel.pack_layer_products`, or a single contiguous matrix), else a copy."""
-    first = parts[0]
-    step = first.element_size() * first[0].numel() if first.shape[0] else 0
-    adjacent = all(p.is_contiguous() and p.shape[1:] == first.shape[1:] and p.dtype == first.dtype
-                   and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts)
-    offset = first.data_ptr()
-    for p in parts:
-        adjacent = adjacent and p.data_ptr() == offset
-        offset += p.shape[0] * step
-    if not adjacent:
-        return torch.cat(parts).contiguous()
-    rows = sum(p.shape[0] for p in parts)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 @dataclass
@@ -164,7 +148,7 @@ class DSparkDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DSparkModel(nn.Module):
+class DSparkModel(FusedInference, nn.Module):
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
         self.cfg = cfg
@@ -277,86 +261,6 @@ class DSparkModel(nn.Module):
             h = layer(h, cos=cos, sin=sin, k_ctx=k_ctx, v_ctx=v_ctx, mask=mask)
         return self.norm(h)
 
-    def fused_backbone(
-        self,
-        block_ids: torch.Tensor,  # [batch, num_query] long
-        positions: torch.Tensor,  # [batch, num_query] long
-        *,
-        meta,  # models.attention.AttnMetadata of the flat block rows: one short group, every row stored
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer the paged pool's (k, v)
-        anchor_input: torch.Tensor | None = None,  # [batch, num_query, hidden] added to the rows' input
-    ) -> torch.Tensor | None:  # [batch, num_query, hidden] final-normed, or None
-        """`backbone` for inference in one CPU kernel call (`kernels.decoder_layers`, the target's fused
-        decoder stack): the block's own K/V are stored into the pool at `meta.slot_mapping` (the
-        positions past the committed context, which a later context extension overwrites) and each block
-        row attends to the pool through `meta`'s key limits. The same products as the module path (norms,
-        matrices, SiLU), attention and RoPE rounded differently (the kernel's, ~1e-6). None where it does
-        not apply (kernels off, more than MAX_ROWS rows, weights the kernels do not take): the caller runs
-        `backbone`."""
-        batch, num_query = block_ids.shape
-        weights = self._fused_weights()
-        if (weights is None or batch * num_query > kernels.MAX_ROWS or len(meta.groups) != 1 or not meta.all_stored
-                or not kernels.enabled()):
-            return None
-        x = self.embed_tokens(block_ids).float()  # [batch, num_query, hidden]
-        if anchor_input is not None:
-            x = x + anchor_input.float()
-        x = x.reshape(batch * num_query, -1).contiguous()  # [T, hidden]
-        cos, sin = self.rope(positions.reshape(-1))  # [T, head_dim]
-        half = sin.shape[-1] // 2
-        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # the rotate-half sign folded in
-        attn, g = self.layers[0].self_attn, meta.groups[0]
-        if not kernels.decoder_layers(
-                x, weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], cos, sin,
-                meta.slot_mapping, g.token_index, g.key_limit, g.kv_slots, num_heads=attn.num_heads,
-                num_kv_heads=attn.num_kv_heads, eps=self.cfg.rms_norm_eps, scale=attn.head_dim ** -0.5):
-            return None
-        return self.norm(x).view(batch, num_query, -1)
-
-    def _fused_weights(self) -> list[torch.Tensor] | None:
-        """The 8 tensors per layer `kernels.decoder_layers` reads (norms; q|k|v and gate|up stacked), each
-        matrix in its product dtype (the `lowp_weight` copy where `set_matmul_dtype` gave one); rebuilt
-        when a weight changed in place (training), None for product dtypes the kernels do not take."""
-        parts = []  # per layer the 8 entries, each a tuple of the tensors it is made of (the matrices' product copies)
-        for layer in self.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            parts += [(layer.input_layernorm.weight,), product_sources(a.q_proj, a.k_proj, a.v_proj),
-                      (a.q_norm.weight,), (a.k_norm.weight,), product_sources(a.o_proj),
-                      (layer.post_attention_layernorm.weight,), product_sources(mlp.gate_proj, mlp.up_proj),
-                      product_sources(mlp.down_proj)]
-        key = tuple((id(t), t._version) for part in parts for t in part)  # a replaced or updated tensor rebuilds
-        cached = getattr(self, "_fused_cache", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        weights: list[torch.Tensor] | None = [
-            stacked_rows([t.detach() for t in part]) if i % 8 in (1, 4, 6, 7) else part[0].detach()
-            for i, part in enumerate(parts)]
-        takes = {torch.float32: True, torch.bfloat16: kernels.has_bf16_kernels() or kernels.has_bf16w_kernels(),
-                 torch.uint8: kernels.has_q4_1_kernels()}  # uint8: Q4_1 blocks (`set_q4_1_products`)
-        matrices = [w for i, w in enumerate(weights) if i % 8 in (1, 4, 6, 7)]
-        if (any(w.device.type != "cpu" for w in weights) or self.norm.weight.dtype != torch.float32
-                or not all(takes.get(w.dtype, False) for w in matrices)):
-            weights = None
-        self._fused_cache = (key, weights)
-        return weights
-
-    def pack_layer_products(self) -> None:
-        """Put each layer's q|k|v and gate|up low-precision copies (`lowp_weight`) in one buffer, each
-        module's copy a row range of it, so that the fused stack (`_fused_weights`) reads them in place
-        instead of concatenating a second copy. Inference only, after `set_matmul_dtype` /
-        `set_q4_1_products`."""
-        for layer in self.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            for group in ((a.q_proj, a.k_proj, a.v_proj), (mlp.gate_proj, mlp.up_proj)):
-                copies = [getattr(m, "lowp_weight", None) for m in group]
-                if any(c is None for c in copies):
-                    continue
-                packed = torch.cat(copies)  # [sum of rows, ...]
-                start = 0
-                for m, c in zip(group, copies):
-                    m.register_buffer("lowp_weight", packed[start:start + c.shape[0]], persistent=False)
-                    start += c.shape[0]
-
     def block_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[...] anchor ids → [..., block_size] = [anchor, mask × (block_size - 1)]."""
         ids = torch.full((*anchor_ids.shape, self.cfg.block_size), self.cfg.mask_token_id,
@@ -438,11 +342,6 @@ class DSparkModel(nn.Module):
             return None
         prev_embed = self.markov_head.embed_prev(prev_ids) if self.confidence_head.with_markov else None
         return self.confidence_head(hidden=hidden, prev_embed=prev_embed)
-
-
-def product_sources(*linears: Linear) -> tuple[torch.Tensor, ...]:
-    """The tensors a fused matrix is stacked from: each module's low-precision copy where it has one, else its weight."""
-    return tuple(getattr(m, "lowp_weight", m.weight) for m in linears)
 
 
 def _gather_pos(input_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ class StepProfiler:
         self._requests = []  # the pool (KV allocated), shared by every batch
         self._windows: list[list[int]] = []  # per pool request: its longest window's draft ids
         self._ids = 0
+        self._taps: torch.Tensor | None = None  # context_step's random taps, made once per shape
 
     def verify_step(self, num_tokens: int) -> None:
         """One target forward over `num_tokens` verification tokens."""
@@ -69,6 +70,26 @@ class StepProfiler:
             draft_sample_method=spec.draft_sample_method if spec else "greedy")
         with torch.inference_mode():
             self.engine.drafter.propose(batch)
+        self._sync()
+
+    def context_step(self, num_reqs: int, tokens_per_request: int) -> None:
+        """One drafter context extension: `tokens_per_request` newly committed positions for each of `num_reqs`
+        requests (the last ones before the anchor, random taps), as after a step that accepted that many."""
+        from dspark.drafters.base import ContextSegment, ContextUpdate
+
+        drafter, n = self.engine.drafter, tokens_per_request
+        reqs = self._batch(("draft", num_reqs), [1] * num_reqs)
+        width = len(drafter.tap_layer_ids) * self.engine.model_config.hidden_size
+        if self._taps is None or self._taps.shape != (num_reqs * n, width):  # made once, not timed
+            self._taps = torch.randn(num_reqs * n, width, generator=self._rng).to(self.engine.runner.device)
+        taps = self._taps
+        start = self.context_len - n
+        update = ContextUpdate(segments=[
+            ContextSegment(request_id=r.request_id, block_table=r.block_table, start_pos=start,
+                           token_ids=r.all_ids[start:self.context_len], next_token_id=r.all_ids[self.context_len],
+                           tap_rows=slice(i * n, (i + 1) * n)) for i, r in enumerate(reqs)], taps=taps)
+        with torch.inference_mode():
+            drafter.extend_context(update)
         self._sync()
 
     def close(self) -> None:

@@ -202,18 +202,28 @@ def set_q4_1_products(module: torch.nn.Module, *, skip: tuple = ()) -> int:
     layer that is not). Returns how many."""
     if not has_q4_1_kernels():
         raise ValueError("Q4_1 products need the CPU kernels with AVX2, FMA and F16C")
+    misfit = q4_1_misfit(module, skip=skip)
+    if misfit is not None:
+        raise ValueError(f"Q4_1 products: {misfit}; they need input widths in multiples of 32 and output rows in "
+                         "multiples of 8")
     skipped = {id(m) for s in skip if s is not None for m in s.modules()}
-    layers = [(name, m) for name, m in module.named_modules() if isinstance(m, Linear) and id(m) not in skipped]
-    for name, m in layers:
-        if m.in_features % 32 or m.out_features % 8:
-            raise ValueError(f"Q4_1 products: {name} is [{m.out_features}, {m.in_features}]; they need input "
-                             "widths in multiples of 32 and output rows in multiples of 8")
-    for _, m in layers:
+    layers = [m for m in module.modules() if isinstance(m, Linear) and id(m) not in skipped]
+    for m in layers:
         packed, values = quantize_q4_1(m.weight)
         with torch.no_grad():
             m.weight.copy_(values.to(m.weight.dtype))
         m.register_buffer("lowp_weight", packed, persistent=False)
     return len(layers)
+
+
+def q4_1_misfit(module: torch.nn.Module, *, skip: tuple = ()) -> str | None:
+    """The first `Linear` under `module` (outside `skip`) whose shape Q4_1 blocks cannot hold, as "name is [out,
+    in]"; None where every one fits (input widths in multiples of 32, output rows in multiples of 8)."""
+    skipped = {id(m) for s in skip if s is not None for m in s.modules()}
+    for name, m in module.named_modules():
+        if isinstance(m, Linear) and id(m) not in skipped and (m.in_features % 32 or m.out_features % 8):
+            return f"{name} is [{m.out_features}, {m.in_features}]"
+    return None
 
 
 def set_matmul_dtype(module: torch.nn.Module, dtype: torch.dtype, *, skip: tuple = ()) -> int:
@@ -365,6 +375,43 @@ def decoder_layers(
                       num_heads, num_kv_heads, eps, scale, list(tap_layers), list(tap_cols),
                       taps if taps is not None else torch.empty(0))
     return True
+
+
+def draft_block(x, weights, k_caches, v_caches, cos, sin, slot_mapping, token_index, key_limit, kv_slots, *,
+                num_heads: int, num_kv_heads: int, eps: float, scale: float, norm: torch.Tensor, offset: int,
+                num_draft: int, head: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, d2t: torch.Tensor,
+                anchor: torch.Tensor, conf_weight: torch.Tensor | None, conf_bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """DSpark's greedy proposal in one kernel call (cpu_ops_draft.inc): `decoder_layers`' arguments for the blocks'
+    rows (x [R * S, hidden], updated in place), then per block the `num_draft` rows from `offset` final-normed by
+    `norm`, times `head` (fp32 [V, hidden] or Q4_1 blocks: `small_mm`), the vanilla Markov walk from `anchor` [R]
+    (`markov_walk`: W1 [target vocab, rank] fp32 or bf16, W2 [V, rank] fp32, d2t [V]) and the confidence logits
+    [h ; W1[prev]] @ conf_weight^T + conf_bias (fp32 [1, hidden + rank]) → (drafts [R, num_draft] target ids,
+    confidence logits [R, num_draft] or None); None (nothing done) where the kernels do not apply."""
+    k = ops() if _eligible(x, *k_caches[:1]) else None
+    if k is None or x.shape[0] > MAX_ROWS or not x.is_contiguous() or anchor.shape[0] > MAX_ROWS:
+        return None
+    drafts, conf = k.draft_block_(
+        x, weights, k_caches, v_caches, cos, sin, slot_mapping, token_index, key_limit, kv_slots, num_heads,
+        num_kv_heads, eps, scale, norm, offset, num_draft, head, w1.contiguous(), w2.contiguous(), d2t.contiguous(),
+        anchor.contiguous(), conf_weight if conf_weight is not None else torch.empty(0),
+        float(conf_bias) if conf_bias is not None else 0.0)
+    return drafts, (conf if conf_weight is not None else None)
+
+
+def draft_context(taps: torch.Tensor, fc: torch.Tensor, hidden_norm: torch.Tensor, eps: float,
+                  kv_weights: list[torch.Tensor], k_norms: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+                  ) -> torch.Tensor | None:
+    """DSpark's context extension in one kernel call (cpu_ops_draft.inc): H = rms_norm(taps @ fc^T) by `hidden_norm`
+    (taps [n, in] fp32; fc fp32 or Q4_1 blocks), then per draft layer H @ kv_weights[l]^T (k_proj's rows then
+    v_proj's), the keys k-normed and rotated (cos, sin [n, head_dim], the rotate-half sign folded into sin) into
+    k_caches[l] at `slot_mapping`, the values into v_caches[l] → H [n, hidden]; None (nothing done) where the
+    kernels do not apply."""
+    k = ops() if _eligible(taps, *k_caches[:1]) else None
+    if k is None or not taps.is_contiguous() or taps.dim() != 2:
+        return None
+    return k.draft_context_(taps, fc, hidden_norm, eps, kv_weights, k_norms, cos, sin, slot_mapping, k_caches, v_caches)
 
 
 def block_layers(

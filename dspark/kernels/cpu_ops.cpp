@@ -29,6 +29,10 @@
 //                                  Q8_0 LM head, rows interleaved by 8, the input quantized (cpu_ops_head.inc).
 //   block_layers_(...)             the decoder stack for matrices held as GGUF block parts, Llama and Gemma 3
 //                                  (cpu_ops_block_layers.inc).
+//   draft_block_(...)              DSpark's greedy proposal in one call: decoder_layers_, final norm, LM head,
+//                                  markov_walk, confidence head (cpu_ops_draft.inc).
+//   draft_context_(...)            DSpark's context extension in one call: context features, each layer's K/V
+//                                  (product, k norm, RoPE) stored in the pool (cpu_ops_draft.inc).
 //
 // Threads come from torch's OpenMP runtime (at::parallel_for, or one `omp parallel` region for the
 // decoder stack), so no second pool spins against it. The Python side (dspark/kernels/__init__.py)
@@ -250,6 +254,7 @@ void decoder_layers_(torch::Tensor& x, const std::vector<torch::Tensor>& weights
 }
 
 #include "cpu_ops_block_layers.inc"
+#include "cpu_ops_draft.inc"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs, as torch's own ops do: the server's API thread keeps
@@ -268,6 +273,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return before;
   }, "query heads per attention tile (1: each query head alone; the same results); returns the previous value");
   m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32, bf16 or Q4_1)", release());
+  m.def("draft_block_", &draft_block_, "DSpark's greedy proposal: block forward, final norm, LM head, Markov walk, confidence (CPU)", release());
+  m.def("draft_context_", &draft_context_, "DSpark's context extension: features, then each layer's K/V stored (CPU)", release());
   m.def("block_mm", &block_mm, "x[M,K] fp32 @ GGUF blocks w[N, row bytes]^T (Q5_0, Q4_K, Q6_K; CPU)", release());
   m.def("q8_0_mm", &q8_0_mm, "x[M,K] fp32 (quantized to Q8_0) @ interleaved Q8_0 w[N, K/32*34]^T (CPU)", release());
   m.def("block_layers_", &block_layers_, "all decoder layers of a few-row step, matrices as GGUF block parts (Llama, Gemma 3)", release());

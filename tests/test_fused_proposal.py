@@ -1,0 +1,156 @@
+"""The DSpark drafter's one-call kernels (dspark/drafters/dspark_fused.py, dspark/kernels/cpu_ops_draft.inc) against
+the per-op path they stand in for:
+
+* the greedy proposal in one call (`fused_proposal`: block forward, final norm, LM head, vanilla Markov walk,
+  confidence head) drafts what the proposal op by op drafts, the confidences bit for bit, with fp32 and Q4_1
+  products, a reduced vocabulary and W1's rows held as bf16, and over several calls where one call takes fewer
+  requests than the batch;
+* the gated and RNN heads, top-K drafting, sampled drafting and a bf16 LM head keep the per-op path (the kernel is
+  never called) and draft what they drafted;
+* the context extension in one call (`fused_context_kv`) stores the per-op path's values: keys within the RoPE's
+  rounding (one fused multiply-add instead of three roundings), values exactly; bf16 products keep the per-op path.
+
+    pytest tests/test_fused_proposal.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dspark import kernels
+from dspark.drafters.base import ContextSegment, ContextUpdate, ProposeBatch
+from dspark.drafters.dspark import build, save_dspark
+from dspark.sampling import SamplingParams
+from tests.dspark_helpers import (TAPS, TARGET, make_pool, propose_request, random_model, random_target, spec,
+                                  tiny_cfg)
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels unavailable")
+NUM_REQS = 5
+
+
+def _built(tmp_path, dtype: str, **cfg_kw):
+    """A random drafter (Q4_1-compatible widths) built as an engine builds it, with `draft_matmul_dtype` `dtype`."""
+    cfg = dataclasses.replace(tiny_cfg(enable_confidence_head=True, **cfg_kw), intermediate_size=64)
+    model = random_model(cfg, seed=2)
+    if cfg.draft_vocab_size:
+        model.reset_buffers(d2t=torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+                            [:cfg.draft_vocab_size])
+    save_dspark(model, cfg, tmp_path / "d", dtype="bfloat16")  # W1 then held as bf16 rows (`hold_rows_bf16`)
+    drafter = build(spec(tmp_path / "d", draft_matmul_dtype=dtype), target_config=TARGET, target_model=random_target(),
+                    dtype=torch.float32, device="cpu")
+    make_pool(drafter, num_blocks=40, kv_block_size=4)
+    return drafter
+
+
+def _context(drafter, seed: int = 5) -> tuple[list[list[int]], list[list[int]]]:
+    """Extend NUM_REQS requests' contexts by 3 .. 7 positions → (their ids, block tables)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [3 + i for i in range(NUM_REQS)]
+    ids = [torch.randint(3, 120, (12,), generator=g).tolist() for _ in lens]
+    tables = [[4 * i + j + 1 for j in range(4)] for i in range(NUM_REQS)]
+    starts = [sum(lens[:i]) for i in range(NUM_REQS)]
+    taps = torch.randn(sum(lens), len(TAPS) * TARGET.hidden_size, generator=g)
+    drafter.extend_context(ContextUpdate([ContextSegment(f"r{i}", tables[i], 0, ids[i][:n], None,
+                                                         slice(starts[i], starts[i] + n)) for i, n in enumerate(lens)],
+                                         taps))
+    return ids, tables
+
+
+def _batch(ids, tables, method: str = "greedy", params=None) -> ProposeBatch:
+    reqs = [propose_request(f"r{i}", ids[i], 3 + i, tables[i], *(params(i) if params else ()))
+            for i in range(NUM_REQS)]
+    return ProposeBatch(reqs, 4, method)
+
+
+def _both(drafter, batch, monkeypatch):
+    """(the proposal as served, the proposal op by op, how many one-call kernel calls the first made)."""
+    calls = []
+    original = kernels.draft_block
+    monkeypatch.setattr(kernels, "draft_block", lambda *a, **k: calls.append(1) or original(*a, **k))
+    served = drafter.propose(batch)
+    monkeypatch.setattr(drafter, "_fused_proposal", lambda batch: None)
+    per_op = drafter.propose(batch)
+    monkeypatch.undo()
+    return served, per_op, len(calls)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "q4_1", "bfloat16"])
+@pytest.mark.parametrize("draft_vocab_size", [None, 48])
+def test_the_greedy_proposal_in_one_call_equals_the_per_op_path(tmp_path, monkeypatch, dtype, draft_vocab_size):
+    """The backbone's products in any dtype the fused stack takes; the LM head the target's fp32 rows (full
+    vocabulary) or the drafter's copy (reduced): Q4_1 blocks or fp32 take the one call, a bf16 copy (its product
+    path depends on the row count) keeps the per-op path."""
+    if dtype == "q4_1" and not kernels.has_q4_1_kernels():
+        pytest.skip("no Q4_1 products on this CPU")
+    if dtype == "bfloat16" and not (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()):
+        pytest.skip("no bf16 products on this CPU")
+    drafter = _built(tmp_path, dtype, draft_vocab_size=draft_vocab_size)
+    assert drafter.model.markov_head.markov_w1.weight.dtype == torch.bfloat16  # the served layout of W1
+    batch = _batch(*_context(drafter))
+    served, per_op, calls = _both(drafter, batch, monkeypatch)
+    head_copy = draft_vocab_size is not None and dtype != "float32"  # else an fp32 head: the kernel up to MAX_ROWS rows
+    assert calls == (0 if head_copy and dtype == "bfloat16" else 1), "the one-call proposal did not run"
+    assert torch.equal(served.draft_ids, per_op.draft_ids)
+    assert torch.equal(served.confidence, per_op.confidence)
+    assert served.draft_probs is None and per_op.draft_probs is None
+    with monkeypatch.context() as m:  # two requests a call: three calls of whole blocks, the same drafts (an fp32
+        m.setattr(kernels, "MAX_ROWS", 2 * drafter.cfg.block_size)  # head past MAX_ROWS rows: torch's, per op)
+        split, _, calls = _both(drafter, batch, m)
+    assert calls == (3 if head_copy and dtype == "q4_1" else 0) and torch.equal(split.draft_ids, per_op.draft_ids)
+    torch.testing.assert_close(split.confidence, per_op.confidence, rtol=0, atol=1e-6)
+    # the one call is no stand-in that repeats the per-op path's answer: other weights, other drafts
+    head = drafter.model.markov_head.markov_w2.weight
+    head.mul_(-1)
+    flipped, flipped_per_op, _ = _both(drafter, batch, monkeypatch)
+    head.mul_(-1)
+    assert torch.equal(flipped.draft_ids, flipped_per_op.draft_ids)
+    assert not torch.equal(flipped.draft_ids, served.draft_ids)
+
+
+@pytest.mark.parametrize("case", ["gated", "rnn", "topk", "sampled"])
+def test_other_heads_and_modes_keep_the_per_op_path(tmp_path, monkeypatch, case):
+    head_type = case if case in ("gated", "rnn") else "vanilla"
+    drafter = _built(tmp_path, "float32", markov_head_type=head_type)
+    drafter.draft_topk = 4 if case == "topk" else 0
+    ids, tables = _context(drafter)
+    sampled = lambda i: (SamplingParams(temperature=0.8), torch.Generator().manual_seed(i))  # noqa: E731
+    batch = _batch(ids, tables, "probabilistic", sampled) if case == "sampled" else _batch(ids, tables)
+    if case == "sampled":
+        served = drafter.propose(batch)
+        calls = []
+        original = kernels.draft_block
+        monkeypatch.setattr(kernels, "draft_block", lambda *a, **k: calls.append(1) or original(*a, **k))
+        again = drafter.propose(_batch(ids, tables, "probabilistic", sampled))
+        assert not calls and torch.equal(served.draft_ids, again.draft_ids)
+        return
+    served, per_op, calls = _both(drafter, batch, monkeypatch)
+    assert calls == 0
+    assert torch.equal(served.draft_ids, per_op.draft_ids) and torch.equal(served.confidence, per_op.confidence)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "q4_1", "bfloat16"])
+def test_the_context_extension_in_one_call_stores_the_per_op_values(tmp_path, monkeypatch, dtype):
+    if dtype == "q4_1" and not kernels.has_q4_1_kernels():
+        pytest.skip("no Q4_1 products on this CPU")
+    if dtype == "bfloat16" and not (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()):
+        pytest.skip("no bf16 products on this CPU")
+    drafter = _built(tmp_path, dtype)
+    calls = []
+    original = kernels.draft_context
+    monkeypatch.setattr(kernels, "draft_context", lambda *a, **k: calls.append(1) or original(*a, **k))
+    _context(drafter)
+    served = [(k.clone(), v.clone()) for k, v in drafter.kv_caches]
+    assert len(calls) == (0 if dtype == "bfloat16" else 1)
+    monkeypatch.setattr(drafter.model, "fused_context_kv", lambda *a, **k: None)
+    make_pool(drafter, num_blocks=40, kv_block_size=4)
+    _context(drafter)
+    written = ~torch.isnan(served[0][0])
+    for (k, v), (k_ref, v_ref) in zip(served, drafter.kv_caches):
+        assert torch.equal(torch.isnan(k), torch.isnan(k_ref)), "the same slots written"
+        torch.testing.assert_close(k[written], k_ref[written], rtol=0, atol=2e-6)
+        assert torch.equal(v[written], v_ref[written])
+    # every context position's slot (and slot 0, which the pool zeroes as gather padding)
+    assert written.flatten(0, 1).all(-1).all(-1).sum() == sum(3 + i for i in range(NUM_REQS)) + 1
