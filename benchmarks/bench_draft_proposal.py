@@ -6,13 +6,13 @@ memory, as in serving, not from the cache of the previous proposal); medians ove
     python benchmarks/bench_draft_proposal.py --num-reqs 1,4,16,32,64 --rounds 7 \
         --out benchmarks/results/draft_proposal.json
 
-Paths: `current` (the defaults: `draft_matmul_dtype` auto — bf16 copies, widened against the fp32
-input on AVX2 — and the block forward through the fused decoder stack), `module-bf16` (the same
-products, the block forward through the per-layer modules) and `module-fp32` (fp32 products and the
-modules: the drafter path before the fused stack), `q4_1` (`draft_matmul_dtype` "q4_1": the backbone and
-the reduced-vocab head quantized to Q4_1 blocks, the fused stack), and `kernel-rows-128` (the
-defaults with bf16 products of up to 128 rows through the kernel, the earlier default, instead of
-`kernels.bf16_kernel_rows()`: 16 on CPUs with AMX, where torch's oneDNN products are faster past that),
+Paths: `current` (the defaults: `draft_matmul_dtype` auto — Q4_1 blocks where the kernels multiply them — and
+the greedy proposal in one kernel call, `DSparkModel.fused_proposal`), `bf16` (`draft_matmul_dtype` "bfloat16":
+bf16 copies, widened against the fp32 input on AVX2, op by op over the fused decoder stack), `module-bf16` (bf16
+products, the block forward through the per-layer modules) and `module-fp32` (fp32 products and the modules: the
+drafter path before the fused stack), `q4_1` (`draft_matmul_dtype` "q4_1", as `current`), and `kernel-rows-128`
+(bf16 products of up to 128 rows through the kernel instead of `kernels.bf16_kernel_rows()`: 16 on CPUs with AMX,
+where torch's oneDNN products are faster past that),
 `topk-K` (the defaults with top-K Markov drafting, spec "draft_topk": K), `markov-loop` (the defaults with the greedy
 Markov walk position by position in Python instead of one `kernels.markov_walk` call); `NAME=FOLDER` is another
 drafter folder (an export of `dspark train`) with the defaults. The target is the default model at `auto` (q4_1 on AVX2
@@ -28,8 +28,11 @@ import time
 from dspark.bench.report import run_info, write_result_file
 
 DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
-PATHS = {"current": {}, "module-bf16": {"fused": False}, "module-fp32": {"fused": False, "draft_matmul_dtype": "float32"},
-         "q4_1": {"draft_matmul_dtype": "q4_1"}, "kernel-rows-128": {"bf16_kernel_rows": 128},
+PATHS = {"current": {}, "bf16": {"draft_matmul_dtype": "bfloat16"},
+         "module-bf16": {"fused": False, "draft_matmul_dtype": "bfloat16"},
+         "module-fp32": {"fused": False, "draft_matmul_dtype": "float32"},
+         "q4_1": {"draft_matmul_dtype": "q4_1"},
+         "kernel-rows-128": {"bf16_kernel_rows": 128, "draft_matmul_dtype": "bfloat16"},
          "markov-loop": {"markov_loop": True}, "topk-4": {"draft_topk": 4}, "topk-8": {"draft_topk": 8}, "topk-16": {"draft_topk": 16}}
 
 
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
             llm.engine.drafter._walks_in_kernel = lambda head: False
         if not fused:
             llm.engine.drafter.model.fused_backbone = lambda *a, **k: None  # the module path
+            llm.engine.drafter._fused_proposal = lambda batch: None
         profilers[name] = StepProfiler(llm.engine)
     times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in profilers for n in counts}
     for r in range(args.rounds + 1):  # round 0 warms up

@@ -3,8 +3,8 @@ the per-op path they stand in for:
 
 * the greedy proposal in one call (`fused_proposal`: block forward, final norm, LM head, vanilla Markov walk,
   confidence head) drafts what the proposal op by op drafts, the confidences bit for bit, with fp32 and Q4_1
-  products, a reduced vocabulary and W1's rows held as bf16, and over several calls where one call takes fewer
-  requests than the batch;
+  products, a reduced vocabulary, W1's rows held as bf16 and `anchor_features`, and over several calls where one
+  call takes fewer requests than the batch;
 * the gated and RNN heads, top-K drafting, sampled drafting and a bf16 LM head keep the per-op path (the kernel is
   never called) and draft what they drafted;
 * the context extension in one call (`fused_context_kv`) stores the per-op path's values: keys within the RoPE's
@@ -77,9 +77,10 @@ def _both(drafter, batch, monkeypatch):
     return served, per_op, len(calls)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "q4_1", "bfloat16"])
+@pytest.mark.parametrize("dtype,anchor", [("float32", False), ("q4_1", False), ("bfloat16", False), ("float32", True)])
 @pytest.mark.parametrize("draft_vocab_size", [None, 48])
-def test_the_greedy_proposal_in_one_call_equals_the_per_op_path(tmp_path, monkeypatch, dtype, draft_vocab_size):
+def test_the_greedy_proposal_in_one_call_equals_the_per_op_path(tmp_path, monkeypatch, dtype, anchor,
+                                                                 draft_vocab_size):
     """The backbone's products in any dtype the fused stack takes; the LM head the target's fp32 rows (full
     vocabulary) or the drafter's copy (reduced): Q4_1 blocks or fp32 take the one call, a bf16 copy (its product
     path depends on the row count) keeps the per-op path."""
@@ -87,7 +88,7 @@ def test_the_greedy_proposal_in_one_call_equals_the_per_op_path(tmp_path, monkey
         pytest.skip("no Q4_1 products on this CPU")
     if dtype == "bfloat16" and not (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()):
         pytest.skip("no bf16 products on this CPU")
-    drafter = _built(tmp_path, dtype, draft_vocab_size=draft_vocab_size)
+    drafter = _built(tmp_path, dtype, draft_vocab_size=draft_vocab_size, anchor_features=anchor)
     assert drafter.model.markov_head.markov_w1.weight.dtype == torch.bfloat16  # the served layout of W1
     batch = _batch(*_context(drafter))
     served, per_op, calls = _both(drafter, batch, monkeypatch)

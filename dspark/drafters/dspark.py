@@ -187,11 +187,9 @@ class DSparkDrafter(Drafter):
                 or not model.fused_proposal_applies(len(reqs) * self.num_draft_tokens)):
             return None
         _, anchor_ids, block_ids, positions, anchor_input = self._block_inputs(reqs)
-        if anchor_input is not None:
-            return None
         parts = self._in_fused_parts(reqs, lambda part, meta: model.fused_proposal(
             block_ids[part], positions[part], meta=meta, kv_caches=self.kv_caches, anchor_ids=anchor_ids[part],
-            num_draft=self.num_draft_tokens))
+            num_draft=self.num_draft_tokens, anchor_input=None if anchor_input is None else anchor_input[part]))
         if parts is None:
             return None
         drafts, conf = parts[0] if len(parts) == 1 else (  # [num_reqs, num_draft] target ids and confidence logits

@@ -132,21 +132,22 @@ class FusedInference:
                 and (head.markov_w1.weight.dtype == torch.float32 or head.rows_dtype == torch.float32))
 
     def fused_proposal(self, block_ids: torch.Tensor, positions: torch.Tensor, *, meta, kv_caches,
-                       anchor_ids: torch.Tensor, num_draft: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                       anchor_ids: torch.Tensor, num_draft: int, anchor_input: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The greedy proposal of blocks [batch, block_size] at positions [batch, block_size] in one kernel call
         (`kernels.draft_block`) → (drafts [batch, num_draft] target ids, confidence logits [batch, num_draft] fp32
         or None), the per-op path's (`fused_backbone`, `compute_logits`, the Markov walk, `confidence_logits`) bit
-        for bit; None where the kernels do not apply (`fused_proposal_applies` first)."""
-        stack = self._stack_inputs(block_ids, positions, meta, kv_caches)
+        for bit; None where the kernels do not apply (`fused_proposal_applies` first). anchor_input: as
+        `fused_backbone`'s."""
+        stack = self._stack_inputs(block_ids, positions, meta, kv_caches, anchor_input)
         if stack is None:
             return None
         conf = self.confidence_head
-        out = kernels.draft_block(
+        return kernels.draft_block(
             *stack, **self._stack_sizes(), norm=self.norm.weight, offset=self.cfg.slot_offset, num_draft=num_draft,
             head=_head_weight(self.lm_head, block_ids.shape[0] * num_draft), w1=self.markov_head.markov_w1.weight,
             w2=self.markov_head.markov_w2.weight, d2t=self.d2t, anchor=anchor_ids,
             conf_weight=None if conf is None else conf.proj.weight, conf_bias=None if conf is None else conf.proj.bias)
-        return out
 
     def freeze(self) -> None:
         """Inference only (an engine's drafter, its product copies made): no weight changes from here on, so the
