@@ -14,8 +14,9 @@ Greedy, `--max-tokens` new tokens (EOS ignored unless `--natural-stop`), so ever
 same tokens.
 
 Per run: output tok/s, engine steps, draft tokens verified / accepted, the target forward's seconds
-(`ModelRunner.forward`) and every other engine phase (`Engine._verify`, drafter context extension,
-proposal and length choice, the lookup and the model drafter inside it): per-token latency = step
+(`ModelRunner.forward`) and every other engine phase (`Engine._run_target` with its verification, the
+SpecController's drafter context extension and proposal with length choice, the lookup and the model drafter
+inside it): per-token latency = step
 time ÷ tokens per step, both terms measured. Medians over repeats, and each variant ÷ the first.
 
 `--coalesce-steps` sets the scheduler's prompt-coalescing bound for every variant (0: off).
@@ -99,15 +100,15 @@ def variant_spec(name: str, cost_table: str | None = None, drafter: str | None =
     return {**spec, "cost_table": str(shipped_cost_table(Path(DRAFTER), variant_matmul_dtype(name)))}
 
 
-# (object attribute, method) timed on each engine: "runner" / "scheduler" / "drafter" / "engine"
-PHASES = [("engine", "_verify"), ("engine", "_extend_drafter_context"), ("engine", "_propose_and_choose"),
+# (object attribute, method) timed on each engine: "runner" / "scheduler" / "drafter" / "engine" / "spec" (its SpecController)
+PHASES = [("engine", "_run_target"), ("spec", "_extend_context"), ("spec", "_propose_and_choose"),
           ("runner", "forward"), ("runner", "prepare"), ("scheduler", "schedule"), ("scheduler", "commit"),
           ("model_drafter", "propose"), ("lookup", "lookup_with_length")]
 
 
 def _targets(engine) -> dict:
     drafter = engine.drafter
-    return {"engine": engine, "runner": engine.runner, "scheduler": engine.scheduler,
+    return {"engine": engine, "spec": engine.spec, "runner": engine.runner, "scheduler": engine.scheduler,
             "model_drafter": getattr(drafter, "model_drafter", drafter),
             "lookup": getattr(drafter, "lookup", None)}
 

@@ -11,9 +11,10 @@ serving); medians over rounds.
 
 Paths: `auto` (the defaults: `draft_matmul_dtype` Q4_1 blocks on CPUs whose kernels multiply them, the greedy
 proposal in one kernel call), `per-op` (the same products, the proposal op by op: the fused stack, then the LM head,
-the Markov walk and the confidence head each called from Python) and `bf16` (`draft_matmul_dtype` "bfloat16", op by
-op: its head's product path depends on the row count); `NAME=FOLDER` is another drafter folder with the defaults. The target is the
-default model at `auto` (q4_1 on AVX2 CPUs), 256 context positions per request (`dspark profile`'s
+the Markov walk and the confidence head each called from Python), `bf16` (`draft_matmul_dtype` "bfloat16", op by
+op: its head's product path depends on the row count) and `one-layer` (the defaults with the drafter's first layer
+alone: the cost of a 1-layer shape, whatever its weights would draft); `NAME=FOLDER` is another drafter folder with the
+defaults. The target is the default model at `auto` (q4_1 on AVX2 CPUs), 256 context positions per request (`dspark profile`'s
 `StepProfiler`). `proposal_over_step_rN` is the proposal ÷ the one-token step at N requests, the issue's measure.
 """
 
@@ -26,7 +27,7 @@ import time
 from dspark.bench.report import run_info, write_result_file
 
 DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
-PATHS = {"auto": {}, "per-op": {}, "bf16": {"draft_matmul_dtype": "bfloat16"}}
+PATHS = {"auto": {}, "per-op": {}, "bf16": {"draft_matmul_dtype": "bfloat16"}, "one-layer": {}}
 # (owner, method) → part name; owner "model" is the drafter network, "drafter" the DSparkDrafter, "kernels" the module
 PARTS = [("drafter", "_block_meta", "block_metadata"), ("kernels", "draft_block", "fused_proposal"),
          ("model", "fused_backbone", "block_forward"), ("model", "compute_logits", "lm_head"),
@@ -65,6 +66,12 @@ def main(argv: list[str] | None = None) -> dict:
         llm = LLM(speculative_config={"method": "dspark", "model": DRAFTER, **opts})
         if name == "per-op":
             llm.engine.drafter._fused_proposal = lambda batch: None
+        if name == "one-layer":  # the first layer alone, over the first layer's pool entries
+            drafter = llm.engine.drafter
+            drafter.model.layers = drafter.model.layers[:1]
+            drafter.model._frozen, drafter.model._context_cache = False, None
+            drafter.model.freeze()
+            drafter.kv_caches = drafter.kv_caches[:1]
         sink: dict[str, float] = {}
         owners = {"drafter": llm.engine.drafter, "model": llm.engine.drafter.model, "kernels": kernels}
         profilers[name], sinks[name] = StepProfiler(llm.engine), sink

@@ -13,7 +13,9 @@ the tests as the reference. The kernels are used only for fp32 CPU tensors witho
 else takes the torch path. `decoder_layers` runs a whole Llama/Qwen3 decoder stack of a decode or
 verification step in one call, and `block_layers` a Llama or Gemma 3 stack whose matrices are GGUF block
 parts (Q5_0 / Q4_K / Q6_K: `ggml.py`); their twin is the model's own per-layer modules (bit-identical
-results). `row_argmax` is torch.max(x, -1)'s answer for the greedy step.
+results). `row_argmax` is torch.max(x, -1)'s answer for the greedy step. `draft_block` and `draft_context` run the
+DSpark drafter's greedy proposal and its context extension each in one call (their twin: the drafter's op-by-op
+path, `drafters/dspark_fused.py`).
 
 Switch: `DSPARK_CPU_KERNELS=0` turns them off (the slow twin), `=1` (the default) builds and uses them
 and, when the build fails, logs the compiler's message once and falls back to torch — the output is the
