@@ -1,8 +1,9 @@
 """Where a DSpark proposal's time goes, beside the target step it has to beat: at each request count, one
 one-token target step per request and a 4- and an 8-token verification window per request, the drafter's context
 extension (3 newly committed positions a request: about the tokens a step accepts) and the proposal, split
-into its parts — the block metadata, the block forward (the fused decoder stack, with the block's embeddings),
-the LM head, the Markov walk, the confidence head and the rest (bookkeeping in Python). Each drafter path
+into its parts — the blocks' inputs (rows, RoPE and attention indices: `kernels.draft_inputs`), the one kernel call
+or, op by op, the block forward (the fused decoder stack), the LM head, the Markov walk and the confidence head, and
+the rest (bookkeeping in Python, the anchors' embeddings). Each drafter path
 side by side in one process, each proposal right after a target step (its weights come from memory, as in
 serving); medians over rounds.
 
@@ -29,7 +30,7 @@ from dspark.bench.report import run_info, write_result_file
 DRAFTER = "dspark/assets/drafters/dspark-smollm2-135m"
 PATHS = {"auto": {}, "per-op": {}, "bf16": {"draft_matmul_dtype": "bfloat16"}, "one-layer": {}}
 # (owner, method) → part name; owner "model" is the drafter network, "drafter" the DSparkDrafter, "kernels" the module
-PARTS = [("drafter", "_block_meta", "block_metadata"), ("kernels", "draft_block", "fused_proposal"),
+PARTS = [("kernels", "draft_inputs", "block_inputs"), ("kernels", "draft_block", "fused_proposal"),
          ("model", "fused_backbone", "block_forward"), ("model", "compute_logits", "lm_head"),
          ("kernels", "markov_walk", "markov_walk"), ("model", "confidence_logits", "confidence")]
 CONTEXT_TOKENS = 3

@@ -114,26 +114,3 @@ def test_reduced_precision_grouped_query_path_matches_sdpa():
     ref_nomask = F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
     assert (out_nomask - ref_nomask).abs().max() < 0.05
 
-
-def test_block_metadata_equals_the_general_builder():
-    """`block_metadata` (draft blocks in array operations) gives `build_attn_metadata`'s slots, rows and limits for
-    the same non-causal blocks, with requests of different context lengths (padding and a mask) and of one."""
-    import numpy as np
-
-    from dspark.models.attention import block_metadata
-
-    rng = np.random.default_rng(0)
-    for starts in ([37], [5, 70, 33], [16, 16]):
-        size, bs = 7, 16
-        tables = [rng.permutation(64)[:-(-(s + size) // bs) + int(rng.integers(0, 3))].tolist() for s in starts]
-        fast = block_metadata(tables, starts, size, bs)
-        seqs = [SeqSpec(block_table=t, num_cached=s, num_query=size, token_offset=i * size, causal=False)
-                for i, (t, s) in enumerate(zip(tables, starts))]
-        slow = build_attn_metadata(seqs, num_tokens=len(starts) * size, kv_block_size=bs)
-        assert torch.equal(fast.slot_mapping, slow.slot_mapping) and fast.all_stored == slow.all_stored
-        (f,), (g,) = fast.groups, slow.groups
-        for name in ("token_index", "query_valid", "kv_slots", "key_limit"):  # the kernels read them in place
-            assert torch.equal(getattr(f, name), getattr(g, name)) and getattr(f, name).is_contiguous(), name
-        assert fast.slot_mapping.is_contiguous()
-        assert (f.all_valid, f.needs_mask, f.causal) == (g.all_valid, g.needs_mask, g.causal)
-        assert (f.mask is None) == (g.mask is None) and (f.mask is None or torch.equal(f.mask, g.mask))

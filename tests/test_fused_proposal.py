@@ -8,7 +8,9 @@ the per-op path they stand in for:
 * the gated and RNN heads, top-K drafting, sampled drafting and a bf16 LM head keep the per-op path (the kernel is
   never called) and draft what they drafted;
 * the context extension in one call (`fused_context_kv`) stores the per-op path's values: keys within the RoPE's
-  rounding (one fused multiply-add instead of three roundings), values exactly; bf16 products keep the per-op path.
+  rounding (one fused multiply-add instead of three roundings), values exactly; bf16 products keep the per-op path;
+* the blocks' inputs built in one call (`kernels.draft_inputs`) equal the general attention-metadata builder's
+  indices, the embeddings' rows and the model's RoPE.
 
     pytest tests/test_fused_proposal.py -q
 """
@@ -97,6 +99,9 @@ def test_the_greedy_proposal_in_one_call_equals_the_per_op_path(tmp_path, monkey
     assert torch.equal(served.draft_ids, per_op.draft_ids)
     assert torch.equal(served.confidence, per_op.confidence)
     assert served.draft_probs is None and per_op.draft_probs is None
+    ids = torch.tensor([5, 9, 5, 77, 9])  # the frozen model's kept anchor rows are the embedding's rows
+    assert torch.equal(drafter.model.anchor_rows(ids), drafter.model.embed_tokens(ids).float())
+    assert set(drafter.model._row_cache) >= {5, 9, 77}
     with monkeypatch.context() as m:  # two requests a call: three calls of whole blocks, the same drafts (an fp32
         m.setattr(kernels, "MAX_ROWS", 2 * drafter.cfg.block_size)  # head past MAX_ROWS rows: torch's, per op)
         split, _, calls = _both(drafter, batch, m)
@@ -155,3 +160,35 @@ def test_the_context_extension_in_one_call_stores_the_per_op_values(tmp_path, mo
         assert torch.equal(v[written], v_ref[written])
     # every context position's slot (and slot 0, which the pool zeroes as gather padding)
     assert written.flatten(0, 1).all(-1).all(-1).sum() == sum(3 + i for i in range(NUM_REQS)) + 1
+
+
+def test_the_blocks_inputs_equal_the_general_builders():
+    """`kernels.draft_inputs` (the rows, RoPE and attention indices of the draft blocks, in one call) gives
+    `build_attn_metadata`'s slots, rows and key limits for the same non-causal blocks (contexts of different lengths:
+    padded key rows), the rows the embeddings (plus anchor features) make, and `DSparkModel.rope`'s cos / sin with
+    the rotate-half sign folded in (within the cosine's rounding)."""
+    from dspark.drafters.dspark_model import rope_inv_freq
+    from dspark.models.attention import SeqSpec, build_attn_metadata
+
+    g = torch.Generator().manual_seed(3)
+    size, bs, hidden, head_dim = 7, 16, 32, 64
+    starts = [37, 5, 70]
+    tables = [torch.randperm(64, generator=g)[:-(-(s + size) // bs) + i].tolist() for i, s in enumerate(starts)]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    anchors, mask, add = torch.randn(3, hidden, generator=g), torch.randn(hidden, generator=g), torch.randn(3, hidden, generator=g)
+    inv_freq = rope_inv_freq(head_dim, 10000.0, None)
+    x, cos, sin, slots, token_index, key_limit, kv_slots = kernels.draft_inputs(
+        anchors, mask, add, torch.tensor(starts), padded, bs, inv_freq, size)
+    seqs = [SeqSpec(block_table=t, num_cached=s, num_query=size, token_offset=i * size, causal=False)
+            for i, (t, s) in enumerate(zip(tables, starts))]
+    meta = build_attn_metadata(seqs, num_tokens=3 * size, kv_block_size=bs)
+    group = meta.groups[0]
+    assert torch.equal(slots, meta.slot_mapping) and torch.equal(token_index, group.token_index)
+    assert torch.equal(key_limit, group.key_limit) and torch.equal(kv_slots, group.kv_slots)
+    rows = torch.cat([anchors.unsqueeze(1), mask.expand(3, size - 1, hidden)], 1) + add.unsqueeze(1)
+    assert torch.equal(x, rows.reshape(-1, hidden))
+    positions = (torch.tensor(starts).unsqueeze(1) + torch.arange(size)).reshape(-1).float()
+    emb = torch.cat([positions.unsqueeze(-1) * inv_freq] * 2, -1)  # DSparkModel.rope's angles
+    torch.testing.assert_close(cos, emb.cos(), rtol=0, atol=2e-6)
+    torch.testing.assert_close(sin, torch.cat([-emb[:, :32].sin(), emb[:, 32:].sin()], -1), rtol=0, atol=2e-6)

@@ -22,6 +22,7 @@ method "dspark" on a checkpoint without a Markov head is an error.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
@@ -34,7 +35,7 @@ from dspark.drafters.heads import MarkovHead
 from dspark import kernels
 from dspark.kernels import (cpu_has_bf16_dot, has_bf16w_kernels, has_q4_1_kernels, q4_1_misfit,
                             release_dense_weights, set_matmul_dtype, set_q4_1_products)
-from dspark.models.attention import block_metadata, slots_for
+from dspark.models.attention import slots_for
 from dspark.sampling import greedy_ids, logits_to_probs
 
 
@@ -139,9 +140,9 @@ class DSparkDrafter(Drafter):
         (`DSparkModel.fused_backbone`); otherwise the module path over the gathered context."""
         model, reqs = self.model, batch.requests
         anchor_pos, anchor_ids, block_ids, positions, anchor_input = self._block_inputs(reqs)
-        parts = self._in_fused_parts(reqs, lambda part, meta: model.fused_backbone(
-            block_ids[part], positions[part], kv_caches=self.kv_caches, meta=meta,
-            anchor_input=None if anchor_input is None else anchor_input[part]))
+        parts = self._in_fused_parts(reqs, lambda part, tables: model.fused_backbone(
+            anchor_ids[part], anchor_pos[part], tables, kv_block_size=self.kv_caches[0][0].shape[1],
+            kv_caches=self.kv_caches, anchor_input=None if anchor_input is None else anchor_input[part, 0]))
         if parts is not None:
             hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
@@ -155,23 +156,33 @@ class DSparkDrafter(Drafter):
         """(anchor positions [num_reqs] long on the CPU, anchor target ids [num_reqs], block ids [num_reqs,
         block_size], positions [num_reqs, block_size], anchor_input [num_reqs, block_size, hidden] or None)."""
         dev, size = self.device, self.cfg.block_size
-        anchor_pos = torch.tensor([r.anchor_pos for r in reqs], dtype=torch.long)  # [num_reqs]
-        anchor_ids = torch.tensor([r.all_ids[r.anchor_pos] for r in reqs], dtype=torch.long, device=dev)
+        anchor_pos, anchor_ids = self._anchors(reqs)
         positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(size, device=dev)  # [num_reqs, block_size]
         anchor_input = self._anchor_input(reqs, anchor_pos, self.kv_caches[0][0].shape[1])
         return anchor_pos, anchor_ids, self.model.block_ids(anchor_ids), positions, anchor_input
 
+    def _anchors(self, reqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchor positions [num_reqs] long on the CPU, anchor target ids [num_reqs] long)."""
+        anchor_pos = torch.tensor([r.anchor_pos for r in reqs], dtype=torch.long)
+        return anchor_pos, torch.tensor([r.all_ids[r.anchor_pos] for r in reqs], dtype=torch.long, device=self.device)
+
     def _in_fused_parts(self, reqs, run) -> list | None:
-        """`run(part, meta)` over consecutive slices of the requests, as many as one fused kernel call takes (blocks
-        are independent), `meta` the part's block metadata → the parts' results; None where the blocks lack pool
-        slots (off the CPU, or past the scheduler's lookahead) or `run` returns None (the kernels do not apply,
-        the same for every part)."""
+        """`run(part, tables)` over consecutive slices of the requests, as many as one fused kernel call takes (blocks
+        are independent), `tables` the part's block tables [part size, width] long (padding 0) → the parts'
+        results; None where the blocks lack pool slots (off the CPU, or past the scheduler's lookahead) or `run`
+        returns None (the kernels do not apply, the same for every part)."""
         kv_block_size, size = self.kv_caches[0][0].shape[1], self.cfg.block_size
         if self.device.type != "cpu" or any(len(r.block_table) * kv_block_size < r.anchor_pos + size for r in reqs):
             return None
         per_call, parts = max(1, kernels.MAX_ROWS // size), []
         for i in range(0, len(reqs), per_call):
-            part = run(slice(i, i + per_call), self._block_meta(reqs[i:i + per_call], kv_block_size))
+            chunk = reqs[i:i + per_call]
+            width = max(-(-(r.anchor_pos + size) // kv_block_size) for r in chunk)
+            tables = np.zeros((len(chunk), width), dtype=np.int64)  # [part size, width]
+            for j, r in enumerate(chunk):
+                row = r.block_table[:width]
+                tables[j, :len(row)] = row
+            part = run(slice(i, i + per_call), torch.from_numpy(tables))
             if part is None:
                 return None
             parts.append(part)
@@ -186,10 +197,12 @@ class DSparkDrafter(Drafter):
         if (head is None or not self._walks_in_kernel(head)
                 or not model.fused_proposal_applies(len(reqs) * self.num_draft_tokens)):
             return None
-        _, anchor_ids, block_ids, positions, anchor_input = self._block_inputs(reqs)
-        parts = self._in_fused_parts(reqs, lambda part, meta: model.fused_proposal(
-            block_ids[part], positions[part], meta=meta, kv_caches=self.kv_caches, anchor_ids=anchor_ids[part],
-            num_draft=self.num_draft_tokens, anchor_input=None if anchor_input is None else anchor_input[part]))
+        anchor_pos, anchor_ids = self._anchors(reqs)
+        kv_block_size = self.kv_caches[0][0].shape[1]
+        anchor_input = self._anchor_input(reqs, anchor_pos, kv_block_size)  # [num_reqs, block_size, hidden] or None
+        parts = self._in_fused_parts(reqs, lambda part, tables: model.fused_proposal(
+            anchor_ids[part], anchor_pos[part], tables, kv_block_size=kv_block_size, kv_caches=self.kv_caches,
+            num_draft=self.num_draft_tokens, anchor_input=None if anchor_input is None else anchor_input[part, 0]))
         if parts is None:
             return None
         drafts, conf = parts[0] if len(parts) == 1 else (  # [num_reqs, num_draft] target ids and confidence logits
@@ -238,12 +251,6 @@ class DSparkDrafter(Drafter):
 
         return self.model.backbone(block_ids, positions, layer_context_kv=layer_context_kv, mask=mask,
                                    anchor_input=anchor_input)
-
-    def _block_meta(self, reqs, kv_block_size: int):
-        """Attention metadata of the flat block rows (request i's block at rows i·block_size ..): each
-        block sees its request's context and itself both ways, its K/V stored past the context."""
-        return block_metadata([r.block_table for r in reqs], [r.anchor_pos for r in reqs], self.cfg.block_size,
-                              kv_block_size)
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> DraftProposal:

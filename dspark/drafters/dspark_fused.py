@@ -31,50 +31,68 @@ def stacked_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
+ROW_CACHE = 4096  # anchor embeddings a frozen drafter keeps (`anchor_rows`): 9 MiB at hidden 576
+
+
 class FusedInference:
     """Mixed into `DSparkModel` (reads its layers, norms, heads and config)."""
 
     def fused_backbone(
         self,
-        block_ids: torch.Tensor,  # [batch, num_query] long
-        positions: torch.Tensor,  # [batch, num_query] long
+        anchor_ids: torch.Tensor,  # [batch] long: each block's anchor (its other rows are mask tokens)
+        anchor_pos: torch.Tensor,  # [batch] long: the anchor's position (the block covers .. + block_size - 1)
+        tables: torch.Tensor,  # [batch, width] long: block tables covering each block's positions
         *,
-        meta,  # models.attention.AttnMetadata of the flat block rows: one short group, every row stored
+        kv_block_size: int,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer the paged pool's (k, v)
-        anchor_input: torch.Tensor | None = None,  # [batch, num_query, hidden] added to the rows' input
-    ) -> torch.Tensor | None:  # [batch, num_query, hidden] final-normed, or None
+        anchor_input: torch.Tensor | None = None,  # [batch, hidden] added to every row of the block
+    ) -> torch.Tensor | None:  # [batch, block_size, hidden] final-normed, or None
         """`backbone` for inference in one CPU kernel call (`kernels.decoder_layers`, the target's fused
-        decoder stack): the block's own K/V are stored into the pool at `meta.slot_mapping` (the
-        positions past the committed context, which a later context extension overwrites) and each block
-        row attends to the pool through `meta`'s key limits. The same products as the module path (norms,
-        matrices, SiLU), attention and RoPE rounded differently (the kernel's, ~1e-6). None where it does
-        not apply (kernels off, more than MAX_ROWS rows, weights the kernels do not take): the caller runs
-        `backbone`."""
-        batch, num_query = block_ids.shape
-        stack = self._stack_inputs(block_ids, positions, meta, kv_caches, anchor_input)
+        decoder stack): the block's own K/V are stored into the pool past each committed context (which a
+        later context extension overwrites) and each block row attends to its request's keys and its own
+        block. The same products as the module path (norms, matrices, SiLU), attention and RoPE rounded
+        differently (the kernel's, ~1e-6). None where it does not apply (kernels off, more than MAX_ROWS rows,
+        weights the kernels do not take): the caller runs `backbone`."""
+        stack = self._stack_inputs(anchor_ids, anchor_pos, tables, kv_block_size, kv_caches, anchor_input)
         if stack is None or not kernels.decoder_layers(stack[0], *stack[1:], **self._stack_sizes()):
             return None
-        return self.norm(stack[0]).view(batch, num_query, -1)
+        return self.norm(stack[0]).view(anchor_ids.shape[0], self.cfg.block_size, -1)
 
-    def _stack_inputs(self, block_ids, positions, meta, kv_caches, anchor_input=None) -> tuple | None:
+    def _stack_inputs(self, anchor_ids, anchor_pos, tables, kv_block_size, kv_caches, anchor_input=None
+                      ) -> tuple | None:
         """The fused stack's positional arguments (x [T, hidden] fp32, weights, K caches, V caches, cos, sin [T,
-        head_dim] with the rotate-half sign folded into sin, slot mapping, token index, key limit, kv slots), or None
-        where the kernels do not apply (kernels off, more than MAX_ROWS rows, weights they do not take, metadata not
-        one stored group)."""
-        batch, num_query = block_ids.shape
+        head_dim] with the rotate-half sign folded into sin, slot mapping, token index, key limit, kv slots), the
+        rows, RoPE and indices built from the block tables in one call (`kernels.draft_inputs`), or None where the
+        kernels do not apply (kernels off, more than MAX_ROWS rows, weights they do not take)."""
         weights = self._fused_weights()
-        if (weights is None or batch * num_query > kernels.MAX_ROWS or len(meta.groups) != 1 or not meta.all_stored
-                or not kernels.enabled()):
+        if weights is None or anchor_ids.shape[0] * self.cfg.block_size > kernels.MAX_ROWS or not kernels.enabled():
             return None
-        x = self._block_embeddings(block_ids)  # [batch, num_query, hidden] fp32
-        if anchor_input is not None:
-            x = x + anchor_input.float()
-        x = x.reshape(batch * num_query, -1).contiguous()  # [T, hidden]
-        cos, sin = self.rope(positions.reshape(-1))  # [T, head_dim]
-        sin[:, :sin.shape[-1] // 2].neg_()  # the rotate-half sign folded in
-        g = meta.groups[0]
-        return (x, weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], cos, sin, meta.slot_mapping,
-                g.token_index, g.key_limit, g.kv_slots)
+        mask_row = getattr(self, "_mask_row", None)
+        if mask_row is None:  # not frozen: looked up each call
+            mask_row = self.embed_tokens(torch.tensor([self.cfg.mask_token_id], device=anchor_ids.device)).float()
+        built = kernels.draft_inputs(self.anchor_rows(anchor_ids), mask_row[0], anchor_input, anchor_pos,
+                                     tables, kv_block_size, self.inv_freq, self.cfg.block_size)
+        if built is None:
+            return None
+        x, cos, sin, slots, token_index, key_limit, kv_slots = built
+        return (x, weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], cos, sin, slots, token_index,
+                key_limit, kv_slots)
+
+    def anchor_rows(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The anchors' embeddings [batch, hidden] fp32 (anchor_ids [batch] long). A frozen model keeps the rows it
+        looked up, up to ROW_CACHE tokens (the target's quantized embedding dequantizes a row per lookup, ~10 ops):
+        the same values."""
+        cache = getattr(self, "_row_cache", None)
+        if cache is None:
+            return self.embed_tokens(anchor_ids).float()
+        ids = anchor_ids.tolist()
+        missing = [t for t in dict.fromkeys(ids) if t not in cache]
+        if missing:
+            if len(cache) + len(missing) > ROW_CACHE:
+                cache.clear()
+            looked = self.embed_tokens(torch.tensor(missing, device=anchor_ids.device)).float()  # [missing, hidden]
+            cache.update(zip(missing, looked))
+        return torch.stack([cache[t] for t in ids])
 
     def _stack_sizes(self) -> dict:
         attn = self.layers[0].self_attn
@@ -131,43 +149,34 @@ class FusedInference:
                                       and getattr(conf.proj, "lowp_weight", None) is None and conf.proj.bias is not None))
                 and (head.markov_w1.weight.dtype == torch.float32 or head.rows_dtype == torch.float32))
 
-    def fused_proposal(self, block_ids: torch.Tensor, positions: torch.Tensor, *, meta, kv_caches,
-                       anchor_ids: torch.Tensor, num_draft: int, anchor_input: torch.Tensor | None = None
+    def fused_proposal(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, tables: torch.Tensor, *,
+                       kv_block_size: int, kv_caches, num_draft: int, anchor_input: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The greedy proposal of blocks [batch, block_size] at positions [batch, block_size] in one kernel call
-        (`kernels.draft_block`) → (drafts [batch, num_draft] target ids, confidence logits [batch, num_draft] fp32
-        or None), the per-op path's (`fused_backbone`, `compute_logits`, the Markov walk, `confidence_logits`) bit
-        for bit; None where the kernels do not apply (`fused_proposal_applies` first). anchor_input: as
-        `fused_backbone`'s."""
-        stack = self._stack_inputs(block_ids, positions, meta, kv_caches, anchor_input)
+        """The greedy proposal of the blocks anchored at `anchor_ids` [batch] (positions `anchor_pos` [batch], block
+        tables `tables` [batch, width]) in one kernel call after its inputs (`kernels.draft_block`) → (drafts [batch,
+        num_draft] target ids, confidence logits [batch, num_draft] fp32 or None), the per-op path's
+        (`fused_backbone`, `compute_logits`, the Markov walk, `confidence_logits`) bit for bit; None where the
+        kernels do not apply (`fused_proposal_applies` first). anchor_input: as `fused_backbone`'s."""
+        stack = self._stack_inputs(anchor_ids, anchor_pos, tables, kv_block_size, kv_caches, anchor_input)
         if stack is None:
             return None
         conf = self.confidence_head
         return kernels.draft_block(
             *stack, **self._stack_sizes(), norm=self.norm.weight, offset=self.cfg.slot_offset, num_draft=num_draft,
-            head=_head_weight(self.lm_head, block_ids.shape[0] * num_draft), w1=self.markov_head.markov_w1.weight,
+            head=_head_weight(self.lm_head, anchor_ids.shape[0] * num_draft), w1=self.markov_head.markov_w1.weight,
             w2=self.markov_head.markov_w2.weight, d2t=self.d2t, anchor=anchor_ids,
             conf_weight=None if conf is None else conf.proj.weight, conf_bias=None if conf is None else conf.proj.bias)
 
     def freeze(self) -> None:
         """Inference only (an engine's drafter, its product copies made): no weight changes from here on, so the
-        fused stack's weights are gathered once instead of checked on every call, and the mask token's
-        embedding (every block row past the anchor) is looked up once."""
+        fused stack's weights are gathered once instead of checked on every call, the mask token's embedding
+        (every block row past the anchor) is looked up once and anchors' embeddings are kept (`anchor_rows`)."""
         self.requires_grad_(False)
         self._frozen = False
         self._fused_weights()
         self._mask_row = self.embed_tokens(torch.tensor([self.cfg.mask_token_id], device=self.norm.weight.device)).float()
+        self._row_cache: dict[int, torch.Tensor] = {}  # token id -> its embedding [hidden] fp32 (`anchor_rows`)
         self._frozen = True
-
-    def _block_embeddings(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """[batch, num_query] block ids → their embeddings [batch, num_query, hidden] fp32; frozen, only the
-        anchor column is looked up (the rest are mask tokens: `block_ids`), the same rows."""
-        mask_row = getattr(self, "_mask_row", None)
-        if mask_row is None:
-            return self.embed_tokens(block_ids).float()
-        x = mask_row.expand(*block_ids.shape, -1).clone()
-        x[:, 0] = self.embed_tokens(block_ids[:, 0]).float()
-        return x
 
     def _fused_weights(self) -> list[torch.Tensor] | None:
         """The 8 tensors per layer `kernels.decoder_layers` reads (norms; q|k|v and gate|up stacked), each

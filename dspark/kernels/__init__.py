@@ -379,6 +379,23 @@ def decoder_layers(
     return True
 
 
+def draft_inputs(anchor_rows: torch.Tensor, mask_row: torch.Tensor, add: torch.Tensor | None, anchor_pos: torch.Tensor,
+                 tables: torch.Tensor, kv_block_size: int, inv_freq: torch.Tensor, block_size: int
+                 ) -> tuple[torch.Tensor, ...] | None:
+    """The fused decoder stack's inputs for R DSpark draft blocks in one call (cpu_ops_draft.inc): anchor_rows [R,
+    hidden] fp32 (each block's first row; the others `mask_row` [hidden]; `add` [R, hidden] added to every row of a
+    block, or None), the anchors' positions [R] and block tables [R, width] long → (x [R * block_size, hidden], cos,
+    sin [R * block_size, head_dim] with the rotate-half sign folded into sin, slot mapping [R * block_size], token
+    index, key limit [R, block_size], kv slots [R, max keys]): `attention.build_attn_metadata`'s indices for those
+    non-causal, stored blocks. None where the kernels do not apply."""
+    k = ops() if _eligible(anchor_rows, mask_row) else None
+    if k is None:
+        return None
+    return tuple(k.draft_inputs_(anchor_rows.contiguous(), mask_row.contiguous(),
+                                 add.float().contiguous() if add is not None else torch.empty(0), anchor_pos.contiguous(),
+                                 tables.contiguous(), kv_block_size, inv_freq.float().contiguous(), block_size))
+
+
 def draft_block(x, weights, k_caches, v_caches, cos, sin, slot_mapping, token_index, key_limit, kv_slots, *,
                 num_heads: int, num_kv_heads: int, eps: float, scale: float, norm: torch.Tensor, offset: int,
                 num_draft: int, head: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, d2t: torch.Tensor,

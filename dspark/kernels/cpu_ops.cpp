@@ -29,6 +29,7 @@
 //                                  Q8_0 LM head, rows interleaved by 8, the input quantized (cpu_ops_head.inc).
 //   block_layers_(...)             the decoder stack for matrices held as GGUF block parts, Llama and Gemma 3
 //                                  (cpu_ops_block_layers.inc).
+//   draft_inputs_(...)             the rows, RoPE and attention indices of DSpark's draft blocks (cpu_ops_draft.inc).
 //   draft_block_(...)              DSpark's greedy proposal in one call: decoder_layers_, final norm, LM head,
 //                                  markov_walk, confidence head (cpu_ops_draft.inc).
 //   draft_context_(...)            DSpark's context extension in one call: context features, each layer's K/V
@@ -273,6 +274,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return before;
   }, "query heads per attention tile (1: each query head alone; the same results); returns the previous value");
   m.def("decoder_layers_", &decoder_layers_, "all decoder layers of a few-row step (fp32; matrices fp32, bf16 or Q4_1)", release());
+  m.def("draft_inputs_", &draft_inputs_, "the fused stack's inputs for DSpark's draft blocks, from the block tables (CPU)", release());
   m.def("draft_block_", &draft_block_, "DSpark's greedy proposal: block forward, final norm, LM head, Markov walk, confidence (CPU)", release());
   m.def("draft_context_", &draft_context_, "DSpark's context extension: features, then each layer's K/V stored (CPU)", release());
   m.def("block_mm", &block_mm, "x[M,K] fp32 @ GGUF blocks w[N, row bytes]^T (Q5_0, Q4_K, Q6_K; CPU)", release());

@@ -131,33 +131,6 @@ def build_attn_metadata(
         groups=groups, num_tokens=num_tokens, all_stored=bool((slot_mapping >= 0).all()), state=state)
 
 
-def block_metadata(block_tables: list[list[int]], starts: list[int], size: int, kv_block_size: int,
-                   device: torch.device | str = "cpu") -> AttnMetadata:
-    """Request i's block of `size` queries at flat rows i * size .., positions starts[i] .. starts[i] + size - 1,
-    every query seeing its request's keys [0, starts[i] + size) both ways, the block's K/V stored (a DSpark or
-    DFlash draft block; the block tables cover those positions): `build_attn_metadata`'s answer for those
-    `SeqSpec`s (causal False), in a few array operations over all requests instead of a loop over each one's slots."""
-    start = np.asarray(starts, dtype=np.int64)  # [n]
-    num_kv = start + size  # [n]
-    max_kv = int(num_kv.max())
-    width = -(-max_kv // kv_block_size)
-    tables = np.zeros((len(starts), width), dtype=np.int64)  # [n, width] block ids (padding → 0)
-    for i, table in enumerate(block_tables):
-        row = table[:width]
-        tables[i, :len(row)] = row
-    pos = np.arange(max_kv)
-    kv_slots = np.ascontiguousarray(tables[:, pos // kv_block_size] * kv_block_size + pos % kv_block_size)  # [n, max_kv]
-    kv_slots[pos >= num_kv[:, None]] = 0
-    slot_mapping = np.ascontiguousarray(np.take_along_axis(kv_slots, start[:, None] + np.arange(size), axis=1).reshape(-1))
-    key_limit = torch.from_numpy(np.repeat(num_kv[:, None], size, axis=1)).to(device)  # [n, size]
-    group = AttnGroup(token_index=torch.arange(len(starts) * size, device=device).view(-1, size),
-                      query_valid=torch.ones(len(starts), size, dtype=torch.bool, device=device),
-                      kv_slots=torch.from_numpy(kv_slots).to(device), all_valid=True, key_limit=key_limit,
-                      needs_mask=bool((num_kv < max_kv).any()), causal=False)
-    return AttnMetadata(slot_mapping=torch.from_numpy(slot_mapping).to(device), groups=[group],
-                        num_tokens=len(starts) * size, all_stored=True)
-
-
 def flat_batch(
     chunks: list[tuple[list[int], int, list[int]]], *, kv_block_size: int, device: torch.device | str = "cpu"
 ) -> tuple[list[int], list[int], AttnMetadata]:
