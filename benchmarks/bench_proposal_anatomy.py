@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         if name == "one-layer":  # the first layer alone, over the first layer's pool entries
             drafter = llm.engine.drafter
             drafter.model.layers = drafter.model.layers[:1]
-            drafter.model._frozen, drafter.model._context_cache = False, None
+            drafter.model._frozen = False
             drafter.model.freeze()
             drafter.kv_caches = drafter.kv_caches[:1]
         sink: dict[str, float] = {}

@@ -139,27 +139,19 @@ class DSparkDrafter(Drafter):
         block's positions have pool slots (the scheduler's lookahead), the fused decoder stack
         (`DSparkModel.fused_backbone`); otherwise the module path over the gathered context."""
         model, reqs = self.model, batch.requests
-        anchor_pos, anchor_ids, block_ids, positions, anchor_input = self._block_inputs(reqs)
+        kv_block_size = self.kv_caches[0][0].shape[1]
+        anchor_pos, anchor_ids = self._anchors(reqs)
+        anchor_input = self._anchor_input(reqs, anchor_pos, kv_block_size)  # [num_reqs, hidden] or None
         parts = self._in_fused_parts(reqs, lambda part, tables: model.fused_backbone(
-            anchor_ids[part], anchor_pos[part], tables, kv_block_size=self.kv_caches[0][0].shape[1],
-            kv_caches=self.kv_caches, anchor_input=None if anchor_input is None else anchor_input[part, 0]))
+            anchor_ids[part], anchor_pos[part], tables, kv_block_size=kv_block_size, kv_caches=self.kv_caches,
+            anchor_input=None if anchor_input is None else anchor_input[part]))
         if parts is not None:
             hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
-            hidden = self._module_backbone(reqs, anchor_pos, block_ids, positions, self.kv_caches[0][0].shape[1],
-                                           anchor_input)
+            hidden = self._module_backbone(reqs, anchor_pos, anchor_ids, kv_block_size, anchor_input)
         off = self.cfg.slot_offset
         hidden = hidden[:, off:off + self.num_draft_tokens]  # [num_reqs, num_draft, hidden]
         return model.compute_logits(hidden), hidden, anchor_ids
-
-    def _block_inputs(self, reqs):
-        """(anchor positions [num_reqs] long on the CPU, anchor target ids [num_reqs], block ids [num_reqs,
-        block_size], positions [num_reqs, block_size], anchor_input [num_reqs, block_size, hidden] or None)."""
-        dev, size = self.device, self.cfg.block_size
-        anchor_pos, anchor_ids = self._anchors(reqs)
-        positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(size, device=dev)  # [num_reqs, block_size]
-        anchor_input = self._anchor_input(reqs, anchor_pos, self.kv_caches[0][0].shape[1])
-        return anchor_pos, anchor_ids, self.model.block_ids(anchor_ids), positions, anchor_input
 
     def _anchors(self, reqs) -> tuple[torch.Tensor, torch.Tensor]:
         """(anchor positions [num_reqs] long on the CPU, anchor target ids [num_reqs] long)."""
@@ -199,10 +191,10 @@ class DSparkDrafter(Drafter):
             return None
         anchor_pos, anchor_ids = self._anchors(reqs)
         kv_block_size = self.kv_caches[0][0].shape[1]
-        anchor_input = self._anchor_input(reqs, anchor_pos, kv_block_size)  # [num_reqs, block_size, hidden] or None
+        anchor_input = self._anchor_input(reqs, anchor_pos, kv_block_size)  # [num_reqs, hidden] or None
         parts = self._in_fused_parts(reqs, lambda part, tables: model.fused_proposal(
             anchor_ids[part], anchor_pos[part], tables, kv_block_size=kv_block_size, kv_caches=self.kv_caches,
-            num_draft=self.num_draft_tokens, anchor_input=None if anchor_input is None else anchor_input[part, 0]))
+            num_draft=self.num_draft_tokens, anchor_input=None if anchor_input is None else anchor_input[part]))
         if parts is None:
             return None
         drafts, conf = parts[0] if len(parts) == 1 else (  # [num_reqs, num_draft] target ids and confidence logits
@@ -212,7 +204,8 @@ class DSparkDrafter(Drafter):
 
     def _anchor_input(self, reqs, anchor_pos: torch.Tensor, kv_block_size: int) -> torch.Tensor | None:
         """anchor_features: anchor_proj of each request's newest context feature (position anchor_pos - 1, read
-        from the pool; none at position 0) → [num_reqs, block_size, hidden], or None without it."""
+        from the pool; none at position 0), added to every row of the request's block → [num_reqs, hidden], or None
+        without it."""
         if self.feature_rows is None:
             return None
         newest = (anchor_pos - 1).clamp(min=0).tolist()
@@ -221,13 +214,15 @@ class DSparkDrafter(Drafter):
         k_cache, v_cache = self.feature_rows
         rows = torch.cat([k_cache.view(-1, k_cache.shape[-1])[slots], v_cache.view(-1, v_cache.shape[-1])[slots]], -1)
         rows = rows.to(self.model.norm.weight.dtype) * (anchor_pos > 0).to(self.device).unsqueeze(-1)  # [num_reqs, hidden]
-        return self.model.anchor_proj(rows).unsqueeze(1).expand(-1, self.cfg.block_size, -1)
+        return self.model.anchor_proj(rows)
 
-    def _module_backbone(self, reqs, anchor_pos: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor,
-                         kv_block_size: int, anchor_input: torch.Tensor | None = None) -> torch.Tensor:
+    def _module_backbone(self, reqs, anchor_pos: torch.Tensor, anchor_ids: torch.Tensor, kv_block_size: int,
+                         anchor_input: torch.Tensor | None = None) -> torch.Tensor:
         """`DSparkModel.backbone` over each request's context K/V gathered from the pool (nothing stored)
         → [num_reqs, block_size, hidden]."""
         cfg, dev = self.cfg, self.device
+        block_ids = self.model.block_ids(anchor_ids)  # [num_reqs, block_size]
+        positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(cfg.block_size, device=dev)  # [num_reqs, block_size]
         max_ctx = int(anchor_pos.max())
         # context slots of positions 0 .. anchor_pos-1 through each request's block table (padding → 0)
         num_tables = max(1, -(-max_ctx // kv_block_size))
@@ -250,7 +245,7 @@ class DSparkDrafter(Drafter):
             return k_flat[ctx_slots], v_flat[ctx_slots]  # [num_reqs, max_ctx, G, hd]
 
         return self.model.backbone(block_ids, positions, layer_context_kv=layer_context_kv, mask=mask,
-                                   anchor_input=anchor_input)
+                                   anchor_input=None if anchor_input is None else anchor_input.unsqueeze(1))
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> DraftProposal:

@@ -118,36 +118,29 @@ class FusedInference:
 
     def _context_weights(self, num_rows: int) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """(fc's product matrix, per layer k_proj's and v_proj's stacked) as `Linear.forward` multiplies them for
-        `num_rows` rows through the kernel — Q4_1 blocks at any rows, fp32 weights up to MAX_ROWS — or None (bf16
-        copies, whose path depends on the row count; weights off the CPU). A frozen model gathers them once."""
-        cached = getattr(self, "_context_cache", None)
-        if cached is None or not getattr(self, "_frozen", False):
-            mats = [self.fc] + [m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
-            kinds = {_product_kind(m) for m in mats}
-            cached = (None, None)
-            if len(kinds) == 1 and None not in kinds:
-                sources = [product_sources(m)[0].detach() for m in mats]
-                cached = (kinds.pop(), (sources[0], [stacked_rows(sources[i:i + 2]) for i in range(1, len(sources), 2)]))
-            self._context_cache = cached
-        kind, weights = cached
-        if kind is None or (kind == "fp32" and num_rows > kernels.MAX_ROWS) or self.norm.weight.dtype != torch.float32:
+        `num_rows` rows through the kernel (`_kernel_matrix`), or None where one of them does not. The stacks are
+        built once per set of matrices (a view where the packed copies are adjacent: `pack_layer_products`)."""
+        mats = [self.fc] + [m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        sources = [_kernel_matrix(m, num_rows) for m in mats]
+        if any(w is None for w in sources) or self.norm.weight.dtype != torch.float32:
             return None
-        return weights
+        key = tuple((id(w), w._version) for w in sources)  # a replaced or updated matrix restacks
+        cached = getattr(self, "_context_cache", None)
+        if cached is None or cached[0] != key:
+            sources = [w.detach() for w in sources]
+            cached = (key, (sources[0], [stacked_rows(sources[i:i + 2]) for i in range(1, len(sources), 2)]))
+            self._context_cache = cached
+        return cached[1]
 
     def fused_proposal_applies(self, num_rows: int) -> bool:
-        """Does `fused_proposal` compute what the per-op greedy path does for `num_rows` predicting rows: the vanilla
-        Markov head (`MarkovHead`, its walk in the kernel: W2 fp32 without a copy), an LM head whose product the
-        per-op path takes through the kernel with these weights (Q4_1 blocks at any rows, fp32 up to MAX_ROWS), and
-        a confidence head over [h ; W1[prev]] with an fp32 product, or none?"""
-        from dspark.drafters.heads import MarkovHead
-
-        head, conf, lm = self.markov_head, self.confidence_head, self.lm_head
-        w2 = None if head is None else head.markov_w2
-        return (type(head) is MarkovHead and w2.weight is not None and w2.weight.dtype == torch.float32
-                and getattr(w2, "lowp_weight", None) is None and _head_weight(lm, num_rows) is not None
+        """Does `fused_proposal` compute what the per-op greedy path does for `num_rows` predicting rows, given a
+        vanilla Markov head whose walk runs in the kernel (the drafter's `_walks_in_kernel`): an LM head whose product
+        the per-op path takes through the kernel with these weights (`_kernel_matrix`), and a confidence head over
+        [h ; W1[prev]] with an fp32 product, or none?"""
+        conf = self.confidence_head
+        return (_kernel_matrix(self.lm_head, num_rows) is not None
                 and (conf is None or (conf.with_markov and conf.proj.weight.dtype == torch.float32
-                                      and getattr(conf.proj, "lowp_weight", None) is None and conf.proj.bias is not None))
-                and (head.markov_w1.weight.dtype == torch.float32 or head.rows_dtype == torch.float32))
+                                      and getattr(conf.proj, "lowp_weight", None) is None and conf.proj.bias is not None)))
 
     def fused_proposal(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, tables: torch.Tensor, *,
                        kv_block_size: int, kv_caches, num_draft: int, anchor_input: torch.Tensor | None = None
@@ -163,7 +156,7 @@ class FusedInference:
         conf = self.confidence_head
         return kernels.draft_block(
             *stack, **self._stack_sizes(), norm=self.norm.weight, offset=self.cfg.slot_offset, num_draft=num_draft,
-            head=_head_weight(self.lm_head, anchor_ids.shape[0] * num_draft), w1=self.markov_head.markov_w1.weight,
+            head=_kernel_matrix(self.lm_head, anchor_ids.shape[0] * num_draft), w1=self.markov_head.markov_w1.weight,
             w2=self.markov_head.markov_w2.weight, d2t=self.d2t, anchor=anchor_ids,
             conf_weight=None if conf is None else conf.proj.weight, conf_bias=None if conf is None else conf.proj.bias)
 
@@ -230,25 +223,16 @@ def product_sources(*linears: Linear) -> tuple[torch.Tensor, ...]:
     return tuple(getattr(m, "lowp_weight", m.weight) for m in linears)
 
 
-def _head_weight(lm_head, num_rows: int) -> torch.Tensor | None:
-    """The matrix `lm_head`'s inference product of `num_rows` rows multiplies through the kernel (`Linear.forward`):
-    its Q4_1 blocks, or its fp32 weight up to MAX_ROWS rows; None for any other (bf16 copies, whose path depends on
-    the row count, or the target's own head module)."""
-    kind = _product_kind(lm_head)
-    if kind == "q4_1" or (kind == "fp32" and num_rows <= kernels.MAX_ROWS):
-        return product_sources(lm_head)[0]
-    return None
-
-
-def _product_kind(linear) -> str | None:
-    """"q4_1" (Q4_1 blocks: the kernel at any rows), "fp32" (an fp32 weight without a copy: the kernel up to MAX_ROWS
-    rows) or None (anything else) for a `Linear` on the CPU."""
+def _kernel_matrix(linear, num_rows: int) -> torch.Tensor | None:
+    """The matrix a `Linear`'s inference product of `num_rows` rows multiplies through the kernel (`Linear.forward`):
+    its Q4_1 blocks at any rows, or its fp32 weight (no copy) up to MAX_ROWS rows; None for anything else (bf16 copies,
+    whose path depends on the row count, a bias, weights off the CPU, or a module that is no `Linear`, such as the
+    target's own head)."""
     if not isinstance(linear, Linear) or linear.bias is not None:
         return None
     lowp = getattr(linear, "lowp_weight", None)
-    weight = lowp if lowp is not None else linear.weight
-    if weight is None or weight.device.type != "cpu":
-        return None
     if lowp is not None:
-        return "q4_1" if lowp.dtype == torch.uint8 else None
-    return "fp32" if weight.dtype == torch.float32 else None
+        return lowp if lowp.dtype == torch.uint8 and lowp.device.type == "cpu" else None
+    weight = linear.weight
+    fits = weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    return weight if fits and num_rows <= kernels.MAX_ROWS else None
