@@ -9,7 +9,8 @@ Requests with short queries (decode and verify windows) are padded together into
 prompt chunks get a group each, so a 512-token chunk never pads 8 one-token decodes to 512 rows. In fp32 on
 the CPU every group runs the attention kernel of `dspark.kernels` (keys read in place through the slot
 table, each query computed on its own: a token's result is the same whatever the chunking and whatever
-shares its step); elsewhere gather + SDPA. A flash-attn varlen kernel can replace `paged_attention` on
+shares its step); an 8-bit (fp8) pool's rows are upcast to fp32 first and take the same kernel, so fp8 KV is
+batch-invariant too; elsewhere gather + SDPA. A flash-attn varlen kernel can replace `paged_attention` on
 CUDA without changing the metadata. `tests/test_attention.py` checks it against
 dense SDPA over contiguous K/V.
 
@@ -274,18 +275,23 @@ def paged_attention(
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     out = torch.empty_like(q)
+    # 8-bit pools take the kernel too, over their rows' keys upcast to fp32 (below): the same per-query
+    # arithmetic, so fp8 results do not depend on the batch or the chunking either
+    fp8 = k_flat.dtype in FP8
+    kernel = kernels.short_attention_applies(q, *((q, q) if fp8 else (k_flat, v_flat)))
     for g in meta.groups:
         num_seqs, max_q = g.token_index.shape
         # the kernel reads slot rows from key 0: a window as one row per query (a host sync, so only where
         # the kernel will run: fp32 CPU tensors, outside a captured graph)
-        windowed = (g.key_start is not None and not meta.captured
-                    and kernels.short_attention_applies(q, k_flat, v_flat))
+        windowed = g.key_start is not None and not meta.captured and kernel
         rows = g.query_rows if windowed else (g.token_index, g.key_limit, g.kv_slots)
-        if (g.key_start is None or windowed) and kernels.short_attention(q, k_flat, v_flat, *rows, out, scale):
+        if kernel and (g.key_start is None or windowed):
             # fp32 CPU, every group (prompt chunks too): the kernel reads the keys in place and computes
             # each query on its own, so a token's attention never depends on how its prompt was chunked
             # or what shared its step (with bf16 products a last-bit difference could flip a rounding)
-            continue
+            if kernels.short_attention(q, *(_upcast_rows(k_flat, v_flat, rows) if fp8 else (k_flat, v_flat, *rows)),
+                                       out, scale):
+                continue
         qg = q[g.token_index.view(-1)].view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)
         kg = gather_slots(k_flat, g.kv_slots.view(-1)).view(num_seqs, -1, *k_flat.shape[1:]).transpose(1, 2)
         vg = gather_slots(v_flat, g.kv_slots.view(-1)).view(num_seqs, -1, *v_flat.shape[1:]).transpose(1, 2)
@@ -296,6 +302,19 @@ def paged_attention(
         else:
             out[g.token_index[g.query_valid]] = og[g.query_valid]
     return out
+
+
+def _upcast_rows(
+    k_flat: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] 8-bit
+    v_flat: torch.Tensor,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # token_index, key_limit, kv_slots [num_seqs, max_kv]
+) -> tuple[torch.Tensor, ...]:
+    """An 8-bit pool's keys and values that `rows` read, upcast to fp32 ([num_seqs * max_kv, num_kv_heads,
+    head_dim] each), with the rows' slots renumbered into them: the short-attention kernel's arguments."""
+    token_index, key_limit, kv_slots = rows
+    local = torch.arange(kv_slots.numel(), device=kv_slots.device).view_as(kv_slots)
+    return (gather_slots(k_flat, kv_slots.view(-1)).float(), gather_slots(v_flat, kv_slots.view(-1)).float(),
+            token_index, key_limit, local)
 
 
 def _attend(
