@@ -128,21 +128,37 @@ class GrammarMatcher:
         if not self._m.is_stopped():
             self._m.consume_tokens(list(token_ids))
 
-    def valid_prefix(self, draft_ids: list[int]) -> int:
-        """How many of the drafts the grammar allows in a row (the state is left unchanged)."""
-        if not draft_ids or self._m.is_stopped():
+    def _consume(self, after: list[int]) -> bool:
+        """Consume `after` tentatively (the caller rolls it back); False (nothing consumed) where the grammar
+        does not take all of it."""
+        if not after:
+            return True
+        n = 0 if self._m.is_stopped() else self._m.try_consume_tokens(list(after))
+        if n < len(after):
+            if n:
+                self._m.rollback(n)
+            return False
+        return True
+
+    def valid_prefix(self, draft_ids: list[int], *, after: list[int] = ()) -> int:
+        """How many of the drafts the grammar allows in a row (the state is left unchanged), after the
+        tokens `after` (0 where the grammar does not take those)."""
+        if not draft_ids or not self._consume(after):
             return 0
-        n = self._m.try_consume_tokens(list(draft_ids))
-        if n:
-            self._m.rollback(n)
+        n = 0 if self._m.is_stopped() else self._m.try_consume_tokens(list(draft_ids))
+        if n + len(after):
+            self._m.rollback(n + len(after))
         return n
 
-    def window_masks(self, draft_ids: list[int]) -> torch.Tensor:  # [len(draft_ids) + 1, vocab_size] bool
-        """Allowed tokens at each row of a verify window: row j after the drafts d1..dj (a row past a
-        draft the grammar forbids repeats the last valid row's mask: it can never emit)."""
+    def window_masks(self, draft_ids: list[int], *, after: list[int] = ()) -> torch.Tensor:
+        """Allowed tokens at each row of a verify window ([len(draft_ids) + 1, vocab_size] bool): row j after
+        the drafts d1..dj (a row past a draft the grammar forbids repeats the last valid row's mask: it can
+        never emit), all after the tokens `after` (every row empty where the grammar does not take those)."""
         import llguidance.torch
 
         rows = len(draft_ids) + 1
+        if not self._consume(after):
+            return torch.zeros(rows, self.vocab_size, dtype=torch.bool)
         bitmask = llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)  # [rows, ceil(V / 32)]
         consumed = 0
         for j in range(rows):
@@ -152,8 +168,8 @@ class GrammarMatcher:
                 continue
             consumed += j > 0
             llguidance.torch.fill_next_token_bitmask(self._m, bitmask, j)
-        if consumed:
-            self._m.rollback(consumed)
+        if consumed + len(after):
+            self._m.rollback(consumed + len(after))
         bits = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [rows, ceil(V / 32), 32]
         return bits.view(rows, -1)[:, :self.vocab_size].bool()
 
@@ -173,7 +189,10 @@ class AfterReasoning:
     the thoughts are never cut by the answer's grammar. The phase the output starts in is read off the prompt
     ids as the server's parser reads its text (`dspark.chat.reasoning.Phase`): thinking inside a block the
     prompt opened (or always, for a model that always reasons first), the grammar after a block it closed;
-    otherwise the first token either opens a block (the start tag's first token) or begins the answer."""
+    otherwise the output either opens a block (the start tag's tokens, one by one) or begins the answer. While
+    the output is a proper prefix of the start tag both stay possible: a row allows the tag's next token and
+    what the grammar allows after that prefix as the answer's beginning, so an answer whose first tokens are
+    the tag's (`<` of `<think>`) is still held to the grammar, from its first token."""
 
     OPEN, THINKING, ANSWER = "open", "thinking", "answer"
 
@@ -184,49 +203,59 @@ class AfterReasoning:
         s, e = _rfind(prompt_ids, self.start_ids), _rfind(prompt_ids, self.end_ids)
         self.phase = (self.THINKING if s > e else self.ANSWER if e >= 0
                       else self.THINKING if always_thinks else self.OPEN)
-        self.recent: list[int] = []  # the output's last tokens while thinking (to find the end tag)
+        self.pending: list[int] = []  # OPEN: the output so far, a proper prefix of the start tag
+        self.recent: list[int] = []  # THINKING: the output's last tokens (to find the end tag)
 
-    def _scan(self, ids: list[int]) -> tuple[str, list[int], int]:
-        """(phase, recent tail, k) after `ids`: k of them come before the answer, which starts at ids[k]."""
-        phase, recent = self.phase, list(self.recent)
+    def _scan(self, ids: list[int], phase: str, pending: list[int], recent: list[int]
+              ) -> tuple[str, list[int], list[int], int]:
+        """(phase, lead, recent, k) after `ids` from the state (phase, pending, recent). In the answer, the
+        answer's tokens so far are lead + ids[k:] (lead: a start-tag prefix that turned out to be the answer's
+        beginning); otherwise lead is the new pending prefix."""
+        pending, recent = list(pending), list(recent)
         for i, t in enumerate(ids):
             if phase == self.OPEN:
-                if t != self.start_ids[0]:
-                    return self.ANSWER, [], i
-                phase = self.THINKING
+                if t != self.start_ids[len(pending)]:
+                    return self.ANSWER, pending, [], i
+                pending.append(t)
+                if len(pending) == len(self.start_ids):
+                    phase, pending = self.THINKING, []
+                continue
             recent = (recent + [t])[-len(self.end_ids):]
             if tuple(recent) == self.end_ids:
-                return self.ANSWER, [], i + 1
-        return phase, recent, len(ids)
+                return self.ANSWER, [], [], i + 1
+        return phase, pending, recent, len(ids)
 
     def advance(self, token_ids: list[int]) -> None:
         if self.phase != self.ANSWER:
-            self.phase, self.recent, k = self._scan(token_ids)
-            token_ids = token_ids[k:]
+            self.phase, lead, self.recent, k = self._scan(token_ids, self.phase, self.pending, self.recent)
+            self.pending, token_ids = ([], lead + token_ids[k:]) if self.phase == self.ANSWER else (lead, [])
         if self.phase == self.ANSWER and token_ids:
             self.grammar.advance(token_ids)
 
     def valid_prefix(self, draft_ids: list[int]) -> int:
         if self.phase == self.ANSWER:
             return self.grammar.valid_prefix(draft_ids)
-        phase, _, k = self._scan(draft_ids)
-        return k + (self.grammar.valid_prefix(draft_ids[k:]) if phase == self.ANSWER else 0)
+        phase, lead, _, k = self._scan(draft_ids, self.phase, self.pending, self.recent)
+        if phase != self.ANSWER:
+            return len(draft_ids)
+        return k + self.grammar.valid_prefix(draft_ids[k:], after=lead)
 
     def window_masks(self, draft_ids: list[int]) -> torch.Tensor:  # [len(draft_ids) + 1, vocab_size] bool
         if self.phase == self.ANSWER:
             return self.grammar.window_masks(draft_ids)
-        opens = self.phase == self.OPEN
-        if opens and draft_ids[:1] != [self.start_ids[0]]:  # the window answers from its first row ...
-            masks = self.grammar.window_masks(draft_ids)
-            masks[0, self.start_ids[0]] = True  # ... or opens a block there
-            return masks
         masks = torch.ones(len(draft_ids) + 1, self.vocab_size, dtype=torch.bool)
-        if opens:
-            masks[0] = self.grammar.window_masks([])[0]
-            masks[0, self.start_ids[0]] = True
-        phase, _, k = self._scan(draft_ids)
-        if phase == self.ANSWER:
-            masks[k:] = self.grammar.window_masks(draft_ids[k:])
+        phase, pending, recent = self.phase, self.pending, self.recent
+        for j in range(len(draft_ids) + 1):
+            if phase == self.OPEN:  # the tag's next token, or the answer's beginning
+                masks[j] = self.grammar.window_masks([], after=pending)[0]
+                masks[j, self.start_ids[len(pending)]] = True
+            if j == len(draft_ids):
+                break
+            phase, lead, recent, k = self._scan(draft_ids[j:j + 1], phase, pending, recent)
+            if phase == self.ANSWER:
+                masks[j + 1:] = self.grammar.window_masks(draft_ids[j + 1:], after=lead + draft_ids[j:j + 1][k:])
+                break
+            pending = lead
         return masks
 
     @property

@@ -35,6 +35,13 @@ SPLITS = [
     (R1, Phase.THINKING, "never closed", "never closed", None),
     (GEMMA4, Phase.OPEN, "<|channel>thoughtweigh it<channel|>Yes.", "weigh it", "Yes."),
     (GEMMA4, Phase.OPEN, "Yes.", None, "Yes."),
+    # blanks before the start tag are dropped with it; before an answer they are the answer's
+    (QWEN3, Phase.OPEN, " \n\t<think>a</think>b", "a", "b"),
+    (QWEN3, Phase.OPEN, "\n\n The answer.", None, "\n\n The answer."),
+    (QWEN3, Phase.OPEN, "  \n", None, "  \n"),
+    (QWEN3, Phase.OPEN, " <think> a </think>\n\n\n b ", " a ", " b "),
+    (GEMMA4, Phase.OPEN, "\n <|channel>tho", None, "\n <|channel>tho"),
+    (R1, Phase.THINKING, "  <think>x</think>\n\ny", "  <think>x", "y"),
 ]
 
 
@@ -49,6 +56,29 @@ def test_split_whole_and_at_every_point(fmt, phase, text, reasoning, content):
     stream = fmt.stream(phase)
     parts = [stream.feed(ch) for ch in text] + [stream.finish()]
     assert ("".join(p[0] for p in parts) or None, "".join(p[1] for p in parts) or None) == (reasoning, content)
+
+
+def _streamed(fmt, phase, pieces) -> tuple[str | None, str | None]:
+    stream = fmt.stream(phase)
+    parts = [stream.feed(piece) for piece in pieces] + [stream.finish()]
+    return "".join(p[0] for p in parts) or None, "".join(p[1] for p in parts) or None
+
+
+@pytest.mark.parametrize("fmt", [QWEN3, R1, GEMMA4], ids=lambda f: f.name)
+def test_long_outputs_streamed_in_any_delta_size_split_as_whole(fmt):
+    """Long outputs (a reasoning block strewn with pieces of the tags, blank output, blanks before the tag)
+    fed in pieces of 1 to 16 characters at every offset split as the whole text does (the streams read each
+    piece once: the benchmark benchmarks/bench_parser_cost.py times them)."""
+    noise = f"step {fmt.end[:-1]} {fmt.start[:3]} <{fmt.end[1:]} {{a}}\n"
+    texts = [fmt.start + noise * 40 + fmt.end + "\n\nThe answer. " * 20, " \n\t" * 100,
+             " \n" * 50 + fmt.start + noise * 5 + fmt.end + "ok", " \n" * 50 + "text" + noise, noise * 30]
+    for text in texts:
+        for phase in Phase:
+            whole = fmt.split(text, phase)
+            for size in (1, 2, 3, 4, 7, 16):
+                for offset in range(0, size, 3):
+                    pieces = [text[:offset]] + [text[i:i + size] for i in range(offset, len(text), size)]
+                    assert _streamed(fmt, phase, pieces) == whole, (text[:40], phase, size, offset)
 
 
 def test_the_prompt_decides_where_the_output_starts():
@@ -120,6 +150,49 @@ def test_thoughts_are_free_and_the_answer_is_constrained():
     assert row[TOK.encode('"')[0]] and not row[TOK.encode("x")[0]]  # the answer: the schema's JSON
     closed = _gated("assistant: <think></think>")
     assert not closed.window_masks([])[0][TOK.encode("<")[0]]  # thinking switched off: JSON from the start
+
+
+TAGGED = {"choice": ["<b>yes</b>", "no"]}  # an answer whose first token is the start tag's (and the end tag's)
+
+
+@pytest.mark.parametrize("committed,drafts", [("", "<b>yes</b>"), ("<", "b>ye"), ("", "<think>a</think><b>"),
+                                              ("<th", "ink>x</think>no"), ("", "<t")])
+def test_an_answer_that_begins_like_the_tag_is_held_to_the_grammar(committed, drafts):
+    """`<` opens `<think>` and `<b>`: while the output is a prefix of the tag, a row allows the tag's next token
+    and what the grammar allows after that prefix; the masks equal the one-token twin's."""
+    def gate():
+        return AfterReasoning(_compiler().matcher(TAGGED), start_ids=THINK.start, end_ids=THINK.end,
+                              prompt_ids=TOK.encode("assistant: "))
+    committed_ids, draft_ids = TOK.encode(committed), TOK.encode(drafts)
+    twin = []
+    for j in range(len(draft_ids) + 1):
+        g = gate()
+        g.advance(committed_ids + draft_ids[:j])
+        twin.append(g.window_masks([])[0])
+    g = gate()
+    g.advance(committed_ids)
+    assert torch.equal(g.window_masks(draft_ids), torch.stack(twin))
+    assert g.valid_prefix(draft_ids) == len(draft_ids)
+    after_lt = gate()
+    after_lt.advance(TOK.encode("<"))
+    row = after_lt.window_masks([])[0]
+    assert row[TOK.encode("t")[0]] and row[TOK.encode("b")[0]] and not row[TOK.encode("h")[0]]
+
+
+def test_a_tag_prefix_then_another_token_is_the_answer_under_the_grammar():
+    """A target that writes `<html>` where the grammar wants `<b>yes</b>` or `no`: it never leaves the grammar (the
+    tag's first token does not switch the grammar off), and `<b>yes</b>` itself is the answer, not thoughts."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=TAGGED, reasoning_tags=THINK)
+    def answer(script: str) -> str:
+        target = ScriptedTarget(build_tiny_model(), len(PROMPT), TOK.encode(script))
+        out = LLM(engine=make_engine(target), tokenizer=None).generate([PROMPT], params, use_tqdm=False)[0]
+        return TOK.decode(out.token_ids)
+    assert answer("<b>yes</b>") == "<b>yes</b>"
+    assert QWEN3.split("<b>yes</b>", Phase.OPEN) == (None, "<b>yes</b>")
+    wants_html = answer("<html>")  # `<`, then only the tag's `t` or the grammar's `b` may follow
+    assert wants_html.startswith(("<think>", "<b>yes</b>")), wants_html
+    if wants_html.startswith("<think>") and "</think>" in wants_html:
+        assert wants_html.split("</think>", 1)[1] in ("<b>yes</b>", "no")
 
 
 # -- end to end: a target scripted to think first ---------------------------------------------------------
