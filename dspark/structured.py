@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from dspark.json_schema import BytesVocab, check_schema
+
 _BITS = torch.arange(32, dtype=torch.int32)  # [32]
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
@@ -39,6 +41,7 @@ def grammar_text(spec: dict[str, Any]) -> str:
     kind, value = kinds[0], spec[kinds[0]]
     if kind == "json":
         schema = json.loads(value) if isinstance(value, str) else value
+        check_schema(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
@@ -77,7 +80,7 @@ class GrammarCompiler:
             import llguidance
             hf = getattr(tokenizer, "tokenizer", tokenizer)
             if hasattr(hf, "token_bytes"):
-                vocab = llguidance.TokenizerWrapper(_BytesVocab(hf.token_bytes(), eos_token_ids[0]))
+                vocab = llguidance.TokenizerWrapper(BytesVocab(hf.token_bytes(), eos_token_ids[0]))
                 return llguidance.LLTokenizer(vocab, n_vocab=vocab_size, eos_token=list(eos_token_ids))
             if not hasattr(hf, "backend_tokenizer"):
                 raise ValueError(f"structured output needs a fast (Rust-backed) tokenizer, not {type(hf).__name__}")
@@ -271,17 +274,3 @@ def _rfind(ids: list[int], tag: tuple[int, ...]) -> int:
     """Start of the last occurrence of `tag` in `ids`, -1 where there is none."""
     n = len(tag)
     return next((i for i in range(len(ids) - n, -1, -1) if tuple(ids[i:i + n]) == tag), -1)
-
-
-class _BytesVocab:
-    """llguidance's tokenizer protocol over a plain list of token byte strings."""
-
-    def __init__(self, tokens: list[bytes], eos_token_id: int):
-        self.tokens = tokens
-        self.eos_token_id = eos_token_id
-        self.bos_token_id = None
-        self.special_token_ids = [i for i, t in enumerate(tokens) if not t]
-        self._by_bytes = {t: i for i, t in enumerate(tokens) if len(t) == 1}
-
-    def __call__(self, text: bytes) -> list[int]:
-        return [self._by_bytes[bytes([b])] for b in text if bytes([b]) in self._by_bytes]

@@ -98,7 +98,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 # The layers, from the bottom up (a top-level module or package of dspark/ each; "dspark" is the package's
 # __init__, the public API).
 LAYERS = (
-    ("utils", "kernels", "config", "spec_schema", "sampling", "logits_processors", "request", "structured",
+    ("utils", "kernels", "config", "spec_schema", "sampling", "logits_processors", "request", "structured", "json_schema",
      "detokenizer", "generation_config", "engine_args"),  # configuration, requests, sampling, CPU kernels
     ("models",),  # target families, loading, attention, recurrent state
     ("verify", "drafters", "chat"),  # the verifier; the drafters; chat output parsing

@@ -125,6 +125,7 @@ class Output:
         if not delta.finished:
             return Choice(index, "", None, logprobs, delta.num_tokens)
         whole = "".join(self._held)
-        if delta.finish_reason != "stop":  # cut off (length, abort): the arguments are incomplete
+        calls = self.tool_mode.calls(whole) if delta.finish_reason == "stop" else None
+        if calls is None:  # cut off (length, abort) or not a call: the text as it is
             return Choice(index, whole, delta.finish_reason, logprobs, delta.num_tokens)
-        return Choice(index, None, "tool_calls", logprobs, delta.num_tokens, self.tool_mode.calls(whole))
+        return Choice(index, None, "tool_calls", logprobs, delta.num_tokens, calls)

@@ -9,6 +9,7 @@ response classes, which `_Shape` bundles.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, fields
 from typing import AsyncIterator, Callable
 
@@ -24,6 +25,8 @@ from dspark.server.protocol import (
     ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionRequest,
     CompletionResponse, CompletionStreamChoice, CompletionStreamResponse, DeltaMessage, ErrorInfo,
     ErrorResponse, PromptTokensDetails, SpecUsage, UsageInfo, sse_event)
+
+log = logging.getLogger("dspark.server")
 
 
 class APIError(Exception):
@@ -392,6 +395,10 @@ async def stream_response(streams: list[RequestStream], shape: _Shape, *, model:
         if include_usage and last and not any(d.error for d in last.values()):
             yield sse_event(shape.chunk(rid, model, None, usage_of(*(last[i] for i in sorted(last)),
                                                                    choices_per_prompt=choices_per_prompt)))
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # a fault building a chunk: the client gets an error event, not a cut-off body
+        log.exception("streaming %s failed", rid)
+        yield _error_event(f"internal error serving this request: {type(e).__name__}: {e}")
         yield "data: [DONE]\n\n"
     finally:
         for s in streams:
