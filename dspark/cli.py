@@ -109,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except SpecConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+    except ValueError as e:
+        from dspark.models.files import CheckpointError  # a damaged model or drafter file, named in the message
+        if isinstance(e, (SpecConfigError, CheckpointError)):
+            raise SystemExit(f"error: {e}") from None
+        raise
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 module's expected keys and shapes (every mismatch names the key and both shapes), and write
 safetensors.
 
-Only local folders are read; nothing is downloaded.
+Only local folders are read; nothing is downloaded. Every file is read through `dspark.models.files`: a damaged
+one (config.json not a JSON object, a truncated or garbage shard, an index entry leading out of the folder) is
+a `CheckpointError` naming the file.
 """
 
 from __future__ import annotations
@@ -14,36 +16,41 @@ from typing import Any, Iterable
 
 import torch
 
+from dspark.models.files import (CheckpointError, folder_file, index_files, open_safetensors, read_json_object,
+                                 safetensors_header)
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def config_file(path: str | Path) -> Path:
+    """The config.json of a checkpoint folder (or `path` itself, a file)."""
+    path = Path(path)
+    return folder_file(path, CONFIG_NAME) if path.is_dir() else path
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """config.json of a checkpoint folder (or the file itself) as a dict."""
-    path = Path(path)
-    file = path / CONFIG_NAME if path.is_dir() else path
+    file = config_file(path)
     if not file.is_file():
-        raise ValueError(f"drafter checkpoint {str(path)!r} has no {CONFIG_NAME}")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from None
+        raise CheckpointError(f"drafter checkpoint {str(path)!r} has no {CONFIG_NAME}")
+    return read_json_object(file)
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
     """The weight files of a folder: via the shard index, else model.safetensors, else *.safetensors."""
     path = Path(path)
-    index = path / INDEX_NAME
+    index = folder_file(path, INDEX_NAME)
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
-        return [path / name for name in sorted(set(weight_map.values()))]
-    if (path / WEIGHTS_NAME).is_file():
-        return [path / WEIGHTS_NAME]
-    files = sorted(path.glob("*.safetensors"))
+        return sorted(index_files(index))
+    weights = folder_file(path, WEIGHTS_NAME)
+    if weights.is_file():
+        return [weights]
+    files = [folder_file(path, f.name) for f in sorted(path.glob("*.safetensors"))]
     if not files:
-        raise ValueError(f"drafter checkpoint {str(path)!r} has no *.safetensors weights")
+        raise CheckpointError(f"drafter checkpoint {str(path)!r} has no *.safetensors weights")
     return files
 
 
@@ -53,12 +60,10 @@ def load_tensors(path: str | Path, *, skip: Iterable[str] = (), device: str | to
     Floating-point tensors are cast to `dtype` when given (integer buffers such as `d2t` never are). Each
     tensor owns its memory: safetensors' own are views of the mapped file, and one kept as read (the shipped
     SmolLM2 drafter's 64 KiB `d2t`) kept the whole file (33 MiB) mapped and resident."""
-    from safetensors import safe_open
-
     skip = tuple(skip)
     out: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if skip and name.startswith(skip):
                     continue
@@ -71,14 +76,7 @@ def load_tensors(path: str | Path, *, skip: Iterable[str] = (), device: str | to
 
 def header_shapes(path: str | Path) -> dict[str, list[int]]:
     """Every tensor's shape by name from the safetensors headers of a checkpoint folder (no data read)."""
-    from safetensors import safe_open
-
-    out: dict[str, list[int]] = {}
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                out[name] = list(f.get_slice(name).get_shape())
-    return out
+    return {name: shape for name, (_, shape, _) in safetensors_header(safetensors_files(path)).items()}
 
 
 def check_shapes(expected: dict[str, Any], shapes: dict[str, Any], *, where: str,

@@ -162,11 +162,11 @@ class LookupCorpus:
 def check_corpus(path: str | Path, *, vocab_size: int) -> dict:
     """The corpus file's metadata, after checking it exists and was written for a `vocab_size`-token
     vocabulary (reads the header only)."""
-    from safetensors import safe_open
+    from dspark.models.files import open_safetensors
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"lookup_corpus {path}: no such file (write one with `dspark build-corpus`)")
-    with safe_open(str(path), "np") as f:
+    with open_safetensors(path, framework="np") as f:
         meta = f.metadata() or {}
         if "tokens" not in f.keys():
             raise ValueError(f"lookup_corpus {path}: no 'tokens' tensor (not a corpus from `dspark build-corpus`)")

@@ -17,20 +17,22 @@ always the checkpoint's own. Calibration: an optional `calibration.json` beside 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import math
 from pathlib import Path
 
 import torch
 
-from dspark.drafters.checkpoint import (DTYPE_NAMES, check_shapes, header_shapes, load_tensors, read_config,
-                                        same_weights, save_weights, write_json)
+from dspark.drafters.checkpoint import (DTYPE_NAMES, check_shapes, config_file, header_shapes, load_tensors,
+                                        read_config, same_weights, save_weights, write_json)
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.formats import (checkpoint_format, header_shapes_speculators, speculators_dspark_json,
                                      speculators_tensors)
 from dspark.drafters.vocab import (D2T_FORMAT_KEY, MAP_NAMES, WRITTEN_FORMAT, draft_vocab_at_load, read_d2t,
                                    slices_at_load, to_offsets)
+from dspark.models.files import (CONFIG_ERRORS, CheckpointError, check_num_layers, check_sizes, config_error,
+                                 folder_file, read_json_object)
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +49,31 @@ def read_dspark_config(path: str | Path, *, num_target_layers: int | None = None
     fmt = checkpoint_format(d)
     if fmt in ("deepspec-eagle3", "speculators-eagle3"):
         raise ValueError(f"drafter checkpoint {str(path)!r} is an EAGLE-3 checkpoint ({fmt}): use method 'eagle3'")
-    if fmt.startswith("speculators-"):
-        if num_target_layers is None:
-            raise ValueError(f"drafter checkpoint {str(path)!r} (Speculators) does not name the target's depth; "
-                             "load it against a target")
-        d = speculators_dspark_json(d, num_target_layers=num_target_layers)
-    return DSparkConfig.from_deepspec_json(d)
+    if fmt.startswith("speculators-") and num_target_layers is None:
+        raise ValueError(f"drafter checkpoint {str(path)!r} (Speculators) does not name the target's depth; "
+                         "load it against a target")
+    file = config_file(path)
+    try:
+        if fmt.startswith("speculators-"):
+            d = speculators_dspark_json(d, num_target_layers=num_target_layers)
+        check_sizes(d, file=file)
+        return DSparkConfig.from_deepspec_json(d)
+    except CONFIG_ERRORS as e:
+        raise config_error(file, e) from None
 
 
 def check(spec, target_config) -> None:
     """Validate the checkpoint's config.json and safetensors headers against the target and the spec; reads
     no weight."""
     cfg = read_dspark_config(spec.model, num_target_layers=target_config.num_hidden_layers)
-    check_config(cfg, spec=spec, target_config=target_config)
+    check_config(cfg, spec=spec, target_config=target_config, file=config_file(spec.model))
     check_header(spec.model, cfg, drop_heads=spec.method == "dflash")
     where = f"drafter checkpoint {str(spec.model)!r}"
     read_d2t(spec.model, vocab_size=cfg.vocab_size, where=where)  # the map alone: refused before any weight
     slices_at_load(spec, target_config, checkpoint_draft_vocab=cfg.draft_vocab_size, where=where)
+    calibration = folder_file(spec.model, CALIBRATION_NAME)
+    if calibration.is_file():
+        read_calibration(calibration)
 
 
 def spec_draft_vocab(spec, target_config) -> torch.Tensor | None:
@@ -85,24 +95,39 @@ def expected_shapes(cfg: DSparkConfig) -> tuple[dict[str, list[int]], dict[str, 
     return shapes, optional
 
 
+def check_depth(path: str | Path, cfg: DSparkConfig, shapes: dict[str, list[int]]) -> None:
+    """num_hidden_layers against the layers the weights hold and the depth of the target (`check_config`: the
+    target's own), before any module of that many layers is built."""
+    check_num_layers(cfg.num_hidden_layers, shapes, file=config_file(path), limit=cfg.num_target_layers,
+                     limit_what="its target's num_hidden_layers")
+
+
 def check_header(path: str | Path, cfg: DSparkConfig, *, drop_heads: bool = False) -> None:
     """Every tensor name and shape in the safetensors headers against the model `cfg` describes."""
     shapes = header_shapes(path)
+    check_depth(path, cfg, shapes)
     if checkpoint_format(read_config(path)).startswith("speculators-"):
         shapes = header_shapes_speculators(shapes)
     if drop_heads:
         shapes = {k: v for k, v in shapes.items() if not k.startswith(HEAD_PREFIXES)}
         cfg = without_heads(cfg)
-    required, optional = expected_shapes(cfg)
+    try:
+        required, optional = expected_shapes(cfg)
+    except CONFIG_ERRORS as e:  # a config no module is built from (an unknown rope_scaling type, ...)
+        raise config_error(config_file(path), e) from None
     check_shapes(required, shapes, optional=optional, where=f"drafter checkpoint {str(path)!r}")
 
 
-def check_config(cfg: DSparkConfig, *, spec, target_config) -> None:
-    """Every drafter/target/spec mismatch as a ValueError naming the field and both values."""
+def check_config(cfg: DSparkConfig, *, spec, target_config, file: str | Path = "drafter config.json") -> None:
+    """Every drafter/target/spec mismatch as a ValueError naming the field and both values (the sizes also the
+    config `file`)."""
     for name in ("vocab_size", "hidden_size"):
         mine, theirs = getattr(cfg, name), getattr(target_config, name)
         if mine != theirs:
-            raise ValueError(f"drafter {name} {mine} != target {name} {theirs}")
+            raise CheckpointError(f"{file}: drafter {name} {mine} != target {name} {theirs}")
+    if cfg.block_size > target_config.max_position_embeddings:  # each proposal holds a block of ids
+        raise CheckpointError(f"{file}: block_size {cfg.block_size} exceeds the target's max_position_embeddings "
+                              f"{target_config.max_position_embeddings}")
     num_layers = target_config.num_hidden_layers
     for i in cfg.tap_layer_ids:
         if not -1 <= i < num_layers - 1:
@@ -170,6 +195,7 @@ def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tens
         cfg = dataclasses.replace(cfg, draft_vocab_size=d2t.numel())
     if drop_heads:
         cfg = without_heads(cfg)
+    check_depth(path, cfg, header_shapes(path))
     with torch.device("meta"):
         model = DSparkModel(cfg).to(dtype)  # no memory until the checkpoint's tensors are assigned
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -210,7 +236,7 @@ def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tens
     for module in (model.embed_tokens, model.lm_head):
         if module.weight is not None:
             module.weight.requires_grad_(False)
-    calibration = Path(path) / CALIBRATION_NAME
+    calibration = folder_file(path, CALIBRATION_NAME)
     temps = read_calibration(calibration) if calibration.is_file() else None
     return model.to(device=device), temps
 
@@ -218,9 +244,20 @@ def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tens
 def read_calibration(path: str | Path) -> dict[str, list[float]]:
     """calibration.json → {"temperatures": [T_k] (sampling requests), "greedy_temperatures": [T_k]
     (greedy requests; absent when one fit serves both), and the optional shifts "biases" /
-    "greedy_biases" [b_k]}."""
-    data = json.loads(Path(path).read_text())
-    return {k: [float(t) for t in data[k]] for k in CALIBRATION_KEYS if k in data}
+    "greedy_biases" [b_k]}. Each is a list of finite numbers, the temperatures positive."""
+    data = read_json_object(path)
+    out = {}
+    for key in (k for k in CALIBRATION_KEYS if k in data):
+        values, positive = data[key], "temperatures" in key
+        if not (isinstance(values, list) and all(_finite(v) and (v > 0 or not positive) for v in values)):
+            raise CheckpointError(f"{path}: {key} must be a list of {'positive' if positive else 'finite'} numbers, "
+                                  f"got {values!r:.80}")
+        out[key] = [float(v) for v in values]
+    return out
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def save_dspark(model: DSparkModel, cfg: DSparkConfig, path: str | Path, *, dtype: str = "bfloat16",

@@ -33,13 +33,14 @@ import logging
 import torch
 
 from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
-from dspark.drafters.checkpoint import check_shapes, header_shapes, read_config, same_weights
+from dspark.drafters.checkpoint import check_shapes, config_file, header_shapes, read_config, same_weights
 from dspark.drafters.formats import checkpoint_format, header_shapes_speculators
 from dspark.drafters.draft_sampling import DraftAccumulator
 from dspark.drafters.vocab import draft_vocab_at_load, read_d2t, slices_at_load
 from dspark.drafters.eagle3_model import (Eagle3Config, Eagle3Model, default_tap_layer_ids, load_eagle3,
                                           read_eagle3_config, save_eagle3, state_dict_hf, ttt_targets)
 from dspark.models.attention import flat_batch
+from dspark.models.files import CONFIG_ERRORS, CheckpointError, config_error
 
 log = logging.getLogger(__name__)
 
@@ -192,15 +193,16 @@ def check(spec, target_config) -> None:
     if spec.draft_num_layers not in (None, 1):
         raise ValueError(f"EAGLE-3 has exactly one draft layer; draft_num_layers={spec.draft_num_layers}")
     cfg = read_eagle3_config(spec.model, num_target_layers=target_config.num_hidden_layers)
+    file = config_file(spec.model)
     for field in ("hidden_size", "vocab_size"):
         mine, theirs = getattr(cfg, field), getattr(target_config, field)
         if mine != theirs:
-            raise ValueError(f"EAGLE-3 checkpoint {field}={mine} does not match the target's "
-                             f"{field}={theirs}")
+            raise CheckpointError(f"{file}: EAGLE-3 checkpoint {field}={mine} does not match the target's "
+                                  f"{field}={theirs}")
     if cfg.target_num_hidden_layers != target_config.num_hidden_layers:
-        raise ValueError(f"EAGLE-3 checkpoint was trained on a target with target_num_hidden_layers="
-                         f"{cfg.target_num_hidden_layers}; this target has num_hidden_layers="
-                         f"{target_config.num_hidden_layers}")
+        raise CheckpointError(f"{file}: EAGLE-3 checkpoint was trained on a target with target_num_hidden_layers="
+                              f"{cfg.target_num_hidden_layers}; this target has num_hidden_layers="
+                              f"{target_config.num_hidden_layers}")
     check_header(spec.model, cfg)
     where = f"EAGLE-3 checkpoint {spec.model!r}"
     read_d2t(spec.model, vocab_size=cfg.vocab_size, where=where)  # the map alone: refused before any weight
@@ -214,7 +216,10 @@ def check_header(path: str, cfg: Eagle3Config) -> None:
     shapes = header_shapes(path)  # raises naming the folder when it holds no weights
     if checkpoint_format(read_config(path)).startswith("speculators-"):
         shapes = header_shapes_speculators(shapes)
-    required = {k: list(v.shape) for k, v in state_dict_hf(Eagle3Model(cfg, device="meta")).items()}
+    try:
+        required = {k: list(v.shape) for k, v in state_dict_hf(Eagle3Model(cfg, device="meta")).items()}
+    except CONFIG_ERRORS as e:  # a config no module is built from (an unknown rope_scaling type, ...)
+        raise config_error(config_file(path), e) from None
     d, vocab = cfg.hidden_size, cfg.vocab_size
     optional = {"embed_tokens.weight": [vocab, d], "lm_head.weight": [cfg.draft_vocab_size or vocab, d]}
     check_shapes(required, shapes, optional=optional, where=f"EAGLE-3 checkpoint {path!r}")

@@ -43,11 +43,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dspark.drafters.checkpoint import (CONFIG_NAME, check_tensors, load_tensors, read_config, save_weights,
-                                       write_json)
+from dspark.drafters.checkpoint import (CONFIG_NAME, check_tensors, config_file, load_tensors, read_config,
+                                       save_weights, write_json)
 from dspark.drafters.vocab import D2T_FORMAT_KEY, MAP_NAMES, WRITTEN_FORMAT, read_d2t, to_offsets
 from dspark.models.attention import AttnMetadata
 from dspark.models.config import ModelConfig, dense_width
+from dspark.models.files import CONFIG_ERRORS, SIZE_KEYS, check_sizes, config_error
 from dspark.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, drafter_rope_scaling
 from dspark.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from dspark.models.qwen3 import Qwen3Attention
@@ -423,8 +424,13 @@ def read_eagle3_config(path: str, *, num_target_layers: int | None = None) -> Ea
     """Ours, DeepSpec's or vLLM Speculators' config.json (`formats.py`); `num_target_layers` (the target's
     depth) fills in what a Speculators config does not say."""
     from dspark.drafters.formats import eagle3_config_dict
-    return Eagle3Config.from_dict(eagle3_config_dict(read_config(path), num_target_layers=num_target_layers,
-                                                     where=str(path)))
+    d, file = read_config(path), config_file(path)
+    try:
+        d = eagle3_config_dict(d, num_target_layers=num_target_layers, where=str(path))
+        check_sizes(d, file=file, keys=(*SIZE_KEYS, "target_num_hidden_layers", "num_draft_tokens"))
+        return Eagle3Config.from_dict(d)
+    except CONFIG_ERRORS as e:
+        raise config_error(file, e) from None
 
 
 def load_eagle3(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",

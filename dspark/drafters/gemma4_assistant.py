@@ -35,10 +35,11 @@ import torch
 from torch import nn
 
 from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
-from dspark.drafters.checkpoint import check_shapes, header_shapes, load_tensors, read_config
+from dspark.drafters.checkpoint import check_shapes, config_file, header_shapes, load_tensors, read_config
 from dspark.drafters.draft_sampling import DraftAccumulator
 from dspark.models.attention import SeqSpec, build_attn_metadata
 from dspark.models.config import ModelConfig
+from dspark.models.files import CONFIG_ERRORS, CheckpointError, check_num_layers, check_sizes, config_error
 from dspark.models.gemma3 import _rounded
 from dspark.models.gemma4 import Gemma4DecoderLayer, Gemma4RMSNorm, Gemma4Rotary, kv_layout, layer_shape
 from dspark.models.gemma4_hf import GEMMA4_ARCHITECTURES, gemma4_fields
@@ -60,20 +61,30 @@ class AssistantConfig:
 
 
 def read_assistant_config(path) -> AssistantConfig:
-    """The folder's config.json as an `AssistantConfig`; anything but a Gemma 4 assistant is refused by name."""
+    """The folder's config.json as an `AssistantConfig`; anything but a Gemma 4 assistant is refused by name, a
+    malformed one naming the file."""
     hf = read_config(path)
     archs = hf.get("architectures") or []
     if hf.get("model_type") != "gemma4_assistant" and ARCHITECTURE not in archs:
         raise ValueError(f"{path}: method 'mtp' on a Gemma 4 target drafts with a {ARCHITECTURE} checkpoint "
                          f"(model_type 'gemma4_assistant'); this config.json is model_type={hf.get('model_type')!r}, "
                          f"architectures={archs}; give the assistant's folder as \"model\"")
+    file = config_file(path)
+    try:
+        check_sizes(hf, file=file)
+        return _assistant_config(file, hf)
+    except CONFIG_ERRORS as e:
+        raise config_error(file, e) from None
+
+
+def _assistant_config(file, hf: dict) -> AssistantConfig:
     text = dict(hf.get("text_config") or {})
     if not text:
-        raise ValueError(f"{path}: the Gemma 4 assistant config has no text_config")
+        raise CheckpointError(f"{file}: the Gemma 4 assistant config has no text_config")
     for field, want in (("hidden_size_per_layer_input", 0), ("enable_moe_block", False),
                         ("use_double_wide_mlp", False)):
         if (text.get(field) or 0) != want:
-            raise ValueError(f"{path}: a Gemma 4 assistant has {field}={want}, this one {text.get(field)!r}")
+            raise CheckpointError(f"{file}: a Gemma 4 assistant has {field}={want}, this one {text.get(field)!r}")
     text.setdefault("vocab_size_per_layer_input", 0)
     fields = gemma4_fields({**text, "hidden_size_per_layer_input": 0})
     fields.update(num_kv_shared_layers=fields["num_hidden_layers"],
@@ -84,7 +95,7 @@ def read_assistant_config(path) -> AssistantConfig:
                           centroid_intermediate_top_k=int(hf.get("centroid_intermediate_top_k", 32)))
     if cfg.use_ordered_embeddings and (cfg.text.vocab_size % cfg.num_centroids
                                        or not 0 < cfg.centroid_intermediate_top_k <= cfg.num_centroids):
-        raise ValueError(f"{path}: ordered embeddings need num_centroids ({cfg.num_centroids}) dividing vocab_size "
+        raise CheckpointError(f"{file}: ordered embeddings need num_centroids ({cfg.num_centroids}) dividing vocab_size "
                          f"({cfg.text.vocab_size}) and 0 < centroid_intermediate_top_k "
                          f"({cfg.centroid_intermediate_top_k}) <= num_centroids")
     return cfg
@@ -264,9 +275,14 @@ def check(spec, target_config: ModelConfig) -> AssistantConfig:
         if a.num_attention_heads % mine[0]:
             raise ValueError(f"{where}: num_attention_heads={a.num_attention_heads} is not a multiple of the "
                              f"{kind} KV heads ({mine[0]})")
-    expected = Gemma4Assistant(acfg, device="meta").expected_shapes()
-    optional = {"lm_head.weight": [a.vocab_size, a.hidden_size]} if a.tie_word_embeddings else {}
     shapes = {k: v for k, v in header_shapes(spec.model).items() if not _UNUSED_KV.match(k)}
+    check_num_layers(a.num_hidden_layers, shapes, file=config_file(spec.model), limit=target_config.num_hidden_layers,
+                     limit_what="the target's num_hidden_layers", key="text_config.num_hidden_layers")
+    try:
+        expected = Gemma4Assistant(acfg, device="meta").expected_shapes()
+    except CONFIG_ERRORS as e:  # a config no module is built from
+        raise config_error(config_file(spec.model), e) from None
+    optional = {"lm_head.weight": [a.vocab_size, a.hidden_size]} if a.tie_word_embeddings else {}
     check_shapes(expected, shapes, where=where, optional=optional)
     return acfg
 

@@ -31,6 +31,7 @@ from dspark.drafters.checkpoint import header_shapes, safetensors_files
 from dspark.drafters.eagle3 import Eagle3Drafter
 from dspark.models.attention import AttnMetadata, flat_batch
 from dspark.models.config import HYBRID_ARCHITECTURES, ModelConfig
+from dspark.models.files import open_safetensors
 from dspark.models.gemma3 import GemmaRMSNorm
 from dspark.models.gemma4_hf import GEMMA4_ARCHITECTURES
 from dspark.models.layers import Linear, rope_cos_sin
@@ -132,11 +133,10 @@ def build(spec, *, target_config, target_model, dtype, device) -> Drafter:
         return build_assistant(spec, target_config=target_config, target_model=target_model, dtype=dtype,
                                device=device)
     check(spec, target_config)
-    from safetensors import safe_open
     model = MtpModel(target_config, dtype=dtype, device=device)
     tensors = {}
     for file in safetensors_files(spec.model):  # the mtp.* tensors only, not the decoder's
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             tensors.update({k: f.get_tensor(k).to(dtype).clone() for k in f.keys() if k.startswith(PREFIX)})
     with torch.no_grad():
         model.load_mtp_weights(tensors)

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.checkpoint import read_config, safetensors_files
+from dspark.models.files import open_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,9 @@ def _what_is_wrong(ids: torch.Tensor, vocab_size: int) -> str:
 
 def read_maps(path: str | Path) -> dict[str, torch.Tensor]:
     """The checkpoint folder's `d2t` / `t2d` tensors (those it has), read alone: no other tensor's data."""
-    from safetensors import safe_open
     out: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for name in MAP_NAMES:
                 if name in f.keys():
                     out[name] = f.get_tensor(name).clone()

