@@ -77,6 +77,10 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     waiting_steps: int = 0  # steps spent held back by prompt coalescing
+    # who sent it (the server: one HTTP request, its batch of prompts and n choices); waiting requests of one
+    # client take turns with every other client's (`Scheduler.add`); None: a client of its own
+    client: str | None = None
+    queue_turn: int = 0  # its turn in the waiting queue (`Scheduler.add`)
     spec: SpecStats = field(default_factory=SpecStats)
     generator: torch.Generator | None = None  # rejection sampling of probabilistic drafts
     sample_seed: int = 0  # keys the target's sampling noise per output position (verify/sampler.py)

@@ -274,3 +274,38 @@ def test_n_choices_all_abort_when_the_client_leaves(stream):
         assert engine.metrics.num_generation_tokens < 3 * 60
         abort = ("vllm:request_success_total", (("finished_reason", "abort"),))
         assert srv.metrics()[abort] == 3
+
+
+def test_a_batch_whose_client_left_is_aborted_whole():
+    """A 128-prompt completions batch goes into the engine in one turn of its loop, so the client leaving while
+    its first prompts run aborts every one of them, admitted or waiting: none is left to run."""
+    engine = slowed(make_engine(build_tiny_model(), max_num_seqs=2), 0.05)
+    with serve(engine) as srv:
+        body = {"model": MODEL, "prompt": [f"prompt {i}" for i in range(128)], "max_tokens": 60, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.base_url + "/v1/completions", timeout=0.5, json=body)
+        deadline = time.monotonic() + 10
+        while engine.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.requests, f"{len(engine.requests)} requests of the batch left"
+        # the first two prompts (max_num_seqs) were still running when the client left: no other ever started
+        assert engine.metrics.num_prompt_tokens == 2 * len("prompt 0")
+        assert_metrics_zero(srv)
+
+
+def test_one_clients_batch_does_not_hold_back_another_clients_request():
+    """Admission takes turns by client: a probe sent while a 32-prompt batch waits is admitted after the batch's
+    current turn, so it is answered while most of the batch still waits."""
+    engine = slowed(make_engine(build_tiny_model(), max_num_seqs=2), 0.02)
+    with serve(engine) as srv:
+        body = {"model": MODEL, "prompt": [f"prompt {i}" for i in range(32)], "max_tokens": 12, "ignore_eos": True}
+        batch = threading.Thread(target=lambda: srv.post("/v1/completions", json=body))
+        batch.start()
+        deadline = time.monotonic() + 10
+        while srv.async_engine.num_waiting < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        probe = srv.post("/v1/completions", json={"model": MODEL, "prompt": "probe", "max_tokens": 4})
+        assert probe.status_code == 200
+        assert srv.async_engine.num_waiting >= 16 and batch.is_alive(), "the probe waited for the batch"
+        batch.join()
+        assert_metrics_zero(srv)

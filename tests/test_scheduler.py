@@ -136,3 +136,27 @@ def test_coalescing_admits_at_once_prompts_that_fill_half_a_step():
     assert [i.request.request_id for i in s.schedule().scheduled] == ["a"]
     s.add(Request("c", list(range(3, 53)), SamplingParams(max_tokens=50)))  # 150 waiting of 255: admitted
     assert sorted(i.request.request_id for i in s.schedule().scheduled) == ["a", "b", "c"]
+
+
+def test_waiting_requests_take_turns_by_client():
+    """A batch of one client queued first; another client's single request is admitted after the batch's
+    first, not after all of it; requests of no client keep their arrival order."""
+    s, _ = _sched(budget=64, max_num_seqs=1)
+    params = SamplingParams(max_tokens=1)
+    for i in range(6):
+        s.add(Request(f"a{i}", [1, 2], params, client="batch"))
+    s.add(Request("probe", [1, 2], params, client="probe"))
+    s.add(Request("b0", [1, 2], params, client="other"))
+    s.add(Request("a6", [1, 2], params, client="batch"))
+    s.add(Request("loose0", [1, 2], params))
+    s.add(Request("loose1", [1, 2], params))
+    assert [r.request_id for r in s.waiting] == ["a0", "probe", "b0", "loose0", "loose1", "a1", "a2", "a3", "a4",
+                                                 "a5", "a6"]
+    admitted = []
+    for _ in range(4):  # one running at a time: each step admits the head, which finishes (max_tokens 1)
+        out = s.schedule()
+        admitted += [item.request.request_id for item in out.scheduled]
+        _commit_all(s, out)
+    assert admitted == ["a0", "probe", "b0", "loose0"]
+    s.add(Request("late", [1, 2], params, client="late"))  # behind the turn the queue's head is on
+    assert [r.request_id for r in s.waiting][:3] == ["loose1", "late", "a1"]

@@ -104,12 +104,13 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, client: str | None = None) -> str:
+        """Queue a request; `client` groups the requests that take admission turns together (`Scheduler.add`)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_ids, params)
-        req = Request(request_id, list(prompt_ids), params, eos_token_ids=self.eos_token_ids)
+        req = Request(request_id, list(prompt_ids), params, eos_token_ids=self.eos_token_ids, client=client)
         if params.seed is None:
             req.sample_seed = hash((self.config.seed, request_id)) % 2**63
             req.generator = torch.Generator().manual_seed(req.sample_seed)

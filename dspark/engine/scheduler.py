@@ -44,7 +44,18 @@ class Scheduler:
 
     # -- queue management ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue a request. Waiting requests take turns by client (`Request.client`): a client's k-th waiting
+        request is queued behind every other client's first k, so one client's batch of prompts cannot hold
+        another client's request back for more than a turn (requests of no client: one each, first come first
+        served)."""
+        last = None if req.client is None else next(
+            (r.queue_turn for r in reversed(self.waiting) if r.client == req.client), None)
+        head = self.waiting[0].queue_turn if self.waiting else 0
+        req.queue_turn = head if last is None else max(head, last + 1)
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].queue_turn > req.queue_turn:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -127,9 +127,14 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         except InvalidRequest as e:
             raise bad_request(str(e), param=e.param) from None
 
-    async def start_one(prompt_ids: list[int], params, request_id: str) -> RequestStream:
+    async def start_one(prompt_ids: list[int], params, request_id: str, client: str) -> RequestStream:
+        return (await start_many([(prompt_ids, params, request_id)], client))[0]
+
+    async def start_many(requests: list[tuple[list[int], object, str]], client: str) -> list[RequestStream]:
+        """The engine requests of one HTTP request (`client`: they take admission turns with other clients'),
+        added in one go; the error of one refused as its HTTP error."""
         try:
-            return await async_engine.add_request(prompt_ids, params, request_id)
+            return await async_engine.add_requests(requests, client=client)
         except AdmissionError as e:
             raise refusal(e) from None
         except RequestFault as e:
@@ -141,18 +146,21 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         except RuntimeError as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
-    async def start(prompt_ids: list[int], params, prefix: str = "cmpl") -> list[RequestStream]:
+    async def start(prompt_ids: list[int], params, prefix: str = "cmpl", client: str | None = None
+                    ) -> list[RequestStream]:
         """One engine request per choice (n); choice i > 0 is `<id>-<i>`, seeded with seed + i, added once
         choice 0 has emitted (so they share its prompt's KV through the prefix cache). Ids are `cmpl-...`,
-        chat's `chatcmpl-...` (OpenAI's and vLLM's)."""
+        chat's `chatcmpl-...` (OpenAI's and vLLM's). `client`: the HTTP request they belong to (default: the
+        first choice's id)."""
         validate(prompt_ids, params)
         base = f"{prefix}-{uuid.uuid4().hex}"
+        client = client or base
         if config.enable_log_requests:
             log.info("request %s: %d prompt tokens, %s", base, len(prompt_ids), params)
         streams: list[RequestStream] = []
         try:
             for i, sub in enumerate(fan_out(params, params.n)):
-                stream = await start_one(prompt_ids, sub, base if i == 0 else f"{base}-{i}")
+                stream = await start_one(prompt_ids, sub, base if i == 0 else f"{base}-{i}", client)
                 if i == 0 and params.n > 1:  # its first token: its prompt blocks are in the prefix cache
                     stream = await PrimedStream.after_first(stream)
                 streams.append(stream)
@@ -206,7 +214,13 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
             validate(ids, params)
         echo_logprobs = bool(body.echo) and params.logprobs is not None  # the prompt's tokens lead the logprobs
         streams, outputs = [], []
+        client = f"cmpl-{uuid.uuid4().hex}"  # the batch's prompts take admission turns as one client
         try:
+            if params.n == 1 and len(prompts) > 1:  # the whole batch added in one go
+                if config.enable_log_requests:
+                    log.info("request %s: a batch of %d prompts, %s", client, len(prompts), params)
+                streams = await start_many([(ids, params, f"{client}-{k}") for k, (ids, _) in enumerate(prompts)],
+                                           client)
             for ids, text in prompts:  # choices in prompt order: index = prompt * n + choice
                 echo = (text if text is not None else tokenizer.decode(ids)) if body.echo else ""  # ids checked
                 outputs += [Output(
@@ -216,7 +230,8 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
                     prompt_logprobs=None if body.prompt_logprobs is None else
                     LogprobFormatter(tokenizer, chat=False, top_k=body.prompt_logprobs),
                     score_only=bool(body.echo) and body.max_tokens == 0) for _ in range(params.n)]
-                streams += await start(ids, params)
+                if len(streams) < len(outputs):
+                    streams += await start(ids, params, client=client)
         except APIError:
             for s in streams:
                 s.close()

@@ -100,6 +100,7 @@ class _Add:
     params: SamplingParams
     tracked: _Tracked
     future: asyncio.Future = field(repr=False)
+    client: str | None = None  # `Engine.add_request`'s: requests that take admission turns together
 
 
 @dataclass(frozen=True)
@@ -268,29 +269,52 @@ class AsyncEngine:
                                       f"waiting (max_num_waiting={self.max_num_waiting}); retry later")
 
     async def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                          request_id: str) -> RequestStream:
+                          request_id: str, *, client: str | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises ValueError for
         input the engine rejects (too long, bad token ids, ...), RuntimeError if the engine died,
         AdmissionError when it is not admitted (`check_admission`)."""
+        return (await self.add_requests([(prompt_ids, params, request_id)], client=client))[0]
+
+    async def add_requests(self, requests: list[tuple[list[int], SamplingParams, str]], *,
+                           client: str | None = None) -> list[RequestStream]:
+        """Queue several requests (prompt ids, params, request id) at once, as one client's: the engine takes
+        them all in one turn of its loop (not one a step), and they take admission turns with other clients'
+        requests (`Scheduler.add`). Their streams in order once all are accepted; where one is refused, the
+        others are aborted and its error raised (as `add_request`)."""
         self.check_admission()
         self.start()
         loop = asyncio.get_running_loop()
-        state = StreamState(stop=params.stop,
-                            include_stop_str_in_output=params.include_stop_str_in_output)
-        arrival_s = time.perf_counter()
-        deadline_s = None if self.request_timeout_s is None else arrival_s + self.request_timeout_s
-        tracked = _Tracked(queue=asyncio.Queue(), loop=loop, state=state, arrival_s=arrival_s,
-                           num_prompt_tokens=len(prompt_ids), deadline_s=deadline_s)
-        future = loop.create_future()
+        adds = []
+        for prompt_ids, params, request_id in requests:
+            state = StreamState(stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            arrival_s = time.perf_counter()
+            deadline_s = None if self.request_timeout_s is None else arrival_s + self.request_timeout_s
+            tracked = _Tracked(queue=asyncio.Queue(), loop=loop, state=state, arrival_s=arrival_s,
+                               num_prompt_tokens=len(prompt_ids), deadline_s=deadline_s)
+            adds.append(_Add(request_id, list(prompt_ids), params, tracked, loop.create_future(), client))
         with self._cond:
-            self._num_queued_adds += 1
-        self._submit(_Add(request_id, list(prompt_ids), params, tracked, future))
+            self._num_queued_adds += len(adds)
+            self._commands.extend(adds)
+            self._cond.notify()
+        futures = [a.future for a in adds]
         try:
-            await future
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the client left before the engine saw the request
+            await asyncio.wait(futures)
+        except BaseException:  # the client left before the engine took them: none of them runs
+            self._abort_all(adds)
             raise
-        return RequestStream(self, request_id, tracked.queue)
+        error = next((f.exception() for f in futures if f.exception() is not None), None)
+        if error is not None:  # one was refused: none of them runs
+            self._abort_all(adds)
+            raise error
+        return [RequestStream(self, a.request_id, a.tracked.queue) for a in adds]
+
+    def _abort_all(self, adds: list[_Add]) -> None:
+        for a in adds:
+            if not a.future.done():
+                a.future.cancel()
+            elif not a.future.cancelled():
+                a.future.exception()  # retrieved: one refusal is raised, the others' need no warning
+            self.abort(a.request_id)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for a request that has already finished."""
@@ -363,7 +387,7 @@ class AsyncEngine:
         with self._cond:
             self._num_queued_adds -= 1
         try:
-            self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+            self.engine.add_request(command.prompt_ids, command.params, command.request_id, client=command.client)
             self.output.states[command.request_id] = command.tracked.state
         except ValueError as e:
             _call_soon(command.tracked.loop, _settle, command.future, e)
