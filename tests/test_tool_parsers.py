@@ -76,6 +76,8 @@ CASES = [
      f'{WEATHER}\n<tool_call>\n{{"name": "get_time", "arguments": {{</tool_call>',
      '<tool_call>\n{"name": "get_time", "arguments": {</tool_call>', [call("get_weather", city="Paris", days=3)]),
     ("hermes", "plain text", "The capital of France is Paris.", SAME, []),
+    ("hermes", "pieces of the end marker in the arguments", hermes("f", {"s": "</tool_cal </tool_ <//tool_call"}),
+     None, [call("f", s="</tool_cal </tool_ <//tool_call")]),
     ("hermes", "text with marker-like pieces", "Compare a < b, use <tool> or <tool_cal and </tool_call>.", SAME, []),
     ("hermes", "empty", "", None, []),
     # qwen3_coder
@@ -148,6 +150,11 @@ CASES = [
     ("llama3_json", "partial python tag", "<|python", SAME, []),
     ("llama3_json", "plain text", "  The capital of France is Paris.", SAME, []),
     ("llama3_json", "blank", " \n", SAME, []),
+    ("llama3_json", "python tag, blanks after it",
+     ' <|python_tag|> \n {"name": "get_weather", "parameters": {"city": "Paris"}}', None,
+     [call("get_weather", city="Paris")]),
+    ("llama3_json", "python tag, blanks, then text", "<|python_tag|>\n\n  Hello", SAME, []),
+    ("llama3_json", "python tag, blanks only", "\n<|python_tag|>  \n", SAME, []),
     # pythonic
     ("pythonic", "single", '[get_weather(city="Paris", days=3)]', None, [call("get_weather", city="Paris", days=3)]),
     ("pythonic", "parallel", '[get_weather(city="Paris"), get_time()]', None,
@@ -157,6 +164,8 @@ CASES = [
     ("pythonic", "literals",
      "[f(s='it\\'s, (ok)', i=-2, x=1.5, b=True, n=None, l=[1, 'a'], d={'k': {'n': [False]}}, t=(1, 2))]", None,
      [call("f", s="it's, (ok)", i=-2, x=1.5, b=True, n=None, l=[1, "a"], d={"k": {"n": [False]}}, t=[1, 2])]),
+    ("pythonic", "blanks around the wrapper", ' \n<|python_start|>\n [get_time()] \n<|python_end|>\n', None,
+     [call("get_time")]),
     ("pythonic", "text before", 'Sure! [get_weather(city="Paris")]', SAME, []),
     ("pythonic", "malformed", '[get_weather(city="Paris"]', SAME, []),
     ("pythonic", "positional argument", '[get_weather("Paris")]', SAME, []),
@@ -191,6 +200,8 @@ def assemble(deltas: list[StreamDelta]) -> tuple[str, list[dict]]:
     from the first entry, arguments concatenated."""
     calls: dict[int, dict] = {}
     for delta in deltas:
+        indexes = [entry["index"] for entry in delta.tool_calls]
+        assert len(set(indexes)) == len(indexes)  # one entry per call index per delta, as OpenAI and vLLM send
         for entry in delta.tool_calls:
             if entry["index"] not in calls:
                 calls[entry["index"]] = {"id": entry["id"], "type": entry["type"],
@@ -242,6 +253,58 @@ def test_stream_one_character_at_a_time(parser, text):
     check_stream(text, parser.parse(text), stream(parser, list(text)))
 
 
+@pytest.mark.parametrize(("parser", "text"), [(p, t) for p, _, t, *_ in CASES], ids=CASE_IDS)
+def test_stream_in_fixed_size_deltas(parser, text):
+    """Pieces of 2 to 7 characters after a first piece of every length below that: every cut, and cuts
+    close together (a marker over three pieces)."""
+    parser = get_tool_parser(parser)
+    whole = parser.parse(text)
+    for size in range(2, 8):
+        for offset in range(size):
+            check_stream(text, whole, stream(parser, [text[:offset]] + [text[i:i + size]
+                                                                        for i in range(offset, len(text), size)]))
+
+
+LONG_CALLS = {  # one complete call per format, for outputs of many calls
+    "hermes": hermes("f", {"s": "</tool_cal <tool_call", "n": 1}),
+    "qwen3_coder": qwen("f", s="</tool_cal </parameter", n="1"),
+    "gemma4": f"<|tool_call>call:f{{s:{Q}<tool_call {Q},n:1}}<tool_call|>",
+    "llama3_json": '{"name": "f", "parameters": {"s": "</tool_cal <tool_call", "n": 1}}',
+    "pythonic": 'f(s="</tool_cal <tool_call", n=1)',
+}
+LONG_ARGUMENTS = {"hermes": {"s": "</tool_cal <tool_call", "n": 1}, "qwen3_coder": {"s": "</tool_cal </parameter",
+                                                                                  "n": 1},
+                  "gemma4": {"s": "<tool_call ", "n": 1}, "llama3_json": {"s": "</tool_cal <tool_call", "n": 1},
+                  "pythonic": {"s": "</tool_cal <tool_call", "n": 1}}
+
+
+def _many_calls(parser: str, n: int) -> str:
+    one = LONG_CALLS[parser]
+    if parser == "llama3_json":
+        return "; ".join([one] * n)
+    if parser == "pythonic":
+        return "[" + ", ".join([one] * n) + "]"
+    return "".join(f"text {i} <\n{one}" for i in range(n)) + " done"
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_long_outputs_parse_whole_and_streamed_alike(parser):
+    """Many calls, a long unterminated call and long blank output: the whole parse finds every call, and the
+    stream in 1-, 4- and 16-character pieces gives the same (the streams read each piece once, parse() the text
+    once: the benchmark benchmarks/bench_parser_cost.py times them)."""
+    tools = get_tool_parser(parser)
+    text = _many_calls(parser, 300)
+    whole = tools.parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [("f", LONG_ARGUMENTS[parser])] * 300
+    unterminated = LONG_CALLS[parser][:len(LONG_CALLS[parser]) // 2] + "<tool_cal </tool_ x " * 200
+    for size in (1, 4, 16):
+        check_stream(text, whole, stream(tools, [text[i:i + size] for i in range(0, len(text), size)]))
+        for other in (unterminated, " \n\t" * 300):
+            out = tools.parse(other)
+            assert out.content == other and out.calls == []
+            check_stream(other, out, stream(tools, [other[i:i + size] for i in range(0, len(other), size)]))
+
+
 def test_content_is_released_before_a_call_completes():
     state = get_tool_parser("hermes").stream()
     assert state.feed("Let me check. <tool_").content == "Let me check. "  # the partial marker is held
@@ -249,9 +312,9 @@ def test_content_is_released_before_a_call_completes():
     assert not state.has_calls
     delta = state.feed('"name": "get_time", "arguments": {}}\n</tool_call> ok')
     assert delta.content == " ok" and state.has_calls
-    first, args = delta.tool_calls
-    assert first["function"] == {"name": "get_time", "arguments": ""} and first["index"] == 0
-    assert args == {"index": 0, "function": {"arguments": "{}"}}
+    (entry,) = delta.tool_calls  # one entry per call index per delta: the name and the arguments together
+    assert entry["function"] == {"name": "get_time", "arguments": "{}"} and entry["index"] == 0
+    assert set(entry) == {"index", "id", "type", "function"} and entry["type"] == "function"
     assert state.finish() == StreamDelta()
 
 
@@ -259,7 +322,7 @@ def test_whole_output_formats_hold_the_call_until_finish():
     state = get_tool_parser("pythonic").stream()
     assert state.feed("  [get_time()") == StreamDelta()
     assert state.feed("]") == StreamDelta() and not state.has_calls
-    assert [e["function"].get("name") for e in state.finish().tool_calls] == ["get_time", None]
+    assert [e["function"] for e in state.finish().tool_calls] == [{"name": "get_time", "arguments": "{}"}]
     assert state.has_calls
     content = get_tool_parser("llama3_json").stream()
     assert content.feed("  <|python_tag|> H").content == "  <|python_tag|> H"  # decided: content

@@ -17,7 +17,7 @@ skipped, as in these models' tokenizers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dspark.sampling import ReasoningTags
 from enum import Enum
@@ -27,6 +27,9 @@ class Phase(Enum):
     OPEN = "open"  # neither: the output may start with the start tag
     THINKING = "thinking"  # inside a reasoning block: everything up to the end tag is reasoning
     ANSWER = "answer"  # after the reasoning (or none): everything is the answer
+
+
+_OPEN, _THINKING, _ANSWER = Phase.OPEN, Phase.THINKING, Phase.ANSWER  # read per piece: a global, not the enum's lookup
 
 
 @dataclass(frozen=True)
@@ -65,32 +68,40 @@ class ReasoningFormat:
 @dataclass
 class ReasoningStream:
     """One output's split, fed piece by piece: each piece gives (reasoning delta, content delta). Text that
-    may still be the start of a tag is held until it cannot be."""
+    may still be the start of a tag is held until it cannot be. A piece costs in proportion to its own length
+    (plus a tag's): what is held is at most a partial tag, and in the open phase the leading blanks are kept
+    apart as they came, never stripped again."""
 
     fmt: ReasoningFormat
     phase: Phase
-    _held: str = ""
+    _held: str = ""  # open phase: the text after the leading blanks
     _at_start: bool = True  # nothing of this output read yet: a block the prompt opened may repeat its tag
     _after_end: bool = False  # the end tag just closed: the newlines the templates put after it are dropped
+    _blanks: list[str] = field(default_factory=list)  # open phase: the leading blanks, held with _held
 
     def feed(self, text: str) -> tuple[str, str]:
+        if self.phase is _OPEN and not self._held:  # only blanks so far: set this piece's apart
+            head = text.lstrip()
+            if len(head) < len(text):
+                self._blanks.append(text[:len(text) - len(head)])
+            text = head
         self._held += text
         reasoning, content = [], []
         while self._held:
-            if self.phase is Phase.ANSWER:
+            if self.phase is _ANSWER:
                 if self._after_end:
                     self._held = self._held.lstrip("\n")
                     self._after_end = not self._held
                 content.append(self._held)
                 self._held = ""
-            elif self.phase is Phase.OPEN:
-                stripped = self._held.lstrip()
-                if stripped.startswith(self.fmt.start):
-                    self._held, self.phase, self._at_start = stripped[len(self.fmt.start):], Phase.THINKING, False
-                elif self.fmt.start.startswith(stripped):
+            elif self.phase is _OPEN:  # _held: the text after the leading blanks (not empty here)
+                if self._held.startswith(self.fmt.start):
+                    self._held, self.phase, self._at_start = self._held[len(self.fmt.start):], _THINKING, False
+                    self._blanks = []
+                elif self.fmt.start.startswith(self._held):
                     break  # could still become the start tag
                 else:
-                    self.phase = Phase.ANSWER
+                    self.phase, self._held, self._blanks = _ANSWER, "".join(self._blanks) + self._held, []
             else:  # thinking: release up to the end tag, or up to a tail that may start it
                 if self._at_start:  # R1 may write the start tag the phase already assumed
                     if self.fmt.start.startswith(self._held) and self._held != self.fmt.start:
@@ -102,7 +113,7 @@ class ReasoningStream:
                 at = self._held.find(self.fmt.end)
                 if at >= 0:
                     reasoning.append(self._held[:at])
-                    self._held, self.phase = self._held[at + len(self.fmt.end):], Phase.ANSWER
+                    self._held, self.phase = self._held[at + len(self.fmt.end):], _ANSWER
                     self._after_end = True
                     continue
                 keep = _partial_suffix(self._held, self.fmt.end)
@@ -112,17 +123,20 @@ class ReasoningStream:
         return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
-        held, self._held = self._held, ""
-        if self.phase is Phase.THINKING:
+        held, self._held, self._blanks = "".join(self._blanks) + self._held, "", []
+        if self.phase is _THINKING:
             return held, ""
         return "", held
 
 
 def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`: the last len(tag) - 1
+    characters read, only where they hold the tag's first one."""
+    at = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while at >= 0:
+        if tag.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(tag[0], at + 1)
     return 0
 
 

@@ -28,9 +28,12 @@ stays in the content as the text it was, and the calls that did parse are kept.
 
 Streaming (ToolStream): content is released as soon as it cannot be the start of a call marker (only a
 suffix that is a prefix of the marker is held back); a call is held until its end marker (or, for the
-whole-output formats, until finish()) and then sent as one delta entry with id/type/name and empty
-arguments followed by one entry with the arguments. parse() is the stream fed the whole text in one
-piece, so both share one implementation (the tests check that every split gives the same answer). Content: with calls, ParsedOutput.content is the
+whole-output formats, until finish()) and then sent as one delta entry with id, type, name and its
+arguments (one entry per call index per delta, as OpenAI and vLLM send). parse() is the stream fed the
+whole text in one piece, so both share one implementation (the tests check that every split gives the
+same answer). A feed costs in proportion to its own text (plus a marker's length) however much came
+before it, and a call is joined and parsed once, when it is complete; parse() is linear in the text
+(`dspark/chat/tool_streams.py`). Content: with calls, ParsedOutput.content is the
 text outside them, stripped, None when empty; without calls it is the text unchanged (None when empty).
 The streamed content pieces concatenate to exactly the text outside the calls (unstripped).
 """
@@ -40,29 +43,10 @@ from __future__ import annotations
 import ast
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # the arguments object as JSON text (json.dumps of a dict)
-
-
-@dataclass(frozen=True)
-class ParsedOutput:
-    content: str | None  # the text outside the calls (see the module docstring for stripping)
-    calls: list[ParsedCall]
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """What one piece of generated text releases: content to send now and tool-call delta entries."""
-
-    content: str = ""
-    tool_calls: list[dict] = field(default_factory=list)  # OpenAI `delta.tool_calls` entries
+from dspark.chat.tool_streams import (ParsedCall, ParsedOutput, StreamDelta, ToolStream, attempt,  # noqa: F401
+                                      MarkedCallStream, WholeOutputStream)
 
 
 def _dumps(arguments: dict) -> str:
@@ -87,142 +71,6 @@ def _call_from_object(obj) -> ParsedCall | None:
         return None
     arguments = _arguments_json(obj[key])
     return None if arguments is None else ParsedCall(obj["name"], arguments)
-
-
-def _attempt(parse: Callable, text: str):
-    """parse(text), or None when it fails in any way (syntax, shape, recursion depth): a malformed call
-    becomes content, never an error."""
-    try:
-        return parse(text)
-    except Exception:
-        return None
-
-
-def _held_prefix_len(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker (may still become it)."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
-
-
-class ToolStream:
-    """Per-request streaming state: feed() each piece of generated text, then finish() once."""
-
-    def __init__(self) -> None:
-        self.calls: list[ParsedCall] = []  # the calls emitted so far, in order
-        # a parsed call this refuses stays content, as one that does not parse (the server: strict tools
-        # whose arguments do not validate against their schema)
-        self.accept: Callable[[ParsedCall], bool] | None = None
-
-    @property
-    def has_calls(self) -> bool:
-        return bool(self.calls)
-
-    def _accepts(self, call: ParsedCall) -> bool:
-        return self.accept is None or self.accept(call)
-
-    def feed(self, text: str) -> StreamDelta:
-        raise NotImplementedError
-
-    def finish(self) -> StreamDelta:
-        raise NotImplementedError
-
-    def _delta(self, content: str, calls: list[ParsedCall]) -> StreamDelta:
-        """A delta carrying content and, per call, the opening entry (id, type, name, arguments "")
-        and the arguments entry; indexes count calls across the whole stream."""
-        entries = []
-        for call in calls:
-            index = len(self.calls)
-            self.calls.append(call)
-            entries.append({"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                            "function": {"name": call.name, "arguments": ""}})
-            entries.append({"index": index, "function": {"arguments": call.arguments}})
-        return StreamDelta(content, entries)
-
-
-class _MarkedCallStream(ToolStream):
-    """Calls between a start and an end marker, with content around them (hermes, qwen3_coder,
-    gemma4)."""
-
-    def __init__(self, start: str, end: str, parse_body: Callable[[str], ParsedCall | None]) -> None:
-        super().__init__()
-        self._start, self._end, self._parse_body = start, end, parse_body
-        self._held = ""  # outside a call: a suffix that may begin the start marker; inside: the call so far
-        self._inside = False
-        self._searched = 0  # inside: how much of _held has been searched for the end marker
-
-    def feed(self, text: str) -> StreamDelta:
-        self._held += text
-        content, calls = [], []
-        while True:
-            if self._inside:
-                # resume the search where the last one stopped (less a partial end marker)
-                at = self._held.find(self._end, max(len(self._start), self._searched - len(self._end) + 1))
-                if at < 0:
-                    self._searched = len(self._held)
-                    break
-                stop = at + len(self._end)
-                block, self._held, self._inside = self._held[:stop], self._held[stop:], False
-                call = _attempt(self._parse_body, block[len(self._start):at])
-                if call is None or not self._accepts(call):
-                    content.append(block)  # a call that does not parse stays content, markers included
-                else:
-                    calls.append(call)
-            else:
-                at = self._held.find(self._start)
-                if at < 0:
-                    free = len(self._held) - _held_prefix_len(self._held, self._start)
-                    content.append(self._held[:free])
-                    self._held = self._held[free:]
-                    break
-                content.append(self._held[:at])
-                self._held, self._inside, self._searched = self._held[at:], True, len(self._start)
-        return self._delta("".join(content), calls)
-
-    def finish(self) -> StreamDelta:
-        # what is held is a partial start marker or a call without its end marker: content either way
-        held, self._held, self._inside = self._held, "", False
-        return self._delta(held, [])
-
-
-class _WholeOutputStream(ToolStream):
-    """The whole output is the call list, optionally after a tag (llama3_json, pythonic): its first
-    non-blank characters decide; content passes straight through, a call list is held to finish()."""
-
-    def __init__(self, tag: str, opener: str, parse_all: Callable[[str], list[ParsedCall] | None]) -> None:
-        super().__init__()
-        self._tag, self._opener, self._parse_all = tag, opener, parse_all
-        self._held = ""
-        self._is_call: bool | None = None  # None until the opening characters decide
-
-    def feed(self, text: str) -> StreamDelta:
-        if self._is_call is False:
-            return StreamDelta(text)
-        self._held += text
-        if self._is_call is None:
-            self._is_call = self._decide(self._held)
-            if self._is_call is False:
-                held, self._held = self._held, ""
-                return StreamDelta(held)
-        return StreamDelta()
-
-    def _decide(self, text: str) -> bool | None:
-        head = text.lstrip()
-        if head.startswith(self._tag):
-            head = head[len(self._tag):].lstrip()
-        elif self._tag.startswith(head):  # blank so far, or a partial tag
-            return None
-        return head.startswith(self._opener) if head else None
-
-    def finish(self) -> StreamDelta:
-        held, self._held = self._held, ""
-        if self._is_call:
-            calls = _attempt(self._parse_all, held)
-            if calls and all(self._accepts(c) for c in calls):
-                return self._delta("", calls)
-        return self._delta(held, [])
-
 
 class ToolParser:
     """One tool-call syntax. Subclasses name themselves and build their stream."""
@@ -251,7 +99,7 @@ class HermesParser(ToolParser):
     name = "hermes"
 
     def stream(self) -> ToolStream:
-        return _MarkedCallStream("<tool_call>", "</tool_call>", _hermes_call)
+        return MarkedCallStream("<tool_call>", "</tool_call>", _hermes_call)
 
 
 # ---- qwen3_coder -----------------------------------------------------------------------------------
@@ -297,7 +145,7 @@ class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
 
     def stream(self) -> ToolStream:
-        return _MarkedCallStream("<tool_call>", "</tool_call>", _qwen3_coder_call)
+        return MarkedCallStream("<tool_call>", "</tool_call>", _qwen3_coder_call)
 
 
 # ---- llama3_json -----------------------------------------------------------------------------------
@@ -330,7 +178,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
 
     def stream(self) -> ToolStream:
-        return _WholeOutputStream(_PYTHON_TAG, "{", _llama3_calls)
+        return WholeOutputStream(_PYTHON_TAG, "{", _llama3_calls)
 
 
 # ---- pythonic --------------------------------------------------------------------------------------
@@ -361,7 +209,7 @@ class PythonicParser(ToolParser):
     name = "pythonic"
 
     def stream(self) -> ToolStream:
-        return _WholeOutputStream(_PYTHON_START, "[", _pythonic_calls)
+        return WholeOutputStream(_PYTHON_START, "[", _pythonic_calls)
 
 
 # ---- gemma4 ----------------------------------------------------------------------------------------
@@ -463,7 +311,7 @@ class Gemma4Parser(ToolParser):
     name = "gemma4"
 
     def stream(self) -> ToolStream:
-        return _MarkedCallStream("<|tool_call>", "<tool_call|>", _gemma4_call)
+        return MarkedCallStream("<|tool_call>", "<tool_call|>", _gemma4_call)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

@@ -1,13 +1,61 @@
-"""The request streams of one response: n > 1 choices merged in arrival order, and a stream whose first
-delta was read ahead (the fan-out waits for choice 0's first token, so the others hit its prompt blocks in
-the prefix cache)."""
+"""The request streams of one response: `RequestStream` (one engine request's `RequestDelta`s, as the async
+engine hands them to the event loop), n > 1 choices merged in arrival order, and a stream whose first delta was
+read ahead (the fan-out waits for choice 0's first token, so the others hit its prompt blocks in the prefix
+cache)."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import AsyncIterator
 
-from dspark.server.async_engine import RequestDelta, RequestStream
+from dspark.request import SpecStats
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step added to one request, as the HTTP layer sees it."""
+
+    request_id: str
+    text: str  # newly released text (stop-truncated; a tail that may start a stop string is held)
+    num_tokens: int  # output tokens this delta carries (after stop truncation)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int  # kept output tokens so far
+    num_cached_tokens: int  # prompt tokens served by a prefix-cache hit
+    spec: SpecStats  # a snapshot, safe to read on the event loop
+    error: str | None = None  # set when the request failed; the request is over
+    error_status: int = 500  # the HTTP status of that failure (504: past its deadline)
+    logprobs: list | None = None  # [num_tokens] sampling.TokenLogprob, when the request asked
+    prompt_logprobs: list | None = None  # [None, then sampling.TokenLogprob per prompt token]: first delta, if asked
+
+
+class RequestStream:
+    """Async iterator over one request's `RequestDelta`s; ends after the finished delta.
+    `close()` aborts the request if it has not finished (idempotent; call it in a `finally`)."""
+
+    def __init__(self, owner, request_id: str, queue: asyncio.Queue):  # owner: the AsyncEngine (its abort)
+        self.request_id = request_id
+        self._owner = owner
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self._done:
+            raise StopAsyncIteration
+        delta: RequestDelta = await self._queue.get()
+        if delta.finished:
+            self._done = True
+        return delta
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._owner.abort(self.request_id)
 
 
 class PrimedStream:
