@@ -121,21 +121,9 @@ class FastTokenizer:
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("this tokenizer has no chat template; pass chat_template")
-        if not conversation:
-            raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
-        if tools is not None and not all(isinstance(t, Mapping) for t in tools):
-            raise ValueError("tools must be JSON schemas (dicts)")
-        chat = [_aliased({k: v for k, v in m.items() if v is not None}) for m in _plain(list(conversation))]
-        final = None
-        if continue_final_message:
-            chat, final = _tag_final_message(chat, continue_final_message, template)
-        text = _compiled(template).render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                                          add_generation_prompt=add_generation_prompt,
-                                          **{**self._special, **_plain(kwargs)})
-        if final is not None:
-            text = _cut_at_tag(text, final)
+        text = render_chat(template, conversation, special=self._special, tools=tools, documents=documents,
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     # -- transformers ---------------------------------------------------------------------------------
@@ -204,6 +192,34 @@ def _cut_at_tag(text: str, final: str) -> str:
                          "applying the chat template")
     at = text.rindex(CONTINUE_TAG.strip())
     return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+
+
+def render_chat(template: str, conversation: list, *, special: Mapping[str, str], tools: list | None = None,
+                documents: list | None = None, add_generation_prompt: bool = False,
+                continue_final_message: bool | str = False, max_chars: int | None = None, **kwargs) -> str:
+    """One conversation rendered with `template` (the special tokens' strings as variables), as transformers'
+    `apply_chat_template` renders it; `max_chars`: a ValueError once the text grows past that many characters
+    (the rendering stops there instead of building the rest)."""
+    if not conversation:
+        raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+    if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+        raise ValueError("tools must be JSON schemas (dicts)")
+    chat = [_aliased({k: v for k, v in m.items() if v is not None}) for m in _plain(list(conversation))]
+    final = None
+    if continue_final_message:
+        chat, final = _tag_final_message(chat, continue_final_message, template)
+    parts, size = [], 0
+    for part in _compiled(template).generate(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                                             add_generation_prompt=add_generation_prompt,
+                                             **{**special, **_plain(kwargs)}):
+        size += len(part)
+        if max_chars is not None and size > max_chars:
+            raise ValueError(f"the chat template's text grew past {max_chars} characters")
+        parts.append(part)
+    text = "".join(parts)
+    return text if final is None else _cut_at_tag(text, final)
 
 
 @cache

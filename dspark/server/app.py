@@ -20,6 +20,7 @@ served model name answers; responses carry the first.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
@@ -244,7 +245,11 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         params = apply_defaults(serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer,
                                                         auto_tools=auto_tools, reasoning=reasoning), body, defaults)
         admit()
-        prompt_ids = serving.chat_prompt_ids(body, tokenizer)
+        trusted = config.trust_request_chat_template
+        if trusted and serving.request_template(body) is not None:  # rendered in a child: wait off the loop
+            prompt_ids = await asyncio.to_thread(serving.chat_prompt_ids, body, tokenizer, trust_request_template=True)
+        else:
+            prompt_ids = serving.chat_prompt_ids(body, tokenizer, trust_request_template=trusted)
         mode = serving.tool_mode(body, auto_tools=auto_tools)
         parser = tool_parser if serving.parses_tool_calls(body, auto_tools) else None
         phase = None if reasoning is None else reasoning.prompt_phase(tokenizer.decode(prompt_ids))

@@ -27,6 +27,10 @@ class ServerConfig:
                                              "first is reported (default: the model argument)")
     chat_template: str | None = opt(None, "a Jinja chat template, as a file path or inline (default: the "
                                     "model's own)")
+    # a request's own chat_template (a template is code): refused with a 400 unless set; then rendered in a child
+    # process under a time, size and memory budget (dspark/server/request_template.py)
+    trust_request_chat_template: bool = opt(False, "accept chat_template in requests (rendered in a child "
+                                            "process under a time, size and memory budget)")
     enable_log_requests: bool = opt(False, "log each request's parameters and prompt length",
                                     negatives=("--disable-log-requests",))
     uvicorn_log_level: str = opt("info", "log level of the server and uvicorn", aliases=("--log-level",),

@@ -251,7 +251,24 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[list[int
     return [(tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None) for p in batch]
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
+def request_template(req: ChatCompletionRequest) -> str | None:
+    """The chat template the request itself sends (`chat_template`, or inside `chat_template_kwargs`), if any."""
+    if req.chat_template is not None:
+        return req.chat_template
+    return (req.chat_template_kwargs or {}).get("chat_template")
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer, *, trust_request_template: bool = False) -> list[int]:
+    """The chat's prompt ids. A template the request sends is a 400 unless the server trusts request templates;
+    then it renders in a child process under a budget (`request_template`: blocks, so call this off the event
+    loop when `request_template(req)` is set)."""
+    template = request_template(req)
+    field = "chat_template" if req.chat_template is not None else "chat_template_kwargs"
+    if template is not None and not trust_request_template:
+        raise bad_request(f"{field}: a chat template sent with the request is refused unless the server runs "
+                          "with --trust-request-chat-template", param=field)
+    if template is not None and not isinstance(template, str):
+        raise bad_request(f"{field}: the chat template must be a string", param=field)
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -269,17 +286,24 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
         if m.name is not None:
             message["name"] = m.name
         messages.append(message)
-    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template and req.chat_template is None:
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template and template is None:
         raise bad_request("this model has no chat template (a base model): send the text to "
                           "/v1/completions, or start the server with --chat-template", param="messages")
-    kwargs = dict(req.chat_template_kwargs or {})
-    if req.chat_template is not None:
-        kwargs["chat_template"] = req.chat_template
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
     if req.tools and req.tool_choice != "none":
         kwargs["tools"] = template_tools(req)
+    add_generation_prompt = req.add_generation_prompt is not False
+    if template is not None:
+        from dspark.server.request_template import TemplateBudgetError, render
+        inner = getattr(tokenizer, "tokenizer", tokenizer)
+        special = {k: v for k, v in (getattr(inner, "special_tokens_map", None) or {}).items() if isinstance(v, str)}
+        try:
+            text = render(template, messages, special=special, add_generation_prompt=add_generation_prompt, **kwargs)
+        except TemplateBudgetError as e:
+            raise bad_request(f"{field}: {e}", param=field) from None
+        return list(tokenizer.encode(text, add_special_tokens=False))
     try:
-        return list(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt is not False, **kwargs))
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs))
     except TypeError as e:
         raise bad_request(f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
     except Exception as e:  # the template rejects the conversation (role order, unknown role, ...)
