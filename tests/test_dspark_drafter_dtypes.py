@@ -57,14 +57,18 @@ def _built_in_dtypes(tmp_path, cfg: DSparkConfig, dtypes: list[str]):
 
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 48])
-def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, draft_vocab_size):
+def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, monkeypatch, draft_vocab_size):
     cfg = tiny_cfg(enable_confidence_head=True, draft_vocab_size=draft_vocab_size)
     target, (f32, b16) = _built_in_dtypes(tmp_path, cfg, ["float32", "bfloat16"])
     m = b16.model
     backbone = [m.fc, m.layers[0].self_attn.q_proj, m.layers[1].self_attn.o_proj, m.layers[0].mlp.down_proj]
     assert all(lin.lowp_weight.dtype == torch.bfloat16 for lin in backbone)
     assert all(p.dtype == torch.float32 for p in m.parameters()), "the weights kept stay fp32"
-    assert all(lin.weight is None for lin in backbone), "an engine's drafter keeps only the bf16 copies"
+    bf16_kernels = kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()  # dot products, or AVX2's widening
+    if bf16_kernels:
+        assert all(lin.weight is None for lin in backbone), "an engine's drafter keeps only the bf16 copies"
+    else:  # AVX-512 without BF16, kernels off: no kernel multiplies the copies, the few-row products take fp32
+        assert all(lin.weight is not None for lin in backbone), "the fp32 weights serve the few-row products"
     assert all(lin.weight is not None for lin in m.markov_head.modules() if isinstance(lin, kernels.Linear))
     assert not any(hasattr(lin, "lowp_weight") for lin in f32.model.modules())
     heads = [*m.markov_head.modules(), *m.confidence_head.modules()]
@@ -79,10 +83,16 @@ def test_draft_matmul_dtype_bf16_backbone_keeps_heads_and_shared_head(tmp_path, 
     logits16, conf16 = _drafts_on_shared_context(b16)
     assert logits16.dtype == torch.float32 and conf16.dtype == torch.float32
     assert not torch.equal(logits16, logits32), "the bf16 products were not used"
-    # 4 block rows: with bf16 kernels (dot products, or AVX2's widening of the weights) bf16 products too
-    one32, _ = _drafts_on_shared_context(f32, num_reqs=1)
+    # 4 block rows: with bf16 kernels (dot products, or AVX2's widening of the weights) bf16 products too;
+    # without them the fp32 weights' products op by op (no one-call path takes the bf16 copies), bit for bit
+    # the fp32 drafter's op-by-op path (its one-call paths round RoPE and attention their own way)
     one16, _ = _drafts_on_shared_context(b16, num_reqs=1)
-    assert torch.equal(one16, one32) != (kernels.has_bf16_kernels() or kernels.has_bf16w_kernels())
+    with monkeypatch.context() as mp:
+        mp.setattr(f32.model, "fused_backbone", lambda *a, **k: None)
+        mp.setattr(f32.model, "fused_context_kv", lambda *a, **k: None)
+        mp.setattr(f32, "_fused_proposal", lambda batch: None)
+        one32, _ = _drafts_on_shared_context(f32, num_reqs=1)
+    assert torch.equal(one16, one32) != bf16_kernels
     assert (one16 - one32).abs().max() <= 0.03 * one32.abs().max()
     # bf16 keeps 8 mantissa bits (relative rounding 2^-9 per product input, a few products deep)
     assert (logits16 - logits32).abs().max() <= 0.03 * logits32.abs().max()
@@ -252,10 +262,11 @@ def test_stacked_rows_is_a_view_only_of_adjacent_row_ranges():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "q4_1"])
 def test_a_released_linear_serves_every_row_count_from_its_copy(monkeypatch, dtype):
-    """`release_dense_weights` frees the fp32 weight of a Linear holding a low-precision copy; at every row
-    count (the kernels' and torch's ranges) its inference products equal the unreleased module's where
-    both read the copy, and the fp32 products of the copy's values otherwise; the path no kernel serves
-    dequantizes the copy (`dense_weight`)."""
+    """`release_dense_weights` frees the fp32 weight of a Linear holding a low-precision copy the kernels
+    multiply; at every row count (the kernels' and torch's ranges) its inference products equal the
+    unreleased module's where both read the copy, and the fp32 products of the copy's values otherwise; the
+    path no kernel serves dequantizes the copy (`dense_weight`). Where no kernel multiplies a bf16 copy
+    (AVX-512 without BF16, kernels off) the weight stays, and the few-row products are the fp32 weight's."""
     if dtype == "q4_1" and not kernels.has_q4_1_kernels():
         pytest.skip("no Q4_1 products on this CPU")
     lin = kernels.Linear(64, 40, bias=True)
@@ -264,9 +275,14 @@ def test_a_released_linear_serves_every_row_count_from_its_copy(monkeypatch, dty
     else:
         kernels.set_matmul_dtype(lin, torch.bfloat16)
     kept = copy.deepcopy(lin)
-    assert kernels.release_dense_weights(lin) == 40 * 64 * 4 and lin.weight is None
+    served = dtype == "q4_1" or kernels.has_bf16_kernels() or kernels.has_bf16w_kernels()
+    if served:
+        assert kernels.release_dense_weights(lin) == 40 * 64 * 4 and lin.weight is None
+    else:
+        assert kernels.release_dense_weights(lin) == 0 and torch.equal(lin.weight, kept.weight)
     values = kept.weight if dtype == "q4_1" else kept.lowp_weight.float()
-    assert torch.equal(lin.dense_weight(), values)
+    dense = values if served else kept.weight  # what a product no kernel serves multiplies
+    assert torch.equal(lin.dense_weight(), dense)
     g = torch.Generator().manual_seed(8)
     for rows in (1, 16, 17, kernels.MAX_ROWS + 3):
         x = torch.randn(rows, 64, generator=g)
@@ -274,12 +290,14 @@ def test_a_released_linear_serves_every_row_count_from_its_copy(monkeypatch, dty
             out, ref = lin(x), kept(x)
         if dtype == "q4_1" or rows <= kernels.bf16_kernel_rows() or not kernels.has_bf16w_kernels():
             assert torch.equal(out, ref), rows  # the same copy through the same path
+        if not served and rows <= kernels.Linear.LOWP_MIN_ROWS:  # the fp32 weight's product, not the copy's
+            torch.testing.assert_close(out, (x.double() @ dense.double().t()).float() + lin.bias, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out, x @ values.t() + lin.bias, rtol=3e-2, atol=3e-2)  # input rounding
     monkeypatch.setattr(kernels, "linear", lambda *a, **k: None)  # no kernel: torch on the copy's values
     x = torch.randn(3, 64, generator=g)
     with torch.inference_mode():
         twin = kernels.q8_1_dequantized(x) if dtype == "q4_1" else x
-        torch.testing.assert_close(lin(x), torch.nn.functional.linear(twin, values, lin.bias), rtol=0, atol=1e-6)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(twin, dense, lin.bias), rtol=0, atol=1e-6)
 
 
 def test_draft_matmul_dtype_auto_and_validation(monkeypatch):

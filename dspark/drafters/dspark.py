@@ -429,7 +429,7 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
         else:
             set_matmul_dtype(model, matmul_dtype, skip=skip)
         model.pack_layer_products()  # the fused stack reads the copies in place
-        release_dense_weights(model)  # an engine's drafter only infers: the copies alone stay
+        release_dense_weights(model)  # an engine's drafter only infers: copies a kernel multiplies stay alone
     if model.markov_head is not None:
         model.markov_head.hold_rows_bf16()  # a bf16 checkpoint's W1 rows: the same values in half the memory
     model.freeze()

@@ -20,21 +20,27 @@ path, `drafters/dspark_fused.py`).
 Switch: `DSPARK_CPU_KERNELS=0` turns them off (the slow twin), `=1` (the default) builds and uses them
 and, when the build fails, logs the compiler's message once and falls back to torch — the output is the
 same, only slower; `=require` makes a failed build an error.
+
+Level: `DSPARK_CPU_ISA` (`compiled.ISA_MARCH`) picks the instruction set they are compiled for, a forced level in
+a folder of its own (`<source hash>-<level>`): `native` (the default), `avx2` (Haswell: Q4_1 / Q8_0 / block
+products, bf16 weights widened), `avx512` (Skylake-SP: no VNNI, no bf16 products, so a bf16 copy keeps its
+fp32 weight for the few-row products: `release_dense_weights`), `avx512_bf16` (Cooper Lake: bf16 dot products)
+and `amx` (Sapphire Rapids). `cpu_has_bf16_dot` and `cpu_has_amx_bf16` read the CPU at the same level; a level
+the CPU cannot run is refused (`supported_isas()`).
 """
 
 from __future__ import annotations
 
 import logging
-from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from dspark.kernels.blocks import (Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, pack_q4_1, pack_q8_0, q4_1_group_rows,  # noqa: F401
                                    q4_1_packed_cols, q4_1_packed_values, q8_1_dequantized, quantize_q4_1)
-from dspark.kernels.compiled import (CFLAGS, MAX_ROWS, SOURCE, _load, _mode, build, build_dir,  # noqa: F401
-                                     ops, ops_variant, source_files)
+from dspark.kernels.compiled import (ISA_CPU_FLAGS, ISA_MARCH, MAX_ROWS, SOURCE, _load, _mode, build,  # noqa: F401
+                                     build_dir, cflags, cpu_flags, isa, isa_cpu_flags, ops, ops_variant,
+                                     source_files, supported_isas)
 
 logger = logging.getLogger(__name__)
 
@@ -81,18 +87,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, fp32_input: bool = False) -
     return k.small_mm(x2, weight).view(*x.shape[:-1], weight.shape[0])
 
 
-@cache
-def cpu_flags() -> frozenset[str]:
-    """The words of Linux /proc/cpuinfo (its "flags" among them); empty where it cannot be read."""
-    try:
-        return frozenset(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return frozenset()
-
-
 def cpu_has_amx_bf16() -> bool:
-    """Does this CPU have AMX tiles for bf16? torch's bf16 products (oneDNN) use them."""
-    return "amx_bf16" in cpu_flags()
+    """Does this CPU have AMX tiles for bf16 (at the level `DSPARK_CPU_ISA`: "amx" or native)? torch's bf16
+    products (oneDNN) use them."""
+    return "amx_bf16" in isa_cpu_flags()
 
 
 def bf16_kernel_rows() -> int:
@@ -183,16 +181,30 @@ class Linear(torch.nn.Linear):
 
 
 def release_dense_weights(module: torch.nn.Module) -> int:
-    """Inference only: free the weight of every `Linear` under `module` that holds a low-precision copy
-    (`set_matmul_dtype`, `set_q4_1_products`), so only the copy its products read stays in memory (the
-    paths no kernel serves dequantize it per call, `Linear.dense_weight`). Such a module cannot be trained
+    """Inference only: free the weight of every `Linear` under `module` whose low-precision copy
+    (`set_matmul_dtype`, `set_q4_1_products`) the kernels multiply at every row count (`kernels_serve`), so
+    only the copy its products read stays in memory (the paths no kernel serves, such as an input that
+    needs autograd, dequantize it per call, `Linear.dense_weight`). A copy the kernels do not multiply (bf16
+    on an AVX-512 CPU without BF16 or with the kernels off, float16, a copy off the CPU) keeps its weight:
+    the few-row products take the fp32 weight there, as without the copy. Such a module cannot be trained
     or re-quantized afterwards. Returns the bytes freed."""
     freed = 0
     for m in module.modules():
-        if isinstance(m, Linear) and m.weight is not None and getattr(m, "lowp_weight", None) is not None:
+        lowp = getattr(m, "lowp_weight", None) if isinstance(m, Linear) else None
+        if lowp is not None and m.weight is not None and kernels_serve(lowp):
             freed += m.weight.numel() * m.weight.element_size()
             m.weight = None
     return freed
+
+
+def kernels_serve(copy: torch.Tensor) -> bool:
+    """Do the built kernels multiply the low-precision copy `copy` at every row count `Linear` gives them:
+    bf16 with bf16 dot products (AVX512-BF16) or AVX2's widening, Q4_1 blocks with the Q4_1 kernels?"""
+    if copy.device.type != "cpu":
+        return False
+    if copy.dtype == torch.bfloat16:
+        return has_bf16_kernels() or has_bf16w_kernels()
+    return copy.dtype == torch.uint8 and has_q4_1_kernels()
 
 
 def set_q4_1_products(module: torch.nn.Module, *, skip: tuple = ()) -> int:
@@ -277,8 +289,9 @@ def kernel_kind() -> str:
 
 
 def cpu_has_bf16_dot() -> bool:
-    """Does this CPU multiply bf16 natively (AVX512-BF16 or AMX-BF16)?"""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    """Does this CPU multiply bf16 natively (AVX512-BF16 or AMX-BF16) at the level `DSPARK_CPU_ISA` (a forced
+    avx2 or avx512 level: no, whatever the CPU has)?"""
+    return bool({"avx512_bf16", "amx_bf16"} & isa_cpu_flags())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

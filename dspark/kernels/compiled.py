@@ -1,5 +1,6 @@
-"""The compiled CPU kernels: their source files, the build folder named by the sources' hash, the build
-itself (torch's C++ extension loader), and `ops()`, the loaded module or None (off, or no compiler).
+"""The compiled CPU kernels: their source files, the instruction-set level they are compiled for
+(`DSPARK_CPU_ISA`), the build folder named by the sources' hash and the level, the build itself (torch's C++
+extension loader), and `ops()`, the loaded module or None (off, or no compiler).
 A finished build leaves a stamp beside its `<name>.so` (what it compiled, with which flags); a load whose
 stamp matches imports the .so directly, without torch's loader (which imports setuptools and runs ninja).
 Imported by `dspark.kernels` and by `kernels.blocks` (which asks the build how it packs Q4_1 rows)."""
@@ -38,24 +39,106 @@ def source_files(source: Path = SOURCE) -> list[Path]:
     return [source, *sorted(source.parent.glob("cpu_ops_*.inc"))]
 
 
+# ------------------------------------------------------------------ the instruction-set level (DSPARK_CPU_ISA)
+
+# each level's gcc flags (in place of -march=native), and the /proc/cpuinfo flags a CPU needs to run what they
+# compile (each level's set holds the one below it): "avx2" Haswell (AVX2, FMA, F16C: the Q4_1 / Q8_0 / block
+# products, bf16 weights widened); "avx512" Skylake-SP (AVX-512 F/CD/BW/DQ/VL without VNNI or BF16: no bf16
+# products in the kernels at all); "avx512_bf16" Cooper Lake (AVX512-VNNI and AVX512-BF16: the bf16 dot
+# products); "amx" Sapphire Rapids (AMX tiles, which torch's bf16 products use; gcc 12's sapphirerapids also
+# names AVX512-VP2INTERSECT, which those CPUs lack). "native": the compiler's view of this CPU.
+ISA_MARCH: dict[str, tuple[str, ...]] = {
+    "native": ("-march=native",),
+    "avx2": ("-march=haswell",),
+    "avx512": ("-march=skylake-avx512",),
+    "avx512_bf16": ("-march=cooperlake",),
+    "amx": ("-march=sapphirerapids", "-mno-avx512vp2intersect"),
+}
+_AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "popcnt"})  # abm: LZCNT
+_AVX512 = _AVX2 | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "adx"}
+_AVX512_BF16 = _AVX512 | {"avx512_vnni", "avx512_bf16"}
+_AMX = _AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16", "avx512vbmi", "avx512_vbmi2",
+                       "avx512_bitalg", "avx512_vpopcntdq", "avx512ifma", "avx_vnni"}
+ISA_CPU_FLAGS: dict[str, frozenset[str]] = {"avx2": _AVX2, "avx512": _AVX512, "avx512_bf16": _AVX512_BF16,
+                                            "amx": _AMX}
+# where /proc/cpuinfo cannot be read: the levels torch's own dispatch (its CPU capability) vouches for
+_TORCH_CAPABILITY_ISAS = {"AVX2": ("avx2",), "AVX512": ("avx2", "avx512")}
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The words of Linux /proc/cpuinfo (its "flags" among them); empty where it cannot be read."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
+
+
+@cache
+def isa() -> str:
+    """The instruction-set level the kernels are built for and the process runs at: `DSPARK_CPU_ISA` (native,
+    the default; avx2, avx512, avx512_bf16, amx). A level this CPU cannot run is refused (a RuntimeError naming
+    the missing flags) rather than built into code that dies of an illegal instruction."""
+    level = os.environ.get("DSPARK_CPU_ISA", "native").strip().lower() or "native"
+    if level not in ISA_MARCH:
+        raise ValueError(f"DSPARK_CPU_ISA must be one of {', '.join(ISA_MARCH)}; got {level!r}")
+    if level == "native":
+        return level
+    flags = cpu_flags()
+    if not flags:  # no /proc/cpuinfo (not Linux): torch's own reading of the CPU
+        capability = torch.backends.cpu.get_cpu_capability()
+        if level not in _TORCH_CAPABILITY_ISAS.get(capability, ()):
+            raise RuntimeError(f"DSPARK_CPU_ISA={level}: cannot tell that this CPU runs it (no /proc/cpuinfo; "
+                               f"torch's CPU capability is {capability}); use native")
+        return level
+    missing = sorted(ISA_CPU_FLAGS[level] - flags)
+    if missing:
+        raise RuntimeError(f"DSPARK_CPU_ISA={level}: this CPU lacks {' '.join(missing)}; its levels: "
+                           f"{', '.join(supported_isas())}")
+    return level
+
+
+def supported_isas() -> list[str]:
+    """The levels `DSPARK_CPU_ISA` may name on this CPU ("native" always)."""
+    flags = cpu_flags()
+    if not flags:
+        return ["native", *_TORCH_CAPABILITY_ISAS.get(torch.backends.cpu.get_cpu_capability(), ())]
+    return ["native", *(level for level, need in ISA_CPU_FLAGS.items() if need <= flags)]
+
+
+def isa_cpu_flags() -> frozenset[str]:
+    """The CPU flags the process may use: this CPU's own (`cpu_flags`) at the native level, a forced level's
+    (`ISA_CPU_FLAGS`) otherwise, so the Python side decides as on a CPU of that level (e.g. no bf16 dot
+    products at avx2 or avx512)."""
+    level = isa()
+    return cpu_flags() if level == "native" else ISA_CPU_FLAGS[level]
+
+
+def cflags() -> tuple[str, ...]:
+    """The kernels' compiler flags at the level `isa()`."""
+    return ("-O3", *ISA_MARCH[isa()], "-fopenmp", "-ffp-contract=off")
+
+
 def build_dir() -> Path:
+    """The build folder: the sources' and torch's hash, and a forced level's name (`<hash>-avx2`), so each
+    level keeps a build of its own."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in source_files())
                             + torch.__version__.encode()).hexdigest()[:16]
     root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
-    return root / "kernels" / digest
+    level = isa()
+    return root / "kernels" / (digest if level == "native" else f"{digest}-{level}")
 
 
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
 
 def build(name: str, path: Path, *, source: Path = SOURCE, defines: tuple[str, ...] = ()) -> ModuleType:
-    """Compile `source` (default: these kernels) as module `name` in folder `path` with the kernels' flags and
-    preprocessor `defines`: the main build, `ops_variant`, and the benchmarks' builds of another revision.
-    A build already there whose stamp matches is imported as it is."""
-    cflags = [*CFLAGS, *(f"-D{d}" for d in defines)]
+    """Compile `source` (default: these kernels) as module `name` in folder `path` with the kernels' flags (at
+    the level `isa()`) and preprocessor `defines`: the main build, `ops_variant`, and the benchmarks' builds of
+    another revision. A build already there whose stamp matches is imported as it is."""
+    flags = [*cflags(), *(f"-D{d}" for d in defines)]
     stamp, so = path / f"{name}.stamp", path / f"{name}.so"
-    expected = _stamp_text(name, source, cflags)
+    expected = _stamp_text(name, source, flags)
     if so.is_file() and stamp.is_file() and stamp.read_text() == expected:
         try:
             return _import_built(name, so)
@@ -65,7 +148,7 @@ def build(name: str, path: Path, *, source: Path = SOURCE, defines: tuple[str, .
     path.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)  # a build stopped part way leaves no stamp
     module = load(name=name, sources=[str(_staged(source, path))], build_directory=str(path),
-                  extra_cflags=cflags, extra_ldflags=list(LDFLAGS), verbose=False)
+                  extra_cflags=flags, extra_ldflags=list(LDFLAGS), verbose=False)
     if so.is_file():
         tmp = path / f".{stamp.name}.{os.getpid()}"
         tmp.write_text(expected)
@@ -117,6 +200,7 @@ def _load() -> ModuleType | None:
     mode = _mode()
     if mode == "0":
         return None
+    isa()  # an unknown level, or one this CPU cannot run: an error, not a fallback to torch
     try:
         return build("dspark_cpu_ops", build_dir())
     except Exception as e:  # no compiler / ninja, or a compile error: the torch path still works
