@@ -276,12 +276,15 @@ def test_n_choices_all_abort_when_the_client_leaves(stream):
         assert srv.metrics()[abort] == 3
 
 
-def test_a_batch_whose_client_left_is_aborted_whole():
-    """A 128-prompt completions batch goes into the engine in one turn of its loop, so the client leaving while
-    its first prompts run aborts every one of them, admitted or waiting: none is left to run."""
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_batch_whose_client_left_is_aborted_whole(n):
+    """A 128-prompt completions batch goes into the engine in one turn of its loop (with n = 2, every prompt's
+    first choice; the second once the first has emitted), so the client leaving while its first prompts run
+    aborts every one of them, admitted or waiting: none is left to run."""
     engine = slowed(make_engine(build_tiny_model(), max_num_seqs=2), 0.05)
     with serve(engine) as srv:
-        body = {"model": MODEL, "prompt": [f"prompt {i}" for i in range(128)], "max_tokens": 60, "ignore_eos": True}
+        body = {"model": MODEL, "prompt": [f"prompt {i}" for i in range(128)], "max_tokens": 60, "ignore_eos": True,
+                "n": n, "temperature": 0.5}
         with pytest.raises(httpx.TimeoutException):
             httpx.post(srv.base_url + "/v1/completions", timeout=0.5, json=body)
         deadline = time.monotonic() + 10

@@ -128,12 +128,9 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         except InvalidRequest as e:
             raise bad_request(str(e), param=e.param) from None
 
-    async def start_one(prompt_ids: list[int], params, request_id: str, client: str) -> RequestStream:
-        return (await start_many([(prompt_ids, params, request_id)], client))[0]
-
-    async def start_many(requests: list[tuple[list[int], object, str]], client: str) -> list[RequestStream]:
-        """The engine requests of one HTTP request (`client`: they take admission turns with other clients'),
-        added in one go; the error of one refused as its HTTP error."""
+    async def add(requests: list[tuple[list[int], object, str]], client: str) -> list[RequestStream]:
+        """Engine requests of one HTTP request (`client`: they take admission turns with other clients'), added in
+        one go; the error of one refused as its HTTP error."""
         try:
             return await async_engine.add_requests(requests, client=client)
         except AdmissionError as e:
@@ -147,29 +144,37 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         except RuntimeError as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
-    async def start(prompt_ids: list[int], params, prefix: str = "cmpl", client: str | None = None
-                    ) -> list[RequestStream]:
-        """One engine request per choice (n); choice i > 0 is `<id>-<i>`, seeded with seed + i, added once
-        choice 0 has emitted (so they share its prompt's KV through the prefix cache). Ids are `cmpl-...`,
-        chat's `chatcmpl-...` (OpenAI's and vLLM's). `client`: the HTTP request they belong to (default: the
-        first choice's id)."""
-        validate(prompt_ids, params)
-        base = f"{prefix}-{uuid.uuid4().hex}"
-        client = client or base
+    async def start(prompts: list[list[int]], params, prefix: str = "cmpl") -> list[RequestStream]:
+        """The engine requests of one HTTP request's prompts (a completions batch, or a chat's one prompt), n choices
+        each, streams in prompt order (index = prompt * n + choice). Every prompt's first choice goes in at once;
+        choice i > 0 of a prompt (`<id>-<i>`, seeded with seed + i) once its first choice has emitted, so they
+        share its prompt's KV through the prefix cache. Ids are `cmpl-...`, chat's `chatcmpl-...` (OpenAI's and
+        vLLM's); all of them are one client's for admission turns. The prompts are validated already."""
+        subs = fan_out(params, params.n)
+        bases = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
         if config.enable_log_requests:
-            log.info("request %s: %d prompt tokens, %s", base, len(prompt_ids), params)
-        streams: list[RequestStream] = []
-        try:
-            for i, sub in enumerate(fan_out(params, params.n)):
-                stream = await start_one(prompt_ids, sub, base if i == 0 else f"{base}-{i}", client)
-                if i == 0 and params.n > 1:  # its first token: its prompt blocks are in the prefix cache
-                    stream = await PrimedStream.after_first(stream)
-                streams.append(stream)
-        except APIError:
-            for s in streams:
-                s.close()
+            log.info("request %s: %d prompt(s) of %s tokens, %s", bases[0], len(prompts),
+                     ", ".join(str(len(ids)) for ids in prompts[:8]), params)
+        firsts = await add([(ids, subs[0], base) for ids, base in zip(prompts, bases)], bases[0])
+        if params.n == 1:
+            return firsts
+        groups: list[list[RequestStream]] = [[s] for s in firsts]
+
+        async def the_others(k: int) -> None:
+            groups[k][0] = await PrimedStream.after_first(firsts[k])  # its prompt blocks are in the prefix cache
+            groups[k] += await add([(prompts[k], sub, f"{bases[k]}-{i}") for i, sub in enumerate(subs[1:], 1)],
+                                   bases[0])
+        try:  # every prompt's choices settled before any error is raised, so none is left running unread
+            results = await asyncio.gather(*(the_others(k) for k in range(len(prompts))), return_exceptions=True)
+            error = next((r for r in results if isinstance(r, BaseException)), None)
+            if error is not None:
+                raise error
+        except BaseException:
+            for group in groups:
+                for stream in group:
+                    stream.close()
             raise
-        return streams
+        return [stream for group in groups for stream in group]
 
     async def respond(request: Request, body, streams, shape, outputs, choices_per_prompt: int | None = None):
         if body.stream:
@@ -214,29 +219,19 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         for ids, _ in prompts:  # every prompt checked before any starts
             validate(ids, params)
         echo_logprobs = bool(body.echo) and params.logprobs is not None  # the prompt's tokens lead the logprobs
-        streams, outputs = [], []
-        client = f"cmpl-{uuid.uuid4().hex}"  # the batch's prompts take admission turns as one client
-        try:
-            if params.n == 1 and len(prompts) > 1:  # the whole batch added in one go
-                if config.enable_log_requests:
-                    log.info("request %s: a batch of %d prompts, %s", client, len(prompts), params)
-                streams = await start_many([(ids, params, f"{client}-{k}") for k, (ids, _) in enumerate(prompts)],
-                                           client)
-            for ids, text in prompts:  # choices in prompt order: index = prompt * n + choice
-                echo = (text if text is not None else tokenizer.decode(ids)) if body.echo else ""  # ids checked
-                outputs += [Output(
-                    echo=echo, echo_logprobs=echo_logprobs, first_prompt_id=ids[0],
-                    logprobs=None if params.logprobs is None else LogprobFormatter(
-                        tokenizer, chat=False, text_offset=0 if echo_logprobs else len(echo), top_k=body.logprobs),
-                    prompt_logprobs=None if body.prompt_logprobs is None else
-                    LogprobFormatter(tokenizer, chat=False, top_k=body.prompt_logprobs),
-                    score_only=bool(body.echo) and body.max_tokens == 0) for _ in range(params.n)]
-                if len(streams) < len(outputs):
-                    streams += await start(ids, params, client=client)
-        except APIError:
-            for s in streams:
-                s.close()
-            raise
+        outputs = []
+        for ids, text in prompts:  # choices in prompt order: index = prompt * n + choice
+            echo = (text if text is not None else tokenizer.decode(ids)) if body.echo else ""  # ids checked
+            outputs += [Output(
+                echo=echo, echo_logprobs=echo_logprobs, first_prompt_id=ids[0],
+                logprobs=None if params.logprobs is None else LogprobFormatter(
+                    tokenizer, chat=False, text_offset=0 if echo_logprobs else len(echo), top_k=body.logprobs),
+                prompt_logprobs=None if body.prompt_logprobs is None else
+                LogprobFormatter(tokenizer, chat=False, top_k=body.prompt_logprobs),
+                score_only=bool(body.echo) and body.max_tokens == 0) for _ in range(params.n)]
+        streams = await unless_disconnected(start([ids for ids, _ in prompts], params), request.is_disconnected)
+        if streams is None:  # the client left while its choices were being added: all of them aborted
+            return Response(status_code=499)
         return await respond(request, body, streams, serving.COMPLETION, outputs, choices_per_prompt=params.n)
 
     @v1.post("/chat/completions")
@@ -259,7 +254,10 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
                                   prompt_logprobs=None if body.prompt_logprobs is None else
                                   LogprobFormatter(tokenizer, chat=True, top_k=body.prompt_logprobs))
                    for _ in range(params.n)]
-        streams = await start(prompt_ids, params, "chatcmpl")
+        validate(prompt_ids, params)
+        streams = await unless_disconnected(start([prompt_ids], params, "chatcmpl"), request.is_disconnected)
+        if streams is None:  # the client left while its choices were being added: all of them aborted
+            return Response(status_code=499)
         return await respond(request, body, streams, serving.CHAT, outputs)
 
     @app.post("/tokenize")
