@@ -77,6 +77,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     waiting_steps: int = 0  # steps spent held back by prompt coalescing
+    queued_steps: int = 0  # steps spent waiting for admission, for any reason
     # who sent it (the server: one HTTP request, its batch of prompts and n choices); waiting requests of one
     # client take turns with every other client's (`Scheduler.add`); None: a client of its own
     client: str | None = None

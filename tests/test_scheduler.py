@@ -1,6 +1,8 @@
 """Scheduler: token budget with mixed prompt chunks and decode/verify windows, preemption by
 recompute, stop conditions inside an accepted run."""
 
+import pytest
+
 from dspark.config import SchedulerConfig
 from dspark.engine.block_manager import BlockManager
 from dspark.engine.scheduler import Scheduler
@@ -160,3 +162,24 @@ def test_waiting_requests_take_turns_by_client():
     assert admitted == ["a0", "probe", "b0", "loose0"]
     s.add(Request("late", [1, 2], params, client="late"))  # behind the turn the queue's head is on
     assert [r.request_id for r in s.waiting][:3] == ["loose1", "late", "a1"]
+
+
+@pytest.mark.parametrize("coalesce", [0, 2])
+def test_a_long_prompt_leaves_room_for_a_waiting_request(coalesce):
+    """A 400-token prompt computed in chunks of a 64-token budget keeps a quarter of each step for the waiting head
+    once it has waited `coalesce_steps` steps: a short request starts long before the long prompt is done."""
+    s, _ = _sched(num_kv_blocks=256, budget=64, coalesce_steps=coalesce)
+    params = SamplingParams(max_tokens=4)
+    s.add(Request("long", list(range(3, 403)), params))
+    _commit_all(s, s.schedule())
+    s.add(Request("short", [1, 2, 3, 4, 5], params))
+    admitted_at = None
+    for step in range(1, 8):
+        out = s.schedule()
+        if any(item.request.request_id == "short" for item in out.scheduled):
+            admitted_at = step
+            break
+        _commit_all(s, out)
+    long_req = next(r for r in s.running if r.request_id == "long")
+    assert admitted_at == coalesce + 1 and long_req.num_uncomputed_tokens > 64, admitted_at
+    assert sum(item.num_new_tokens for item in out.scheduled) == 64  # the budget is still spent whole

@@ -70,9 +70,10 @@ class Scheduler:
         out = SchedulerOutput(scheduled=[])
         scheduled_ids: set[str] = set()
         i = 0
+        reserve = self._waiting_reserve(budget)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            item = self._fit(req, budget)
+            item = self._fit(req, budget, prompt_budget=max(1, budget - reserve))
             while not self._allocate(req, item):
                 victim = self._pick_victim(scheduled_ids)
                 self._preempt(victim)
@@ -88,6 +89,8 @@ class Scheduler:
             i += 1
         if not out.preempted_ids:
             self._admit_waiting(out, budget)
+        for r in self.waiting:  # held by coalescing, or no room this step
+            r.queued_steps += 1
         return out
 
     def next_step_demand(self) -> tuple[int, int]:
@@ -145,10 +148,24 @@ class Scheduler:
             out.scheduled.append(item)
             budget -= item.num_new_tokens
 
-    def _fit(self, req: Request, budget: int) -> ScheduledRequest:
+    def _waiting_reserve(self, budget: int) -> int:
+        """Tokens a step keeps from running prompt chunks for the waiting head (up to a quarter of the budget),
+        where a sequence slot is free for it: a long prompt being computed chunk by chunk never holds a new
+        request out of every step until it is done."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return 0
+        if self.waiting[0].queued_steps < self.config.coalesce_steps:
+            return 0  # coalescing may hold it that many steps (and so may the chunks): a bounded wait
+        return min(self.waiting[0].num_uncomputed_tokens, budget // 4)
+
+    def _fit(self, req: Request, budget: int, prompt_budget: int | None = None) -> ScheduledRequest:
+        """The request's part of the step within `budget`: a prompt chunk (at most `prompt_budget` tokens where
+        it stops short of the prompt's end), or the next token with its drafts to verify."""
         remaining = req.num_uncomputed_tokens
         if remaining > 1 or not req.draft_ids:
             n = min(remaining, budget)
+            if n < remaining and prompt_budget is not None:
+                n = min(n, prompt_budget)
             return ScheduledRequest(req, n, 0, emits=n == remaining, start_pos=req.num_computed_tokens)
         num_drafts = min(req.verify_len, len(req.draft_ids), budget - 1,
                          self.max_model_len - 1 - req.num_tokens)
