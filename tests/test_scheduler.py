@@ -183,3 +183,19 @@ def test_a_long_prompt_leaves_room_for_a_waiting_request(coalesce):
     long_req = next(r for r in s.running if r.request_id == "long")
     assert admitted_at == coalesce + 1 and long_req.num_uncomputed_tokens > 64, admitted_at
     assert sum(item.num_new_tokens for item in out.scheduled) == 64  # the budget is still spent whole
+
+
+def test_decoding_requests_come_before_a_long_prompts_chunk():
+    """A request that is answering gets its token in every step even when an earlier request's prompt chunk could
+    take the whole budget."""
+    s, _ = _sched(num_kv_blocks=256, budget=64, coalesce_steps=0)
+    params = SamplingParams(max_tokens=8)
+    s.add(Request("long", list(range(3, 403)), params))
+    _commit_all(s, s.schedule())
+    s.add(Request("short", [1, 2, 3], params))
+    for _ in range(5):
+        out = s.schedule()
+        _commit_all(s, out)
+    short = next(r for r in s.running if r.request_id == "short")
+    assert len(short.output_ids) >= 4  # a token a step once admitted, while the long prompt is still chunked
+    assert next(r for r in s.running if r.request_id == "long").num_uncomputed_tokens > 1

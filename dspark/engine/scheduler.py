@@ -69,10 +69,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(scheduled=[])
         scheduled_ids: set[str] = set()
-        i = 0
         reserve = self._waiting_reserve(budget)
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        # decoding requests (a token and its drafts) first, then prompt chunks, each in arrival order: a long
+        # prompt's chunks never take the step from a request that is already answering
+        for req in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop, as another's victim
             item = self._fit(req, budget, prompt_budget=max(1, budget - reserve))
             while not self._allocate(req, item):
                 victim = self._pick_victim(scheduled_ids)
@@ -82,11 +86,10 @@ class Scheduler:
                     item = None
                     break
             if item is None:
-                continue  # req itself was preempted; running[i] is now the next request
+                continue  # req itself was preempted
             out.scheduled.append(item)
             scheduled_ids.add(req.request_id)
             budget -= item.num_new_tokens
-            i += 1
         if not out.preempted_ids:
             self._admit_waiting(out, budget)
         for r in self.waiting:  # held by coalescing, or no room this step
