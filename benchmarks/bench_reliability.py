@@ -4,6 +4,7 @@ told otherwise), each writing one JSON file:
     python benchmarks/bench_reliability.py fuzz  --num-requests 10000 --out benchmarks/results/reliability_fuzz.json
     python benchmarks/bench_reliability.py soak  --num-requests 1000 --concurrency 32 --abort-frac 0.3 --out ...
     python benchmarks/bench_reliability.py flood --num-requests 2000 --max-num-waiting 64 --out ...
+    python benchmarks/bench_reliability.py abuse --out benchmarks/results/reliability_abuse.json
 
 - fuzz: generated hostile requests (wrong types, huge and non-finite numbers, invalid UTF-8, lone
   surrogates, deep nesting, wrong content types, oversized bodies, lengths past the context, unknown
@@ -15,6 +16,11 @@ told otherwise), each writing one JSON file:
   must equal the Prometheus counters exactly.
 - flood: every request at once against `--max-num-waiting`; 429s counted, peak RSS, and every admitted
   request must complete.
+- abuse: the worst single request of each hostile class (request templates that expand, allocate or loop; a
+  schema with no value; a strict catastrophic pattern; 256-prompt batches, kept and left; an echo with prompt
+  logprobs of a 7.9k-token prompt): the server's RSS after it against after a warm-up, and a 4-token probe's
+  median latency while it runs (the cheap ones repeated) from another client against idle (targets: RSS <= 1.5x,
+  probe <= 2x).
 """
 
 from __future__ import annotations
@@ -325,9 +331,103 @@ def run_flood(server: Server, n: int, seed: int, model: str) -> dict:
             "peak_rss_mib": round(max(peak), 1), "after": server.idle()}
 
 
+# -- abuse: one client attacks, another probes ------------------------------------------------------
+PROBE = {"prompt": "Hi", "max_tokens": 4, "temperature": 0.0}
+LONG_PROMPT = " ".join(f"note {i}: the quick brown fox jumps over the lazy dog." for i in range(500))
+
+
+def _attacks(model: str) -> dict[str, tuple[str, dict, float]]:
+    """name -> (route, body, client timeout s): the worst single requests of each hostile class. The cheap ones
+    (`REPEATED`) are sent again and again while the probes run; the heavy ones once, the probes starting 0.5 s
+    after it."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 16}
+
+    def tool(params: dict, **kw) -> dict:
+        return {"type": "function", "function": {"name": "f", "parameters": params, **kw}}
+    pattern = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}, "required": ["s"]}
+    return {
+        "template_size": ("/v1/chat/completions", {**chat, "chat_template": "{{ 'x' * 50000000 }}"}, 60),
+        "template_time": ("/v1/chat/completions", {**chat, "chat_template": "{% for i in range(100000) %}{% for j "
+                                                   "in range(100000) %}{% endfor %}{% endfor %}"}, 60),
+        "template_memory": ("/v1/chat/completions", {**chat, "chat_template": "{{ 'x' * 100000000000 }}"}, 60),
+        "recursive_schema": ("/v1/chat/completions", {**chat, "tools": [tool({"$ref": "#"}, strict=True)],
+                                                      "tool_choice": "required"}, 60),
+        "strict_pattern_required": ("/v1/chat/completions", {**chat, "tools": [tool(pattern, strict=True)],
+                                                             "tool_choice": "required", "max_tokens": 48}, 120),
+        "batch_256": ("/v1/completions", {"model": model, "prompt": [f"Count to {i}:" for i in range(256)],
+                                          "max_tokens": 16}, 600),
+        "batch_256_disconnect": ("/v1/completions", {"model": model, "prompt": [f"Count to {i}:" for i in range(256)],
+                                                     "max_tokens": 16}, 2),
+        "echo_logprobs": ("/v1/completions", {"model": model, "prompt": LONG_PROMPT, "echo": True, "logprobs": 5,
+                                              "prompt_logprobs": 20, "max_tokens": 1}, 120),
+    }
+
+
+REPEATED = ("template_size", "template_time", "template_memory", "recursive_schema", "strict_pattern_required")
+
+
+def _send(server: Server, route: str, body: dict, timeout: float) -> str:
+    try:
+        return str(httpx.post(server.base + route, json=body, timeout=timeout).status_code)
+    except httpx.TimeoutException:
+        return "client timeout"
+
+
+def _probes(server: Server, model: str, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        r = httpx.post(server.base + "/v1/completions", json={"model": model, **PROBE}, timeout=600)
+        assert r.status_code == 200, r.text
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def run_abuse(server: Server, model: str, probes: int) -> dict:
+    """Per attack: the status and the server's RSS after that one request (against the RSS after a warm-up), then
+    the probe's median latency while the attack repeats from another client, against idle."""
+    import statistics
+    import threading
+    for _ in range(3):
+        _probes(server, model, 2)
+    warm = server.rss_mib()
+    idle = statistics.median(_probes(server, model, probes))
+    out: dict = {"rss_warm_mib": round(warm, 1), "probe_idle_s": round(idle, 4), "attacks": {}}
+    for name, (route, body, timeout) in _attacks(model).items():
+        start = time.perf_counter()
+        status = _send(server, route, body, timeout)
+        seconds = time.perf_counter() - start
+        server.idle()
+        rss = server.rss_mib()
+        stop = threading.Event()
+
+        def repeat():
+            while not stop.is_set():
+                _send(server, route, body, timeout)
+                if name not in REPEATED:
+                    break
+        attacker = threading.Thread(target=repeat, daemon=True)
+        attacker.start()
+        time.sleep(0.5)
+        latencies = _probes(server, model, probes)
+        under = statistics.median(latencies)
+        stop.set()
+        attacker.join()
+        server.idle()
+        out["attacks"][name] = {"status": status, "seconds": round(seconds, 2), "rss_after_mib": round(rss, 1),
+                                "rss_ratio": round(rss / warm, 3), "repeated": name in REPEATED,
+                                "probe_s": round(under, 4), "probe_ratio": round(under / idle, 2),
+                                "probe_max_s": round(max(latencies), 3), "probe_max_ratio": round(max(latencies) / idle, 1)}
+        print(name, out["attacks"][name], flush=True)
+    out["worst_probe_ratio"] = max(a["probe_ratio"] for a in out["attacks"].values())
+    out["worst_rss_ratio"] = max(a["rss_ratio"] for a in out["attacks"].values())
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser()
-    p.add_argument("kind", choices=["fuzz", "soak", "flood"])
+    p.add_argument("kind", choices=["fuzz", "soak", "flood", "abuse"])
+    p.add_argument("--probes", type=int, default=8, help="abuse: probe requests per measurement")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--abort-frac", type=float, default=0.3)
@@ -338,11 +438,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--serve-args", default="", help="more `dspark serve` flags, one string")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    n = args.num_requests or {"fuzz": 10_000, "soak": 1000, "flood": 2000}[args.kind]
+    n = args.num_requests or {"fuzz": 10_000, "soak": 1000, "flood": 2000, "abuse": 0}[args.kind]
     extra = ["--max-num-waiting", str(args.max_num_waiting if args.kind == "flood" else 4096),
              "--max-request-body-bytes", str(args.max_request_body_bytes), *args.serve_args.split()]
     if args.kind == "flood":
         extra += ["--retry-after-s", "1"]
+    if args.kind == "abuse":  # every surface on: request templates, strict tools
+        extra += ["--trust-request-chat-template", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_reliability_{args.kind}.log"
     server = Server(extra, log_path)
     model = httpx.get(server.base + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -356,6 +458,8 @@ def main(argv: list[str] | None = None) -> dict:
         elif args.kind == "soak":
             result |= run_soak(server, n, args.concurrency, args.abort_frac, args.seed, model,
                                args.accounting_requests)
+        elif args.kind == "abuse":
+            result |= run_abuse(server, model, args.probes)
         else:
             result |= run_flood(server, n, args.seed, model)
         result["alive"] = httpx.get(server.base + "/health", timeout=30).status_code == 200

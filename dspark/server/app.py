@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.background import BackgroundTask
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -52,8 +53,12 @@ from dspark.server.tools import strict_check
 from dspark.server.tokenize import detokenize as detokenize_ids
 from dspark.server.tokenize import tokenize as tokenize_ids
 from dspark.generation_config import apply_defaults
+from dspark.utils.host import trim_heap
 
 log = logging.getLogger(__name__)
+# a whole response this large (an echo with prompt logprobs: megabytes of JSON from far more Python objects) trims
+# the heap once it is sent, so the objects' memory goes back to the OS (`utils.host.trim_heap`)
+LARGE_RESPONSE_BYTES = 1 << 20
 
 
 def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
@@ -191,7 +196,10 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
             outputs=outputs, choices_per_prompt=choices_per_prompt), request.is_disconnected)
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(result.model_dump())
+        response = JSONResponse(result.model_dump())
+        if len(response.body) >= LARGE_RESPONSE_BYTES:  # its objects are freed by the time it is sent: return
+            response.background = BackgroundTask(trim_heap)  # their memory then (a thread), not at the next idle
+        return response
 
     @app.get("/health")
     async def health():
