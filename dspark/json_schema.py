@@ -2,9 +2,11 @@
 anything is compiled or generated, moved under a wrapper without breaking their references, and matched
 against a text in time linear in its length.
 
-* `check_schema`: nested at most `MAX_DEPTH` levels, references local (`#...`) and resolvable, and every schema
+* `check_schema`: nested at most `MAX_DEPTH` levels, references local (`#...`) and resolvable, every schema
   a reference reaches admits a finite value (`{"$ref": "#"}`, or an object that requires itself, admits none:
-  a grammar for it could only end the output or nest until `max_tokens`). ValueError names what is wrong.
+  a grammar for it could only end the output or nest until `max_tokens`), and no pattern repeats a part more
+  than `MAX_REPEAT_COUNT` times (`check_pattern`: a mask's cost grows with the count). ValueError names what is
+  wrong.
 * `rebase`: a schema's local references rewritten for its new place under a wrapper (`#` → `#/$defs/t0`), so
   a tool's `$defs` still resolve once its parameters sit inside the `required` tool call's schema.
 * `matches`: does a JSON text match a schema? llguidance's matcher over a byte vocabulary (derivative-based
@@ -18,6 +20,9 @@ from functools import lru_cache
 from typing import Any, Iterator
 
 MAX_DEPTH = 64  # schema nesting accepted from a request (real tool schemas stay under ~10)
+# a counted repetition in a pattern ({n} / {n,m}) past this: llguidance's masks cost time linear in the count
+# (~45 ms a step at 100 000) on the engine thread every request's step waits for
+MAX_REPEAT_COUNT = 1000
 DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas: never walked or rewritten
 
 
@@ -71,10 +76,44 @@ def _target(ref: Any, where: str, nodes: dict[str, Any]) -> str:
     return pointer
 
 
+def check_pattern(pattern: str, where: str = "pattern") -> None:
+    """ValueError where a regular expression repeats a part a counted number of times past MAX_REPEAT_COUNT
+    (`a{100000}`); a pattern Python's parser does not read is left to the grammar compiler."""
+    import re._constants as sre
+    import re._parser
+
+    try:
+        items = [re._parser.parse(pattern)]
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return
+    repeats = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)
+    while items:
+        for op, arg in items.pop():
+            if op in repeats:
+                low, high, sub = arg
+                count = max(low, 0 if high == sre.MAXREPEAT else high)
+                if count > MAX_REPEAT_COUNT:
+                    raise ValueError(f"{where} repeats a part {count} times; at most {MAX_REPEAT_COUNT}")
+                items.append(sub)
+            elif op == sre.SUBPATTERN:
+                items.append(arg[-1])
+            elif op == sre.BRANCH:
+                items.extend(arg[1])
+            elif op in (sre.ASSERT, sre.ASSERT_NOT):
+                items.append(arg[1])
+
+
 def check_schema(schema: Any) -> None:
     """ValueError where `schema` is nested too deep, has a reference that is not local or resolves to nothing,
-    or has a part that admits no finite value (a reference cycle with no way out)."""
+    has a part that admits no finite value (a reference cycle with no way out), or a pattern that repeats a part
+    too many times (`check_pattern`)."""
     nodes = _walk(schema)
+    for pointer, node in nodes.items():
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                check_pattern(node["pattern"], f"the pattern at {_where(pointer)}")
+            for key in node.get("patternProperties") or {} if isinstance(node.get("patternProperties"), dict) else {}:
+                check_pattern(key, f"a patternProperties key at {_where(pointer)}")
     refs = {p: _target(n["$ref"], p, nodes) for p, n in nodes.items() if isinstance(n, dict) and "$ref" in n}
     # least fixpoint: a schema admits a value when what it requires does (children first, then the cycles)
     order = sorted(nodes, key=lambda p: -p.count("/"))

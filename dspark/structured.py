@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from dspark.json_schema import BytesVocab, check_schema
+from dspark.json_schema import BytesVocab, check_pattern, check_schema
 
 _BITS = torch.arange(32, dtype=torch.int32)  # [32]
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -46,6 +46,7 @@ def grammar_text(spec: dict[str, Any]) -> str:
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if kind == "regex":
+        check_pattern(value, "regex")
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
         if not value or not all(isinstance(c, str) for c in value):

@@ -200,3 +200,24 @@ def test_through_the_server():
                                                      tools=[_tool("p", PATTERN, strict=True)], temperature=0.0,
                                                      max_tokens=100).choices[0]
         assert reply.message.content == bad and not reply.message.tool_calls
+
+
+@pytest.mark.parametrize("pattern,refused", [("^a{100000}$", True), ("^(x{1,1001})$", True), ("^(?=a{5000})a$", True),
+                                             ("^\\d{4}-\\d{2}-\\d{2}$", False), ("^[a-z]{1,1000}$", False),
+                                             ("^x{2,}$", False)])
+def test_counted_repetitions_are_bounded(pattern, refused):
+    """A mask's cost grows with a pattern's repeat count (`a{100000}`: tens of ms a step on the engine thread every
+    request waits for), so counts past MAX_REPEAT_COUNT are refused wherever a pattern comes in."""
+    from dspark.structured import check_spec
+    specs = [{"json": {"type": "string", "pattern": pattern}}, {"regex": pattern},
+             {"json": {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}}]
+    for spec in specs:
+        if refused:
+            with pytest.raises(ValueError, match="repeats a part"):
+                check_spec(spec)
+        else:
+            check_spec(spec)
+    if refused:
+        with pytest.raises(_Refused, match=r"tools\[0\]\.function\.parameters"):
+            _constraint([_tool("f", {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}})],
+                        "required")
