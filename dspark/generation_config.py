@@ -42,9 +42,11 @@ def sampling_defaults(setting: str, model: str) -> dict:
     if path is None:
         return {}
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     from dspark.sampling import SamplingParams
     known = {f.name for f in fields(SamplingParams)}
     out = {ours: data[theirs] for theirs, ours in KEYS.items() if theirs in data and ours in known

@@ -343,3 +343,13 @@ def test_cli_prints_the_message_not_a_traceback(target, drafter, capsys):
     with pytest.raises(SystemExit) as e:
         main(args)
     assert str(e.value) == f"error: {target / 'config.json'}: expected a JSON object, got a list"
+
+
+def test_sampling_defaults_from_a_generation_config_that_is_not_an_object(tmp_path):
+    """`--generation-config` (the sampling defaults) reads the file too: a list or bytes that are not UTF-8 JSON are
+    refused naming it."""
+    from dspark.generation_config import sampling_defaults
+    for data in (b"[2]", b"\xff\xfe"):
+        (tmp_path / "generation_config.json").write_bytes(data)
+        with pytest.raises(ValueError, match="generation_config.json"):
+            sampling_defaults(str(tmp_path), "unused")
