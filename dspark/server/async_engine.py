@@ -249,8 +249,7 @@ class AsyncEngine:
             adds.append(_Add(request_id, list(prompt_ids), params, tracked, loop.create_future(), client))
         with self._cond:
             self._num_queued_adds += len(adds)
-            self._commands.extend(adds)
-            self._cond.notify()
+        self._submit(*adds)
         futures = [a.future for a in adds]
         try:
             await asyncio.wait(futures)
@@ -275,9 +274,9 @@ class AsyncEngine:
         """Thread-safe; a no-op for a request that has already finished."""
         self._submit(_Abort(request_id))
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, *commands: _Add | _Abort) -> None:
         with self._cond:
-            self._commands.append(command)
+            self._commands.extend(commands)
             self._cond.notify()
 
     # -- engine thread ---------------------------------------------------------------------------
