@@ -3,7 +3,9 @@
 Tokens are fed one at a time, so a stop string that completes inside a multi-token speculative run
 ends the output at the same token plain decoding would have stopped at: nothing after it leaks.
 While streaming, the last len(longest stop) − 1 characters are held back until they can no longer start
-a stop string. Byte-level BPE can split a character across tokens, so text is only released once the decoded window
+a stop string. Special tokens are skipped, but those a request keeps (`SamplingParams.kept_special_ids`: the
+reasoning and tool-call tags the server's parsers read, where the tokenizer marks them special). Byte-level BPE
+can split a character across tokens, so text is only released once the decoded window
 no longer ends in an incomplete character (U+FFFD).
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 class StreamState:
     stop: tuple[str, ...]
     include_stop_str_in_output: bool = False
+    keep: frozenset[int] = frozenset()  # special tokens decoded all the same (the parsers' tags)
     token_ids: list[int] = field(default_factory=list)  # kept output tokens
     text: str = ""  # decoded text so far (stop-truncated)
     num_released: int = 0  # characters of `text` already handed out (streaming holds back a tail
@@ -24,13 +27,33 @@ class StreamState:
     read_offset: int = 0
     stopped: bool = False
 
+    @classmethod
+    def for_params(cls, params) -> "StreamState":
+        """A request's state from its `SamplingParams` (stop strings, kept special tokens)."""
+        return cls(stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                   keep=frozenset(params.kept_special_ids))
+
 
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer  # anything with decode(ids, skip_special_tokens=...)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int], keep: frozenset[int] = frozenset()) -> str:
+        """The text of `ids`, special tokens skipped but those in `keep` (a run of others decoded together)."""
+        if keep.isdisjoint(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        pieces, run = [], []
+        for t in ids:
+            if t in keep:
+                if run:
+                    pieces.append(self.tokenizer.decode(run, skip_special_tokens=True))
+                    run = []
+                pieces.append(self.tokenizer.decode([t], skip_special_tokens=False))
+            else:
+                run.append(t)
+        if run:
+            pieces.append(self.tokenizer.decode(run, skip_special_tokens=True))
+        return "".join(pieces)
 
     def feed(self, state: StreamState, new_ids: list[int]) -> tuple[str, int]:
         """Add tokens; returns (new text, number of the new tokens kept). Sets `state.stopped` when a
@@ -43,8 +66,8 @@ class Detokenizer:
             state.token_ids.append(token)
             kept += 1
             ids = state.token_ids
-            prefix = self._decode(ids[state.prefix_offset:state.read_offset])
-            full = self._decode(ids[state.prefix_offset:])
+            prefix = self._decode(ids[state.prefix_offset:state.read_offset], state.keep)
+            full = self._decode(ids[state.prefix_offset:], state.keep)
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 delta = full[len(prefix):]
                 state.prefix_offset, state.read_offset = state.read_offset, len(ids)

@@ -157,27 +157,35 @@ class LLM:
         prompt_ids = [self.tokenizer.apply_chat_template([_text_message(m) for m in conversation],
                                                          add_generation_prompt=add_generation_prompt, **options)
                       for conversation in conversations]
-        if reasoning is not None:
-            sampling_params = self._after_reasoning(sampling_params, reasoning, len(prompt_ids))
+        # a call opened while thinking ends the thoughts; the tools' parameters type the calls' values
+        marker = (calls.call_start or "") if calls is not None and tools else ""
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {}
+                   for t in tools or [] if isinstance(t, dict) and "function" in t}
+        if reasoning is not None or calls is not None:
+            sampling_params = self._for_parsers(sampling_params, reasoning, calls, len(prompt_ids), marker)
         outputs = self._run(prompt_ids, [None] * len(prompt_ids), sampling_params, use_tqdm=use_tqdm)
         if reasoning is not None or calls is not None:
             for ids, res in zip(prompt_ids, outputs):
                 phase = None if reasoning is None else reasoning.prompt_phase(self.tokenizer.decode(ids))
                 for out in res.outputs:
                     out.reasoning_content, out.content = (None, out.text) if reasoning is None else \
-                        reasoning.split(out.text, phase)
+                        reasoning.split(out.text, phase, marker)
                     if calls is not None:
-                        parsed = calls.parse(out.content or "")
+                        parsed = calls.parse(out.content or "", tools=schemas if tools else None)
                         out.content, out.tool_calls = (parsed.content, parsed.calls) if parsed.calls else \
                             (out.content, [])
         return outputs
 
-    def _after_reasoning(self, params, fmt, n: int):
-        """The SamplingParams with the reasoning tags as token ids where a structured output is asked."""
-        tags = fmt.tags(self.tokenizer)
+    def _for_parsers(self, params, fmt, calls, n: int, call_start: str = ""):
+        """The SamplingParams with the parsers' special tags kept in the text, and the reasoning tags as token ids
+        where a structured output is asked."""
+        from dspark.chat.special_tags import kept_tag_ids
+        tags = None if fmt is None else fmt.tags(self.tokenizer, call_start)
+        kept = kept_tag_ids(self.tokenizer, fmt, calls)
         if params is None or isinstance(params, SamplingParams):
             params = [params or self.get_default_sampling_params()] * n
-        return [dataclasses.replace(p, reasoning_tags=tags) if p.structured_outputs is not None else p
+        return [dataclasses.replace(p, kept_special_ids=kept, **(
+            {"reasoning_tags": tags} if tags is not None and p.structured_outputs is not None else {}))
                 for p in params]
 
     # -- loop ------------------------------------------------------------------------------------

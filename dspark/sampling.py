@@ -100,6 +100,9 @@ class SamplingParams:
     # them, never to the thoughts (dspark.structured.AfterReasoning)
     reasoning_tags: "ReasoningTags | None" = None
     n: int = 1  # completions per prompt (LLM.generate / the server fan out n requests)
+    # special tokens decoded into the text (the others are skipped): the reasoning and tool-call tags the
+    # server's parsers read, where the tokenizer marks them special (Gemma 4's `<|tool_call>`, `<|channel>`)
+    kept_special_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +113,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         object.__setattr__(self, "bad_words", tuple(tuple(int(t) for t in w) for w in self.bad_words))
         object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        object.__setattr__(self, "kept_special_ids", tuple(int(t) for t in self.kept_special_ids))
         _check(_is_real(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
@@ -162,6 +166,7 @@ class ReasoningTags:
     start: tuple[int, ...]
     end: tuple[int, ...]
     always_thinks: bool = False  # the model reasons first even without writing the start tag (DeepSeek-R1)
+    call_start: tuple[int, ...] = ()  # a tool call's marker: opened while thinking, it ends the thoughts too
 
     def __post_init__(self) -> None:
         _check(bool(self.start) and bool(self.end), "reasoning_tags: the start and end tags need token ids")

@@ -105,7 +105,7 @@ class GrammarCompiler:
         if tags is None:
             return grammar
         return AfterReasoning(grammar, start_ids=tags.start, end_ids=tags.end, prompt_ids=prompt_ids,
-                              always_thinks=tags.always_thinks)
+                              always_thinks=tags.always_thinks, call_ids=tags.call_start)
 
     def matcher(self, spec: dict[str, Any]) -> "GrammarMatcher":
         import llguidance
@@ -187,6 +187,10 @@ class GrammarMatcher:
         return self._m.is_stopped()
 
 
+def _ends_with(ids: list[int], tail: tuple[int, ...]) -> bool:
+    return len(ids) >= len(tail) and tuple(ids[len(ids) - len(tail):]) == tail
+
+
 class AfterReasoning:
     """A grammar applied to the answer only (`SamplingParams.reasoning_tags`, from `--reasoning-parser`): tokens
     are free while the output reasons and the grammar starts after the end tag's tokens, so drafts inside
@@ -201,8 +205,10 @@ class AfterReasoning:
     OPEN, THINKING, ANSWER = "open", "thinking", "answer"
 
     def __init__(self, grammar: GrammarMatcher, *, start_ids: tuple[int, ...], end_ids: tuple[int, ...],
-                 prompt_ids: list[int], always_thinks: bool = False):
+                 prompt_ids: list[int], always_thinks: bool = False, call_ids: tuple[int, ...] = ()):
         self.grammar, self.start_ids, self.end_ids = grammar, tuple(start_ids), tuple(end_ids)
+        self.call_ids = tuple(call_ids)  # a tool call's marker written while thinking ends the thoughts too
+        self._window = max(len(self.end_ids), len(self.call_ids))
         self.vocab_size = grammar.vocab_size
         s, e = _rfind(prompt_ids, self.start_ids), _rfind(prompt_ids, self.end_ids)
         self.phase = (self.THINKING if s > e else self.ANSWER if e >= 0
@@ -224,8 +230,8 @@ class AfterReasoning:
                 if len(pending) == len(self.start_ids):
                     phase, pending = self.THINKING, []
                 continue
-            recent = (recent + [t])[-len(self.end_ids):]
-            if tuple(recent) == self.end_ids:
+            recent = (recent + [t])[-self._window:]
+            if _ends_with(recent, self.end_ids) or (self.call_ids and _ends_with(recent, self.call_ids)):
                 return self.ANSWER, [], [], i + 1
         return phase, pending, recent, len(ids)
 

@@ -7,6 +7,11 @@ Each format is a start and an end tag:
   output without the start tag (its template may open it in the prompt) is reasoning up to `</think>`;
 * `gemma4` (Gemma 4's thinking mode): `<|channel>thought` ... `<channel|>`.
 
+A tool call the model opens before the end tag (Qwen3 and Qwen3.5 sometimes call while thinking; their
+templates then close the thoughts implicitly) ends the thoughts at the tool parser's call marker: the call goes
+to the answer, where the tool parser reads it, and the engine starts a tool or structured-output grammar there
+as at the end tag (`ReasoningTags.call_start`).
+
 Where the output starts is read off the prompt's text (`Phase`): inside an open reasoning block (the
 template opened it: R1, or Qwen3 thinking models), after a closed one (a template that switched thinking
 off writes an empty block), or neither, where the output may open one with the start tag. The engine uses
@@ -49,20 +54,25 @@ class ReasoningFormat:
             return Phase.ANSWER
         return Phase.THINKING if self.always_thinks else Phase.OPEN
 
-    def tags(self, tokenizer) -> ReasoningTags:
-        """The start and end tags as the tokenizer's ids (what the engine's `AfterReasoning` reads)."""
-        return ReasoningTags(tuple(tokenizer.encode(self.start, add_special_tokens=False)),
-                             tuple(tokenizer.encode(self.end, add_special_tokens=False)), self.always_thinks)
+    def tags(self, tokenizer, call_start: str = "") -> ReasoningTags:
+        """The start and end tags (and a tool call's marker, which ends the thoughts too) as the tokenizer's ids
+        (what the engine's `AfterReasoning` reads)."""
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
+        return ReasoningTags(ids(self.start), ids(self.end), self.always_thinks, ids(call_start))
 
-    def split(self, text: str, phase: Phase) -> tuple[str | None, str | None]:
+    def split(self, text: str, phase: Phase, call_start: str = "") -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a whole output starting in `phase` (None where empty)."""
-        stream = self.stream(phase)
+        stream = self.stream(phase, call_start)
         r1, c1 = stream.feed(text)
         r2, c2 = stream.finish()
         return (r1 + r2) or None, (c1 + c2) or None
 
-    def stream(self, phase: Phase) -> "ReasoningStream":
-        return ReasoningStream(self, phase)
+    def stream(self, phase: Phase, call_start: str = "", keep_call_start: bool = True) -> "ReasoningStream":
+        """`call_start`: the tool parser's call marker (`ToolParser.call_start`), which ends the thoughts where
+        the model opens a call before the end tag; kept as the answer's beginning for the tool parser, or
+        dropped (`keep_call_start` False: a tool grammar's answer follows it, as after the end tag)."""
+        return ReasoningStream(self, phase, call_start, keep_call_start)
 
 
 @dataclass
@@ -74,6 +84,8 @@ class ReasoningStream:
 
     fmt: ReasoningFormat
     phase: Phase
+    call_start: str = ""  # a tool call's marker: it ends the thoughts too (see ReasoningFormat.stream)
+    keep_call_start: bool = True
     _held: str = ""  # open phase: the text after the leading blanks
     _at_start: bool = True  # nothing of this output read yet: a block the prompt opened may repeat its tag
     _after_end: bool = False  # the end tag just closed: the newlines the templates put after it are dropped
@@ -111,12 +123,22 @@ class ReasoningStream:
                     self._at_start = False
                     continue
                 at = self._held.find(self.fmt.end)
+                call = self._held.find(self.call_start, 0, at if at >= 0 else len(self._held)) \
+                    if self.call_start else -1
+                if call >= 0:  # a tool call before the end tag: the thoughts end there, the call is the answer
+                    reasoning.append(self._held[:call])
+                    rest = self._held[call + len(self.call_start):]
+                    self._held = self.call_start + rest if self.keep_call_start else rest
+                    self.phase = _ANSWER
+                    continue
                 if at >= 0:
                     reasoning.append(self._held[:at])
                     self._held, self.phase = self._held[at + len(self.fmt.end):], _ANSWER
                     self._after_end = True
                     continue
                 keep = _partial_suffix(self._held, self.fmt.end)
+                if self.call_start:
+                    keep = max(keep, _partial_suffix(self._held, self.call_start))
                 reasoning.append(self._held[:len(self._held) - keep])
                 self._held = self._held[len(self._held) - keep:]
                 break

@@ -8,23 +8,28 @@ name in TOOL_PARSERS:
   (Qwen3-Coder and Qwen3.5 put XML inside the same markers: that is `qwen3_coder`; hermes keeps such
   blocks as content.)
 * `qwen3_coder` (Qwen3-Coder, Qwen3.5): the same `<tool_call>` blocks holding one function each, as
-  `<function=get_weather>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>`. A value is the
-  raw text up to the first `</parameter>`, less one leading and one trailing newline. Qwen's own parser
-  converts values by the tool's schema, which a parser does not have here: a value that is JSON other
-  than a string (a number, true/false/null, an object, a list) becomes that value; anything else, a
-  JSON string literal included, stays the text as written.
-* `llama3_json` (Llama 3.1/3.2 JSON tool calling): the whole output, optionally after `<|python_tag|>`,
-  is one JSON object `{"name": ..., "parameters": {...}}` ("arguments" accepted too) or several
-  separated by `;`.
+  `<function=get_weather>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>`. A value is the raw text
+  between its tag and the `</parameter>` that ends it, less one leading and one trailing newline: the first
+  `</parameter>` followed by another parameter tag the tool admits (not given yet) or by `</function>`, so file
+  content holding `</parameter>`, `<parameter=` or `</tool_call>` stays one value; a left-out `</parameter>`
+  ends the value before the next tag on a line of its own. Values are typed by the request's tool schema as
+  Qwen's own parser does (`chat/arguments.py`: a `string` parameter stays text, an undeclared one too); with
+  no tools to read, a value that is JSON other than a string becomes that value.
+* `llama3_json` (Llama 3.1/3.2 JSON tool calling): the output, optionally after `<|python_tag|>`, starts
+  with one JSON object `{"name": ..., "parameters": {...}}` ("arguments" accepted too) or several separated
+  by `;` or by newlines; text after the calls is content.
 * `pythonic` (Llama 3.2/4 pythonic): the whole output, optionally wrapped in
   `<|python_start|>`...`<|python_end|>`, is a Python list of calls with keyword arguments that are
   literals: `[get_weather(city="Paris", days=3), get_time()]`. Read with `ast`, never evaluated.
 * `gemma4` (Gemma 4): `<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>` blocks;
   keys are bare, strings are delimited by the `<|"|>` token on both sides (and may hold any other
-  character), numbers/true/false/null are bare, objects `{}` and lists `[]` nest.
+  character), numbers/true/false/null are bare, objects `{}` and lists `[]` nest; top-level values are
+  re-read by the tool's schema (a string written for an integer parameter).
 
-Parsing never raises: a call that does not parse (malformed JSON, a missing end marker, unknown syntax)
-stays in the content as the text it was, and the calls that did parse are kept.
+Parsing never raises: a call that does not parse (malformed JSON, unknown syntax, cut short inside) stays in
+the content as the text it was, and the calls that did parse are kept. A complete call whose end marker never
+came (EOS or a stop string right after it) is a call. An end marker closes a call only where the call can end
+there (after the JSON object's `}`, after `</function>`); one inside a value is part of the value.
 
 Streaming (ToolStream): content is released as soon as it cannot be the start of a call marker (only a
 suffix that is a prefix of the marker is held back); a call is held until its end marker (or, for the
@@ -41,12 +46,17 @@ The streamed content pieces concatenate to exactly the text outside the calls (u
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from typing import Callable, ClassVar
 
+from dspark.chat.arguments import parameter_schemas, retyped, typed_value
 from dspark.chat.tool_streams import (ParsedCall, ParsedOutput, StreamDelta, ToolStream, attempt,  # noqa: F401
                                       MarkedCallStream, WholeOutputStream)
+
+
+_BLANK = re.compile(r"\s*")
 
 
 def _dumps(arguments: dict) -> str:
@@ -73,15 +83,19 @@ def _call_from_object(obj) -> ParsedCall | None:
     return None if arguments is None else ParsedCall(obj["name"], arguments)
 
 class ToolParser:
-    """One tool-call syntax. Subclasses name themselves and build their stream."""
+    """One tool-call syntax. Subclasses name themselves and build their stream; `tools` (name -> the tool's
+    parameters schema, the request's) types the values of the formats that write them as text."""
 
     name: ClassVar[str]
+    call_start: ClassVar[str | None] = None  # the marker that opens a call (it also ends a model's thoughts)
+    tags: ClassVar[tuple[str, ...]] = ()  # every marker the format writes (decoded even where special)
 
-    def stream(self) -> ToolStream:
+    def stream(self, tools: dict[str, dict] | None = None) -> ToolStream:
         raise NotImplementedError
 
-    def parse(self, text: str, accept: Callable[[ParsedCall], bool] | None = None) -> ParsedOutput:
-        stream = self.stream()
+    def parse(self, text: str, accept: Callable[[ParsedCall], bool] | None = None,
+              tools: dict[str, dict] | None = None) -> ParsedOutput:
+        stream = self.stream(tools)
         stream.accept = accept
         content = stream.feed(text).content + stream.finish().content
         if stream.calls:
@@ -95,89 +109,132 @@ def _hermes_call(body: str) -> ParsedCall | None:
     return _call_from_object(json.loads(body))
 
 
+_OBJECT_END = re.compile(r"\}\s*\Z")
+
+
 class HermesParser(ToolParser):
     name = "hermes"
+    tags = ("<tool_call>", "</tool_call>")
+    call_start = "<tool_call>"
 
-    def stream(self) -> ToolStream:
-        return MarkedCallStream("<tool_call>", "</tool_call>", _hermes_call)
+    def stream(self, tools: dict[str, dict] | None = None) -> ToolStream:
+        return MarkedCallStream("<tool_call>", "</tool_call>", _hermes_call,
+                                closes=lambda tail: _OBJECT_END.search(tail) is not None)
 
 
 # ---- qwen3_coder -----------------------------------------------------------------------------------
 
 _QWEN_FUNCTION = re.compile(r"\s*<function=([^<>\s]+)>")
 _QWEN_PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>")
+_QWEN_NEXT_PARAMETER = re.compile(r"\n\s*<parameter=([^<>\n]+)>")
 _QWEN_PARAMETER_END = "</parameter>"
-_QWEN_FUNCTION_END = re.compile(r"\s*</function>\s*")
+_QWEN_FUNCTION_END = re.compile(r"</function>\s*\Z")
 
 
-def _qwen_value(text: str):
-    """A parameter's text as a value: JSON when it is JSON other than a string, else the text itself."""
-    try:
-        value = json.loads(text)
-        _dumps(value)  # NaN, Infinity and 1e999 read as floats but are not JSON: keep them as text
-    except (ValueError, RecursionError):
-        return text
-    return text if isinstance(value, str) else value
+def _qwen_value_end(region: str, pos: int, is_next: Callable[[str], bool], is_missing: Callable[[str], bool]
+                    ) -> tuple[int, int]:
+    """(end of the value that starts at region[pos], where the next tag starts). A value may hold any markup,
+    `</parameter>` and `<parameter=` included: it ends at the first `</parameter>` followed, after blanks, by
+    the region's end or a parameter tag the call may still have (`is_next`), unless a tag of a required
+    parameter not given yet (`is_missing`) stands on a line of its own before it (its `</parameter>` was left
+    out); without such an end, before the next `is_next` tag on a line of its own; else at the region's end."""
+    end = region.find(_QWEN_PARAMETER_END, pos)
+    while end >= 0:
+        after = _BLANK.match(region, end + len(_QWEN_PARAMETER_END)).end()
+        tag = _QWEN_PARAMETER.match(region, after)
+        if after == len(region) or (tag is not None and is_next(tag.group(1))):
+            for tag in _QWEN_NEXT_PARAMETER.finditer(region, pos, end):
+                if is_missing(tag.group(1)):
+                    return tag.start(), tag.start()
+            return end, after
+        end = region.find(_QWEN_PARAMETER_END, end + 1)
+    for tag in _QWEN_NEXT_PARAMETER.finditer(region, pos):
+        if is_next(tag.group(1)):
+            return tag.start(), tag.start()
+    return len(region), len(region)
 
 
-def _qwen3_coder_call(body: str) -> ParsedCall | None:
-    """`<function=NAME>`, then `<parameter=KEY>value</parameter>` blocks, then `</function>`; only
-    whitespace between the tags."""
-    function = _QWEN_FUNCTION.match(body)
-    if function is None:
+def _qwen3_coder_call(body: str, tools: dict[str, dict] | None = None) -> ParsedCall | None:
+    """`<function=NAME>`, then `<parameter=KEY>value</parameter>` blocks, then `</function>`; only blanks
+    between the tags. Values are typed by the tool's declared parameters (`chat/arguments.py`)."""
+    function, close = _QWEN_FUNCTION.match(body), _QWEN_FUNCTION_END.search(body)
+    if function is None or close is None or close.start() < function.end():
         return None
-    arguments, pos = {}, function.end()
-    while (parameter := _QWEN_PARAMETER.match(body, pos)) is not None:
-        end = body.find(_QWEN_PARAMETER_END, parameter.end())
-        if end < 0:
+    name, region = function.group(1), body[function.end():close.start()]
+    declared, params, arguments = parameter_schemas(tools, name), (tools or {}).get(name) or {}, {}
+    required = set(params.get("required") or ()) if declared else set()
+    closed = declared is not None and params.get("additionalProperties", True) is False
+
+    def is_next(key: str) -> bool:  # a tag for a parameter not given yet that the tool admits
+        return key not in arguments and (not closed or key in declared)
+
+    def is_missing(key: str) -> bool:
+        return key in required and key not in arguments
+
+    pos = _BLANK.match(region).end()
+    while pos < len(region):
+        parameter = _QWEN_PARAMETER.match(region, pos)
+        if parameter is None or parameter.group(1) in arguments:  # stray text, or a key given twice
             return None
-        # the template writes each value on lines of its own: drop the newline after the tag and before
-        # the end tag, and nothing more, so a value's own blank lines are kept
-        text = body[parameter.end():end].removeprefix("\n").removesuffix("\n")
-        arguments[parameter.group(1)] = _qwen_value(text)
-        pos = end + len(_QWEN_PARAMETER_END)
-    if _QWEN_FUNCTION_END.fullmatch(body, pos) is None:  # stray text, an unclosed tag, no </function>
-        return None
-    return ParsedCall(function.group(1), _dumps(arguments))
+        key = parameter.group(1)
+        arguments[key] = None  # taken: a later tag with this key is part of a value
+        end, pos = _qwen_value_end(region, parameter.end(), is_next, is_missing)
+        # the template writes each value on lines of its own: drop the newline after the tag and before the
+        # end tag, and nothing more, so a value's own blank lines are kept
+        text = region[parameter.end():end].removeprefix("\n").removesuffix("\n")
+        # no tools to read types from: a value is JSON where it is JSON other than a string; with tools, a
+        # parameter the tool does not declare stays text
+        schema = {} if tools is None else (declared or {}).get(key)
+        arguments[key] = typed_value(text, schema, params)
+    return ParsedCall(name, _dumps(arguments))
 
 
 class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
+    tags = ("<tool_call>", "</tool_call>")
+    call_start = "<tool_call>"
 
-    def stream(self) -> ToolStream:
-        return MarkedCallStream("<tool_call>", "</tool_call>", _qwen3_coder_call)
+    def stream(self, tools: dict[str, dict] | None = None) -> ToolStream:
+        return MarkedCallStream("<tool_call>", "</tool_call>", functools.partial(_qwen3_coder_call, tools=tools),
+                                closes=lambda tail: _QWEN_FUNCTION_END.search(tail) is not None)
 
 
 # ---- llama3_json -----------------------------------------------------------------------------------
 
 _PYTHON_TAG = "<|python_tag|>"
-_BLANK = re.compile(r"\s*")
 
 
-def _llama3_calls(text: str) -> list[ParsedCall] | None:
-    """`{call}` or `{call}; {call}...` (a trailing `;` tolerated). Objects are read one at a time
-    rather than split on `;`, which string values may contain."""
+def _llama3_calls(text: str) -> tuple[list[ParsedCall], str] | None:
+    """`{call}` or several, each after a `;` or only blanks (newlines), then maybe text: (the calls, the text
+    after them). Objects are read one at a time rather than split on `;`, which string values may contain; the
+    first object that is not a call, or text that is not an object, ends the calls."""
     body = text.strip().removeprefix(_PYTHON_TAG)
     decoder = json.JSONDecoder()
     calls, pos = [], _BLANK.match(body).end()
     while pos < len(body):
-        obj, pos = decoder.raw_decode(body, pos)
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            if not calls:
+                raise
+            break
         call = _call_from_object(obj)
         if call is None:
-            return None
-        calls.append(call)
-        pos = _BLANK.match(body, pos).end()
-        if pos < len(body):
-            if body[pos] != ";":
+            if not calls:
                 return None
+            break
+        calls.append(call)
+        pos = _BLANK.match(body, end).end()
+        if body.startswith(";", pos):
             pos = _BLANK.match(body, pos + 1).end()
-    return calls
+    return calls, body[pos:]
 
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    tags = (_PYTHON_TAG,)
 
-    def stream(self) -> ToolStream:
+    def stream(self, tools: dict[str, dict] | None = None) -> ToolStream:
         return WholeOutputStream(_PYTHON_TAG, "{", _llama3_calls)
 
 
@@ -186,7 +243,7 @@ class Llama3JsonParser(ToolParser):
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 
-def _pythonic_calls(text: str) -> list[ParsedCall] | None:
+def _pythonic_calls(text: str) -> tuple[list[ParsedCall], str] | None:
     """`[f(a=1), g()]`: a list of plain-name calls with literal keyword arguments only."""
     body = text.strip().removeprefix(_PYTHON_START).strip().removesuffix(_PYTHON_END)
     tree = ast.parse(body.strip(), mode="eval").body
@@ -202,13 +259,14 @@ def _pythonic_calls(text: str) -> list[ParsedCall] | None:
         # numbers pass it but not json.dumps, so such a call does not parse
         arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
         calls.append(ParsedCall(node.func.id, _dumps(arguments)))
-    return calls
+    return calls, ""
 
 
 class PythonicParser(ToolParser):
     name = "pythonic"
+    tags = (_PYTHON_START, _PYTHON_END)
 
-    def stream(self) -> ToolStream:
+    def stream(self, tools: dict[str, dict] | None = None) -> ToolStream:
         return WholeOutputStream(_PYTHON_START, "[", _pythonic_calls)
 
 
@@ -294,8 +352,9 @@ class _GemmaReader:
             self._expect(",")
 
 
-def _gemma4_call(body: str) -> ParsedCall | None:
-    """`call:NAME{arguments}` and nothing after the closing brace."""
+def _gemma4_call(body: str, tools: dict[str, dict] | None = None) -> ParsedCall | None:
+    """`call:NAME{arguments}` and nothing after the closing brace; the top-level values re-read by the tool's
+    declared parameters (a number written as a string for a number parameter, `chat/arguments.py`)."""
     match = _GEMMA_CALL.match(body)
     if match is None:
         return None
@@ -304,14 +363,21 @@ def _gemma4_call(body: str) -> ParsedCall | None:
     reader.skip_blank()
     if reader.pos != len(body):
         return None
-    return ParsedCall(match.group(1), _dumps(arguments))
+    name = match.group(1)
+    declared = parameter_schemas(tools, name) or {}
+    arguments = {key: retyped(value, declared.get(key), tools[name]) if key in declared else value
+                 for key, value in arguments.items()}
+    return ParsedCall(name, _dumps(arguments))
 
 
 class Gemma4Parser(ToolParser):
     name = "gemma4"
+    tags = ("<|tool_call>", "<tool_call|>", _GEMMA_QUOTE)
+    call_start = "<|tool_call>"
 
-    def stream(self) -> ToolStream:
-        return MarkedCallStream("<|tool_call>", "<tool_call|>", _gemma4_call)
+    def stream(self, tools: dict[str, dict] | None = None) -> ToolStream:
+        return MarkedCallStream("<|tool_call>", "<tool_call|>", functools.partial(_gemma4_call, tools=tools),
+                                closes=lambda tail: _OBJECT_END.search(tail) is not None)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

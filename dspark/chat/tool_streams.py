@@ -87,78 +87,105 @@ class ToolStream:
 
 
 class MarkedCallStream(ToolStream):
-    """Calls between a start and an end marker, with content around them (hermes, qwen3_coder,
-    gemma4). Each feed costs what its own text costs: one pass over it with a moving position (never the
-    rest of the text sliced off again), the end marker looked for in the new text only, plus the few
-    characters before it that may hold its beginning; the call's pieces are kept in a list and joined once,
-    at its end marker."""
+    """Calls between a start and an end marker, with content around them (hermes, qwen3_coder, gemma4).
 
-    def __init__(self, start: str, end: str, parse_body: Callable[[str], ParsedCall | None]) -> None:
+    An end marker closes the call only where the call's text before it can end there (`closes`, read on the
+    call's last `TAIL` characters: a JSON object's `}`, qwen3_coder's `</function>`); any other is part of a
+    value (file content that holds the marker) and the call reads on. A call whose end marker never came (EOS
+    or a stop string right after it) is parsed at finish() as it stands, less a partial end marker. Each feed
+    costs what its own text costs: one pass with a moving position, the end marker looked for in the new text
+    plus the few characters before it that may hold its beginning; the call's pieces are kept in a list and
+    joined once, when it closes or the output ends."""
+
+    TAIL = 256  # characters of the call kept for `closes`
+
+    def __init__(self, start: str, end: str, parse_body: Callable[[str], ParsedCall | None],
+                 closes: Callable[[str], bool] = lambda tail: True) -> None:
         super().__init__()
-        self._start, self._end, self._parse_body = start, end, parse_body
+        self._start, self._end, self._parse_body, self._closes = start, end, parse_body, closes
         self._tail = ""  # outside a call: a suffix that may begin the start marker (shorter than it)
         self._inside = False
         self._parts: list[str] = []  # inside: the call so far (its start marker first), joined at its end
-        self._look = ""  # inside: the call's last characters after the start marker (< len(end)), where
-        # the end marker may have begun
+        self._recent = ""  # inside: the call's last TAIL characters (after its start marker) in _parts
+        self._look = ""  # inside: the last characters of _parts where the end marker may have begun
 
     def feed(self, text: str) -> StreamDelta:
         start, end = self._start, self._end
         content, calls = [], []
-        if self._inside:  # the end marker, maybe begun in the pieces before this one
-            window = self._look + text
-            at = window.find(end)
-            if at < 0:
-                self._parts.append(text)
-                self._look = window[max(0, len(window) - len(end) + 1):]
-                return StreamDelta()
-            s, pos = text, self._close(text, 0, at + len(end) - len(self._look), content, calls)
+        if self._inside:  # s[:pos] is already in _parts: the end marker may have begun there
+            s, pos, self._tail = self._look + text, len(self._look), ""
         else:
             s, pos, self._tail = self._tail + text, 0, ""
-        while True:  # outside a call, at pos of s
-            at = s.find(start, pos)
+        search = 0  # inside: where the end marker is looked for
+        while True:
+            if self._inside:
+                at = s.find(end, search)
+                if at >= 0 and not self._closes(self._body_tail(s, pos, at)):
+                    search = at + len(end)  # part of a value: read on
+                    continue
+                if at < 0:
+                    self._append(s[pos:])
+                    self._look = s[max(search, len(s) - len(end) + 1):]
+                    break
+                self._append(s[pos:at + len(end)])
+                self._close(content, calls, end)
+                pos, search = at + len(end), 0
+                continue
+            at = s.find(start, pos)  # outside a call, at pos of s
             if at < 0:
                 free = len(s) - _held_prefix_len(s, start, pos)
                 content.append(s[pos:free])
                 self._tail = s[free:]
                 break
             content.append(s[pos:at])
-            self._parts, self._inside, pos = [start], True, at + len(start)
-            at = s.find(end, pos)
-            if at < 0:
-                self._parts.append(s[pos:])
-                self._look = s[max(pos, len(s) - len(end) + 1):]
-                break
-            pos = self._close(s, pos, at + len(end), content, calls)
+            self._parts, self._recent, self._inside = [start], "", True
+            pos = search = at + len(start)
         return self._delta("".join(content), calls)
 
-    def _close(self, s: str, pos: int, stop: int, content: list[str], calls: list[ParsedCall]) -> int:
-        """The call's last piece is s[pos:stop] (its end marker last): the call joined once and parsed, a call
-        or content; returns stop."""
-        self._parts.append(s[pos:stop])
+    def _append(self, piece: str) -> None:
+        self._parts.append(piece)
+        self._recent = (self._recent + piece[-self.TAIL:])[-self.TAIL:]
+
+    def _body_tail(self, s: str, pos: int, at: int) -> str:
+        """The call's last characters before an end marker at s[at] (s[:pos] is in _parts already)."""
+        if at >= pos:
+            return (self._recent + s[pos:at])[-self.TAIL:]
+        return self._recent[:len(self._recent) - (pos - at)]
+
+    def _close(self, content: list[str], calls: list[ParsedCall], end: str) -> None:
+        """The call in _parts (ending with `end`, the end marker or what is left of it) joined once and parsed: a
+        call, or content as it was written."""
         block = "".join(self._parts)
-        self._parts, self._look, self._inside = [], "", False
-        call = attempt(self._parse_body, block[len(self._start):len(block) - len(self._end)])
+        self._parts, self._recent, self._look, self._inside = [], "", "", False
+        call = attempt(self._parse_body, block[len(self._start):len(block) - len(end)])
         if call is None or not self._accepts(call):
             content.append(block)  # a call that does not parse stays content, markers included
         else:
             calls.append(call)
-        return stop
 
     def finish(self) -> StreamDelta:
-        # what is held is a partial start marker or a call without its end marker: content either way
-        held = "".join(self._parts) if self._inside else self._tail
-        self._tail, self._parts, self._look, self._inside = "", [], "", False
-        return self._delta(held, [])
+        # outside a call: a held partial start marker is content. Inside: a call whose end marker never came (or
+        # came in part: a stop string cut it) is parsed as it stands; content if it does not parse
+        content, calls = [], []
+        if self._inside:
+            block = "".join(self._parts)
+            self._close(content, calls, block[len(block) - _held_prefix_len(block, self._end, len(self._start)):])
+        else:
+            content.append(self._tail)
+        self._tail = ""
+        return self._delta("".join(content), calls)
 
 
 class WholeOutputStream(ToolStream):
-    """The whole output is the call list, optionally after a tag (llama3_json, pythonic): its first
-    non-blank characters decide; content passes straight through, a call list is held to finish().
+    """The whole output is the call list, optionally after a tag, maybe followed by text (llama3_json,
+    pythonic): its first non-blank characters decide; content passes straight through, a call list is held to
+    finish().
     Undecided, each feed reads its own text only: the blanks so far are kept as they came (never stripped
     again), and what follows them is at most a partial tag before the decision."""
 
-    def __init__(self, tag: str, opener: str, parse_all: Callable[[str], list[ParsedCall] | None]) -> None:
+    def __init__(self, tag: str, opener: str,
+                 parse_all: Callable[[str], tuple[list[ParsedCall], str] | None]) -> None:
+        """`parse_all`: the whole output -> (its calls, the text after them), None where it is no call list."""
         super().__init__()
         self._tag, self._opener, self._parse_all = tag, opener, parse_all
         self._held: list[str] = []  # every piece since the start, while undecided or a call list
@@ -196,7 +223,7 @@ class WholeOutputStream(ToolStream):
     def finish(self) -> StreamDelta:
         held, self._held = "".join(self._held), []
         if self._is_call:
-            calls = attempt(self._parse_all, held)
-            if calls and all(self._accepts(c) for c in calls):
-                return self._delta("", calls)
+            parsed = attempt(self._parse_all, held)
+            if parsed is not None and parsed[0] and all(self._accepts(c) for c in parsed[0]):
+                return self._delta(parsed[1], parsed[0])  # the calls, then the text after them
         return self._delta(held, [])

@@ -36,7 +36,7 @@ class OutputProcessor:
         self.reap = False  # a request was aborted after a step: the next step reports (and drops) it
 
     def add(self, request_id: str, params: SamplingParams) -> StreamState:
-        state = StreamState(stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        state = StreamState.for_params(params)
         self.states[request_id] = state
         return state
 

@@ -44,12 +44,13 @@ from dspark.server.guard import APIKeyGuard, BodyGuard
 from dspark.server.logprobs import LogprobFormatter
 from dspark.server.metrics import ServerMetrics
 from dspark.chat.reasoning import get_reasoning_format
+from dspark.chat.special_tags import kept_tag_ids
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     ModelCard, ModelList, TokenizeRequest)
 from dspark.server.serving import APIError, bad_request
 from dspark.server.streams import PrimedStream
 from dspark.chat.tool_parsers import get_tool_parser
-from dspark.server.tools import strict_check
+from dspark.server.tools import checked_tools, strict_check
 from dspark.server.tokenize import detokenize as detokenize_ids
 from dspark.server.tokenize import tokenize as tokenize_ids
 from dspark.generation_config import apply_defaults
@@ -106,6 +107,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
     auto_tools = config.enable_auto_tool_choice
     tool_parser = None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser)
     reasoning = None if config.reasoning_parser is None else get_reasoning_format(config.reasoning_parser)
+    kept_tags = kept_tag_ids(tokenizer, reasoning, tool_parser)  # the parsers' tags, decoded for them
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names:
@@ -245,8 +247,11 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        marker = serving.call_marker(body, tool_parser)
         params = apply_defaults(serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer,
-                                                        auto_tools=auto_tools, reasoning=reasoning), body, defaults)
+                                                        auto_tools=auto_tools, reasoning=reasoning, call_start=marker,
+                                                        kept_special_ids=kept_tags),
+                                body, defaults)
         admit()
         trusted = config.trust_request_chat_template
         if trusted and serving.request_template(body) is not None:  # rendered in a child: wait off the loop
@@ -256,9 +261,11 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         mode = serving.tool_mode(body, auto_tools=auto_tools)
         parser = tool_parser if serving.parses_tool_calls(body, auto_tools) else None
         phase = None if reasoning is None else reasoning.prompt_phase(tokenizer.decode(prompt_ids))
+        tools = checked_tools(body, bad_request) if parser is not None else None
         outputs = [Output(logprobs=None if params.logprobs is None else LogprobFormatter(tokenizer, chat=True),
-                                  tool_mode=mode, tool_parser=parser, tool_accept=strict_check(body),
-                                  reasoning=None if reasoning is None else reasoning.stream(phase),
+                                  tool_mode=mode, tool_parser=parser, tool_accept=strict_check(body), tools=tools,
+                                  reasoning=None if reasoning is None else
+                                  reasoning.stream(phase, marker, keep_call_start=mode is None),
                                   prompt_logprobs=None if body.prompt_logprobs is None else
                                   LogprobFormatter(tokenizer, chat=True, top_k=body.prompt_logprobs))
                    for _ in range(params.n)]

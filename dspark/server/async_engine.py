@@ -241,7 +241,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         adds = []
         for prompt_ids, params, request_id in requests:
-            state = StreamState(stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            state = StreamState.for_params(params)
             arrival_s = time.perf_counter()
             deadline_s = None if self.request_timeout_s is None else arrival_s + self.request_timeout_s
             tracked = _Tracked(queue=asyncio.Queue(), loop=loop, state=state, arrival_s=arrival_s,

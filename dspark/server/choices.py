@@ -44,6 +44,7 @@ class Output:
     reasoning: ReasoningStream | None = None  # chat with --reasoning-parser: thoughts apart from the answer
     tool_parser: ToolParser | None = None  # chat with tools and tool_choice "auto": the model's calls parsed
     tool_accept: Callable | None = None  # strict tools: a call whose arguments do not validate stays content
+    tools: dict[str, dict] | None = None  # name -> parameters schema: types the values of text formats
     _tool_stream: object = None
     _held: list[str] = field(default_factory=list)  # streamed text held back for the tool call
     _prompt_entries: list | None = None  # the engine's prompt logprobs, from the first delta
@@ -102,12 +103,12 @@ class Output:
         """tool_choice "auto": the model's calls in OpenAI's shape (whole, or as stream entries); a call
         ends the choice with "tool_calls" where the model stopped by itself."""
         if whole:
-            parsed = self.tool_parser.parse(text, accept=self.tool_accept)
+            parsed = self.tool_parser.parse(text, accept=self.tool_accept, tools=self.tools)
             calls = [openai_tool_call(c.name, c.arguments) for c in parsed.calls]
             content = parsed.content if calls else text
         else:
             if self._tool_stream is None:
-                self._tool_stream = self.tool_parser.stream()
+                self._tool_stream = self.tool_parser.stream(self.tools)
                 self._tool_stream.accept = self.tool_accept
             step = self._tool_stream.feed(text)
             content, calls = step.content, list(step.tool_calls)

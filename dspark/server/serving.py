@@ -145,17 +145,20 @@ def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                     tokenizer=None, *, auto_tools: bool = False,
-                    reasoning: ReasoningFormat | None = None) -> SamplingParams:
+                    reasoning: ReasoningFormat | None = None, call_start: str = "",
+                    kept_special_ids: tuple[int, ...] = ()) -> SamplingParams:
     """The engine's parameters (a completion with echo and max_tokens 0 generates one token, which
     `Output.score_only` drops). `auto_tools`: tool_choice "auto" generates freely (a tool parser reads the
-    calls); `reasoning`: a chat's structured output or tool grammar applies after the reasoning."""
+    calls); `reasoning`: a chat's structured output or tool grammar applies after the reasoning, which ends at
+    its end tag or at a tool call's marker (`call_start`, `call_marker`); `kept_special_ids`: the parsers' tags
+    the detokenizer keeps (`kept_tag_ids`)."""
     check_unsupported(req)
     if isinstance(req, CompletionRequest) and req.echo and max_tokens == 0:
         max_tokens = 1
     structured = structured_request(req, auto_tools=auto_tools)
     tags = None
     if reasoning is not None and structured is not None and isinstance(req, ChatCompletionRequest):
-        tags = reasoning.tags(tokenizer)
+        tags = reasoning.tags(tokenizer, call_start)
     stop = req.stop if req.stop is not None else ()
     try:
         return SamplingParams(
@@ -176,7 +179,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             bad_words=_bad_words(req, tokenizer) if tokenizer is not None else (),
             allowed_token_ids=tuple(req.allowed_token_ids or ()),
             logprobs=requested_logprobs(req), prompt_logprobs=requested_prompt_logprobs(req),
-            structured_outputs=structured, reasoning_tags=tags, n=1 if req.n is None else req.n)
+            structured_outputs=structured, reasoning_tags=tags, n=1 if req.n is None else req.n,
+            kept_special_ids=kept_special_ids)
     except ValueError as e:  # the message starts with the field's name
         name = str(e).split(" ", 1)[0].rstrip(":")
         raise bad_request(str(e), param=name if name in _PARAM_FIELDS else None) from None
@@ -230,6 +234,14 @@ def structured_request(req: CompletionRequest | ChatCompletionRequest, *, auto_t
 def tool_mode(req: ChatCompletionRequest, *, auto_tools: bool = False) -> ToolMode | None:
     tool = tool_constraint(req, bad_request, auto_tools=auto_tools)
     return None if tool is None else tool[1]
+
+
+def call_marker(req: ChatCompletionRequest, tool_parser) -> str:
+    """The marker that opens a call in the server's tool-call format where this chat may call a tool ("" where
+    it may not): opened while the model thinks, it ends the thoughts."""
+    if tool_parser is None or not req.tools or req.tool_choice == "none":
+        return ""
+    return tool_parser.call_start or ""
 
 
 def parses_tool_calls(req: ChatCompletionRequest, auto_tools: bool) -> bool:
