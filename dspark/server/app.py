@@ -242,9 +242,9 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
             return Response(status_code=499)
         return await respond(request, body, streams, serving.COMPLETION, outputs, choices_per_prompt=params.n)
 
-    @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+    async def chat_streams(body: ChatCompletionRequest, request: Request, prefix: str = "chatcmpl"):
+        """A validated chat request started: (params, streams, outputs), one per choice; None when the client left
+        while they were being added (all of them aborted)."""
         params = apply_defaults(serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer,
                                                         auto_tools=auto_tools, reasoning=reasoning), body, defaults)
         admit()
@@ -263,9 +263,16 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
                                   LogprobFormatter(tokenizer, chat=True, top_k=body.prompt_logprobs))
                    for _ in range(params.n)]
         validate(prompt_ids, params)
-        streams = await unless_disconnected(start([prompt_ids], params, "chatcmpl"), request.is_disconnected)
-        if streams is None:  # the client left while its choices were being added: all of them aborted
+        streams = await unless_disconnected(start([prompt_ids], params, prefix), request.is_disconnected)
+        return None if streams is None else (params, streams, outputs)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        started = await chat_streams(body, request)
+        if started is None:  # the client left while its choices were being added: all of them aborted
             return Response(status_code=499)
+        _, streams, outputs = started
         return await respond(request, body, streams, serving.CHAT, outputs)
 
     @app.post("/tokenize")
