@@ -3,6 +3,7 @@
     GET  /v1/models            the served model, once per served name (with max_model_len)
     POST /v1/completions       prompt (text or token ids) → text; SSE when stream=true
     POST /v1/chat/completions  messages → chat template → text; SSE when stream=true
+    POST /v1/responses         OpenAI's Responses API over the chat path (`server/responses.py`); typed SSE events
     GET  /health               200 while the engine thread runs, 503 after it failed
     GET  /metrics              Prometheus text (see `server/metrics.py`)
     POST /tokenize             {"prompt"} or {"messages"} → {"count", "max_model_len", "tokens"} (vLLM's)
@@ -35,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.engine.output import fan_out
 from dspark.request import InvalidRequest
-from dspark.server import serving
+from dspark.server import responses, serving
 from dspark.server.async_engine import AdmissionError, AsyncEngine, RequestFault, RequestStream
 from dspark.server.choices import Output
 from dspark.server.config import ServerConfig
@@ -47,6 +48,7 @@ from dspark.chat.reasoning import get_reasoning_format
 from dspark.chat.special_tags import kept_tag_ids
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     ModelCard, ModelList, TokenizeRequest)
+from dspark.server.responses_protocol import ResponsesRequest
 from dspark.server.serving import APIError, bad_request
 from dspark.server.streams import PrimedStream
 from dspark.chat.tool_parsers import get_tool_parser
@@ -156,7 +158,8 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         each, streams in prompt order (index = prompt * n + choice). Every prompt's first choice goes in at once;
         choice i > 0 of a prompt (`<id>-<i>`, seeded with seed + i) once its first choice has emitted, so they
         share its prompt's KV through the prefix cache. Ids are `cmpl-...`, chat's `chatcmpl-...` (OpenAI's and
-        vLLM's); all of them are one client's for admission turns. The prompts are validated already."""
+        vLLM's), a response's `resp-...`; all of them are one client's for admission turns. The prompts are
+        validated already."""
         subs = fan_out(params, params.n)
         bases = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
         if config.enable_log_requests:
@@ -244,9 +247,10 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
             return Response(status_code=499)
         return await respond(request, body, streams, serving.COMPLETION, outputs, choices_per_prompt=params.n)
 
-    @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+    async def chat_streams(body: ChatCompletionRequest, request: Request, prefix: str = "chatcmpl"):
+        """A validated chat request started: (params, streams, outputs), one per choice; None when the client left
+        while they were being added (all of them aborted). /v1/chat/completions and /v1/responses both start here,
+        so prompt rendering, sampling, tool and reasoning parsing and structured output are one path."""
         marker = serving.call_marker(body, tool_parser)
         params = apply_defaults(serving.sampling_params(body, serving.chat_max_tokens(body), tokenizer,
                                                         auto_tools=auto_tools, reasoning=reasoning, call_start=marker,
@@ -270,10 +274,27 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
                                   LogprobFormatter(tokenizer, chat=True, top_k=body.prompt_logprobs))
                    for _ in range(params.n)]
         validate(prompt_ids, params)
-        streams = await unless_disconnected(start([prompt_ids], params, "chatcmpl"), request.is_disconnected)
-        if streams is None:  # the client left while its choices were being added: all of them aborted
+        streams = await unless_disconnected(start([prompt_ids], params, prefix), request.is_disconnected)
+        return None if streams is None else (params, streams, outputs)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        started = await chat_streams(body, request)
+        if started is None:  # the client left while its choices were being added: all of them aborted
             return Response(status_code=499)
+        _, streams, outputs = started
         return await respond(request, body, streams, serving.CHAT, outputs)
+
+    @v1.post("/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        check_model(body.model)
+        with responses.responses_fields():  # an error of the chat path names the Responses field
+            started = await chat_streams(responses.chat_request(body), request, "resp")
+        if started is None:
+            return Response(status_code=499)
+        params, (stream,), (output,) = started
+        return await responses.respond(request, body, params, stream, output, model=model_name, tokenizer=tokenizer)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
