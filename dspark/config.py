@@ -153,6 +153,10 @@ class SpecConfig:
     model: str | None = None  # drafter checkpoint (dspark, dflash, eagle3, draft_model)
     num_speculative_tokens: int = 7  # γ
     draft_sample_method: str = "greedy"
+    # how drafts with a distribution (draft_sample_method "probabilistic") are verified at temperature > 0:
+    # "standard" token by token, "block" as one block (Sun et al.; dspark.verify.block): both lossless, block
+    # accepts at least as many on the same drafts
+    rejection_sample_method: str = "standard"
     length_policy: str = "fixed"  # fixed | threshold | prefix | async
     confidence_threshold: float = 0.5
     threshold_rule: str = "cumulative"  # length_policy "threshold": cumulative | conditional (DeepSpec's)
@@ -206,6 +210,13 @@ class SpecConfig:
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method {self.draft_sample_method!r} unknown; "
                              f"choose from {', '.join(DRAFT_SAMPLE_METHODS)}")
+        if self.rejection_sample_method not in ("standard", "block"):
+            raise ValueError(f"rejection_sample_method {self.rejection_sample_method!r} unknown; choose from "
+                             f"standard, block")
+        if self.rejection_sample_method == "block" and self.draft_sample_method != "probabilistic":
+            raise ValueError("rejection_sample_method 'block' verifies drafts sampled from the drafter's distribution: "
+                             "it needs draft_sample_method 'probabilistic' (greedy drafts are point masses, which "
+                             "block and standard verification accept alike)")
         if self.length_policy not in LENGTH_POLICY_NAMES:
             raise ValueError(f"length_policy {self.length_policy!r} unknown; "
                              f"choose from {', '.join(LENGTH_POLICY_NAMES)}")

@@ -11,7 +11,8 @@ and what vLLM infers filled in the same way.
   the other equals it).
 - vLLM-side keys: `enable_adaptive_verification` (true: the prefix policy, Algorithm 1; false: fixed),
   `dspark_draft_topk` (`draft_topk`: the Markov head corrects only each position's K best candidates; "off": 0),
-  `draft_tensor_parallel_size` (1), `rejection_sample_method` ("standard": lossless rejection sampling).
+  `draft_tensor_parallel_size` (1); `rejection_sample_method` is `SpecConfig`'s own key ("standard" token by
+  token, "block": block verification).
 
 Unknown keys are refused by `SpecConfig.from_dict`, listing every key it knows (these included).
 """
@@ -45,19 +46,11 @@ def _draft_tp(value: Any, d: dict) -> dict:
     return {}
 
 
-def _rejection(value: Any, d: dict) -> dict:
-    if value != "standard":
-        raise ValueError(f"rejection_sample_method={value!r}: dspark verifies by standard (lossless) rejection "
-                         f"sampling only; use \"standard\"")
-    return {}
-
-
 # vLLM key → f(value, whole dict) → SpecConfig keys it sets
 VLLM_KEYS: dict[str, Callable[[Any, dict], dict]] = {
     "enable_adaptive_verification": _adaptive,
     "dspark_draft_topk": _draft_topk,
     "draft_tensor_parallel_size": _draft_tp,
-    "rejection_sample_method": _rejection,
 }
 
 

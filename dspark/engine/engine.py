@@ -68,6 +68,8 @@ class Engine:
         the tensor-parallel worker processes it drives (closed by their owner); `grammar_compiler`: structured
         output (`dspark.structured.GrammarCompiler`), None without a tokenizer."""
         self.config, self.model_config, self.drafter = config, model_config, drafter
+        # drafts with a distribution verified as one block (verify/block.py) rather than token by token
+        self._block_verification = config.spec is not None and config.spec.rejection_sample_method == "block"
         self.eos_token_ids = tuple(eos_token_ids) or tuple(model_config.eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         caches = allocate_caches(model, drafter, config)
@@ -170,7 +172,7 @@ class Engine:
         verified = StepVerify(faults=faults)
         if emitting:  # + requests no token may follow (faults)
             result, verified.logprobs_by_id = sample_step(emitting, logits, eos_token_ids=self.eos_token_ids,
-                                                          faults=faults)
+                                                          faults=faults, block=self._block_verification)
             self.spec.observe_verify(emitting, result)
             ids = [s.request.request_id for s in emitting]
             verified.output_ids_by_id = dict(zip(ids, result.output_ids))

@@ -17,7 +17,8 @@ Each emitting request has `1 + num_drafts` logits rows; row j predicts output po
    whatever the batch, the drafts or their number. Every sampled row of the step is drawn at once: one
    cumulative sum, one search, one copy to the host.
 4. Sampled requests with a draft distribution (`draft_sample_method="probabilistic"`): lossless
-   rejection sampling (`verify/rejection.py`) on the processed rows, with the request's generator.
+   rejection sampling (`verify/rejection.py`) on the processed rows, with the request's generator, token by
+   token or, with `rejection_sample_method="block"`, as one block (`verify/block.py`).
 
 Logprobs (`SamplingParams.logprobs`) are log-softmax of the processed rows (processors and grammar
 applied, before temperature), for each emitted token, with the top k of its row.
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from dspark.request import RequestError
 from dspark.logits_processors import WindowRows, apply_processors
 from dspark.sampling import RowArgmax, TokenLogprob, greedy_ids, logits_to_probs, target_argmax
+from dspark.verify.block import verify_one_block
 from dspark.verify.rejection import VerifyResult, accept_greedy, verify_greedy_argmax, verify_one_rejection
 
 _MASK64 = (1 << 64) - 1
@@ -101,11 +103,12 @@ NO_TOKEN_ALLOWED = RequestError("no token may follow at this position: the reque
 
 
 def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *, eos_token_ids: tuple[int, ...],
-                faults: dict[str, str] | None = None) -> tuple[VerifyResult, dict[str, list[TokenLogprob]]]:
+                faults: dict[str, str] | None = None, block: bool = False
+                ) -> tuple[VerifyResult, dict[str, list[TokenLogprob]]]:
     """Verify every emitting item (`ScheduledRequest`) of a step against its `logits` rows
     [sum of num_logits, vocab_size] (or only their `RowArgmax`, where `argmax_suffices`); returns the
     result (in item order) and the logprobs of the emitted tokens by request id (for requests that
-    asked)."""
+    asked). `block`: drafts with a distribution are verified as one block (`verify/block.py`)."""
     drafts = [s.request.draft_ids[:s.num_drafts] for s in items]
     if argmax_suffices(items):
         argmax = target_argmax(logits).tolist()  # [num_logits]: compare-only, no distributions
@@ -142,8 +145,8 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *, eos_token_id
         if req.params.is_greedy:
             results.append(accept_greedy(greedy_ids(rows[i]).tolist(), drafts[i]))
         elif _rejection(s):
-            results.append(verify_one_rejection(probs[i], drafts[i], req.draft_probs[:s.num_drafts],
-                                                 req.generator))
+            verify = verify_one_block if block else verify_one_rejection
+            results.append(verify(probs[i], drafts[i], req.draft_probs[:s.num_drafts], req.generator))
         else:
             results.append(accept_greedy([next(draws) for _ in range(s.num_logits)], drafts[i]))
     result = VerifyResult(num_accepted=[r[0] for r in results], output_ids=[r[1] for r in results],
