@@ -186,8 +186,8 @@ def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(ta
 
     gate.admits_model_drafting = lambda **_: len(admitted) < closed_from  # (the gate's rule: test_length_policy)
 
-    def recording_admit(load, _f=admit):
-        ok = _f(load)
+    def recording_admit(load, context_tokens, _f=admit):
+        ok = _f(load, context_tokens)
         admitted[f"n{len(admitted)}"] = ok
         return ok
     engine.scheduler.admission = recording_admit

@@ -26,12 +26,12 @@ def warm(**settings) -> MeasuredSwitch:
 
 
 def drive(switch: MeasuredSwitch, *, num_reqs: int, steps: int, spec_ms_per_token: float,
-          plain_ms_per_token: float, decode_only: bool = True) -> list[bool]:
+          plain_ms_per_token: float, decode_only: bool = True, context_tokens: int = 0) -> list[bool]:
     """Run `steps` engine steps: each asks the switch, then reports a step whose cost per emitted token is
     that of the mode the step ran in (the previous decision: drafts proposed then are verified now)."""
     decisions, previous = [], True
     for _ in range(steps):
-        decision = switch.propose(num_reqs=num_reqs)
+        decision = switch.propose(num_reqs=num_reqs, context_tokens=context_tokens)
         ms = spec_ms_per_token if previous else plain_ms_per_token
         switch.observe_step(seconds=ms * num_reqs / 1000, num_emitted=num_reqs, decode_only=decode_only)
         decisions.append(decision)
@@ -54,6 +54,22 @@ def test_speculation_stays_on_only_where_it_measures_faster_by_the_margin(spec_m
     assert spec == pytest.approx(spec_ms / 1000) and plain == pytest.approx(1.0 / 1000)
 
 
+def test_context_octaves_are_decided_apart():
+    """A long context where speculation measures slower (its drafts miss, attention prices each verified token
+    higher) is switched off there only; short contexts at the same load keep speculating."""
+    assert [MeasuredSwitch.context_bucket(n) for n in (0, 600, 1023, 1024, 2047, 2048, 4096, 8000, 8192)] == \
+        [0, 0, 0, 1, 1, 2, 3, 3, 4]
+    assert [MeasuredSwitch.context_label(b) for b in (0, 1, 3)] == ["<1k", "1k-2k", "4k-8k"]
+    switch = warm()
+    drive(switch, num_reqs=1, steps=200, spec_ms_per_token=0.7, plain_ms_per_token=1.0, context_tokens=300)
+    drive(switch, num_reqs=1, steps=200, spec_ms_per_token=1.3, plain_ms_per_token=1.2, context_tokens=7000)
+    assert not switch.is_off(num_reqs=1, context_tokens=300) and not switch.is_off(num_reqs=1)
+    assert switch.is_off(num_reqs=1, context_tokens=7000) and switch.is_off(num_reqs=1, context_tokens=4096)
+    assert not switch.is_off(num_reqs=1, context_tokens=9000)  # never measured: on
+    assert [(load, context, on) for load, context, on, _, _ in switch.snapshot()] == \
+        [("1", "<1k", True), ("1", "4k-8k", False)]
+
+
 def test_loads_are_decided_apart():
     switch = warm()
     drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)  # heavy: off
@@ -73,7 +89,7 @@ def test_unmeasured_loads_speculate_and_probe_plain_early():
     decisions = drive(switch, num_reqs=4, steps=30, spec_ms_per_token=0.5, plain_ms_per_token=1.0)
     off = [i for i, d in enumerate(decisions) if not d]
     assert off == [7, 8, 9, 17, 18, 19, 27, 28, 29][:len(off)] and len(off) >= 6
-    state = switch.loads[MeasuredSwitch.bucket(4)]
+    state = switch.loads[MeasuredSwitch.key(4)]
     assert state.num_plain >= 4 and state.on
     # after that, plain probes every wide_plain_every speculative steps while speculation wins by wide_gain
     # (here 2x) ...
@@ -92,11 +108,11 @@ def test_transitions_and_prompt_steps_are_not_samples():
     switch = warm()
     switch.propose(num_reqs=2)
     switch.observe_step(seconds=1.0, num_emitted=2, decode_only=False)  # a prompt chunk rode the step
-    assert switch.loads[MeasuredSwitch.bucket(2)].num_spec == 0
+    assert switch.loads[MeasuredSwitch.key(2)].num_spec == 0
     switch.observe_step(seconds=1.0, num_emitted=2, decode_only=True)
-    assert switch.loads[MeasuredSwitch.bucket(2)].num_spec == 1
+    assert switch.loads[MeasuredSwitch.key(2)].num_spec == 1
     # a spec → plain transition: the step that verifies the last drafts but proposes none
-    s = switch.loads[MeasuredSwitch.bucket(2)]
+    s = switch.loads[MeasuredSwitch.key(2)]
     s.since = switch.first_plain_every  # the next decision starts a plain probe
     assert switch.propose(num_reqs=2) is False
     switch.observe_step(seconds=5.0, num_emitted=2, decode_only=True)
@@ -109,7 +125,7 @@ def test_transitions_and_prompt_steps_are_not_samples():
 def test_speculative_probes_back_off_while_they_keep_saying_off():
     switch = warm(spec_every=16, max_spec_every=64, decay=0.85)
     decisions = drive(switch, num_reqs=8, steps=460, spec_ms_per_token=1.5, plain_ms_per_token=1.0)
-    state = switch.loads[MeasuredSwitch.bucket(8)]
+    state = switch.loads[MeasuredSwitch.key(8)]
     assert not state.on
     starts = [i for i in range(1, len(decisions)) if decisions[i] and not decisions[i - 1]]
     gaps = [b - a for a, b in zip(starts, starts[1:])]  # a probe's steps + the interval before the next
@@ -136,7 +152,7 @@ def test_snapshot_labels_each_load_by_its_request_counts():
     switch = warm()
     drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
     drive(switch, num_reqs=1, steps=6, spec_ms_per_token=0.5, plain_ms_per_token=1.0)  # (no plain probe yet)
-    (light, light_on, light_spec, light_plain), (heavy, heavy_on, spec, plain) = switch.snapshot()
+    (light, _, light_on, light_spec, light_plain), (heavy, _, heavy_on, spec, plain) = switch.snapshot()
     assert (light, light_on, light_plain) == ("1", True, None) and light_spec == pytest.approx(0.5e-3)
     assert (heavy, heavy_on) == ("6-8", False)
     assert spec == pytest.approx(1.2e-3) and plain == pytest.approx(1.0e-3)
@@ -147,7 +163,7 @@ def test_the_first_samples_of_each_mode_are_passed_over():
     the first cold_samples samples of each mode are not folded in."""
     switch = MeasuredSwitch(cold_samples=3, first_plain_every=4)
     decisions = drive(switch, num_reqs=2, steps=30, spec_ms_per_token=0.5, plain_ms_per_token=1.0)
-    state = switch.loads[MeasuredSwitch.bucket(2)]
+    state = switch.loads[MeasuredSwitch.key(2)]
     assert state.cold_spec == state.cold_plain == 3
     pairs = list(zip([True] + decisions, decisions))  # (decision before a step, decision in it)
     assert state.num_spec == pairs.count((True, True)) - 3 and state.num_plain == pairs.count((False, False)) - 3

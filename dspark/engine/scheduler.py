@@ -26,15 +26,15 @@ from dspark.request import Request, RequestStatus, ScheduledRequest, SchedulerOu
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, max_model_len: int,
                  num_lookahead_slots: int = 0, drafter_needs_kv: bool = False,
-                 admission: Callable[[int], bool] | None = None):
+                 admission: Callable[[int, int], bool] | None = None):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.num_lookahead_slots = num_lookahead_slots  # drafter scratch past the committed end (γ)
         self.drafter_needs_kv = drafter_needs_kv  # prefix hits must carry drafter K/V too
         # asked at each admission of a speculative request (a preempted one is asked again) with the load it
-        # joins (running and waiting requests, up to max_num_seqs): may the model drafter keep a context for it
-        # (`Request.model_drafting`)? None: always
+        # joins (running and waiting requests, up to max_num_seqs) and its length: may the model drafter keep a
+        # context for it (`Request.model_drafting`)? None: always
         self.admission = admission
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -129,7 +129,7 @@ class Scheduler:
             if not req.block_table and req.num_computed_tokens == 0:
                 if req.uses_speculation and self.drafter_needs_kv and self.admission is not None:
                     req.model_drafting = self.admission(
-                        min(len(self.running) + len(self.waiting), self.config.max_num_seqs))
+                        min(len(self.running) + len(self.waiting), self.config.max_num_seqs), req.num_tokens)
                 need_draft_kv = self.drafter_needs_kv and req.needs_draft_context
                 # a prompt whose logprobs are still to score computes every position it scores (no hit)
                 cached = 0 if req.scores_prompt else self.block_manager.match_prefix(req, need_draft_kv=need_draft_kv)

@@ -123,15 +123,16 @@ class _EngineCollector:
         switch = getattr(getattr(ae.engine, "spec", None), "switch", None)
         if switch is not None:
             on = self._family(GaugeMetricFamily, "measured_switch_on", "Speculation on (1) or off (0) at a "
-                              "load (requests in a step), as the measured switch decided it.", ["load"])
+                              "load (requests in a step) and context (its longest request's tokens), as the measured "
+                              "switch decided it.", ["load", "context"])
             per_token = self._family(GaugeMetricFamily, "measured_switch_seconds_per_token",
-                                     "Seconds of an engine decode step per emitted token at a load, with "
-                                     "speculation and without (measured switch).", ["load", "mode"])
-            for label, is_on, spec, plain in switch.snapshot():
-                on.add_metric(self.labels + [label], float(is_on))
+                                     "Seconds of an engine decode step per emitted token at a load and context, with "
+                                     "speculation and without (measured switch).", ["load", "context", "mode"])
+            for label, context, is_on, spec, plain in switch.snapshot():
+                on.add_metric(self.labels + [label, context], float(is_on))
                 for mode, value in (("speculative", spec), ("plain", plain)):
                     if value is not None:
-                        per_token.add_metric(self.labels + [label, mode], value)
+                        per_token.add_metric(self.labels + [label, context, mode], value)
             yield on
             yield per_token
         yield gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", ae.kv_usage)

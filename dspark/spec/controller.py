@@ -111,14 +111,14 @@ class SpecController:
         return req is not None and req.params.is_greedy
 
     # -- admission -------------------------------------------------------------------------------------
-    def admits_model_drafting(self, load: int) -> bool:
+    def admits_model_drafting(self, load: int, context_tokens: int = 0) -> bool:
         """Asked by the scheduler while it admits a speculative request; `load`: every running and waiting
         request (the one being admitted among them) up to max_num_seqs, so the first requests of a burst see
-        the burst's load."""
+        the burst's load; `context_tokens`: the request's prompt."""
         if not self.gate_admission:
             return True
         ok = (self.draft_gate.admits_model_drafting(num_reqs=load, cost=self.cost_table)
-              and not (self.switch is not None and self.switch.is_off(num_reqs=load)))
+              and not (self.switch is not None and self.switch.is_off(num_reqs=load, context_tokens=context_tokens)))
         if not ok:
             self.metrics.num_admitted_without_drafter += 1
         return ok
@@ -187,7 +187,8 @@ class SpecController:
                 if s.emits and not s.request.is_finished and s.request.uses_speculation]
         if not reqs:
             return [], [], NextStep(0, 0, 0)
-        measured_off = self.switch is not None and not self.switch.propose(num_reqs=len(reqs))
+        measured_off = self.switch is not None and not self.switch.propose(
+            num_reqs=len(reqs), context_tokens=max(r.num_tokens for r in reqs))
         next_step = NextStep(0, 0, 0) if measured_off else self._next_step_tokens(*demand())
         if measured_off or (self.draft_gate is not None and not self.draft_gate.proposing_pays(
                 num_reqs=len(reqs), num_nondraft_tokens=next_step.num_nondraft,

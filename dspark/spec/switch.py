@@ -1,8 +1,10 @@
 """Speculation on or off at a load by the measured cost of a token (spec "measured_switch").
 
 The cost table and the confidence head predict what drafts save; the engine's own clock says what they
-did. For each load (the requests of a step, in half-octave buckets: 1, 2, 3-4, 5, 6-8, 9-11, 12-16, ...) the
-switch keeps two running figures from decode-only steps (no prompt chunk): seconds of the whole engine step
+did. For each load (the requests of a step, in half-octave buckets: 1, 2, 3-4, 5, 6-8, 9-11, 12-16, ...) and
+context (the step's longest request in octaves: under 1k tokens, 1k-2k, 2k-4k, 4k-8k, ...: attention's cost per
+verified token grows with the context, and a drafter's acceptance may fall with it) the switch keeps two running
+figures from decode-only steps (no prompt chunk): seconds of the whole engine step
 per emitted token with speculation on (the engine proposed before the step and proposes after it: its
 drafts verified, proposing, choosing, drafter context) and with it off (neither), the first `cold_samples`
 of each passed over (a fresh engine's first steps at a load meet new shapes: 2x slower for the drafter).
@@ -78,21 +80,30 @@ class MeasuredSwitch:
         self.wide_plain_every, self.wide_gain = wide_plain_every, wide_gain
         self.spec_every, self.max_spec_every, self.probe_steps = spec_every, max_spec_every, probe_steps
         self.cold_samples = cold_samples
-        self.loads: dict[int, _LoadState] = {}
+        self.loads: dict[tuple[int, int], _LoadState] = {}  # (load bucket, context bucket) -> figures
         # the last two decisions (True: propose): a step is a sample of a mode when both were that mode
         self._decisions: list[bool] = [True, True]
-        self._bucket: int | None = None  # the load bucket of the last decision
+        self._key: tuple[int, int] | None = None  # the buckets of the last decision
 
     @staticmethod
     def bucket(num_reqs: int) -> int:
         """Half-octave load buckets: 1 → 0, 2 → 2, 3-4 → 4, 5 → 5, 6-8 → 6, 9-11 → 7, 12-16 → 8, ..."""
         return math.ceil(2 * math.log2(max(1, num_reqs)))
 
-    def propose(self, *, num_reqs: int) -> bool:
-        """Speculate in the next step of a load of `num_reqs` requests (called once per step, before
-        proposing)? Advances the load's probe schedule."""
-        self._bucket = self.bucket(num_reqs)
-        s = self.loads.setdefault(self._bucket, _LoadState())
+    @staticmethod
+    def context_bucket(num_tokens: int) -> int:
+        """Context octaves: under 1024 tokens → 0, 1024-2047 → 1, 2048-4095 → 2, 4096-8191 → 3, ..."""
+        return max(0, int(math.log2(max(1, num_tokens) / 512)))
+
+    @classmethod
+    def key(cls, num_reqs: int, context_tokens: int = 0) -> tuple[int, int]:
+        return cls.bucket(num_reqs), cls.context_bucket(context_tokens)
+
+    def propose(self, *, num_reqs: int, context_tokens: int = 0) -> bool:
+        """Speculate in the next step of a load of `num_reqs` requests whose longest holds `context_tokens`
+        (called once per step, before proposing)? Advances the bucket's probe schedule."""
+        self._key = self.key(num_reqs, context_tokens)
+        s = self.loads.setdefault(self._key, _LoadState())
         if s.probe_left > 0:
             s.probe_left -= 1
             decision = not s.on  # a probe runs the other mode
@@ -107,18 +118,19 @@ class MeasuredSwitch:
         self._decisions = [self._decisions[1], decision]
         return decision
 
-    def is_off(self, *, num_reqs: int) -> bool:
-        """Has the switch measured that speculation does not pay at this load (admission: no drafter context)?"""
-        s = self.loads.get(self.bucket(num_reqs))
+    def is_off(self, *, num_reqs: int, context_tokens: int = 0) -> bool:
+        """Has the switch measured that speculation does not pay at this load and context (admission: no drafter
+        context)?"""
+        s = self.loads.get(self.key(num_reqs, context_tokens))
         return s is not None and not s.on
 
     def observe_step(self, *, seconds: float, num_emitted: int, decode_only: bool) -> None:
         """The last step's wall time and emitted tokens (decode_only: no prompt chunk rode it). A sample of
         the mode both of its decisions (the one before it and the one in it) were."""
         prev, cur = self._decisions
-        if self._bucket is None or not decode_only or prev != cur or num_emitted <= 0 or seconds <= 0:
+        if self._key is None or not decode_only or prev != cur or num_emitted <= 0 or seconds <= 0:
             return
-        s = self.loads[self._bucket]
+        s = self.loads[self._key]
         if (s.cold_spec if cur else s.cold_plain) < self.cold_samples:  # first calls meet new shapes
             if cur:
                 s.cold_spec += 1
@@ -134,9 +146,9 @@ class MeasuredSwitch:
             s.num_plain += 1
         self._settle(s)
 
-    def seconds_per_token(self, *, num_reqs: int) -> tuple[float | None, float | None]:
-        """(speculative, plain) seconds per emitted token measured at this load (None: no sample yet)."""
-        s = self.loads.get(self.bucket(num_reqs))
+    def seconds_per_token(self, *, num_reqs: int, context_tokens: int = 0) -> tuple[float | None, float | None]:
+        """(speculative, plain) seconds per emitted token measured at this load and context (None: no sample yet)."""
+        s = self.loads.get(self.key(num_reqs, context_tokens))
         return (None, None) if s is None else (s.spec_per_token, s.plain_per_token)
 
     @classmethod
@@ -145,11 +157,16 @@ class MeasuredSwitch:
         counts = [n for n in range(1, 2 ** (bucket // 2 + 1) + 2) if cls.bucket(n) == bucket]
         return f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
-    def snapshot(self) -> list[tuple[str, bool, float | None, float | None]]:
-        """(load label, on?, speculative and plain seconds per token) per measured load, lightest first
-        (read by the server's /metrics on another thread: a copy of the table, figures as they stand)."""
-        return [(self.bucket_label(bucket), s.on, s.spec_per_token, s.plain_per_token)
-                for bucket, s in sorted(dict(self.loads).items())]
+    @staticmethod
+    def context_label(bucket: int) -> str:
+        """The context lengths a context bucket holds, e.g. "2k-4k" ("<1k" for bucket 0)."""
+        return "<1k" if bucket == 0 else f"{2 ** (bucket - 1)}k-{2 ** bucket}k"
+
+    def snapshot(self) -> list[tuple[str, str, bool, float | None, float | None]]:
+        """(load label, context label, on?, speculative and plain seconds per token) per measured bucket, lightest
+        first (read by the server's /metrics on another thread: a copy of the table, figures as they stand)."""
+        return [(self.bucket_label(load), self.context_label(context), s.on, s.spec_per_token, s.plain_per_token)
+                for (load, context), s in sorted(dict(self.loads).items())]
 
     def _plain_interval(self, s: _LoadState) -> int:
         """Speculative steps between plain probes at a load where speculation is on."""
