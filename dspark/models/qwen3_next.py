@@ -157,7 +157,9 @@ class GatedDeltaNet(nn.Module):
         core[idx] = out.reshape(len(members) * n, self.num_v_heads, -1).to(core.dtype)
 
     def _chunk(self, r: int, qkv, g, beta, rows: StateRows, state: LayerState, core) -> None:
-        """A long prompt chunk: the chunked recurrence, cut after each position whose state a snapshot keeps."""
+        """A long prompt chunk: the chunked recurrence, cut after each position whose state a snapshot keeps. A piece
+        no longer than the ring runs the one-token loop, as a step of that piece alone would (a prefix hit resuming
+        at the cut computes what the cold run did)."""
         slot, start, n, off = rows.slots[r], rows.starts[r], rows.lengths[r], rows.offsets[r]
         conv0, last = state.start(slot, start, rows.source(r))
         mixed, conv_states = causal_conv(qkv[off:off + n], conv0, self.conv_weight)  # [n, C], [n, K - 1, C]
@@ -166,7 +168,11 @@ class GatedDeltaNet(nn.Module):
         saves = dict(rows.saves_of(r))  # position -> snapshot entry
         a = 0
         for b in sorted({pos + 1 - start for pos in saves} | {n}):  # pieces [a, b) of the chunk
-            out, last = delta_rule_chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], last)
+            if b - a <= state.window:
+                out, states = delta_rule_tokens(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], last)
+                last = states[-1]
+            else:
+                out, last = delta_rule_chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], last)
             core[off + a:off + b] = out.to(core.dtype)
             if start + b - 1 in saves:
                 state.save(saves[start + b - 1], start + b - 1, conv_states[b - 1], last)
