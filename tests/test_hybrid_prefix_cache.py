@@ -278,6 +278,44 @@ def test_the_branch_point_of_two_prompts_becomes_a_snapshot(target):
     _assert_released(warm)
 
 
+# -- the model: snapshots written by both recurrence paths -----------------------------------------------------
+def _step(model, kv, table: list[int], slot: int, ids: list[int], start: int, *, source: int = -1,
+          saves: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    from dspark.models.attention import SeqSpec, build_attn_metadata
+    spec = SeqSpec(block_table=table, num_cached=start, num_query=len(ids), token_offset=0, state_slot=slot,
+                   state_from=source, state_saves=saves)
+    with torch.inference_mode():
+        hidden, _ = model(torch.tensor(ids), torch.arange(start, start + len(ids)),
+                          build_attn_metadata([spec], num_tokens=len(ids), kv_block_size=8), kv)
+        return model.compute_logits(hidden)
+
+
+def test_snapshots_hold_the_state_a_step_ending_there_keeps(target):
+    """A 30-token chunk saving after position 19 (the chunked recurrence cut there) and a 3-token window saving
+    after 31 (the one-token loop): each snapshot equals the state a step ending at that position keeps in its
+    slot; a step resuming from a snapshot gives the logits of the uncut run; a snapshot read at another position
+    fails loudly."""
+    model, cfg = target
+    model.allocate_state(num_slots=2, window=4, dtype=torch.float32, device="cpu", num_snapshots=2)
+    kv = [(torch.zeros(12, 8, *model.kv_spec), torch.zeros(12, 8, *model.kv_spec)) for _ in range(model.num_kv_layers)]
+    a, b = list(range(6)), list(range(6, 12))
+    ids = _ids(40, 5)
+    _step(model, kv, a, 0, ids[:30], 0, saves=((19, 0),))
+    _step(model, kv, a, 0, ids[30:33], 30, saves=((31, 1),))
+    whole = _step(model, kv, b, 1, ids, 0)
+    _step(model, kv, b, 1, ids[:20], 0)  # a step ending at 19: its slot keeps the state there
+    for s in model.states:  # the window's snapshot is its ring entry; the chunk's, a state of another step (of
+        for entry, pos, slot, tol in ((0, 19, 1, 1e-6), (1, 31, 0, 0.0)):  # other rows: products may round apart)
+            conv, rec = s.start(slot, pos + 1)
+            assert s.snap_positions[entry] == pos
+            for got, want in ((s.snap_conv[entry], conv), (s.snap_recurrent[entry], rec)):
+                assert (got - want).abs().max() <= tol
+    resumed = _step(model, kv, a, 0, ids[20:], 20, source=0)
+    assert (resumed - whole[20:]).abs().max() < 1e-5
+    with pytest.raises(RuntimeError, match="snapshot 1 holds the state after position 31, not 19"):
+        _step(model, kv, a, 0, ids[20:], 20, source=1)
+
+
 # -- the block manager's bookkeeping -------------------------------------------------------------------------
 def _bm(**kw) -> BlockManager:
     return BlockManager(**({"num_kv_blocks": 16, "kv_block_size": 4, "num_state_slots": 2, "num_state_snapshots": 3,
