@@ -5,7 +5,8 @@ blocks' products depend on the rows routed together), with and without speculati
 checkpoint's MTP layer), with a rejection right after the cached boundary, under preemption and after eviction
 (the snapshot gone: the cold path); greedy output equals plain decoding without the cache; the branch point of two
 prompts becomes a snapshot for a third; no state slot, pending snapshot or held snapshot is left when requests end;
-the block manager's bookkeeping (which boundaries, one owner, least recently used reuse); the /metrics series; and
+snapshots written by the chunked and the one-token recurrence hold the state a step ending there keeps; the block
+manager's bookkeeping (which boundaries, one owner, least recently used reuse); the /metrics series; and
 a failing twin (restoring another boundary's snapshot) that the logits check catches."""
 
 from __future__ import annotations
