@@ -80,7 +80,20 @@ class CacheConfig:
                                                "may use; the KV pool takes what the weights leave of it "
                                                "(the CPU: --kv-cache-memory-bytes)")
 
+    # hybrid targets (Qwen3.5, Qwen3-Next): prefix caching resumes the recurrence from a snapshot of its state at a
+    # block boundary (docs/models.md, "Prefix caching"); each costs a state slot of window 1 (18.6 MiB at
+    # Qwen3.5-2B's shape), taken from the KV pool's memory
+    max_state_snapshots: int = opt(16, "hybrid targets: recurrent-state snapshots kept for prefix caching (0: "
+                                   "prefix caching off for them)", parse=human_int)
+    state_snapshot_interval: int = opt(512, "hybrid targets: a prompt keeps a state snapshot each time it crosses "
+                                       "a multiple of N tokens, besides its last full KV block (0: only there)",
+                                       parse=human_int)
+
     def __post_init__(self) -> None:
+        if self.max_state_snapshots < 0:
+            raise ValueError(f"max_state_snapshots must be >= 0, got {self.max_state_snapshots}")
+        if self.state_snapshot_interval < 0:
+            raise ValueError(f"state_snapshot_interval must be >= 0, got {self.state_snapshot_interval}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
             raise ValueError(f"kv_cache_dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2; got {self.kv_cache_dtype!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

@@ -228,6 +228,10 @@ class ScheduledRequest:
     num_drafts: int  # drafts at the end of the window (ℓ); 0 for a prompt chunk or plain decode
     emits: bool  # the window reaches the last token: 1 + num_drafts logits rows
     start_pos: int = 0  # num_computed_tokens when scheduled: position of the first new token
+    # hybrid targets with prefix caching: the state snapshot entry the step starts from (a prefix hit's first step;
+    # -1: the request's state slot), and (position, entry) pairs whose states the step keeps (block boundaries)
+    state_from: int = -1
+    state_saves: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_logits(self) -> int:

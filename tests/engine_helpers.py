@@ -23,11 +23,13 @@ def tiny_target(cfg, *, seed: int = 0):
 
 def make_engine(model, cfg, *, drafter=None, spec: SpecConfig | None = None, num_kv_blocks=256,
                 kv_block_size=4, budget=64, max_num_seqs=16, length_policy=None, prefix=True,
-                coalesce_steps=0, device="cpu", dtype="float32", kv_cache_dtype="auto"):
+                coalesce_steps=0, device="cpu", dtype="float32", kv_cache_dtype="auto", max_state_snapshots=16,
+                state_snapshot_interval=512):
     config = EngineConfig(
         device=device, dtype=dtype,
         cache=CacheConfig(kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
-                          enable_prefix_caching=prefix, kv_cache_dtype=kv_cache_dtype),
+                          enable_prefix_caching=prefix, kv_cache_dtype=kv_cache_dtype,
+                          max_state_snapshots=max_state_snapshots, state_snapshot_interval=state_snapshot_interval),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                   coalesce_steps=coalesce_steps),
         spec=spec)

@@ -259,9 +259,9 @@ def test_speculative_greedy_equals_plain(pair, drafter_kind):
     else:
         kw = {"drafter": DraftModelDrafter(_tiny_draft_model(cfg), num_draft_tokens=3),
               "spec": SpecConfig(method="draft_model", model="tiny", num_speculative_tokens=3)}
-    # prefix caching asked for (the engine turns it off for a hybrid target), a pool small enough to preempt
+    # prefix caching on (state snapshots: tests/test_hybrid_prefix_cache.py), a pool small enough to preempt
     engine = make_engine(model, cfg, budget=24, prefix=True, num_kv_blocks=24, **kw)
-    assert not engine.block_manager.enable_prefix_caching
+    assert engine.block_manager.enable_prefix_caching
     assert run(engine, prompts, greedy(16)) == plain
     if drafter_kind == "scripted":
         assert engine.metrics.num_preemptions > 0

@@ -73,13 +73,15 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids) or tuple(model_config.eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         caches = allocate_caches(model, drafter, config)
-        if caches.state_bytes and config.cache.enable_prefix_caching:
-            log.info("prefix caching is off for %s: a cached block would need the recurrent state at its "
-                     "boundary, which the state slots do not keep", model_config.architecture)
+        hybrid = bool(caches.state_bytes)
+        if hybrid and config.cache.enable_prefix_caching and not caches.num_state_snapshots:
+            log.info("prefix caching is off for %s: a cached block needs the recurrent state at its boundary, and "
+                     "max_state_snapshots is 0", model_config.architecture)
         self.block_manager = BlockManager(
             num_kv_blocks=caches.num_kv_blocks, kv_block_size=config.cache.kv_block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching and not caches.state_bytes,
-            num_state_slots=config.scheduler.max_num_seqs if caches.state_bytes else 0)
+            enable_prefix_caching=config.cache.enable_prefix_caching and (not hybrid or caches.num_state_snapshots > 0),
+            num_state_slots=config.scheduler.max_num_seqs if hybrid else 0,
+            num_state_snapshots=caches.num_state_snapshots, snapshot_interval=config.cache.state_snapshot_interval)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self.spec = build_controller(config, drafter=drafter, length_policy=length_policy, cost_table=cost_table,

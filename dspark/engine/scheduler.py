@@ -10,6 +10,10 @@ request is lost.
 `commit` applies a `VerifyResult`: accepted drafts and the recovered/bonus token become output, the
 committed length grows by what was verified (rejected positions roll back by a counter), and stop
 conditions that fall inside an accepted run cut the output exactly where plain decoding would.
+
+On a hybrid target with prefix caching, a prefix hit's first step starts from the state snapshot the block
+manager matched (`ScheduledRequest.state_from`) and each step keeps the snapshots the manager plans for the block
+boundaries its prompt positions cross (`state_saves`); drafts never do (only committed positions are kept).
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class Scheduler:
                     break
             if item is None:
                 continue  # req itself was preempted
+            self._plan_snapshots(item)
             out.scheduled.append(item)
             scheduled_ids.add(req.request_id)
             budget -= item.num_new_tokens
@@ -125,7 +130,7 @@ class Scheduler:
             return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            queried = 0
+            queried, restore = 0, -1
             if not req.block_table and req.num_computed_tokens == 0:
                 if req.uses_speculation and self.drafter_needs_kv and self.admission is not None:
                     req.model_drafting = self.admission(
@@ -133,6 +138,7 @@ class Scheduler:
                 need_draft_kv = self.drafter_needs_kv and req.needs_draft_context
                 # a prompt whose logprobs are still to score computes every position it scores (no hit)
                 cached = 0 if req.scores_prompt else self.block_manager.match_prefix(req, need_draft_kv=need_draft_kv)
+                restore = self.block_manager.snapshot_entry(req) if cached else -1  # a hybrid hit's state
                 req.num_computed_tokens = cached
                 req.num_cached_tokens = cached
                 req.num_draft_computed = cached if need_draft_kv else 0
@@ -144,6 +150,8 @@ class Scheduler:
                 req.num_computed_tokens = req.num_cached_tokens = req.num_draft_computed = 0
                 break
             self.waiting.popleft()
+            item.state_from = restore
+            self._plan_snapshots(item)
             self.num_prefix_cache_queries += queried  # tokens looked up in the prefix cache, and hit
             self.num_prefix_cache_hits += req.num_cached_tokens if queried else 0
             req.status = RequestStatus.RUNNING
@@ -175,6 +183,11 @@ class Scheduler:
         num_drafts = max(num_drafts, 0)
         return ScheduledRequest(req, 1 + num_drafts, num_drafts, emits=True,
                                 start_pos=req.num_computed_tokens)
+
+    def _plan_snapshots(self, item: ScheduledRequest) -> None:
+        """A hybrid target's state snapshots at the block boundaries this step's prompt positions cross."""
+        item.state_saves = self.block_manager.plan_snapshots(
+            item.request, item.start_pos, item.start_pos + item.num_new_tokens - item.num_drafts)
 
     def _allocate(self, req: Request, item: ScheduledRequest) -> bool:
         lookahead = self.num_lookahead_slots if req.uses_speculation else 0

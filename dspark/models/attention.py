@@ -101,6 +101,8 @@ class SeqSpec:
     causal: bool = True  # False: the new tokens see each other both ways (a DSpark draft block)
     store: bool = True  # False: queries only, the K/V of these positions are not written
     state_slot: int = -1  # the request's recurrent state slot (hybrid targets); -1: none
+    state_from: int = -1  # hybrid targets: the state snapshot its first token starts from (a prefix hit); -1: the slot
+    state_saves: tuple[tuple[int, int], ...] = ()  # hybrid targets: (position, snapshot entry) to keep the state of
 
 
 def slots_for(block_table: list[int], start: int, end: int, kv_block_size: int) -> np.ndarray:
@@ -126,7 +128,8 @@ def build_attn_metadata(
     state = None
     if any(s.state_slot >= 0 for s in seqs):
         state = StateRows(tuple(s.state_slot for s in seqs), tuple(s.num_cached for s in seqs),
-                          tuple(s.num_query for s in seqs), tuple(s.token_offset for s in seqs))
+                          tuple(s.num_query for s in seqs), tuple(s.token_offset for s in seqs),
+                          tuple(s.state_from for s in seqs), tuple(s.state_saves for s in seqs))
     return AttnMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         groups=groups, num_tokens=num_tokens, all_stored=bool((slot_mapping >= 0).all()), state=state)

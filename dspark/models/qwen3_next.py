@@ -13,8 +13,8 @@ Weights: Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` load int
 folder's `model.language_model.*` is the decoder; its vision tower and the `mtp.*` layers are skipped here
 (`dspark.drafters.mtp` loads the latter).
 
-The model keeps no per-request state in its parameters: the state slots (`allocate_state`) are indexed by the
-step's `AttnMetadata.state` rows, and `num_kv_layers` counts the full-attention layers, whose paged K/V the
+The model keeps no per-request state in its parameters: the state slots and the prefix cache's state snapshots
+(`allocate_state`) are indexed by the step's `AttnMetadata.state` rows, and `num_kv_layers` counts the full-attention layers, whose paged K/V the
 engine allocates as for any target.
 """
 
@@ -145,23 +145,39 @@ class GatedDeltaNet(nn.Module):
         """Requests with n new tokens each, at once: the one-token recurrence, every position's state kept."""
         slots, starts = [rows.slots[r] for r in members], [rows.starts[r] for r in members]
         idx = torch.tensor([rows.offsets[r] + t for r in members for t in range(n)], device=qkv.device)  # [B * n]
-        conv0, rec0 = state.start_many(slots, starts)  # [B, K - 1, C], [B, Hv, dk, dv]
+        conv0, rec0 = state.start_many(slots, starts, [rows.source(r) for r in members])  # [B, K-1, C], [B, Hv, dk, dv]
         mixed, conv_states = causal_conv(qkv[idx].view(len(members), n, -1), conv0, self.conv_weight)
         q, k, v = self._qkv(mixed)  # [B, n, Hv, d]
         out, states = delta_rule_tokens(q, k, v, g[idx].view(len(members), n, -1),
                                         beta[idx].view(len(members), n, -1), rec0)  # [B, n, Hv, dv], [B, n, ...]
         for j, (slot, start) in enumerate(zip(slots, starts)):
             state.keep(slot, start, conv_states[j], states[j])
+            for pos, entry in rows.saves_of(members[j]):  # a snapshot at a block boundary (prefix caching)
+                state.save(entry, pos, conv_states[j][pos - start], states[j][pos - start])
         core[idx] = out.reshape(len(members) * n, self.num_v_heads, -1).to(core.dtype)
 
     def _chunk(self, r: int, qkv, g, beta, rows: StateRows, state: LayerState, core) -> None:
+        """A long prompt chunk: the chunked recurrence, cut after each position whose state a snapshot keeps. A piece
+        no longer than the ring runs the one-token loop, as a step of that piece alone would (a prefix hit resuming
+        at the cut computes what the cold run did)."""
         slot, start, n, off = rows.slots[r], rows.starts[r], rows.lengths[r], rows.offsets[r]
-        conv0, rec0 = state.start(slot, start)
+        conv0, last = state.start(slot, start, rows.source(r))
         mixed, conv_states = causal_conv(qkv[off:off + n], conv0, self.conv_weight)  # [n, C], [n, K - 1, C]
         q, k, v = self._qkv(mixed)
-        out, last = delta_rule_chunked(q, k, v, g[off:off + n], beta[off:off + n], rec0)
+        g, beta = g[off:off + n], beta[off:off + n]
+        saves = dict(rows.saves_of(r))  # position -> snapshot entry
+        a = 0
+        for b in sorted({pos + 1 - start for pos in saves} | {n}):  # pieces [a, b) of the chunk
+            if b - a <= state.window:
+                out, states = delta_rule_tokens(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], last)
+                last = states[-1]
+            else:
+                out, last = delta_rule_chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], last)
+            core[off + a:off + b] = out.to(core.dtype)
+            if start + b - 1 in saves:
+                state.save(saves[start + b - 1], start + b - 1, conv_states[b - 1], last)
+            a = b
         state.keep(slot, start + n - 1, conv_states[-1:], last.unsqueeze(0))
-        core[off:off + n] = out.to(core.dtype)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -232,10 +248,12 @@ class Qwen3NextForCausalLM(MoeWeights, LlamaForCausalLM):
         return sum(layer_state_bytes(window=window, dtype=dtype, **self.model.layers[i].linear_attn.state_shape())
                    for i in self.linear_layers)
 
-    def allocate_state(self, *, num_slots: int, window: int, dtype: torch.dtype, device) -> None:
+    def allocate_state(self, *, num_slots: int, window: int, dtype: torch.dtype, device, num_snapshots: int = 0) -> None:
         """The state slots: `window` kept states per slot and linear layer (1 + the most drafts a window
-        verifies)."""
+        verifies); `num_snapshots` single states per linear layer for prefix caching (each as big as a slot of
+        window 1)."""
         self.states = [allocate_layer_state(num_slots=num_slots, window=window, dtype=dtype, device=device,
+                                            num_snapshots=num_snapshots,
                                             **self.model.layers[i].linear_attn.state_shape())
                        for i in self.linear_layers]
 

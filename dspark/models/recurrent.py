@@ -9,6 +9,11 @@ target accepts j drafts the request's next step starts at c + j + 1 and reads th
 rollback is the scheduler's counter moving back, no state is copied or recomputed. A prompt chunk longer
 than the window keeps only its last state (nothing rolls back into a prompt).
 
+Snapshots (prefix caching on a hybrid target): a pool of single states per linear layer beside the slots. A step
+may ask a request's row to save the state after some of its positions into snapshot entries (`StateRows.saves`: a
+long chunk's recurrence is cut there, so the state exists) and to start from a snapshot entry instead of its slot
+(`StateRows.sources`: a prefix-cache hit). Which boundaries get an entry, and who owns it, is the block manager's.
+
 The recurrence (the gated delta rule, per value head with a [dk, dv] state S):
     S <- exp(g_t) * S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 `delta_rule_tokens` runs it one token at a time and returns every intermediate state (the verification
@@ -34,6 +39,15 @@ class StateRows:
     starts: tuple[int, ...]  # position of the first new token (the request's num_cached)
     lengths: tuple[int, ...]  # new tokens
     offsets: tuple[int, ...]  # row of the first new token in the flat batch
+    sources: tuple[int, ...] = ()  # snapshot entry each request starts from (-1 or empty: its state slot)
+    saves: tuple[tuple[tuple[int, int], ...], ...] = ()  # per request (position, snapshot entry): keep the state
+    # after that position (one of its new tokens) in that entry
+
+    def source(self, r: int) -> int:
+        return self.sources[r] if self.sources else -1
+
+    def saves_of(self, r: int) -> tuple[tuple[int, int], ...]:
+        return self.saves[r] if self.saves else ()
 
 
 @dataclass
@@ -45,16 +59,27 @@ class LayerState:
     # [num_slots][window] the position whose state each ring entry holds (-1: none); checked on every read, so a
     # step that starts where no state was kept fails loudly instead of reading another position's state
     positions: list[list[int]] = field(default_factory=list)
+    # snapshot entries: [num_snapshots, kernel - 1, conv_dim] and [num_snapshots, Hv, dk, dv] fp32, one state each
+    snap_conv: torch.Tensor | None = None
+    snap_recurrent: torch.Tensor | None = None
+    snap_positions: list[int] = field(default_factory=list)  # the position whose state each entry holds (-1: none)
 
     def __post_init__(self) -> None:
         self.positions = [[-1] * self.window for _ in range(self.conv.shape[0])]
+        self.snap_positions = [-1] * (0 if self.snap_conv is None else self.snap_conv.shape[0])
 
     @property
     def window(self) -> int:
         return self.conv.shape[1]
 
-    def start(self, slot: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [kernel - 1, conv_dim], recurrent [Hv, dk, dv]) after position start - 1 (zeros at 0), copies."""
+    def start(self, slot: int, start: int, source: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [kernel - 1, conv_dim], recurrent [Hv, dk, dv]) after position start - 1 (zeros at 0), copies; from
+        snapshot entry `source` where it is >= 0 (which must hold that position's state)."""
+        if source >= 0:
+            if self.snap_positions[source] != start - 1:
+                raise RuntimeError(f"snapshot {source} holds the state after position {self.snap_positions[source]}, "
+                                   f"not {start - 1}")
+            return self.snap_conv[source].clone(), self.snap_recurrent[source].clone()
         if start == 0:
             return torch.zeros_like(self.conv[slot, 0]), torch.zeros_like(self.recurrent[slot, 0])
         i = (start - 1) % self.window
@@ -63,9 +88,10 @@ class LayerState:
                                f"{sorted(p for p in self.positions[slot] if p >= 0)})")
         return self.conv[slot, i].clone(), self.recurrent[slot, i].clone()
 
-    def start_many(self, slots: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def start_many(self, slots: list[int], starts: list[int], sources: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """`start` of several requests, stacked: (conv [B, kernel - 1, conv_dim], recurrent [B, Hv, dk, dv])."""
-        parts = [self.start(slot, start) for slot, start in zip(slots, starts)]
+        parts = [self.start(slot, start, source) for slot, start, source in zip(slots, starts, sources)]
         return torch.stack([c for c, _ in parts]), torch.stack([r for _, r in parts])
 
     def claim(self, slot: int, pos: int) -> None:
@@ -83,17 +109,28 @@ class LayerState:
         for p in range(first_pos, first_pos + n):
             self.positions[slot][p % self.window] = p
 
+    def save(self, entry: int, pos: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Keep the state after position pos (conv [kernel - 1, conv_dim], recurrent [Hv, dk, dv]) in snapshot
+        entry `entry`."""
+        self.snap_conv[entry].copy_(conv)
+        self.snap_recurrent[entry].copy_(recurrent)
+        self.snap_positions[entry] = pos
+
 
 def allocate_layer_state(*, num_slots: int, window: int, kernel: int, conv_dim: int, num_v_heads: int,
-                         head_k_dim: int, head_v_dim: int, dtype: torch.dtype, device) -> LayerState:
+                         head_k_dim: int, head_v_dim: int, dtype: torch.dtype, device,
+                         num_snapshots: int = 0) -> LayerState:
     return LayerState(torch.zeros(num_slots, window, kernel - 1, conv_dim, dtype=dtype, device=device),
                       torch.zeros(num_slots, window, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32,
-                                  device=device))
+                                  device=device),
+                      snap_conv=torch.zeros(num_snapshots, kernel - 1, conv_dim, dtype=dtype, device=device),
+                      snap_recurrent=torch.zeros(num_snapshots, num_v_heads, head_k_dim, head_v_dim,
+                                                 dtype=torch.float32, device=device))
 
 
 def layer_state_bytes(*, window: int, kernel: int, conv_dim: int, num_v_heads: int, head_k_dim: int,
                       head_v_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one slot of one layer."""
+    """Bytes of one slot of one layer (window = 1: one snapshot entry)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     return window * ((kernel - 1) * conv_dim * elem + num_v_heads * head_k_dim * head_v_dim * 4)
 

@@ -141,6 +141,17 @@ class _EngineCollector:
             yield gauge("num_state_slots_used", "Recurrent state slots held by requests (hybrid targets).",
                         blocks.num_used_state_slots)
             yield gauge("num_state_slots", "Recurrent state slots in all (hybrid targets).", blocks.num_state_slots)
+        if getattr(blocks, "num_state_snapshots", 0) and blocks.enable_prefix_caching:  # a hybrid's prefix cache
+            yield gauge("num_state_snapshots_used", "Recurrent-state snapshots kept for cached blocks or being "
+                        "written (hybrid targets' prefix caching).", blocks.num_used_snapshots)
+            yield gauge("num_state_snapshots", "Recurrent-state snapshot entries in all (hybrid targets).",
+                        blocks.num_state_snapshots)
+            yield counter("state_snapshot_hits", "Prefix-cache hits that resumed a hybrid target's recurrence "
+                          "from a state snapshot.", blocks.num_snapshot_hits)
+            yield counter("state_snapshots_stored", "Recurrent-state snapshots kept at block boundaries.",
+                          blocks.num_snapshots_stored)
+            yield counter("state_snapshots_evicted", "Recurrent-state snapshots dropped: their block left the "
+                          "prefix cache, or a newer snapshot took the entry.", blocks.num_snapshots_evicted)
         yield gauge("num_requests_waiting", "Requests waiting for admission.", ae.num_waiting)
         yield gauge("num_requests_running", "Requests being scheduled.", ae.num_running)
         yield from self._reliability_families(ae)

@@ -84,7 +84,8 @@ def host_batch(sched: SchedulerOutput, *, argmax_only: bool = False) -> HostBatc
         logits_offsets.append(len(logits_indices))
         seqs.append(SeqSpec(block_table=req.block_table, num_cached=start,
                             num_query=item.num_new_tokens, token_offset=offset,
-                            state_slot=-1 if req.state_slot is None else req.state_slot))
+                            state_slot=-1 if req.state_slot is None else req.state_slot,
+                            state_from=item.state_from, state_saves=item.state_saves))
         input_ids.extend(ids)
         positions.extend(range(start, start + item.num_new_tokens))
         if item.emits:
@@ -134,7 +135,8 @@ def cut_rows(seqs: list[SeqSpec], max_rows: int) -> list[tuple[int, int, list[Se
 class Caches:
     kv_caches: list  # the target's (k_cache, v_cache) per KV layer
     num_kv_blocks: int  # the block manager's blocks (the pools hold one more: CUDA graphs' padding rows)
-    state_bytes: int  # a hybrid target's recurrent state slots (0: none)
+    state_bytes: int  # a hybrid target's recurrent state slots and snapshots (0: none)
+    num_state_snapshots: int = 0  # a hybrid target's state snapshots for prefix caching (0: none)
 
 
 def allocate_caches(model: torch.nn.Module, drafter, config) -> Caches:
@@ -150,9 +152,11 @@ def allocate_caches(model: torch.nn.Module, drafter, config) -> Caches:
     block_bytes = (kv_bytes_per_block(layer_specs, kv_block_size, target_kv_dtype)
                    + kv_bytes_per_block(draft_specs, kv_block_size, dtype))
     gamma = drafter.num_draft_tokens if drafter else 0
-    # a hybrid target's state slots, one per running request, come out of the same memory budget
+    # a hybrid target's state slots, one per running request, and its prefix cache's state snapshots come out of
+    # the same memory budget
+    num_snapshots = config.cache.max_state_snapshots if config.cache.enable_prefix_caching else 0
     state_bytes = allocate_state_slots(model, num_slots=config.scheduler.max_num_seqs, window=1 + gamma,
-                                       dtype=dtype, device=config.device)
+                                       dtype=dtype, device=config.device, num_snapshots=num_snapshots)
     num_kv_blocks = config.cache.num_kv_blocks or max(16, int((pool_bytes(config.cache, config.device)
                                                                - state_bytes) // block_bytes))
     # one block past the block manager's: the padding rows of a replayed CUDA graph store their K/V
@@ -163,16 +167,18 @@ def allocate_caches(model: torch.nn.Module, drafter, config) -> Caches:
         drafter.bind_kv(allocate_kv_pool(draft_specs, num_kv_blocks=num_kv_blocks + 1,
                                          kv_block_size=kv_block_size, dtype=dtype, device=config.device))
         drafter.bind_target_kv(pool, getattr(model, "cache_index", None))  # read in place (Gemma 4's assistant)
-    return Caches(pool, num_kv_blocks, state_bytes)
+    return Caches(pool, num_kv_blocks, state_bytes, num_snapshots if state_bytes else 0)
 
 
-def allocate_state_slots(model: torch.nn.Module, *, num_slots: int, window: int, dtype: torch.dtype, device) -> int:
+def allocate_state_slots(model: torch.nn.Module, *, num_slots: int, window: int, dtype: torch.dtype, device,
+                         num_snapshots: int = 0) -> int:
     """A hybrid target's recurrent state slots (`window` kept states each: 1 + the most drafts a window
-    verifies); returns their bytes, 0 for a target without linear-attention layers."""
+    verifies) and `num_snapshots` state snapshots (one state each); returns their bytes, 0 for a target without
+    linear-attention layers."""
     if not getattr(model, "has_recurrent_state", False):
         return 0
-    model.allocate_state(num_slots=num_slots, window=window, dtype=dtype, device=device)
-    return num_slots * model.state_bytes_per_slot(window, dtype)
+    model.allocate_state(num_slots=num_slots, window=window, dtype=dtype, device=device, num_snapshots=num_snapshots)
+    return num_slots * model.state_bytes_per_slot(window, dtype) + num_snapshots * model.state_bytes_per_slot(1, dtype)
 
 
 def kv_bytes_per_block(layer_specs: list[tuple[int, int]], kv_block_size: int, dtype: torch.dtype) -> int:
