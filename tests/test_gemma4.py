@@ -388,17 +388,18 @@ def test_what_cannot_run_is_refused_by_name():
         chat_prompt_ids(req, tokenizer=None)
 
 
-def test_a_gemma4_gguf_is_refused_by_name(tmp_path):
-    """gguf names llama.cpp's gemma4 tensors, but not how its converter folds the router and per-expert scales,
-    the proportional RoPE and the K = V layers: a Gemma 4 GGUF is refused, naming its architecture."""
+def test_a_gemma4_gguf_header_without_its_keys_is_refused_naming_what_it_lacks(tmp_path):
+    """A Gemma 4 GGUF loads (tests/test_gguf_families.py: files of llama.cpp's own converter); a header that lacks
+    what the config needs is refused, naming the file and the missing key, before any weight."""
     import gguf
+    from dspark.models.files import CheckpointError
     from dspark.models.loader import read_model_config
     writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma4")
     writer.add_block_count(2)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'gemma4' is not supported"):
+    with pytest.raises(CheckpointError, match="g.gguf: lacks 'gemma4.attention.sliding_window_pattern'"):
         read_model_config(tmp_path / "g.gguf")
 
 

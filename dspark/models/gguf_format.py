@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dspark.models.config import ModelConfig
+from dspark.models.gguf_families import GGUF_FAMILIES
 
 # GGML tensor type id -> (name, weights a block, bytes a block): gguf.constants' GGMLQuantizationType names
 # and GGML_QUANT_SIZES (test_loader checks the two agree)
@@ -240,11 +241,14 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def gguf_model_config(reader: Any) -> ModelConfig:
-    """ModelConfig from a GGUF header (`<arch>.*` keys, tokenizer ids, presence of output.weight)."""
+    """ModelConfig from a GGUF header (`<arch>.*` keys, tokenizer ids, presence of output.weight); the families
+    of `gguf_families` (Gemma 4, the hybrid Qwens) through their records."""
     arch = gguf_field(reader, "general.architecture")
+    if arch in GGUF_FAMILIES:
+        return GGUF_FAMILIES[arch].model_config(reader, arch)
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(GGUF_ARCHITECTURES)}")
+                         f"{', '.join([*GGUF_ARCHITECTURES, *GGUF_FAMILIES])}")
 
     def get(key: str, default: Any = KeyError) -> Any:
         value = gguf_field(reader, f"{arch}.{key}", None)

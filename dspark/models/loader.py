@@ -44,6 +44,7 @@ from dspark.models.layers import (Linear, add_decode_layout, drop_dense_weights,
 from dspark.models.config import ModelConfig
 from dspark.models.files import (CONFIG_ERRORS, CheckpointError, check_num_layers, check_sizes, config_error,
                                  folder_file, index_files, open_safetensors, read_json_object, safetensors_header)
+from dspark.models.gguf_families import GGUF_FAMILIES
 from dspark.models.gguf_format import (GGMLType, _gguf_reader, gguf_field, gguf_model_config,  # noqa: F401
                                        gguf_reader, gguf_to_hf_name, gguf_values, unpermute_rope_rows)
 from dspark.models.tokenizer import TokenizerBundle, check_tokenizer_files, gguf_cache_dir, load_tokenizer
@@ -157,6 +158,9 @@ def q4_1_problem(path_or_name: str | Path) -> str | None:
     path = resolve_model_path(path_or_name)
     if not (path.is_file() and path.suffix == ".gguf"):
         return f"{path} is not a GGUF file (Q4_1 products multiply a Q4_1 GGUF's own blocks)"
+    arch = gguf_field(gguf_reader(path), "general.architecture")
+    if arch in GGUF_FAMILIES:
+        return f"{path.name}: a {arch} GGUF loads dequantized (its blocks are not kept resident)"
     for t in gguf_reader(path).tensors:
         if not t.name.startswith("blk.") or len(t.shape) != 2:
             continue  # the embedding / LM head: bf16, Q8_0 or fp32 products; norms are vectors
@@ -380,17 +384,18 @@ class GGUFSource:
         permute = self.config.architecture == "LlamaForCausalLM"  # llama.cpp permutes Llama q/k only
         arch = self.field("general.architecture")
         norm_shift = arch == "gemma3"  # llama.cpp stores Gemma's RMSNorm weights as 1 + weight
+        family = GGUF_FAMILIES.get(arch)  # Gemma 4, the hybrid Qwens: names and transforms by record
         for t in self.reader.tensors:
             if t.name in skip:
+                continue
+            if family is not None:
+                yield from family.hf_tensors(t.name, _fp32(t), self.config)
                 continue
             if t.name == "rope_freqs.weight":
                 raise ValueError(f"{self.path}: rope_freqs.weight (llama3 rope scaling in GGUF) is not "
                                  "supported; load the HF safetensors checkpoint instead")
             name = gguf_to_hf_name(t.name, arch)
-            # numpy shape is the reverse of the GGUF dims: [out, in], the HF layout
-            array = gguf_values(t)
-            tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C",
-                                               copy=not array.flags.writeable or None))
+            tensor = _fp32(t)
             if permute and name.endswith("self_attn.q_proj.weight"):
                 tensor = unpermute_rope_rows(tensor, self.config.num_attention_heads)
             elif permute and name.endswith("self_attn.k_proj.weight"):
@@ -398,6 +403,13 @@ class GGUFSource:
             elif norm_shift and name.endswith("norm.weight"):
                 tensor = tensor - 1.0
             yield name, tensor
+
+
+def _fp32(t) -> torch.Tensor:
+    """A GGUF tensor's values as fp32, shaped as numpy reads them: the reverse of the GGUF dims ([out, in], the
+    HF layout)."""
+    array = gguf_values(t)
+    return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable or None))
 
 
 def _gguf_header(path: Path):

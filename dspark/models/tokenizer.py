@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark.models.files import CheckpointError
+from dspark.models.gguf_families import GGUF_FAMILIES
+from dspark.models.gguf_format import gguf_field, gguf_reader
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +176,12 @@ def _load_gguf_tokenizer(path: Path) -> Any:
             return _cached_tokenizer(cache)
         except Exception as e:  # a damaged cache entry: convert again
             logger.warning("ignoring tokenizer cache %s: %s", cache, e)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    # transformers builds a whole model config before the tokenizer, and has none for some families' headers
+    # (qwen3next; gemma4's per-layer widths): theirs is built from the tokenizer keys alone
+    by_keys = gguf_field(gguf_reader(path), "general.architecture") in GGUF_FAMILIES
+    tok = (PreTrainedTokenizerFast if by_keys else AutoTokenizer).from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True)
     try:
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
