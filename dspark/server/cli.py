@@ -5,6 +5,8 @@
     dspark serve MODEL --max-model-len 4k --speculative-config.method ngram \
         --speculative-config.num_speculative_tokens 4
     dspark serve --data-parallel-size 2            # two engine processes, one API server (docs/replicas.md)
+    dspark serve MODEL -tp 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1   # host 1 of 2 (serves HTTP)
+    dspark serve MODEL -tp 2 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1   # host 2 of 2 (headless)
 
 The flags are generated from `EngineConfig` and `ServerConfig` (dspark.engine_args), in vLLM's spellings.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 
@@ -48,8 +51,13 @@ def configs_from_args(args: argparse.Namespace):
 
     from dspark.cli import engine_config_from_args
     from dspark.server.config import server_config_from_args
+    from dspark.distributed.rendezvous import from_environment
     server = server_config_from_args(args)
     config = engine_config_from_args(args)
+    try:  # torchrun's environment where the flags leave the tensor-parallel group on one host
+        config = dataclasses.replace(config, parallel=from_environment(config.parallel, os.environ))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.speculative_config is None:  # (an explicit "default" is resolved by build_engine)
         config = dataclasses.replace(config, spec=default_spec(config))
     return config, server
@@ -60,11 +68,19 @@ def run(args: argparse.Namespace) -> int:
     from dspark.server.app import build_app
     from dspark.server.async_engine import AsyncEngine
 
+    from dspark.distributed.rendezvous import ConfigMismatch
+
     config, server_config = configs_from_args(args)
     logging.getLogger().setLevel(_python_level(server_config.uvicorn_log_level))
     if server_config.data_parallel_size > 1:
         return run_replicas(args, config, server_config)
-    engine, tokenizer = build_engine(config)
+    try:
+        if config.parallel.node_rank > 0:  # multi-node tensor parallelism: this node's ranks, no HTTP
+            from dspark.engine.build import run_tensor_parallel_node
+            return run_tensor_parallel_node(config)
+        engine, tokenizer = build_engine(config)
+    except ConfigMismatch as e:
+        raise SystemExit(f"error: {e}") from None
     if server_config.chat_template:
         from dspark.models.tokenizer import with_chat_template
         tokenizer = with_chat_template(tokenizer, server_config.chat_template)
