@@ -7,6 +7,7 @@
     GET  /health               200 while the engine thread runs, 503 after it failed (replicas: 200
                                "degraded" while some serve, 503 once none does)
     GET  /metrics              Prometheus text (see `server/metrics.py`)
+    GET  /get_load             {"load", "num_reqs", "num_waiting_reqs"}: the routers' power_of_two probe
     POST /tokenize             {"prompt"} or {"messages"} → {"count", "max_model_len", "tokens"} (vLLM's)
     POST /detokenize           {"tokens"} → {"prompt"}
     GET  /version              {"version"}
@@ -211,6 +212,13 @@ def build_app(async_engine: AsyncEngine | ReplicaSet, *, model_name: str | Seque
             raise APIError(503, f"engine is not running: {async_engine.error or 'not started'}",
                            type="service_unavailable")
         return async_engine.health_report()
+
+    @app.get("/get_load")
+    async def get_load():
+        """The routers' load probe (vllm-router's and sglang-router's power_of_two read `load`): requests
+        running and waiting."""
+        running, waiting = async_engine.num_running, async_engine.num_queued
+        return {"load": running + waiting, "num_reqs": running, "num_waiting_reqs": waiting}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -245,6 +245,13 @@ class ReplicaSet:
         return sum(len(r.streams) for r in self.replicas)
 
     @property
+    def num_running(self) -> int:
+        """Requests the replicas hold (running or waiting there): this process sees no finer split."""
+        return self.num_active
+
+    num_queued = 0  # admitted but not yet running: counted by each replica, in its own /metrics
+
+    @property
     def max_num_waiting(self) -> int | None:
         return self._limits["max_num_waiting"]
 
