@@ -91,6 +91,33 @@ def test_two_nodes_started_on_their_own_serve_one_process_greedy_output(tmp_path
         stop(*nodes)
 
 
+def test_torchrun_starts_the_group_from_its_environment(tmp_path, monkeypatch):
+    """`torchrun --nproc-per-node 2 -m dspark serve MODEL -tp 2`: its agent holds the store and sets RANK /
+    WORLD_SIZE / MASTER_*; rank 0 serves what one process serves."""
+    from dspark.engine.build import build_engine
+    from dspark.llm import LLM
+
+    model = write_checkpoint(TINY_LLAMA, tmp_path / "llama")
+    http = free_port()
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    argv = [torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+            str(free_port()), "-m", "dspark", "serve", model, "-tp", "2", "--speculative-config", "none",
+            "--num-threads", "1", "--port", str(http), "--log-level", "warning", "--disable-log-stats"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DSPARK_CPU_KERNELS": "0"}
+    group = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
+        engine, tokenizer = build_engine(engine_config(model, 1))
+        expected = LLM(engine=engine, tokenizer=tokenizer).generate(PROMPTS[:1], GREEDY)[0].outputs[0].text
+        url = f"http://127.0.0.1:{http}"
+        wait_healthy(url, [group])
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "prompt": PROMPTS[0], "max_tokens": GREEDY.max_tokens, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+    finally:
+        stop(group)
+
+
 def test_nodes_with_different_models_stop_naming_the_difference(tmp_path):
     llama = write_checkpoint(TINY_LLAMA, tmp_path / "llama")
     qwen = write_checkpoint(TINY_QWEN3, tmp_path / "qwen")

@@ -3,7 +3,7 @@
 On one host rank 0 holds a TCP store on 127.0.0.1 (an OS-chosen port) and starts its workers itself. Across
 hosts (`--nnodes N --node-rank n --master-addr A --master-port P`, vLLM's and torchrun's flags, or torchrun's
 environment: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`), each host is started on its own: node 0
-holds the store at A:P and serves HTTP, node n runs ranks n*k .. n*k + k - 1 (k = tensor_parallel_size / N)
+holds the store at A:P (under torchrun its agent does) and serves HTTP, node n runs ranks n*k .. n*k + k - 1 (k = tensor_parallel_size / N)
 headless. Processes that do not share a parent share nothing but these flags, so each node publishes a
 fingerprint of its configuration (the model's config, dtypes, sizes) in the store; node 0 compares them and
 publishes its verdict, and every node stops with the same message naming what differs, before loading weights.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import time
 from datetime import timedelta
 
@@ -60,6 +61,8 @@ def open_store(parallel: ParallelConfig, *, master: bool) -> dist.TCPStore:
     if parallel.nnodes == 1:
         return dist.TCPStore("127.0.0.1", 0, parallel.tensor_parallel_size, is_master=True,
                              wait_for_workers=False, timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent holds the store at A:P
+        master = False
     return dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.tensor_parallel_size,
                          is_master=master, wait_for_workers=False, timeout=timeout)
 

@@ -126,7 +126,8 @@ def run_replicas(args: argparse.Namespace, config, server_config) -> int:
     replicas = ReplicaSet(ReplicaLaunch("dspark.server.cli:replica_engine", {"flags": flags}), size,
                           tokenizer=tokenizer, engine_config=config, threads=config.num_threads,
                           model_name=model_names[0], max_num_waiting=server_config.max_num_waiting,
-                          request_timeout_s=server_config.request_timeout_s)
+                          request_timeout_s=server_config.request_timeout_s,
+                          log_level=server_config.uvicorn_log_level)
     log.info("serving %s as %s on http://%s:%d with %d replicas of %d torch threads", config.model,
              ", ".join(repr(n) for n in model_names), server_config.host, server_config.port, size, replicas.threads)
     replicas.launch()

@@ -154,8 +154,10 @@ class Replica:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(sys.stdin.read())
+    level = spec.get("log_level") or "info"
+    logging.basicConfig(level=logging.DEBUG if level == "trace" else getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     channel = Channel(socket.socket(fileno=spec["fd"]))
     pin(spec.get("threads"), spec.get("cpus"))
     try:

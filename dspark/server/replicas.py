@@ -119,7 +119,7 @@ class ReplicaSet:
     def __init__(self, launch: ReplicaLaunch, size: int, *, tokenizer, engine_config=None,
                  threads: int | None = None, pin_cores: bool = True, model_name: str = "dspark",
                  max_num_waiting: int | None = None, request_timeout_s: float | None = None,
-                 affinity_slack: int = 4):
+                 affinity_slack: int = 4, log_level: str = "info"):
         if size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {size}")
         self.launch_spec, self.size, self.tokenizer = launch, size, tokenizer
@@ -127,7 +127,7 @@ class ReplicaSet:
         self.threads = threads or max(1, len(_usable_cpus()) // size)
         self.pin_cores, self.model_name = pin_cores, model_name
         self._limits = {"max_num_waiting": max_num_waiting, "request_timeout_s": request_timeout_s}
-        self.affinity_slack = affinity_slack
+        self.affinity_slack, self.log_level = affinity_slack, log_level
         self.balancer: Balancer | None = None
         self.replicas: list[_Replica] = []
         self.on_request_end = None  # the app sets it; the replicas observe their own requests
@@ -166,7 +166,7 @@ class ReplicaSet:
                                 pass_fds=(theirs.fileno(),), env=env)
         spec = {"index": index, "fd": theirs.fileno(), "factory": self.launch_spec.factory,
                 "args": self.launch_spec.args, "threads": self.threads, "cpus": cpus,
-                "model_name": self.model_name, **self._limits}
+                "model_name": self.model_name, "log_level": self.log_level, **self._limits}
         proc.stdin.write(json.dumps(spec).encode())
         proc.stdin.close()
         theirs.close()
