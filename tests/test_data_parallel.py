@@ -231,6 +231,8 @@ def test_a_replica_that_cannot_build_its_engine_fails_the_launch_naming_it():
 @pytest.mark.parametrize("argv, message", [
     (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
     (["-dp", "2", "--device", "cuda"], "--data-parallel-size 2 runs CPU replicas"),
+    (["-dp", "2", "-tp", "2", "--nnodes", "2"], "--data-parallel-size 2 with --nnodes 2"),
+    (["--nnodes", "0"], "--nnodes must be >= 1"),
 ])
 def test_bad_data_parallel_flags_are_refused_naming_the_flag(argv, message):
     proc = subprocess.run([sys.executable, "-m", "dspark", "serve", "--speculative-config", "none", *argv],
@@ -246,7 +248,8 @@ def test_replica_set_interface_matches_what_the_app_reads():
     from dspark.server.replicas import ReplicaSet
     used = ["tokenizer", "engine_config", "has_local_engine", "check_admission", "check_request", "add_requests",
             "abort", "is_healthy", "error", "health_report", "max_model_len", "start", "shutdown", "draining",
-            "begin_drain", "run_forever", "max_num_waiting", "request_timeout_s", "on_request_end"]
+            "begin_drain", "run_forever", "max_num_waiting", "request_timeout_s", "on_request_end", "num_running",
+            "num_queued"]
     engine = AsyncEngine(make_engine(build_tiny_model()), CharTokenizer())
     replicas = ReplicaSet(None, 2, tokenizer=CharTokenizer())  # not launched: its attributes only
     for obj in (engine, replicas):

@@ -5,8 +5,8 @@ Extension's model server protocol states it (TotalQueuedRequests `vllm:num_reque
 TotalRunningRequests `vllm:num_requests_running`, KVCacheUtilization `vllm:kv_cache_usage_perc`: gauges;
 BlockSize / NumGPUBlocks: labels `block_size`, `num_gpu_blocks` of `vllm:cache_config_info`).
 
-With `vllm-router` on PATH (pip install vllm-router; else skipped): two `dspark serve` processes behind it on
-loopback answer every request with one engine's greedy output, and a server drained by SIGTERM finishes its
+With `vllm-router` or `sglang-router` on PATH (pip install vllm-router / sglang-router; else skipped): two
+`dspark serve` processes behind it on loopback answer every request with one engine's greedy output, and a server drained by SIGTERM finishes its
 running request while the router sends the rest to the other."""
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def test_metrics_as_the_inference_extension_reads_them(served):
 
 
 # -- vllm-router in front of two dspark servers ---------------------------------------------------------------
-ROUTER = shutil.which("vllm-router")
+# each router's command line (on PATH, else its test is skipped): policy power_of_two reads /get_load
+ROUTERS = {"vllm-router": (shutil.which("vllm-router"), [], ["--policy", "power_of_two", "--log-level", "warning"]),
+           "sglang-router": (shutil.which("sglang-router"), ["launch"], ["--policy", "cache_aware", "--log-level", "warn"])}
 
 
 def free_port() -> int:
@@ -104,8 +106,11 @@ def complete(url: str, prompt: str, max_tokens: int = 10) -> httpx.Response:
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
 
 
-@pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
-def test_two_servers_behind_vllm_router(served):
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_two_servers_behind_a_router(served, name):
+    executable, command, flags = ROUTERS[name]
+    if executable is None:
+        pytest.skip(f"{name} is not installed (pip install {name})")
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
     ports = [free_port(), free_port()]
     workers = [subprocess.Popen([sys.executable, str(TESTS / "serve_tiny.py"), str(p), "--step-sleep-s", "0.02"],
@@ -116,8 +121,8 @@ def test_two_servers_behind_vllm_router(served):
     try:
         for url in urls:
             wait_ok(url + "/health", workers)
-        router = subprocess.Popen([ROUTER, "--worker-urls", *urls, "--port", str(router_port), "--policy",
-                                   "power_of_two", "--worker-startup-check-interval", "1", "--log-level", "warning"],
+        router = subprocess.Popen([executable, *command, "--worker-urls", *urls, "--port", str(router_port),
+                                   "--worker-startup-check-interval", "1", *flags],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(router)
         front = f"http://127.0.0.1:{router_port}"
