@@ -146,11 +146,37 @@ class ParallelConfig:
     vocab_parallel_argmax: bool = opt(True, "greedy-only steps gather each rank's vocabulary-slice argmax, "
                                       "not the logits rows")
 
+    # several hosts (vLLM's and torchrun's flags): the tensor_parallel_size ranks are spread evenly over `nnodes`
+    # hosts, each started on its own with its `node_rank`; they meet at master_addr:master_port (node 0's
+    # address), node 0 serves HTTP and the others run their ranks headless (dspark.distributed.rendezvous)
+    nnodes: int = opt(1, "hosts the tensor-parallel ranks span (each started with its own --node-rank)")
+    node_rank: int = opt(0, "this host's index among --nnodes (0 serves HTTP; the others run their ranks only)")
+    master_addr: str = opt("127.0.0.1", "node 0's address, where the ranks of every node meet")
+    master_port: int = opt(29501, "node 0's rendezvous port (a TCP store)")
+    headless: bool = opt(False, "run this node's ranks without the HTTP server (what a --node-rank > 0 does "
+                         "anyway; accepted for vLLM command lines)")
+
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not spread evenly over "
+                             f"--nnodes {self.nnodes} (each node runs the same number of ranks)")
+        if not 0 < self.master_port <= 65535:
+            raise ValueError(f"--master-port must be in [1, 65535], got {self.master_port}")
+        if self.headless and self.node_rank == 0:
+            raise ValueError("--headless is for the nodes of --node-rank > 0; node 0 serves HTTP")
+
+    @property
+    def local_size(self) -> int:
+        """Ranks on each node."""
+        return self.tensor_parallel_size // self.nnodes
 
 
 class SpecConfigError(ValueError):

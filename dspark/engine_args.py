@@ -23,7 +23,6 @@ from typing import Any
 # vLLM flag → why dspark refuses it (each names itself in the error)
 REFUSED_FLAGS: dict[str, str] = {
     "--pipeline-parallel-size": "there is no pipeline parallelism",
-    "--data-parallel-size": "there is no data parallelism; run one server per replica",
     "--quantization": "a GGUF model is served in its own quantized blocks (see --matmul-dtype)",
     "--enable-lora": "LoRA adapters are not supported",
     "--lora-modules": "LoRA adapters are not supported",
@@ -41,7 +40,7 @@ REFUSED_FLAGS: dict[str, str] = {
     "--allowed-origins": "CORS is not configurable",
     "--root-path": "the app is served at /",
 }
-SHORT_REFUSED = {"-pp": "--pipeline-parallel-size", "-dp": "--data-parallel-size", "-q": "--quantization"}
+SHORT_REFUSED = {"-pp": "--pipeline-parallel-size", "-q": "--quantization"}
 
 
 @dataclass(frozen=True)

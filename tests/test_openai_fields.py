@@ -267,7 +267,7 @@ COMMON_REFUSED = {
     "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["x"],
     "skip_special_tokens": False, "spaces_between_special_tokens": False, "truncate_prompt_tokens": 4,
     "priority": 1, "return_tokens_as_token_ids": True, "service_tier": "flex", "store": True,
-    "metadata": {"a": "b"}, "add_special_tokens": True,
+    "metadata": {"a": "b"}, "add_special_tokens": True, "no_stop_trim": True, "return_hidden_states": True,
     "response_format": {"type": "json_schema"}, "structured_outputs": {"json": 1, "regex": "a"},
     "guided_json": "{not json", "guided_regex": "a(", "guided_choice": [],
     "guided_grammar": "start: nothing_defined",
@@ -276,7 +276,8 @@ REFUSED = {
     "chat": {**COMMON_REFUSED, "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
              "functions": [{"name": "f"}], "function_call": "auto", "prediction": {"type": "content"},
              "reasoning_effort": "high", "verbosity": "low", "web_search_options": {}, "documents": [{}],
-             "continue_final_message": True, "echo": True,
+             "continue_final_message": True, "echo": True, "separate_reasoning": False,
+             "stream_reasoning": False, "include_reasoning": False,
              "tools": TOOLS,  # tool_choice "auto" (the default with tools): no parser for the model's format
              "tool_choice": "required"},  # without tools
     "completions": {**COMMON_REFUSED, "suffix": "tail", "best_of": 3, "add_special_tokens": False},

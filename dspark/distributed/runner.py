@@ -50,16 +50,17 @@ def backend_for(device: str) -> str:
     return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
-def rank_device(device: str, rank: int) -> str:
-    """Rank r of a CUDA engine runs on cuda:r; CPU ranks share the CPU."""
-    return f"cuda:{rank}" if str(device).startswith("cuda") else "cpu"
+def rank_device(device: str, rank: int, local_size: int | None = None) -> str:
+    """Rank r of a CUDA engine runs on its node's cuda:(r mod ranks a node); CPU ranks share the CPU."""
+    return f"cuda:{rank % (local_size or rank + 1)}" if str(device).startswith("cuda") else "cpu"
 
 
 def threads_per_rank(config: EngineConfig) -> int | None:
-    """CPU ranks split the cores (unless `num_threads` says): two ranks on a 2-core machine take one each."""
+    """CPU ranks split their host's cores (unless `num_threads` says): two ranks on a 2-core machine take one
+    each."""
     if config.num_threads or not str(config.device).startswith("cpu"):
         return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return max(1, (os.cpu_count() or 1) // config.parallel.local_size)
 
 
 def load_full_target(config: EngineConfig):
@@ -82,7 +83,7 @@ def shard_target(model, config: EngineConfig, tp: TPGroup, matmul_dtype: str, *,
 
     view = FullVocabView(model) if keep_full_vocab else None
     shard_model(model, tp)
-    device = rank_device(config.device, tp.rank)
+    device = rank_device(config.device, tp.rank, config.parallel.local_size)
     if matmul_dtype == "bfloat16":
         use_bf16_products(model)
     elif device == "cpu" and not (model.lm_head.weight.dtype == torch.float32 and kernels.enabled()):
@@ -93,18 +94,18 @@ def shard_target(model, config: EngineConfig, tp: TPGroup, matmul_dtype: str, *,
     return view
 
 
-def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, events) -> None:
+def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, address: tuple[str, int], events) -> None:
     """A worker's life: join the group, load its shard, allocate its KV pool, run forwards until stopped."""
-    tp = None
+    tp = store = None
     try:
         size = config.tensor_parallel_size
         threads = threads_per_rank(config)
         if threads:
             torch.set_num_threads(threads)
         if config.device.startswith("cuda"):
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank % config.parallel.local_size)
         events.put(("started", rank, ""))
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=_timedelta(STARTUP_TIMEOUT_S))
+        store = dist.TCPStore(address[0], address[1], size, is_master=False, timeout=_timedelta(STARTUP_TIMEOUT_S))
         tp = TPGroup.join(rank=rank, size=size, store=store, backend=backend_for(config.device),
                           timeout_s=config.parallel.distributed_timeout_s)
         model = load_full_target(config)[0]
@@ -113,6 +114,7 @@ def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, 
             from dspark import kernels
             kernels.ops()  # load (or build) the CPU kernels now, not inside the first step's collectives
         events.put(("ready", rank, ""))
+        store.set(f"dspark/ready/{rank}", "1")  # what node 0 waits for from the ranks of other nodes
         message = tp.receive()
         while message[0] == "ping":  # heartbeats while rank 0 builds the drafter and the engine
             message = tp.receive()
@@ -125,9 +127,9 @@ def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, 
         pool = allocate_kv_pool(specs, num_kv_blocks=num_kv_blocks,
                                 kv_block_size=kv_block_size,
                                 dtype=kv_dtype(config.cache.kv_cache_dtype, DTYPES[config.dtype]),
-                                device=rank_device(config.device, rank))
+                                device=rank_device(config.device, rank, config.parallel.local_size))
         runner = ModelRunner(model, kv_caches=pool, kv_block_size=kv_block_size,
-                             device=rank_device(config.device, rank))
+                             device=rank_device(config.device, rank, config.parallel.local_size))
         while True:
             message = tp.receive()
             if message[0] == "stop":
@@ -138,6 +140,7 @@ def _worker_main(rank: int, config: EngineConfig, matmul_dtype: str, port: int, 
         detail = traceback.format_exc()
         print(f"dspark tensor-parallel rank {rank} failed:\n{detail}", file=sys.stderr, flush=True)
         events.put(("error", rank, detail))
+        _publish_error(store, rank, detail)
         time.sleep(0.5)  # let the queue's feeder thread hand the message over
         os._exit(1)
     finally:
@@ -161,6 +164,39 @@ def forward_shard(runner: ModelRunner, batch: StepBatch, *,
     return (None if logits is None else logits[:, :model.full_vocab_size]), taps
 
 
+def _publish_error(store, rank: int, detail: str) -> None:
+    """A rank's failure where node 0 reads it (a rank of another node has no event queue to rank 0)."""
+    if store is not None:
+        try:
+            store.set(f"dspark/error/{rank}", detail[-4000:])
+        except Exception:  # noqa: BLE001 - the store is gone with node 0: nobody to tell
+            pass
+
+
+def run_node(config: EngineConfig, matmul_dtype: str) -> int:
+    """A node of --node-rank > 0: agree with node 0 on the configuration (before loading anything), then run
+    this node's ranks (the first in this process, the others started here) until node 0 stops them or goes
+    away. Returns the exit code."""
+    from dspark.distributed.rendezvous import agree, fingerprint, local_ranks, open_store, store_address
+    parallel = config.parallel
+    store = open_store(parallel, master=False)
+    agree(store, parallel, fingerprint(config, matmul_dtype))  # ConfigMismatch names what differs
+    first, *others = local_ranks(parallel)
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    address = store_address(parallel, store)
+    procs = [ctx.Process(target=_worker_main, args=(rank, config, matmul_dtype, address, events),
+                         name=f"dspark-tp{rank}", daemon=True) for rank in others]
+    for p in procs:
+        p.start()
+    log.info("node %d of %d: tensor-parallel ranks %d..%d, rendezvous at %s:%d", parallel.node_rank,
+             parallel.nnodes, first, first + len(others), *address)
+    _worker_main(first, config, matmul_dtype, address, queue.Queue())  # exits the process if it fails
+    for p in procs:
+        p.join()
+    return max([0] + [p.exitcode or 0 for p in procs])
+
+
 def _timedelta(seconds: float):
     from datetime import timedelta
     return timedelta(seconds=seconds)
@@ -169,24 +205,28 @@ def _timedelta(seconds: float):
 class Workers:
     """Rank 0's handle on the worker processes (ranks 1 .. size - 1)."""
 
-    def __init__(self, config: EngineConfig, matmul_dtype: str) -> None:
+    def __init__(self, config: EngineConfig, matmul_dtype: str, store: dist.TCPStore | None = None) -> None:
+        """`store`: the rendezvous `rendezvous.open_store` opened (and checked the other nodes against);
+        else one on 127.0.0.1 for ranks on this host alone."""
+        from dspark.distributed.rendezvous import local_ranks, open_store, remote_ranks, store_address
         size = config.tensor_parallel_size
         if config.device.startswith("cuda"):
             if ":" in config.device:
                 raise ValueError(f"tensor_parallel_size {size} runs on cuda:0 .. cuda:{size - 1}; "
                                  f"give device 'cuda', not {config.device!r}")
-            if torch.cuda.device_count() < size:
-                raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; torch sees "
+            if torch.cuda.device_count() < config.parallel.local_size:
+                raise ValueError(f"tensor_parallel_size {size} needs {config.parallel.local_size} GPUs a node; torch sees "
                                  f"{torch.cuda.device_count()}")
             torch.cuda.set_device(0)
         self.config, self.size = config, size
         self.timeout_s = config.parallel.distributed_timeout_s
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                              timeout=_timedelta(STARTUP_TIMEOUT_S))
+        store = store or open_store(config.parallel, master=True)
+        self.remote = remote_ranks(config.parallel)  # ranks of the other nodes (started on their own hosts)
         ctx = mp.get_context("spawn")
         self.events = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker_main, args=(rank, config, matmul_dtype, store.port, self.events),
-                                  name=f"dspark-tp{rank}", daemon=True) for rank in range(1, size)]
+        address = store_address(config.parallel, store)
+        self.procs = [ctx.Process(target=_worker_main, args=(rank, config, matmul_dtype, address, self.events),
+                                  name=f"dspark-tp{rank}", daemon=True) for rank in local_ranks(config.parallel)[1:]]
         for p in self.procs:
             p.start()
         self._store = store
@@ -236,12 +276,15 @@ class Workers:
     def wait_ready(self) -> None:
         """Block until every worker has loaded its shard; a worker that fails or dies first raises."""
         self._wait_for("ready", deadline_s=max(self.timeout_s, STARTUP_TIMEOUT_S))
+        if self.remote:
+            from dspark.distributed.rendezvous import wait_remote_ready
+            wait_remote_ready(self._store, self.remote, max(self.timeout_s, STARTUP_TIMEOUT_S), WorkerFailure)
         threading.Thread(target=self._heartbeat, name="dspark-tp-heartbeat", daemon=True).start()
 
     def _wait_for(self, what: str, *, deadline_s: float) -> None:
         done: set[int] = set()
         deadline = time.monotonic() + deadline_s
-        while len(done) < self.size - 1:
+        while len(done) < len(self.procs):
             self.check_alive()
             try:
                 kind, rank, detail = self.events.get(timeout=0.5)

@@ -127,10 +127,13 @@ def _start_tensor_parallel(config: EngineConfig, matmul_dtype: str):
     """Rank 0's shard and the started workers -> (workers, model, model config, tokenizer, the whole-vocabulary
     view the drafter shares). Rank 0 loads first, so a GGUF's converted cache is written once before the
     workers read it."""
+    from dspark.distributed.rendezvous import agree, fingerprint, open_store
     from dspark.distributed.runner import Workers, load_full_target, shard_target
 
+    store = open_store(config.parallel, master=True)
+    agree(store, config.parallel, fingerprint(config, matmul_dtype))  # other nodes checked before any weight loads
     model, target_config, tokenizer = load_full_target(config)
-    workers = Workers(config, matmul_dtype)
+    workers = Workers(config, matmul_dtype, store)
     try:
         shared = shard_target(model, config, workers.tp, matmul_dtype, keep_full_vocab=True)
         workers.wait_ready()
@@ -140,6 +143,18 @@ def _start_tensor_parallel(config: EngineConfig, matmul_dtype: str):
     log.info("tensor parallelism: %d ranks, rank 0 holds %d of %d KV heads", workers.size, model.kv_spec[0],
              target_config.num_key_value_heads)
     return workers, model, target_config, tokenizer, shared
+
+
+def run_tensor_parallel_node(config: EngineConfig) -> int:
+    """A node of --node-rank > 0 (multi-node tensor parallelism): the checks rank 0 makes, then its ranks
+    headless until node 0 stops them (dspark.distributed.runner.run_node). Returns the exit code."""
+    from dspark.distributed.runner import run_node
+    from dspark.models.loader import read_model_config
+    target_config = read_model_config(config.model)
+    matmul_dtype = resolve_matmul_dtype(config.matmul_dtype, dtype=config.dtype, device=config.device,
+                                        model=config.model, tensor_parallel_size=config.tensor_parallel_size)
+    _check_tensor_parallel(config, matmul_dtype, target_config)
+    return run_node(config, matmul_dtype)
 
 
 def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: str = "cpu",

@@ -1,11 +1,14 @@
-"""The FastAPI app: OpenAI-compatible routes over one `AsyncEngine`.
+"""The FastAPI app: OpenAI-compatible routes over one `AsyncEngine`, or a `ReplicaSet` of engine processes
+(`--data-parallel-size`; the same interface).
 
     GET  /v1/models            the served model, once per served name (with max_model_len)
     POST /v1/completions       prompt (text or token ids) → text; SSE when stream=true
     POST /v1/chat/completions  messages → chat template → text; SSE when stream=true
     POST /v1/responses         OpenAI's Responses API over the chat path (`server/responses.py`); typed SSE events
-    GET  /health               200 while the engine thread runs, 503 after it failed
+    GET  /health               200 while the engine thread runs, 503 after it failed (replicas: 200
+                               "degraded" while some serve, 503 once none does)
     GET  /metrics              Prometheus text (see `server/metrics.py`)
+    GET  /get_load             {"load", "num_reqs", "num_waiting_reqs"}: the routers' power_of_two probe
     POST /tokenize             {"prompt"} or {"messages"} → {"count", "max_model_len", "tokens"} (vLLM's)
     POST /detokenize           {"tokens"} → {"prompt"}
     GET  /version              {"version"}
@@ -46,6 +49,7 @@ from dspark.server.logprobs import LogprobFormatter
 from dspark.server.metrics import ServerMetrics
 from dspark.chat.reasoning import get_reasoning_format
 from dspark.chat.special_tags import kept_tag_ids
+from dspark.server.replicas import ReplicaSet
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     ModelCard, ModelList, TokenizeRequest)
 from dspark.server.responses_protocol import ResponsesRequest
@@ -64,7 +68,7 @@ log = logging.getLogger(__name__)
 LARGE_RESPONSE_BYTES = 1 << 20
 
 
-def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
+def build_app(async_engine: AsyncEngine | ReplicaSet, *, model_name: str | Sequence[str],
               api_key: str | Sequence[str] | None = None, config: ServerConfig | None = None) -> FastAPI:
     """`model_name`: the served name(s), the first reported in responses (`config.served_model_name`
     wins where set); `api_key` (one or several) overrides `config.api_key`; the config's admission
@@ -76,10 +80,11 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
     async_engine.max_num_waiting = config.max_num_waiting
     async_engine.request_timeout_s = config.request_timeout_s
     retry_after = {"Retry-After": str(config.retry_after_s)}
-    metrics = ServerMetrics(async_engine, model_name=model_name)
+    # a replica set (--data-parallel-size) brings its own: its replicas' metrics, merged
+    metrics = getattr(async_engine, "metrics_class", ServerMetrics)(async_engine, model_name=model_name)
     async_engine.on_request_end = metrics.on_request_end
     tokenizer = async_engine.tokenizer
-    engine_config = getattr(async_engine.engine, "config", None)
+    engine_config = async_engine.engine_config
     defaults = {}
     if engine_config is not None:
         from dspark.generation_config import sampling_defaults
@@ -89,7 +94,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
     async def lifespan(app: FastAPI):
         async_engine.start()
         stats = None
-        if not config.disable_log_stats:
+        if not config.disable_log_stats and async_engine.has_local_engine:  # replicas log their own
             from dspark.server.stats_log import StatsLogger
             stats = StatsLogger(async_engine).start()
         yield
@@ -211,11 +216,18 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | Sequence[str],
         if not async_engine.is_healthy:
             raise APIError(503, f"engine is not running: {async_engine.error or 'not started'}",
                            type="service_unavailable")
-        return {"status": "ok"}
+        return async_engine.health_report()
+
+    @app.get("/get_load")
+    async def get_load():
+        """The routers' load probe (vllm-router's and sglang-router's power_of_two read `load`): requests
+        running and waiting."""
+        running, waiting = async_engine.num_running, async_engine.num_queued
+        return {"load": running + waiting, "num_reqs": running, "num_waiting_reqs": waiting}
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics.render_async(), media_type=CONTENT_TYPE_LATEST)
 
     @v1.get("/models")
     async def list_models():

@@ -153,6 +153,10 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.error is None and self._looping
 
+    def health_report(self) -> dict:
+        """/health's body while healthy (a replica set adds its replicas' states)."""
+        return {"status": "ok"}
+
     def begin_drain(self, timeout_s: float | None = None) -> None:
         """Stop admitting (503); requests in flight carry on. With `timeout_s` the engine loop ends
         once every request has finished, aborting those still running `timeout_s` from now.
@@ -173,6 +177,13 @@ class AsyncEngine:
             self.abort(request_id)
 
     # -- read-only views for /metrics and validation (plain reads, benign from any thread) -------
+    has_local_engine = True  # the engine is in this process: the app's stats line reads it
+
+    @property
+    def engine_config(self):
+        """The engine's `EngineConfig` (None for a bare test engine without one)."""
+        return getattr(self.engine, "config", None)
+
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len

@@ -4,6 +4,9 @@
     dspark serve ./SmolLM2-360M --port 8001 --api-key secret --served-model-name smol smol-360m
     dspark serve MODEL --max-model-len 4k --speculative-config.method ngram \
         --speculative-config.num_speculative_tokens 4
+    dspark serve --data-parallel-size 2            # two engine processes, one API server (docs/replicas.md)
+    dspark serve MODEL -tp 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1   # host 1 of 2 (serves HTTP)
+    dspark serve MODEL -tp 2 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1   # host 2 of 2 (headless)
 
 The flags are generated from `EngineConfig` and `ServerConfig` (dspark.engine_args), in vLLM's spellings.
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 
@@ -47,8 +51,13 @@ def configs_from_args(args: argparse.Namespace):
 
     from dspark.cli import engine_config_from_args
     from dspark.server.config import server_config_from_args
+    from dspark.distributed.rendezvous import from_environment
     server = server_config_from_args(args)
     config = engine_config_from_args(args)
+    try:  # torchrun's environment where the flags leave the tensor-parallel group on one host
+        config = dataclasses.replace(config, parallel=from_environment(config.parallel, os.environ))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.speculative_config is None:  # (an explicit "default" is resolved by build_engine)
         config = dataclasses.replace(config, spec=default_spec(config))
     return config, server
@@ -59,9 +68,19 @@ def run(args: argparse.Namespace) -> int:
     from dspark.server.app import build_app
     from dspark.server.async_engine import AsyncEngine
 
+    from dspark.distributed.rendezvous import ConfigMismatch
+
     config, server_config = configs_from_args(args)
     logging.getLogger().setLevel(_python_level(server_config.uvicorn_log_level))
-    engine, tokenizer = build_engine(config)
+    if server_config.data_parallel_size > 1:
+        return run_replicas(args, config, server_config)
+    try:
+        if config.parallel.node_rank > 0:  # multi-node tensor parallelism: this node's ranks, no HTTP
+            from dspark.engine.build import run_tensor_parallel_node
+            return run_tensor_parallel_node(config)
+        engine, tokenizer = build_engine(config)
+    except ConfigMismatch as e:
+        raise SystemExit(f"error: {e}") from None
     if server_config.chat_template:
         from dspark.models.tokenizer import with_chat_template
         tokenizer = with_chat_template(tokenizer, server_config.chat_template)
@@ -74,6 +93,59 @@ def run(args: argparse.Namespace) -> int:
     return serve_app(app, async_engine, host=server_config.host, port=server_config.port,
                      log_level=server_config.uvicorn_log_level, drain_timeout_s=server_config.drain_timeout_s,
                      max_connections=server_config.max_connections)
+
+
+def check_data_parallel(config, server_config) -> None:
+    """What --data-parallel-size cannot combine with, refused before any replica starts."""
+    size = server_config.data_parallel_size
+    if str(config.device).startswith("cuda"):
+        raise SystemExit(f"error: --data-parallel-size {size} runs CPU replicas on this host; on CUDA run one "
+                         f"dspark serve per GPU behind a router (docs/replicas.md)")
+    if config.parallel.nnodes > 1:
+        raise SystemExit(f"error: --data-parallel-size {size} with --nnodes {config.parallel.nnodes}: replicas "
+                         f"and multi-node tensor parallelism do not combine; run one multi-node server per "
+                         f"replica behind a router (docs/replicas.md)")
+
+
+def run_replicas(args: argparse.Namespace, config, server_config) -> int:
+    """`dspark serve --data-parallel-size N`: N engine processes (dspark.server.replicas) behind one API
+    server; each builds its engine from this command line (`replica_engine`) with its share of the cores."""
+    from dspark.models.loader import read_model_config, resolve_model_path
+    from dspark.models.tokenizer import load_tokenizer
+    from dspark.server.app import build_app
+    from dspark.server.replicas import ReplicaLaunch, ReplicaSet
+
+    check_data_parallel(config, server_config)
+    size = server_config.data_parallel_size
+    tokenizer = load_tokenizer(resolve_model_path(config.model), eos_token_ids=read_model_config(config.model).eos_token_ids)
+    if server_config.chat_template:
+        from dspark.models.tokenizer import with_chat_template
+        tokenizer = with_chat_template(tokenizer, server_config.chat_template)
+    model_names = server_config.served_model_name or (config.model,)
+    flags = {k: v for k, v in vars(args).items() if k != "func"}  # plain values: the replicas parse them again
+    replicas = ReplicaSet(ReplicaLaunch("dspark.server.cli:replica_engine", {"flags": flags}), size,
+                          tokenizer=tokenizer, engine_config=config, threads=config.num_threads,
+                          model_name=model_names[0], max_num_waiting=server_config.max_num_waiting,
+                          request_timeout_s=server_config.request_timeout_s,
+                          log_level=server_config.uvicorn_log_level)
+    log.info("serving %s as %s on http://%s:%d with %d replicas of %d torch threads", config.model,
+             ", ".join(repr(n) for n in model_names), server_config.host, server_config.port, size, replicas.threads)
+    replicas.launch()
+    app = build_app(replicas, model_name=model_names, config=server_config)
+    return serve_app(app, replicas, host=server_config.host, port=server_config.port,
+                     log_level=server_config.uvicorn_log_level, drain_timeout_s=server_config.drain_timeout_s,
+                     max_connections=server_config.max_connections)
+
+
+def replica_engine(args: dict):
+    """A replica's engine (dspark.server.replica): `dspark serve`'s flags as the API process parsed them, with
+    the replica's torch threads -> (engine, tokenizer)."""
+    import dataclasses
+
+    from dspark.engine.build import build_engine
+    config, _ = configs_from_args(argparse.Namespace(**args["flags"]))
+    import torch
+    return build_engine(dataclasses.replace(config, num_threads=torch.get_num_threads()))
 
 
 def _python_level(level: str) -> int:

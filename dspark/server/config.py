@@ -64,6 +64,10 @@ class ServerConfig:
     # a thinking model's reasoning apart in reasoning_content; structured output and tool grammars apply to
     # the answer after it (dspark/chat/reasoning.py)
     reasoning_parser: str | None = opt(None, "the model's reasoning tags: qwen3, deepseek_r1, gemma4")
+    # N engine processes on this host behind this server, each with its share of the cores and its own KV pool;
+    # requests balanced by load with prefix affinity (dspark/server/replicas.py)
+    data_parallel_size: int = opt(1, "engine replicas on this host behind this server (each its own process, "
+                                  "share of the cores and KV pool)", aliases=("-dp",))
 
     def __post_init__(self) -> None:
         keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
@@ -73,6 +77,8 @@ class ServerConfig:
         for name in ("max_num_waiting", "max_request_body_bytes", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:

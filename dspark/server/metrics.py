@@ -137,6 +137,7 @@ class _EngineCollector:
             yield per_token
         yield gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", ae.kv_usage)
         blocks = getattr(sched, "block_manager", None)
+        yield from self._cache_config_info(ae, blocks)
         if getattr(blocks, "num_state_slots", 0):  # a hybrid target's recurrent state slots
             yield gauge("num_state_slots_used", "Recurrent state slots held by requests (hybrid targets).",
                         blocks.num_used_state_slots)
@@ -156,6 +157,16 @@ class _EngineCollector:
         yield gauge("num_requests_running", "Requests being scheduled.", ae.num_running)
         yield from self._reliability_families(ae)
 
+    def _cache_config_info(self, ae, blocks):
+        """vLLM's info gauge (value 1) whose labels carry the KV pool's shape: the Gateway API Inference
+        Extension's prefix-cache scorer reads `block_size` and `num_gpu_blocks` from it."""
+        if blocks is None:
+            return
+        info = self._family(GaugeMetricFamily, "cache_config_info", "Information of the engine's cache "
+                            "configuration (value 1; the labels carry it).", ["block_size", "num_gpu_blocks"])
+        info.add_metric(self.labels + [str(blocks.kv_block_size), str(len(blocks.blocks))], 1.0)
+        yield info
+
     def _reliability_families(self, ae):
         """Admission refusals, requests failed on their own, and the engine's fault fallbacks."""
         rejected = self._family(CounterMetricFamily, "num_requests_rejected", "Requests refused at admission: "
@@ -172,9 +183,9 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, async_engine, *, model_name: str = "dspark"):
+    def __init__(self, async_engine, *, model_name: str = "dspark", engine: str = "0"):
         self.async_engine = async_engine
-        self.labels = [model_name, "0"]
+        self.labels = [model_name, engine]  # `engine`: the replica's index under --data-parallel-size
         self.registry = CollectorRegistry(auto_describe=False)
 
         def histogram(name: str, doc: str, buckets):
@@ -225,3 +236,36 @@ class ServerMetrics:
     def render(self) -> bytes:
         self._drain_verify_lens()
         return generate_latest(self.registry)
+
+    async def render_async(self) -> bytes:
+        """`render`, as the /metrics route awaits it (a replica set gathers its replicas' texts)."""
+        return self.render()
+
+
+def merge_expositions(texts: list[str]) -> bytes:
+    """One Prometheus text of several (the replicas' own, each under its `engine` label): each family once,
+    with the samples of every text, its type and help as the first text that has it gives them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, object] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            known = families.setdefault(family.name, family)
+            if known is not family:
+                known.samples.extend(family.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    """A collector yielding parsed families as they are."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        return iter(self.families)

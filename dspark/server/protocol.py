@@ -99,6 +99,10 @@ class _SamplingFields(_Request):
     service_tier: Refused = None
     store: Refused = None
     metadata: Refused = None
+    # SGLang's, which the routers (vllm-router, sglang-router) send with their defaults on every request they
+    # forward: accepted at those values
+    no_stop_trim: Refused = None
+    return_hidden_states: Refused = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -163,6 +167,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: Refused = None
+    separate_reasoning: Refused = None  # SGLang's, sent by the routers with their defaults (above)
+    stream_reasoning: Refused = None
+    include_reasoning: Refused = None
     echo: bool | None = None
     # known, refused unless they hold their no-op value
     audio: Refused = None

@@ -81,6 +81,12 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "web_search_options": _is(None),
     "documents": _is(None),
     "continue_final_message": _is(None, False),
+    # what vllm-router / sglang-router add to every request they forward (SGLang's fields, their defaults)
+    "no_stop_trim": _is(None, False),
+    "return_hidden_states": _is(None, False),
+    "separate_reasoning": _is(None, True),
+    "stream_reasoning": _is(None, True),
+    "include_reasoning": _is(None, True),
 }
 
 
