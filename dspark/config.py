@@ -240,6 +240,11 @@ class SpecConfig:
     # the target's special tokens and the most frequent in `lookup_corpus` (its token counts), chosen at load
     # (dspark.drafters.vocab); its head's other rows are never scored. None: the checkpoint's own vocabulary
     draft_vocab_size: int | None = None
+    # dspark / dflash: the draft block attends to the target's features of the last N context positions only.
+    # "auto": the sequence length the drafter was trained on (its folder's train_config.json `max_seq_len`; the
+    # whole context where the folder does not say): past it the drafter meets distances it never saw and keeps
+    # fewer drafts (docs/drafters.md, "Long contexts"); 0: the whole context
+    draft_context_window: int | str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -282,6 +287,12 @@ class SpecConfig:
             raise ValueError(f"draft_vocab_size must be a positive number of tokens, got {self.draft_vocab_size!r}")
         if self.draft_vocab_size is not None and self.method not in ("dspark", "dflash", "eagle3"):
             raise ValueError(f"draft_vocab_size applies to methods 'dspark', 'dflash' and 'eagle3', not {self.method!r}")
+        window = self.draft_context_window
+        if window != "auto" and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+            raise ValueError(f"draft_context_window must be \"auto\" or a number of positions >= 0 (0: the whole "
+                             f"context), got {window!r}")
+        if window not in ("auto", 0) and self.method not in ("dspark", "dflash"):
+            raise ValueError(f"draft_context_window applies to methods 'dspark' and 'dflash', not {self.method!r}")
         if self.lookup_corpus and not (self.ngram_first or self.method == "ngram" or self.draft_vocab_size):
             raise ValueError(f"lookup_corpus applies to method 'ngram', ngram_first or draft_vocab_size (its token "
                              f"counts), not {self.method!r} alone")

@@ -192,3 +192,38 @@ def test_the_blocks_inputs_equal_the_general_builders():
     emb = torch.cat([positions.unsqueeze(-1) * inv_freq] * 2, -1)  # DSparkModel.rope's angles
     torch.testing.assert_close(cos, emb.cos(), rtol=0, atol=2e-6)
     torch.testing.assert_close(sin, torch.cat([-emb[:, :32].sin(), emb[:, 32:].sin()], -1), rtol=0, atol=2e-6)
+
+
+def test_a_context_window_reads_only_the_last_positions_on_both_paths(tmp_path, monkeypatch):
+    """`draft_context_window` (the drafter's attention over the last N context positions): the one-call proposal
+    drafts what the per-op path drafts with the same window, the confidences bit for bit; a window that covers
+    every context drafts what no window does, bit for bit; a window that cuts the contexts changes the drafts (it
+    is no stand-in)."""
+    drafter = _built(tmp_path, "float32")
+    batch = _batch(*_context(drafter, seed=9))  # contexts of 3 .. 7 positions
+    whole, _, _ = _both(drafter, batch, monkeypatch)
+    drafter.context_window = 16  # past every context: nothing cut
+    wide, wide_per_op, calls = _both(drafter, batch, monkeypatch)
+    assert calls == 1 and torch.equal(wide.draft_ids, whole.draft_ids) and torch.equal(wide.confidence, whole.confidence)
+    assert torch.equal(wide_per_op.draft_ids, whole.draft_ids)
+    drafter.context_window = 2
+    cut, cut_per_op, calls = _both(drafter, batch, monkeypatch)
+    assert calls == 1
+    assert torch.equal(cut.draft_ids, cut_per_op.draft_ids) and torch.equal(cut.confidence, cut_per_op.confidence)
+    assert not torch.equal(cut.confidence, whole.confidence)
+
+
+def test_the_context_window_setting(tmp_path):
+    from dspark.config import SpecConfig
+    from dspark.drafters.dspark import context_window
+    (tmp_path / "train_config.json").write_text('{"max_seq_len": 640}')
+    assert context_window(SpecConfig(method="dspark", model=str(tmp_path))) == 640  # "auto": the trained length
+    assert context_window(SpecConfig(method="dspark", model=str(tmp_path), draft_context_window=0)) is None
+    assert context_window(SpecConfig(method="dspark", model=str(tmp_path), draft_context_window=256)) == 256
+    (tmp_path / "train_config.json").unlink()
+    assert context_window(SpecConfig(method="dspark", model=str(tmp_path))) is None  # not recorded: the whole context
+    for bad in (-1, "all", True, 1.5):
+        with pytest.raises(ValueError, match="draft_context_window"):
+            SpecConfig(method="dspark", model=str(tmp_path), draft_context_window=bad)
+    with pytest.raises(ValueError, match="draft_context_window applies"):
+        SpecConfig(method="ngram", draft_context_window=64)

@@ -22,6 +22,8 @@ method "dspark" on a checkpoint without a Markov head is an error.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -36,6 +38,7 @@ from dspark import kernels
 from dspark.kernels import (cpu_has_bf16_dot, has_bf16w_kernels, has_q4_1_kernels, q4_1_misfit,
                             release_dense_weights, set_matmul_dtype, set_q4_1_products)
 from dspark.models.attention import slots_for
+from dspark.models.files import read_json_object
 from dspark.sampling import greedy_ids, logits_to_probs
 
 
@@ -49,7 +52,8 @@ class DSparkDrafter(Drafter):
                  confidence_temperatures: list[float] | None = None,
                  greedy_confidence_temperatures: list[float] | None = None,
                  confidence_biases: list[float] | None = None,
-                 greedy_confidence_biases: list[float] | None = None, draft_topk: int = 0):
+                 greedy_confidence_biases: list[float] | None = None, draft_topk: int = 0,
+                 context_window: int | None = None):
         cfg = model.cfg
         if not 1 <= num_draft_tokens <= cfg.max_draft_tokens:
             raise ValueError(f"num_speculative_tokens {num_draft_tokens} must be in [1, "
@@ -62,6 +66,8 @@ class DSparkDrafter(Drafter):
             raise ValueError(f"draft_topk must be >= 0, got {draft_topk}")
         # top-K drafting: the Markov head corrects only the K best base logits of each position (0: all)
         self.draft_topk = draft_topk
+        # the block attends to the last `context_window` context positions only (None: all of them)
+        self.context_window = context_window
         self.tap_layer_ids = cfg.tap_layer_ids
         self.has_confidence = model.confidence_head is not None
         # STS temperatures per regime: requests that sample (temperature > 0) and greedy requests; one
@@ -144,7 +150,7 @@ class DSparkDrafter(Drafter):
         anchor_input = self._anchor_input(reqs, anchor_pos, kv_block_size)  # [num_reqs, hidden] or None
         parts = self._in_fused_parts(reqs, lambda part, tables: model.fused_backbone(
             anchor_ids[part], anchor_pos[part], tables, kv_block_size=kv_block_size, kv_caches=self.kv_caches,
-            anchor_input=None if anchor_input is None else anchor_input[part]))
+            anchor_input=None if anchor_input is None else anchor_input[part], context_window=self.context_window))
         if parts is not None:
             hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
@@ -194,7 +200,8 @@ class DSparkDrafter(Drafter):
         anchor_input = self._anchor_input(reqs, anchor_pos, kv_block_size)  # [num_reqs, hidden] or None
         parts = self._in_fused_parts(reqs, lambda part, tables: model.fused_proposal(
             anchor_ids[part], anchor_pos[part], tables, kv_block_size=kv_block_size, kv_caches=self.kv_caches,
-            num_draft=self.num_draft_tokens, anchor_input=None if anchor_input is None else anchor_input[part]))
+            num_draft=self.num_draft_tokens, anchor_input=None if anchor_input is None else anchor_input[part],
+            context_window=self.context_window))
         if parts is None:
             return None
         drafts, conf = parts[0] if len(parts) == 1 else (  # [num_reqs, num_draft] target ids and confidence logits
@@ -223,17 +230,20 @@ class DSparkDrafter(Drafter):
         cfg, dev = self.cfg, self.device
         block_ids = self.model.block_ids(anchor_ids)  # [num_reqs, block_size]
         positions = anchor_pos.to(dev).unsqueeze(1) + torch.arange(cfg.block_size, device=dev)  # [num_reqs, block_size]
-        max_ctx = int(anchor_pos.max())
-        # context slots of positions 0 .. anchor_pos-1 through each request's block table (padding → 0)
-        num_tables = max(1, -(-max_ctx // kv_block_size))
+        # context positions first .. anchor_pos-1 (first: 0, or the window's start) through each request's block table
+        first = (torch.zeros_like(anchor_pos) if self.context_window is None
+                 else (anchor_pos - self.context_window).clamp(min=0))  # [num_reqs]
+        max_ctx = int((anchor_pos - first).max())
+        num_tables = max(1, -(-int(anchor_pos.max()) // kv_block_size))
         tables = torch.zeros(len(reqs), num_tables, dtype=torch.long)
         for i, r in enumerate(reqs):
             used = min(len(r.block_table), num_tables)
             tables[i, :used] = torch.tensor(r.block_table[:used], dtype=torch.long)
-        pos = torch.arange(max_ctx)  # [max_ctx]
-        # [num_reqs, max_ctx] pool slot of each context position
-        ctx_slots = tables[:, pos // kv_block_size] * kv_block_size + pos % kv_block_size
-        ctx_valid = pos.unsqueeze(0) < anchor_pos.unsqueeze(1)  # [num_reqs, max_ctx]
+        pos = first.unsqueeze(1) + torch.arange(max_ctx)  # [num_reqs, max_ctx] context positions
+        ctx_valid = pos < anchor_pos.unsqueeze(1)  # [num_reqs, max_ctx]
+        pos = torch.where(ctx_valid, pos, 0)
+        # [num_reqs, max_ctx] pool slot of each context position (padding → 0)
+        ctx_slots = tables.gather(1, pos // kv_block_size) * kv_block_size + pos % kv_block_size
         ctx_slots = torch.where(ctx_valid, ctx_slots, 0).to(dev)
         mask = torch.cat([ctx_valid, torch.ones(len(reqs), cfg.block_size, dtype=torch.bool)], dim=1)
         mask = None if bool(mask.all()) else mask[:, None, None, :].to(dev)  # [num_reqs, 1, 1, keys]
@@ -438,4 +448,14 @@ def build(spec, *, target_config, target_model, dtype, device) -> DSparkDrafter:
                          greedy_confidence_temperatures=temps.get("greedy_temperatures"),
                          confidence_biases=temps.get("biases"),
                          greedy_confidence_biases=temps.get("greedy_biases"),
-                         draft_topk=spec.draft_topk)
+                         draft_topk=spec.draft_topk, context_window=context_window(spec))
+
+
+def context_window(spec) -> int | None:
+    """The positions a draft block reads (`SpecConfig.draft_context_window`): the configured number, or for "auto"
+    the sequence length the drafter was trained on (its train_config.json `max_seq_len`); None: the whole context."""
+    if spec.draft_context_window != "auto":
+        return spec.draft_context_window or None
+    file = Path(spec.model) / "train_config.json"
+    trained = read_json_object(file).get("max_seq_len") if file.is_file() else None
+    return trained if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0 else None

@@ -46,6 +46,7 @@ class FusedInference:
         kv_block_size: int,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer the paged pool's (k, v)
         anchor_input: torch.Tensor | None = None,  # [batch, hidden] added to every row of the block
+        context_window: int | None = None,  # the block reads the last N context positions only (None: all)
     ) -> torch.Tensor | None:  # [batch, block_size, hidden] final-normed, or None
         """`backbone` for inference in one CPU kernel call (`kernels.decoder_layers`, the target's fused
         decoder stack): the block's own K/V are stored into the pool past each committed context (which a
@@ -53,13 +54,14 @@ class FusedInference:
         block. The same products as the module path (norms, matrices, SiLU), attention and RoPE rounded
         differently (the kernel's, ~1e-6). None where it does not apply (kernels off, more than MAX_ROWS rows,
         weights the kernels do not take): the caller runs `backbone`."""
-        stack = self._stack_inputs(anchor_ids, anchor_pos, tables, kv_block_size, kv_caches, anchor_input)
+        stack = self._stack_inputs(anchor_ids, anchor_pos, tables, kv_block_size, kv_caches, anchor_input,
+                                   context_window)
         if stack is None or not kernels.decoder_layers(stack[0], *stack[1:], **self._stack_sizes()):
             return None
         return self.norm(stack[0]).view(anchor_ids.shape[0], self.cfg.block_size, -1)
 
-    def _stack_inputs(self, anchor_ids, anchor_pos, tables, kv_block_size, kv_caches, anchor_input=None
-                      ) -> tuple | None:
+    def _stack_inputs(self, anchor_ids, anchor_pos, tables, kv_block_size, kv_caches, anchor_input=None,
+                      context_window: int | None = None) -> tuple | None:
         """The fused stack's positional arguments (x [T, hidden] fp32, weights, K caches, V caches, cos, sin [T,
         head_dim] with the rotate-half sign folded into sin, slot mapping, token index, key limit, kv slots), the
         rows, RoPE and indices built from the block tables in one call (`kernels.draft_inputs`), or None where the
@@ -75,6 +77,8 @@ class FusedInference:
         if built is None:
             return None
         x, cos, sin, slots, token_index, key_limit, kv_slots = built
+        if context_window is not None:
+            key_limit, kv_slots = _windowed_keys(key_limit, kv_slots, anchor_pos, context_window)
         return (x, weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], cos, sin, slots, token_index,
                 key_limit, kv_slots)
 
@@ -143,14 +147,15 @@ class FusedInference:
                                       and getattr(conf.proj, "lowp_weight", None) is None and conf.proj.bias is not None)))
 
     def fused_proposal(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, tables: torch.Tensor, *,
-                       kv_block_size: int, kv_caches, num_draft: int, anchor_input: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                       kv_block_size: int, kv_caches, num_draft: int, anchor_input: torch.Tensor | None = None,
+                       context_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The greedy proposal of the blocks anchored at `anchor_ids` [batch] (positions `anchor_pos` [batch], block
         tables `tables` [batch, width]) in one kernel call after its inputs (`kernels.draft_block`) → (drafts [batch,
         num_draft] target ids, confidence logits [batch, num_draft] fp32 or None), the per-op path's
         (`fused_backbone`, `compute_logits`, the Markov walk, `confidence_logits`) bit for bit; None where the
-        kernels do not apply (`fused_proposal_applies` first). anchor_input: as `fused_backbone`'s."""
-        stack = self._stack_inputs(anchor_ids, anchor_pos, tables, kv_block_size, kv_caches, anchor_input)
+        kernels do not apply (`fused_proposal_applies` first). anchor_input, context_window: as `fused_backbone`'s."""
+        stack = self._stack_inputs(anchor_ids, anchor_pos, tables, kv_block_size, kv_caches, anchor_input,
+                                   context_window)
         if stack is None:
             return None
         conf = self.confidence_head
@@ -236,3 +241,16 @@ def _kernel_matrix(linear, num_rows: int) -> torch.Tensor | None:
     weight = linear.weight
     fits = weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
     return weight if fits and num_rows <= kernels.MAX_ROWS else None
+
+
+def _windowed_keys(key_limit: torch.Tensor,  # [R, S] long: each block row reads keys [0, limit)
+                   kv_slots: torch.Tensor,  # [R, max_kv] long: the pool slot of each key position
+                   anchor_pos: torch.Tensor,  # [R] long
+                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys from anchor_pos - window on (the block's own after them): each row's slots shifted left by its
+    window's start and its limit lowered by as much → (key_limit [R, S], kv_slots [R, width])."""
+    start = (anchor_pos.to(kv_slots.device) - window).clamp(min=0)  # [R]
+    limit = key_limit - start.unsqueeze(1)  # [R, S]
+    width = max(1, int(limit.max()))
+    cols = (start.unsqueeze(1) + torch.arange(width, device=kv_slots.device)).clamp(max=kv_slots.shape[1] - 1)
+    return limit.contiguous(), kv_slots.gather(1, cols).contiguous()
