@@ -195,6 +195,9 @@ def test_a_killed_replica_fails_only_its_own_requests():
         assert health.status_code == 200 and health.json()["status"] == "degraded"
         assert [r["state"] for r in health.json()["replicas"]] == ["ready", "dead"]
         assert complete(url, "still served", max_tokens=4).status_code == 200  # by replica 0
+        deadline = time.monotonic() + 20  # the last stream's end reaches the set just after its response
+        while replicas.num_active and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert replicas.error is None and replicas.num_active == 0
 
 
