@@ -11,9 +11,10 @@ at each length, the three alternating on each prompt (round-robin), the decode r
 to the last token minus time to the first).
 
     python benchmarks/bench_long_context.py --measure acceptance --lengths 512,1024,2048,4096,8000 --prompts 3 \
-        --max-tokens 64 --draft-windows 0,auto --out benchmarks/results/long_context_acceptance.json
+        --max-tokens 64 --draft-windows 0,auto --out benchmarks/results/long_context_acceptance.json \
+        --plot docs/img/long_context_acceptance.png
     python benchmarks/bench_long_context.py --measure speed --lengths 512,2048,4096,8000 --prompts 2 \
-        --max-tokens 64 --out benchmarks/results/long_context_speed.json
+        --max-tokens 64 --out benchmarks/results/long_context_speed.json --plot docs/img/long_context_speed.png
 """
 
 from __future__ import annotations
@@ -128,6 +129,33 @@ def speed(args, prompts: dict[int, list[list[int]]]) -> dict:
     return {"rows": rows, "summary": summary}
 
 
+def plot(result: dict, measure: str, path: str) -> None:
+    """Tokens per verification step (acceptance) or decode speed over plain (speed) against context length, a line
+    per variant."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    if measure == "acceptance":
+        for name in dict.fromkeys(r["variant"] for r in result["rows"]):
+            rows = [r for r in result["rows"] if r["variant"] == name]
+            ax.plot([r["context"] for r in rows], [r["tokens_per_step"] for r in rows], marker="o", label=name)
+        ax.set_ylabel("tokens per verification step")
+    else:
+        lengths = [int(k) for k in result["summary"]]
+        for key in ("default_over_plain", "dspark_over_plain"):
+            ax.plot(lengths, [result["summary"][str(n)][key] for n in lengths], marker="o", label=key)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_ylabel("decode tok/s ÷ plain")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"SmolLM2-135M-Instruct, greedy, batch 1 ({measure})", fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--measure", choices=("acceptance", "speed"), required=True)
@@ -137,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-windows", default="0,auto",
                    help="acceptance: drafter context windows to compare (0: all; auto: its trained length)")
     p.add_argument("--out", required=True)
+    p.add_argument("--plot", default=None, help="also draw the curves into this PNG")
+    p.add_argument("--plot-only", action="store_true", help="draw --plot from an existing --out file")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), args.measure, args.plot)
+        return 0
 
     import torch
     from dspark.llm import LLM
@@ -149,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
               "machine": f"{platform.platform()}, {platform.machine()}, torch {torch.__version__}", **result}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.measure, args.plot)
     print(json.dumps(result.get("summary", {})))
     return 0
 
