@@ -93,11 +93,11 @@ def acceptance(args, prompts: dict[int, list[list[int]]]) -> dict:
 
 def speed(args, prompts: dict[int, list[list[int]]]) -> dict:
     from dspark.config import DEFAULT_MODEL, SpecConfig
-    from dspark.drafters.shipped import DEFAULT_NUM_SPECULATIVE_TOKENS, default_spec_config, drafter_dir
+    from dspark.drafters.shipped import DEFAULT_NUM_SPECULATIVE_TOKENS, drafter_dir
     from dspark.llm import LLM
     from dspark.sampling import SamplingParams
 
-    variants = {"plain": None, "default": default_spec_config(DEFAULT_MODEL),
+    variants = {"plain": None, "default": "default",  # the served default for the engine's matmul dtype
                 "dspark": SpecConfig(method="dspark", model=str(drafter_dir(DEFAULT_MODEL, "dspark")),
                                      num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS)}
     llms = {name: LLM(speculative_config=spec, max_num_seqs=1, max_model_len=8192) for name, spec in variants.items()}
@@ -139,7 +139,9 @@ def plot(result: dict, measure: str, path: str) -> None:
     if measure == "acceptance":
         for name in dict.fromkeys(r["variant"] for r in result["rows"]):
             rows = [r for r in result["rows"] if r["variant"] == name]
-            ax.plot([r["context"] for r in rows], [r["tokens_per_step"] for r in rows], marker="o", label=name)
+            label = {"dspark_w0": "DSpark, whole context", "dspark_wauto": "DSpark, window = trained length (auto)",
+                     "ngram": "prompt lookup (steps with drafts)"}.get(name, name)
+            ax.plot([r["context"] for r in rows], [r["tokens_per_step"] for r in rows], marker="o", label=label)
         ax.set_ylabel("tokens per verification step")
     else:
         lengths = [int(k) for k in result["summary"]]
