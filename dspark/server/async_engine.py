@@ -355,16 +355,16 @@ class AsyncEngine:
             self.engine.add_request(command.prompt_ids, command.params, command.request_id, client=command.client)
             self.output.states[command.request_id] = command.tracked.state
         except ValueError as e:
-            _call_soon(command.tracked.loop, _settle, command.future, e)
+            call_soon(command.tracked.loop, settle, command.future, e)
             return
         except Exception as e:  # a fault of this request's own (the engine is untouched): a 500
             log.exception("adding request %s failed", command.request_id)
             self.output.abort(command.request_id)
-            _call_soon(command.tracked.loop, _settle, command.future,
+            call_soon(command.tracked.loop, settle, command.future,
                        RequestFault(f"{type(e).__name__}: {e}"))
             return
         self._tracked[command.request_id] = command.tracked
-        _call_soon(command.tracked.loop, _settle, command.future, None)
+        call_soon(command.tracked.loop, settle, command.future, None)
 
     def _expire(self, now_s: float) -> None:
         late = [rid for rid, t in self._tracked.items()
@@ -394,7 +394,7 @@ class AsyncEngine:
             num_output_tokens=len(tracked.state.token_ids),
             num_cached_tokens=0 if req is None else req.num_cached_tokens, spec=spec,
             error=error, error_status=status)
-        _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
+        call_soon(tracked.loop, tracked.queue.put_nowait, delta)
         self._record_end(request_id, tracked, "abort")
 
     def _process(self, out, fault: str | None = None) -> None:
@@ -421,7 +421,7 @@ class AsyncEngine:
             tracked.token_times_s.append(now_s)
         if delta.finished:
             del self._tracked[out.request_id]
-        _call_soon(tracked.loop, tracked.queue.put_nowait, RequestDelta(
+        call_soon(tracked.loop, tracked.queue.put_nowait, RequestDelta(
             request_id=out.request_id, text=delta.text, num_tokens=delta.num_kept, finished=delta.finished,
             finish_reason=delta.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=len(tracked.state.token_ids), num_cached_tokens=out.num_cached_tokens,
@@ -451,7 +451,7 @@ class AsyncEngine:
             self._num_queued_adds = 0
         for command in pending:
             if isinstance(command, _Add):
-                _call_soon(command.tracked.loop, _settle, command.future,
+                call_soon(command.tracked.loop, settle, command.future,
                            RuntimeError(f"engine is not running: {message}"))
         for request_id, tracked in self._tracked.items():
             delta = RequestDelta(
@@ -459,7 +459,7 @@ class AsyncEngine:
                 num_prompt_tokens=tracked.num_prompt_tokens,
                 num_output_tokens=len(tracked.state.token_ids),
                 num_cached_tokens=0, spec=SpecStats(), error=f"engine failed: {message}")
-            _call_soon(tracked.loop, tracked.queue.put_nowait, delta)
+            call_soon(tracked.loop, tracked.queue.put_nowait, delta)
         self._tracked.clear()
 
 
@@ -468,16 +468,18 @@ def _snapshot(spec: SpecStats) -> SpecStats:
                      list(spec.accepted_per_pos))
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the awaiting coroutine was cancelled
+def settle(future: asyncio.Future, error: BaseException | None, result=None) -> None:
+    """The future's error, or its result; nothing where the awaiting coroutine was cancelled."""
+    if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """fn(*args) on the event loop's thread; nothing where the loop is closed."""
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the event loop is closed (server shutting down)

@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass, field
 
 from dspark.request import SpecStats, check_request
-from dspark.server.async_engine import AdmissionError, RequestFault
+from dspark.server.async_engine import AdmissionError, RequestFault, call_soon, settle
 from dspark.server.balance import Balancer, BalanceConfig
 from dspark.server.metrics import merge_expositions
 from dspark.server.streams import RequestDelta, RequestStream
@@ -363,7 +363,7 @@ class ReplicaSet:
                 target = r.streams.get(delta.request_id)
             if target is not None:
                 queue, loop = target
-                _call_soon(loop, queue.put_nowait, delta)
+                call_soon(loop, queue.put_nowait, delta)
                 if delta.finished:
                     self._forget(r, delta.request_id)
             return
@@ -375,11 +375,11 @@ class ReplicaSet:
         if future is None:
             return
         if op == "added":
-            _call_soon(loop, _settle, future, None, None)
+            call_soon(loop, settle, future, None)
         elif op == "refused":
-            _call_soon(loop, _settle, future, None, error_from_wire(message["error"]))
+            call_soon(loop, settle, future, error_from_wire(message["error"]))
         elif op == "metrics":
-            _call_soon(loop, _settle, future, message["text"], None)
+            call_soon(loop, settle, future, None, message["text"])
 
     def _on_exit(self, r: _Replica) -> None:
         """The replica's channel closed: it drained and exited, or it died. Its requests in flight end with
@@ -401,26 +401,10 @@ class ReplicaSet:
                 self._owner.pop(rid, None)
         message = f"replica {r.index} failed: {r.error}"
         for rid, (queue, loop) in streams.items():
-            _call_soon(loop, queue.put_nowait, RequestDelta(
+            call_soon(loop, queue.put_nowait, RequestDelta(
                 request_id=rid, text="", num_tokens=0, finished=True, finish_reason="abort", num_prompt_tokens=0,
                 num_output_tokens=0, num_cached_tokens=0, spec=SpecStats(), error=message))
         for future, loop in pending.values():
-            _call_soon(loop, _settle, future, None, RequestFault(message))
+            call_soon(loop, settle, future, RequestFault(message))
         if all(x.state in ("exited", "dead") for x in self.replicas):
             self._done.set()
-
-
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the event loop is closed (server shutting down)
-        pass
