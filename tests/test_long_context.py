@@ -1,7 +1,7 @@
 """Speculation at long contexts stays lossless: a tiny Qwen3-shaped target serving 4k- and 8k-token prompts, chunked
 across steps while a short request decodes beside them (drafting between the chunks), gives the greedy output of
-plain decoding with prompt lookup, a layer-truncated draft model, and DSpark with a context window that cuts the
-context (`draft_context_window`) and without one.
+plain decoding with prompt lookup, a layer-truncated draft model, EAGLE-3, and DSpark and DFlash with a context
+window that cuts the context (`draft_context_window`) and DSpark without one.
 Run: pytest tests/test_long_context.py -q"""
 
 from __future__ import annotations
@@ -58,6 +58,16 @@ def _run(target, spec: SpecConfig | None, prompts: list[list[int]]) -> tuple[lis
 
 
 @pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory, target):
+    from dspark.drafters.eagle3 import Eagle3Config, Eagle3Model, bind_to_target, save_eagle3
+    cfg = Eagle3Config.from_target(LONG, tap_layer_ids=(-1, 0, 2), num_draft_tokens=4)
+    model = bind_to_target(Eagle3Model(cfg).init_weights(std=0.15, seed=1), target).eval()
+    path = tmp_path_factory.mktemp("eagle3")
+    save_eagle3(model, model.config, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory):
     cfg = dspark_config_for_target(LONG, num_hidden_layers=2, block_size=4, tap_layer_ids=(-1, 0, 2), markov_rank=8,
                                    markov_head_type="vanilla", mask_token_id=127)
@@ -67,7 +77,7 @@ def drafter_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("length", [4096, 8192])
-def test_greedy_speculation_equals_plain_at_long_contexts(target, drafter_dir, length):
+def test_greedy_speculation_equals_plain_at_long_contexts(target, drafter_dir, eagle3_dir, length):
     prompts = _prompts(length)
     plain, _ = _run(target, None, prompts)
     specs = {
@@ -77,6 +87,9 @@ def test_greedy_speculation_equals_plain_at_long_contexts(target, drafter_dir, l
                                     draft_context_window=256),
         "dspark_whole": SpecConfig(method="dspark", model=str(drafter_dir), num_speculative_tokens=4,
                                    draft_context_window=0),
+        "dflash_window": SpecConfig(method="dflash", model=str(drafter_dir), num_speculative_tokens=4,
+                                    draft_context_window=256),
+        "eagle3": SpecConfig(method="eagle3", model=str(eagle3_dir), num_speculative_tokens=3),
     }
     for name, spec in specs.items():
         got, engine = _run(target, spec, prompts)
