@@ -12,6 +12,7 @@ and converted once per module to f32 and, on demand, q8_0 and f16:
 * `load_model` of the file (tokenizer from the file, then the conversion cache) and greedy decoding through the
   engine equal to transformers' `generate()`;
 * a mapping made wrong on purpose (value heads left tiled, two norms swapped) breaks the logits;
+* the Qwen files' MTP layer (`method: mtp` reading the GGUF) equals the folder's, drafts and is accepted alike;
 * a GGUF of another architecture is refused by name before any weight is read.
 
     pytest tests/test_gguf_families.py -q
@@ -230,3 +231,31 @@ def test_another_architecture_is_refused_by_name_before_weights(tmp_path, monkey
         with pytest.raises(ValueError, match=r"GGUF architecture 'mamba2' is not supported; supported: .*gemma4, "
                                              r"qwen35, qwen35moe, qwen3next"):
             load(path)
+
+
+def test_the_files_mtp_layer_drafts_as_the_folders(conv):
+    """The Qwen files' own MTP layer (`method: mtp` reading the GGUF, as the engine passes the target's path):
+    its tensors equal the HF folder's, greedy speculative decoding on the f32 file equals plain decoding, and its
+    drafts are accepted exactly as the folder's MTP layer's are."""
+    if conv.cfg.architecture.startswith("Gemma4"):
+        pytest.skip("Gemma 4's MTP drafter is its separate assistant checkpoint")
+    from dspark.config import SpecConfig
+    from dspark.drafters import build_drafter
+    from dspark.drafters.mtp import _mtp_tensors
+    path = conv.file("f32")
+    model, cfg, _ = load_model(path)
+    from_file, from_folder = dict(_mtp_tensors(Path(path))), dict(_mtp_tensors(conv.folder))
+    assert from_file.keys() == from_folder.keys() and from_file
+    for name, t in from_file.items():
+        torch.testing.assert_close(t, from_folder[name].float(), rtol=0, atol=1e-6)
+    prompt = _prompt(conv.cfg, 9, seed=2)
+    plain = run(make_engine(model, cfg), [prompt], greedy(12))
+    accepted = {}
+    for name, source in (("file", path), ("folder", conv.folder)):
+        spec = SpecConfig(method="mtp", model=str(source), num_speculative_tokens=2)
+        drafter = build_drafter(spec, target_config=cfg, target_model=model, dtype=torch.float32, device="cpu")
+        engine = make_engine(model, cfg, drafter=drafter, spec=spec)
+        assert run(engine, [prompt], greedy(12)) == plain, name
+        assert engine.metrics.num_drafts > 0, name
+        accepted[name] = (engine.metrics.num_accepted_tokens, list(engine.metrics.accepted_per_pos))
+    assert accepted["file"] == accepted["folder"]

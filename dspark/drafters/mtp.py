@@ -10,8 +10,8 @@ pairing is EAGLE-3's (a tap at p with token p + 1, feature recycling), so the dr
 context and proposal logic over this module; the target's hidden state is its final norm over the last
 layer's tap.
 
-The weights come from the target's folder (no `model` in the speculative config) or from a folder given as
-`model`; a checkpoint without `mtp.*` tensors, or with more than one MTP layer, is refused before any weight
+The weights come from the target's folder or GGUF file (no `model` in the speculative config: llama.cpp's converter
+writes the layer into the file) or from a folder given as `model`; a checkpoint without `mtp.*` tensors, or with more than one MTP layer, is refused before any weight
 loads. On a Gemma 4 target "mtp" is the separate assistant checkpoint given as `model` (vLLM's spelling too):
 `check` and `build` hand it to `gemma4_assistant.py`.
 """
@@ -119,7 +119,7 @@ def check(spec, target_config) -> None:
     if not spec.model:
         raise ValueError("method 'mtp' needs the checkpoint folder holding the mtp.* tensors (the engine passes "
                          "the target's own)")
-    names = [n for n in header_shapes(Path(spec.model)) if n.startswith(PREFIX)]
+    names = _mtp_names(Path(spec.model))
     if not names:
         raise ValueError(f"{spec.model}: the checkpoint has no mtp.* tensors (no MTP layer to draft with)")
     layers = {int(m.group(1)) for n in names if (m := re.match(r"mtp\.layers\.(\d+)\.", n))}
@@ -134,10 +134,39 @@ def build(spec, *, target_config, target_model, dtype, device) -> Drafter:
                                device=device)
     check(spec, target_config)
     model = MtpModel(target_config, dtype=dtype, device=device)
-    tensors = {}
-    for file in safetensors_files(spec.model):  # the mtp.* tensors only, not the decoder's
-        with open_safetensors(file) as f:
-            tensors.update({k: f.get_tensor(k).to(dtype).clone() for k in f.keys() if k.startswith(PREFIX)})
+    tensors = {name: t.to(dtype) for name, t in _mtp_tensors(Path(spec.model))}
     with torch.no_grad():
         model.load_mtp_weights(tensors)
     return MtpDrafter(model.bind_target(target_model).eval(), num_draft_tokens=spec.num_speculative_tokens)
+
+
+def _gguf_mtp(path: Path):
+    """(the file's GGUFSource, GGUF name -> HF name of its MTP layer's tensors): llama.cpp's converter writes the
+    layer as one block past the decoder's (`models.gguf_families` names it back to `mtp.*`)."""
+    from dspark.models.gguf_families import GGUF_FAMILIES
+    from dspark.models.loader import GGUFSource
+    source = GGUFSource(path)
+    family = GGUF_FAMILIES.get(source.field("general.architecture"))
+    names = {} if family is None else {t.name: family.hf_name(t.name, source.config) for t in source.reader.tensors}
+    return source, {g: h for g, h in names.items() if h.startswith(PREFIX)}
+
+
+def _mtp_names(path: Path) -> list[str]:
+    """The checkpoint's `mtp.*` tensor names: an HF folder's, or a GGUF file's."""
+    if path.suffix == ".gguf":
+        return list(_gguf_mtp(path)[1].values())
+    return [n for n in header_shapes(path) if n.startswith(PREFIX)]
+
+
+def _mtp_tensors(path: Path):
+    """(name, tensor) of the checkpoint's `mtp.*` tensors only, not the decoder's: from an HF folder's safetensors,
+    or dequantized from a GGUF file with the converter's transforms undone."""
+    if path.suffix == ".gguf":
+        source, mtp = _gguf_mtp(path)
+        yield from source.weights(skip={t.name for t in source.reader.tensors} - set(mtp))
+        return
+    for file in safetensors_files(path):
+        with open_safetensors(file) as f:
+            for k in f.keys():
+                if k.startswith(PREFIX):
+                    yield k, f.get_tensor(k).clone()
