@@ -28,7 +28,7 @@ with the drafter's backbone and head quantized to Q4_1 blocks, `draft_matmul_dty
 top-K Markov drafting, K 16), q4-topk16 (both), nogate
 (default without the draft gate), nocache (default without the lookup's cross-request cache), nocorpus (default
 without the lookup corpus), corpus (default with the lookup corpus file `--corpus`), noswitch (default without the measured
-switch, dspark.spec.switch), upkeep (default with online upkeep of
+switch, dspark.speculation.switch), upkeep (default with online upkeep of
 the cost table and calibration from live steps); each as NAME-fp32 with fp32 matrix
 products instead of the default (auto: bf16 or q4_1 where the CPU kernels support it; the shipped cost table of the
 variant's dtype). The

@@ -203,12 +203,12 @@ class SpecConfig:
     online_upkeep: bool = False  # refresh the cost table and confidence temperatures from live steps
     draft_gate: bool = True  # prefix / async: skip drafting in steps where it cannot pay (DraftGate)
     # with the draft gate: a request joining a load where drafting could not pay even with the drafter's long-run
-    # survival curve (dspark.spec.admission) gets no drafter context (its drafts, if any, come from
+    # survival curve (dspark.speculation.admission) gets no drafter context (its drafts, if any, come from
     # prompt lookup; it takes target-only prefix-cache hits): speculation held off by the load costs no drafter
     # work
     gate_admission: bool = True
     # with the draft gate: speculation on or off per load by the engine's measured seconds per emitted token in
-    # decode steps with and without it (dspark.spec.switch.MeasuredSwitch): off where it does not beat plain
+    # decode steps with and without it (dspark.speculation.switch.MeasuredSwitch): off where it does not beat plain
     # decoding by a margin, whatever the cost table predicts
     measured_switch: bool = True
     prompt_lookup_min: int = 2  # n-gram (and ngram_first)

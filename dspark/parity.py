@@ -42,7 +42,7 @@ class ParityReport:
     # at their load: prompt lookup only), and request-steps the gate kept from model drafting
     num_admitted_without_drafter: int = 0
     num_draft_skips: int = 0
-    num_measured_off_steps: int = 0  # steps the measured switch held speculation off (dspark.spec.switch)
+    num_measured_off_steps: int = 0  # steps the measured switch held speculation off (dspark.speculation.switch)
 
     @property
     def ok(self) -> bool:

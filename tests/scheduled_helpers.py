@@ -17,8 +17,8 @@ from dspark.drafters.dspark import save_dspark
 from dspark.drafters.dspark_config import dspark_config_for_target
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.engine.engine import Engine
-from dspark.spec.cost_table import CostTable
-from dspark.spec.length_policy import (
+from dspark.speculation.cost_table import CostTable
+from dspark.speculation.length_policy import (
     AsyncPrefixScheduler,
     ConfidenceThreshold,
     FixedLength,

@@ -1,4 +1,4 @@
-"""Tests for dspark/spec/calibration.py: ECE / AUROC on hand-computed cases, STS on synthetic
+"""Tests for dspark/speculation/calibration.py: ECE / AUROC on hand-computed cases, STS on synthetic
 miscalibrated confidences (lowers ECE, keeps AUROC), save/load, the reliability PNG, and the online
 calibrator's convergence, shrinkage, cold start and off switch.
 
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from dspark.spec.calibration import (
+from dspark.speculation.calibration import (
     STS_BIAS_GRID,
     STS_GRID,
     OnlineCalibrationConfig,

@@ -1,4 +1,4 @@
-"""Tests for dspark/spec/cost_table.py: interpolation / extrapolation rules, JSON round trip,
+"""Tests for dspark/speculation/cost_table.py: interpolation / extrapolation rules, JSON round trip,
 validation, and `profile()` with a fake clock.
 
     pytest tests/test_cost_table.py -q
@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark.spec.cost_table import CostTable, profile
+from dspark.speculation.cost_table import CostTable, profile
 
 
 def _table() -> CostTable:

@@ -1,4 +1,4 @@
-"""Tests for dspark/spec/draft_gate.py and dspark/spec/admission.py: the gate's decision from the cost
+"""Tests for dspark/speculation/draft_gate.py and dspark/speculation/admission.py: the gate's decision from the cost
 table and past survivals, its probes, its live step-time and verified-window corrections, the proposal
 skip for lookup-only drafts, and drafter-less admission by load.
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.spec.admission import AdmissionRule
-from dspark.spec.cost_table import CostTable
-from dspark.spec.draft_gate import DraftGate
+from dspark.speculation.admission import AdmissionRule
+from dspark.speculation.cost_table import CostTable
+from dspark.speculation.draft_gate import DraftGate
 
 
 def test_draft_gate_decides_from_cost_and_past_survival():

@@ -1,4 +1,4 @@
-"""Tests for the evaluation tools: acceptance statistics (dspark/spec/acceptance.py), `dspark eval
+"""Tests for the evaluation tools: acceptance statistics (dspark/speculation/acceptance.py), `dspark eval
 accept` (dspark/train/eval_accept.py), `dspark parity` (dspark/parity.py), `dspark calibrate`
 (dspark/train/calibrate_cli.py) and `dspark profile` (dspark/cli_profile.py), on hand-made
 statistics and a tiny random Llama with the n-gram drafter (no downloads).
@@ -23,7 +23,7 @@ from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.engine import Engine
 from dspark.llm import LLM
 from dspark.request import SpecStats
-from dspark.spec.acceptance import AcceptCounts, RoundRecord, summarize
+from dspark.speculation.acceptance import AcceptCounts, RoundRecord, summarize
 from dspark.verify.rejection import VerifyResult
 
 GAMMA = 4
@@ -305,7 +305,7 @@ def test_calibrate_synthetic_rounds_recovers_temperature():
 
 def test_calibrate_end_to_end_on_engine(tmp_path):
     from dspark.train.calibrate_cli import calibrate_rounds, collect_rounds
-    from dspark.spec.calibration import STSCalibration
+    from dspark.speculation.calibration import STSCalibration
     llm = tiny_llm(ConfidentNgram)
     convs = [[{"role": "user", "content": p.prompt}] for p in prompts(6)]
     rounds = collect_rounds(llm, convs, temperature=1.0, max_tokens=32, seed=0)
@@ -411,7 +411,7 @@ def test_calibration_prompts_refuse_eval_and_read_jsonl(tmp_path, monkeypatch):
 # -- profile -----------------------------------------------------------------------------------------
 
 def test_profile_writes_valid_cost_table(tmp_path):
-    from dspark.spec.cost_table import CostTable
+    from dspark.speculation.cost_table import CostTable
     from dspark.engine.step_profiler import _split, profile_engine
     assert _split(1, 5) == [1] and _split(16, 5) == [4, 4, 4, 4] and sum(_split(19, 8)) == 19
     engine = tiny_llm().engine
@@ -428,7 +428,7 @@ def test_profile_writes_valid_cost_table(tmp_path):
 
 def test_profile_cli_writes_json(tmp_path, monkeypatch, capsys):
     from dspark import cli_profile as profile_cli
-    from dspark.spec.cost_table import CostTable
+    from dspark.speculation.cost_table import CostTable
     monkeypatch.setattr("dspark.engine.build.build_engine", lambda config: (tiny_llm().engine, None))
     out = tmp_path / "cost_table.json"
     args = _parse(profile_cli.register, [
@@ -442,7 +442,7 @@ def test_profile_cli_writes_json(tmp_path, monkeypatch, capsys):
 
 def test_calibrate_recovers_raw_logits_under_applied_temperatures_and_shifts():
     from dspark.train.calibrate_cli import rounds_to_tensors
-    from dspark.spec.acceptance import RoundRecord
+    from dspark.speculation.acceptance import RoundRecord
     z = torch.tensor([[2.0, -1.0, 0.5], [0.3, 1.2, -2.0]], dtype=torch.float64)
     temps, shifts = [2.0, 0.5, 1.0], [-1.0, 0.5, 0.0]
     conf = torch.sigmoid(z / torch.tensor(temps, dtype=torch.float64) + torch.tensor(shifts, dtype=torch.float64))
@@ -454,7 +454,7 @@ def test_calibrate_recovers_raw_logits_under_applied_temperatures_and_shifts():
 
 def test_calibrate_reports_out_of_sample_on_held_out_requests():
     from dspark.train.calibrate_cli import calibrate_rounds
-    from dspark.spec.acceptance import RoundRecord
+    from dspark.speculation.acceptance import RoundRecord
     g = torch.Generator().manual_seed(0)
     rounds = []
     for i in range(400):  # over-confident head: acceptance σ(z − 1)

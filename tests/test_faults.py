@@ -248,7 +248,7 @@ def test_proposal_check_equals_a_row_by_row_scan(seed):
     scan of each row's valid positions: planted bad ids and confidences (NaN, ±inf, < 0, > 1), in valid
     positions and past them, in int64/fp32 and bf16 confidences."""
     from dspark.drafters.base import DraftProposal
-    from dspark.spec.faults import faulty_proposal_rows
+    from dspark.speculation.faults import faulty_proposal_rows
 
     g = torch.Generator().manual_seed(seed)
     vocab, gamma = 50, 5

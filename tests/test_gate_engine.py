@@ -14,8 +14,8 @@ import itertools
 import pytest
 import torch
 
-from dspark.spec.cost_table import CostTable
-from dspark.spec.length_policy import (
+from dspark.speculation.cost_table import CostTable
+from dspark.speculation.length_policy import (
     AsyncPrefixScheduler,
     PrefixScheduler,
 )
@@ -225,7 +225,7 @@ def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(ta
 
 
 def test_a_load_measured_off_proposes_nothing_and_admits_without_drafter_context(target, drafter_dir, plain_outputs):
-    """Where the measured switch (dspark/spec/switch.py; its rule: tests/test_switch.py) has found
+    """Where the measured switch (dspark/speculation/switch.py; its rule: tests/test_switch.py) has found
     speculation slower than plain decoding, scripted here for every load: no proposal at all (lookup
     included), no drafts verified, every request admitted without drafter context (no extension, no taps),
     and output equal to plain decoding. Off in the config, the engine has no switch."""

@@ -103,7 +103,7 @@ LAYERS = (
     ("models",),  # target families, loading, attention, recurrent state
     ("verify", "drafters", "chat"),  # the verifier; the drafters; chat output parsing
     ("worker", "distributed"),  # the model runner and CUDA graphs; tensor-parallel ranks
-    ("spec",),  # speculation control
+    ("speculation",),  # speculation control
     ("engine",),  # scheduler, block manager, the step, building an engine
     ("llm", "server", "train", "bench", "parity", "cli", "cli_generate", "cli_profile", "__main__", "dspark"),
 )

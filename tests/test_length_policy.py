@@ -1,4 +1,4 @@
-"""Tests for dspark/spec/length_policy.py: hand-worked Algorithm 1 traces, the paper's Appendix A
+"""Tests for dspark/speculation/length_policy.py: hand-worked Algorithm 1 traces, the paper's Appendix A
 counterexample as a Monte-Carlo check (with the break: lossless; without: detectably biased), cost
 curve monotonicity, the async scheduler's two-step causal barrier, and fail-closed construction.
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.spec.cost_table import CostTable
-from dspark.spec.length_policy import (
+from dspark.speculation.cost_table import CostTable
+from dspark.speculation.length_policy import (
     LENGTH_POLICIES,
     AsyncPrefixScheduler,
     ConfidenceThreshold,

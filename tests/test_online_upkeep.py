@@ -1,4 +1,4 @@
-"""Online upkeep (dspark/spec/upkeep.py): moves the cost table and the temperatures toward the truth,
+"""Online upkeep (dspark/speculation/upkeep.py): moves the cost table and the temperatures toward the truth,
 stays bounded, keeps greedy and sampling fits apart, is a no-op when switched off, and keeps greedy parity
 in the engine.
 
@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from dspark.spec.calibration import OnlineCalibrationConfig
-from dspark.spec.cost_table import CostTable
-from dspark.spec.length_policy import (
+from dspark.speculation.calibration import OnlineCalibrationConfig
+from dspark.speculation.cost_table import CostTable
+from dspark.speculation.length_policy import (
     PrefixScheduler,
 )
-from dspark.spec.upkeep import OnlineUpkeep, UpkeepConfig
+from dspark.speculation.upkeep import OnlineUpkeep, UpkeepConfig
 from tests.engine_helpers import greedy
 from tests.scheduled_helpers import (  # noqa: F401  (fixtures)
     ARRIVAL_STEPS, GAMMA, MAX_TOKENS, MILD, _mismatches, _prompts, _spec_engine, drafter_dir,

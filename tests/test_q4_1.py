@@ -26,7 +26,7 @@ from dspark import kernels
 from dspark.kernels import ggml
 from dspark.models.blocks import Q8_0X8
 from dspark.models.config import ModelConfig
-from dspark.spec.cost_table import CostTable
+from dspark.speculation.cost_table import CostTable
 
 from conftest import PagedKV, TINY_LLAMA, TINY_QWEN3, hf_twin
 

@@ -24,7 +24,7 @@ from dspark.drafters import build_drafter
 from dspark.drafters.eagle3 import Eagle3Drafter
 from dspark.engine.engine import Engine
 from dspark.sampling import SamplingParams
-from dspark.spec.length_policy import FixedLength, PrefixScheduler
+from dspark.speculation.length_policy import FixedLength, PrefixScheduler
 from tests.conftest import TINY_LLAMA
 from tests.engine_helpers import repetitive_prompts, tiny_target
 from tests.test_eagle3_draft_model import random_eagle3, random_target

@@ -1,4 +1,4 @@
-"""The measured switch (dspark/spec/switch.py): speculation on or off per load by the engine's own seconds
+"""The measured switch (dspark/speculation/switch.py): speculation on or off per load by the engine's own seconds
 per emitted token, driven here by scripted step times (no clock, so every outcome is exact):
 
 * speculation that measures slower than plain decoding (or within the margin) is switched off once both
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.spec.switch import MeasuredSwitch
+from dspark.speculation.switch import MeasuredSwitch
 
 
 def warm(**settings) -> MeasuredSwitch:

@@ -205,7 +205,7 @@ def _check_length_policy(config: EngineConfig, matmul_dtype: str = "float32") ->
     if spec.cost_table and spec.cost_table != "auto" and not Path(spec.cost_table).is_file():
         raise ValueError(f"cost_table {spec.cost_table!r} does not exist (run `dspark profile --out PATH`)")
     if spec.cost_table and spec.cost_table != "auto":
-        from dspark.spec.cost_table import CostTable
+        from dspark.speculation.cost_table import CostTable
         table_dtype = CostTable.load(spec.cost_table).meta.get("matmul_dtype", "float32")
         if table_dtype != matmul_dtype:
             raise ValueError(f"cost_table {spec.cost_table!r} was profiled with {table_dtype} matrix products; "
@@ -223,8 +223,8 @@ def build_policy(config: EngineConfig, drafter):
     spec = config.spec
     if spec is None or drafter is None:
         return None, None
-    from dspark.spec.cost_table import CostTable
-    from dspark.spec.length_policy import build_length_policy
+    from dspark.speculation.cost_table import CostTable
+    from dspark.speculation.length_policy import build_length_policy
     # "auto": profiled at startup once the engine exists (see build_engine)
     cost = CostTable.load(spec.cost_table) if spec.cost_table and spec.cost_table != "auto" else None
     kwargs = {"fixed": {"verify_len": spec.num_speculative_tokens},

@@ -3,7 +3,7 @@ The engine sees token ids only; tokenization and stop strings live in `detokeniz
 
 Plain decoding is the same step with no drafter: every request verifies zero drafts and the one "bonus" token
 is an ordinary sample from the target distribution. Whether and how much to draft is the speculation
-controller's (`dspark.spec.controller`): the engine hands it the committed step and reads back each request's
+controller's (`dspark.speculation.controller`): the engine hands it the committed step and reads back each request's
 drafts and verification length.
 """
 
@@ -26,7 +26,7 @@ from dspark.worker.model_runner import ModelRunner, allocate_caches
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.request import Request, SpecStats, check_request
 from dspark.sampling import RowArgmax, SamplingParams, TokenLogprob
-from dspark.spec.controller import build_controller
+from dspark.speculation.controller import build_controller
 from dspark.verify.sampler import argmax_suffices, sample_step, score_prompts
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ index or a sampler.
   failed loudly: its rows are zeroed so the step can verify the others, nothing it committed in this
   step is emitted, and it ends with reason "abort" and a message in `Engine.failed` (the server's
   500, the offline API's RuntimeError). (-inf entries alone are masks, not faults.)
-- A drafter's faults: dspark/spec/faults.py.
+- A drafter's faults: dspark/speculation/faults.py.
 """
 
 from __future__ import annotations

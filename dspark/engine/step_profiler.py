@@ -139,7 +139,7 @@ def profile_engine(engine, *, token_counts=DEFAULT_TOKEN_COUNTS, draft_num_reqs=
                    context_len: int = 256, tokens_per_request: int | None = None, repeats: int = 5,
                    warmup: int = 2, meta: dict | None = None):
     """Profile a built engine; returns a `CostTable` (draft curve only when it has a drafter)."""
-    from dspark.spec.cost_table import profile
+    from dspark.speculation.cost_table import profile
 
     gamma = engine.drafter.num_draft_tokens if engine.drafter else 7
     profiler = StepProfiler(engine, context_len=context_len,

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.spec.acceptance import RoundRecord, RoundRecorder
+from dspark.speculation.acceptance import RoundRecord, RoundRecorder
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def calibrate_rounds(rounds: list[RoundRecord], *, applied_temperatures=None, ap
     the returned calibration is then refitted on every round."""
     import zlib
 
-    from dspark.spec.calibration import (STS_BIAS_GRID, calibration_report, fit_sts, plot_reliability,
+    from dspark.speculation.calibration import (STS_BIAS_GRID, calibration_report, fit_sts, plot_reliability,
                                            survival, survival_labels, verified_mask)
 
     if not rounds:

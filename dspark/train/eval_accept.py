@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from dspark.bench.datasets import add_prompt_format_argument, resolve_prompt_format
-from dspark.spec.acceptance import AcceptCounts, RoundRecorder, summarize
+from dspark.speculation.acceptance import AcceptCounts, RoundRecorder, summarize
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 
 from dspark.drafters.base import ContextSegment, ContextUpdate, Drafter, ProposeBatch, ProposeRequest
 from dspark.request import PendingContext, Request
-from dspark.spec.faults import checked_proposal, drafter_fault
+from dspark.speculation.faults import checked_proposal, drafter_fault
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class SpecController:
         self.block_manager, self.metrics, self.requests, self.vocab_size = block_manager, metrics, requests, vocab_size
         self.draft_sample_method = spec.draft_sample_method if spec is not None else "greedy"
         # Called after each verification as f(request_id, draft_confidence, num_verified, num_accepted) for every
-        # request that emitted (eval / calibration tools: dspark.spec.acceptance), whatever proposed its drafts;
+        # request that emitted (eval / calibration tools: dspark.speculation.acceptance), whatever proposed its drafts;
         # `model_verify_observers` only for rounds the model drafter proposed (their confidences come from its
         # calibrated head: the draft gate and online calibration learn from them)
         self.verify_observers: list = []
@@ -92,17 +92,17 @@ class SpecController:
         self.draft_gate = None  # cost-aware policies: skip drafting where it cannot pay (spec "draft_gate")
         self.gate_admission = False
         if spec is not None and spec.draft_gate and getattr(length_policy, "needs_cost", False):
-            from dspark.spec.draft_gate import DraftGate
+            from dspark.speculation.draft_gate import DraftGate
             self.draft_gate = DraftGate()
             self.model_verify_observers.append(self.draft_gate.observe_verify)
             self.gate_admission = spec.gate_admission  # joining a load where drafting cannot pay: no context
         self.switch = None  # speculation on/off per load by measured seconds per token (spec "measured_switch")
         if self.draft_gate is not None and spec.measured_switch:
-            from dspark.spec.switch import MeasuredSwitch
+            from dspark.speculation.switch import MeasuredSwitch
             self.switch = MeasuredSwitch()
         self.upkeep = None  # online cost-table / calibration upkeep (spec "online_upkeep")
         if spec is not None and spec.online_upkeep:
-            from dspark.spec.upkeep import OnlineUpkeep
+            from dspark.speculation.upkeep import OnlineUpkeep
             self.upkeep = OnlineUpkeep(drafter=drafter, cost_table=cost_table, is_greedy=self._is_greedy)
             self.model_verify_observers.append(self.upkeep.observe_verify)
 

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dspark.spec.admission import AdmissionRule
-from dspark.spec.cost_table import CostTable
-from dspark.spec.length_policy import decode_tokens, drafting_gain, ema, masked_survival, throughput_curve
+from dspark.speculation.admission import AdmissionRule
+from dspark.speculation.cost_table import CostTable
+from dspark.speculation.length_policy import decode_tokens, drafting_gain, ema, masked_survival, throughput_curve
 
 __all__ = ["DraftGate"]
 

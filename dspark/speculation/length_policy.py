@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from dspark.config import LENGTH_POLICY_NAMES
-from dspark.spec.cost_table import CostTable
+from dspark.speculation.cost_table import CostTable
 
 __all__ = ["LengthPolicy", "FixedLength", "ConfidenceThreshold", "PrefixScheduler",
            "AsyncPrefixScheduler", "LENGTH_POLICIES", "build_length_policy", "masked_survival",

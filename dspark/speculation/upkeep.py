@@ -36,8 +36,8 @@ from typing import Callable
 
 import torch
 
-from dspark.spec.calibration import OnlineCalibrationConfig, OnlineCalibrator, STSCalibration
-from dspark.spec.cost_table import CostTable
+from dspark.speculation.calibration import OnlineCalibrationConfig, OnlineCalibrator, STSCalibration
+from dspark.speculation.cost_table import CostTable
 
 __all__ = ["UpkeepConfig", "OnlineUpkeep"]
 

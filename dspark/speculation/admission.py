@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark.spec.cost_table import CostTable
-from dspark.spec.length_policy import drafting_gain, ema
+from dspark.speculation.cost_table import CostTable
+from dspark.speculation.length_policy import drafting_gain, ema
 
 __all__ = ["AdmissionRule"]
 
