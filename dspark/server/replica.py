@@ -137,7 +137,10 @@ class Replica:
         self.async_engine.abort(message["id"])
 
     def _drain(self, message: dict) -> None:
-        self.async_engine.begin_drain(message.get("timeout_s"))
+        # after the first step of every add already dispatched (their tasks' first steps are queued ahead of this
+        # callback): a request the API process sent before the drain passed its admission there and is finished,
+        # not refused
+        self.loop.call_soon(self.async_engine.begin_drain, message.get("timeout_s"))
 
     def _limits(self, message: dict) -> None:
         self.async_engine.max_num_waiting = message.get("max_num_waiting")
