@@ -149,7 +149,8 @@ class MarkedCallStream(ToolStream):
     def _body_tail(self, s: str, pos: int, at: int) -> str:
         """The call's last characters before an end marker at s[at] (s[:pos] is in _parts already)."""
         if at >= pos:
-            return (self._recent + s[pos:at])[-self.TAIL:]
+            piece = s[max(pos, at - self.TAIL):at]  # bounded: many markers inside one value cost TAIL each
+            return piece if len(piece) == self.TAIL else (self._recent + piece)[-self.TAIL:]
         return self._recent[:len(self._recent) - (pos - at)]
 
     def _close(self, content: list[str], calls: list[ParsedCall], end: str) -> None:
