@@ -212,6 +212,10 @@ def test_a_drain_finishes_what_runs_and_refuses_new_requests():
         replicas.begin_drain(timeout_s=60)
         refused = complete(url, "too late")
         assert refused.status_code == 503 and "Retry-After" in refused.headers
+        rejected = {s.labels["engine"]: s.value for family in text_string_to_metric_families(
+            httpx.get(url + "/metrics", timeout=20).text) for s in family.samples
+            if s.name == "vllm:num_requests_rejected_total" and s.labels.get("status") == "503"}
+        assert rejected.get("api") == 1.0, rejected  # refused by this process, before any replica saw it
         runner.join(60)
         assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["finish_reason"] == "length"
         done = threading.Thread(target=replicas.run_forever)

@@ -254,12 +254,12 @@ def merge_expositions(texts: list[str]) -> bytes:
             if known is not family:
                 known.samples.extend(family.samples)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(list(families.values())))
+    registry.register(CollectedFamilies(list(families.values())))
     return generate_latest(registry)
 
 
-class _Families:
-    """A collector yielding parsed families as they are."""
+class CollectedFamilies:
+    """A collector yielding families built elsewhere (parsed, or made at a scrape) as they are."""
 
     def __init__(self, families: list):
         self.families = families

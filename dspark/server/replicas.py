@@ -100,16 +100,29 @@ class _Replica:
 
 class ReplicaSetMetrics:
     """/metrics of a replica set: every live replica's own exposition (its samples under `engine="<i>"`),
-    merged into one text at each scrape."""
+    merged into one text at each scrape, with the requests this process refused itself (503 while draining, before
+    any replica saw them) under `engine="api"` in `vllm:num_requests_rejected_total`."""
 
     def __init__(self, replicas: "ReplicaSet", *, model_name: str = "dspark"):
-        self.replicas = replicas
+        self.replicas, self.model_name = replicas, model_name
 
     def on_request_end(self, record) -> None:  # the replicas observe their own requests
         pass
 
     async def render_async(self) -> bytes:
-        return merge_expositions(await self.replicas.metrics_texts())
+        return merge_expositions([*await self.replicas.metrics_texts(), self._own()])
+
+    def _own(self) -> str:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily
+        from dspark.server.metrics import LABELS, PREFIX, CollectedFamilies
+        rejected = CounterMetricFamily(PREFIX + "num_requests_rejected", "Requests refused at admission: 429 past "
+                                       "max_num_waiting, 503 while draining.", labels=LABELS + ["status"])
+        for status, value in sorted(self.replicas.num_rejected.items()):
+            rejected.add_metric([self.model_name, "api", str(status)], value)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(CollectedFamilies([rejected]))
+        return generate_latest(registry).decode()
 
 
 class ReplicaSet:
