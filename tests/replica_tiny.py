@@ -35,31 +35,16 @@ def launch_env() -> dict:
 
 @contextlib.contextmanager
 def serve_replicas(size: int = 2, *, config=None, pin_cores: bool = False, **args):
-    """A `ReplicaSet` of `size` tiny replicas (built with `args`) behind the app on 127.0.0.1 (uvicorn in a
-    thread, as `server_harness.serve`) -> (base URL, the replica set); shut down after."""
-    import threading
-    import time
-
-    import uvicorn
-
+    """A `ReplicaSet` of `size` tiny replicas (built with `args`) behind the app on 127.0.0.1
+    (`server_harness.run_app`) -> (base URL, the replica set); shut down after."""
     from dspark.server.app import build_app
     from dspark.server.replicas import ReplicaLaunch, ReplicaSet
-    from server_harness import MODEL
+    from server_harness import MODEL, run_app
 
     replicas = ReplicaSet(ReplicaLaunch("replica_tiny:tiny_engine", args, env=launch_env()), size,
                           tokenizer=CharTokenizer(), threads=1, pin_cores=pin_cores, model_name=MODEL).launch()
-    app = build_app(replicas, model_name=MODEL, config=config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}", replicas
+        with run_app(build_app(replicas, model_name=MODEL, config=config)) as url:
+            yield url, replicas
     finally:
-        server.should_exit = True
-        thread.join(20)
         replicas.shutdown()

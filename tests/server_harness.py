@@ -179,10 +179,8 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(engine: Engine, *, api_key=None, config: ServerConfig | None = None, tokenizer=None,
-          model_name=MODEL):
-    async_engine = AsyncEngine(engine, tokenizer or CharTokenizer())
-    app = build_app(async_engine, model_name=model_name, api_key=api_key, config=config)
+def run_app(app):
+    """`app` under uvicorn on 127.0.0.1 (a port the OS picks) in a background thread: its base URL."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                            lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -193,11 +191,20 @@ def serve(engine: Engine, *, api_key=None, config: ServerConfig | None = None, t
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        first = model_name if isinstance(model_name, str) else model_name[0]
-        yield Served(f"http://127.0.0.1:{port}", engine, async_engine, first)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(20)
+
+
+@contextlib.contextmanager
+def serve(engine: Engine, *, api_key=None, config: ServerConfig | None = None, tokenizer=None,
+          model_name=MODEL):
+    async_engine = AsyncEngine(engine, tokenizer or CharTokenizer())
+    app = build_app(async_engine, model_name=model_name, api_key=api_key, config=config)
+    with run_app(app) as url:
+        first = model_name if isinstance(model_name, str) else model_name[0]
+        yield Served(url, engine, async_engine, first)
 
 
 def stream_events(srv: Served, path: str, payload: dict) -> list[str]:
