@@ -56,7 +56,7 @@ from dspark.server.responses_protocol import ResponsesRequest
 from dspark.server.serving import APIError, bad_request
 from dspark.server.streams import PrimedStream
 from dspark.chat.tool_parsers import get_tool_parser
-from dspark.server.tools import checked_tools, strict_check
+from dspark.server.tools import strict_check, tool_schemas
 from dspark.server.tokenize import detokenize as detokenize_ids
 from dspark.server.tokenize import tokenize as tokenize_ids
 from dspark.generation_config import apply_defaults
@@ -277,7 +277,7 @@ def build_app(async_engine: AsyncEngine | ReplicaSet, *, model_name: str | Seque
         mode = serving.tool_mode(body, auto_tools=auto_tools)
         parser = tool_parser if serving.parses_tool_calls(body, auto_tools) else None
         phase = None if reasoning is None else reasoning.prompt_phase(tokenizer.decode(prompt_ids))
-        tools = checked_tools(body, bad_request) if parser is not None else None
+        tools = tool_schemas(body) if parser is not None else None  # checked by sampling_params above
         outputs = [Output(logprobs=None if params.logprobs is None else LogprobFormatter(tokenizer, chat=True),
                                   tool_mode=mode, tool_parser=parser, tool_accept=strict_check(body), tools=tools,
                                   reasoning=None if reasoning is None else

@@ -105,6 +105,12 @@ def checked_tools(req, bad_request) -> dict[str, dict]:
     return tools
 
 
+def tool_schemas(req) -> dict[str, dict] | None:
+    """name -> parameters schema of the request's tools, as `checked_tools` reads them (the sampling parameters
+    checked them already); None without tools. What the tool parser types the values of text formats with."""
+    return {t.function.name: t.function.parameters or ANY_OBJECT for t in req.tools} if req.tools else None
+
+
 def strict_check(req):
     """For tool_choice "auto" with `strict` tools: ParsedCall -> is it a call the response may carry (a
     strict tool's arguments valid under its `parameters`; with any strict tool, only the request's tools)?
