@@ -93,6 +93,26 @@ def test_q5_0_decode_rows_in_pairs_with_odd_counts_and_short_groups(threads):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [3, 8, 17])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_k_quant_products_over_long_rows_and_partial_groups(qtype, rows, threads):
+    """The K-quant paths (row by row in chunks of input rows, long rows: K = 6144 keeps 14 input rows a chunk; 8
+    weight rows tiled from 8 input rows on AVX512-VNNI builds) on 21 output rows (a group of 8 cut by the
+    threads' shares and a short last group): bit for bit the twin on both builds."""
+    raw = gguf_rows(21, 6144, qtype, seed=rows)
+    x = torch.randn(rows, 6144, generator=torch.Generator().manual_seed(rows))
+    ref = ggml.product_reference(x, raw, qtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(ggml.product(x, raw, qtype), ref)
+        assert torch.equal(ggml.ops_variant("DSPARK_QUANT_AVX2").block_mm(x, raw, int(qtype)), ref)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
 def test_a_block_product_row_does_not_depend_on_the_batch():
     raw = gguf_rows(24, 256, T.Q4_K, seed=4)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))

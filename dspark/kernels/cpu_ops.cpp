@@ -61,6 +61,7 @@
 #include "cpu_ops_ops.inc"
 #include "cpu_ops_attention.inc"
 #include "cpu_ops_blocks.inc"
+#include "cpu_ops_kquants.inc"
 #include "cpu_ops_head.inc"
 
 // act[r0:r1] = activation(gate[r0:r1]) * up[r0:r1] (SiLU, or tanh-GELU): torch's own ops, serial inside the
