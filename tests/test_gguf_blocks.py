@@ -201,8 +201,8 @@ HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 96
 LAYER_TYPES = [T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_1, T.Q5_K, T.Q3_K, T.F16, T.BF16]
 
 
-def write_tiny_gguf(path, layer_type, *, embed_type=T.Q8_0, seed: int = 0) -> None:
-    """A 2-layer Llama GGUF: every layer matrix in `layer_type` (attn_v in Q6_K beside it, as llama.cpp's
+def write_tiny_gguf(path, layer_type, *, embed_type=T.Q8_0, v_type=T.Q6_K, seed: int = 0) -> None:
+    """A 2-layer Llama GGUF: every layer matrix in `layer_type` (attn_v in `v_type` beside it, Q6_K as llama.cpp's
     mixes do), the tied embedding in `embed_type`, the norms fp32."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_vocab_size(VOCAB)
@@ -228,7 +228,7 @@ def write_tiny_gguf(path, layer_type, *, embed_type=T.Q8_0, seed: int = 0) -> No
               "ffn_down": (HIDDEN, INTER)}
     for i in range(LAYERS):
         for j, (part, (n, k)) in enumerate(shapes.items()):
-            matrix(f"blk.{i}.{part}.weight", n, k, T.Q6_K if part == "attn_v" else layer_type, 100 * i + j + seed)
+            matrix(f"blk.{i}.{part}.weight", n, k, v_type if part == "attn_v" else layer_type, 100 * i + j + seed)
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
     w.write_header_to_file()
@@ -291,7 +291,7 @@ def test_every_listed_type_loads_resident_as_quantized(tmp_path, layer_type):
     stacked = torch.cat([kv.step(ours, [(prompt[:8], 0)])[0], kv.step(ours, [(prompt[8:], 8)])[0]])
     assert torch.equal(stacked, hiddens["ours"])
     if ggml.ops() is not None:  # the stack ran where every part has its product there
-        assert (ours._block_stack_list is False) == (layer_type not in (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K))
+        assert (ours._block_stack_list is False) == (layer_type not in (T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K))
     head = ours.lm_head.blocks  # the tied Q8_0 embedding's rows interleaved by 8, the input quantized (Q8_0 x Q8_0)
     assert head.types == (Q8_0X8,)
     assert torch.equal(logits["ours"], _part_reference(hiddens["ours"], Q8_0X8, head.parts[0][1]))
@@ -302,6 +302,17 @@ def test_every_listed_type_loads_resident_as_quantized(tmp_path, layer_type):
         assert torch.equal(out, torch.cat(refs, -1)), blocks.types
     err = (logits["ours"] - logits["dense"]).abs().max().item()
     assert err < 0.05 * logits["dense"].abs().max().item(), err
+
+
+@pytest.mark.skipif(not kernels.has_q4_1_kernels(), reason="no Q4_1 CPU kernels")
+def test_auto_keeps_the_blocks_of_a_q4_1_file_whose_head_is_not_q8_0(tmp_path):
+    """`--matmul-dtype auto` on a Q4_1 GGUF: the Q4_1 load where the head is Q8_0 (the default model), the GGUF
+    blocks where llama-quantize wrote a K-quant head (the Q4_1 load would hold it dense)."""
+    from dspark.engine.build import resolve_matmul_dtype
+    for embed_type, want in ((T.Q8_0, "q4_1"), (T.Q6_K, "gguf")):
+        path = tmp_path / f"q4_1-{embed_type.name}.gguf"
+        write_tiny_gguf(path, T.Q4_1, embed_type=embed_type, v_type=T.Q4_1)
+        assert resolve_matmul_dtype("auto", model=str(path)) == want, embed_type.name
 
 
 def test_a_layer_truncated_view_of_a_block_model_runs_its_stack(tmp_path):

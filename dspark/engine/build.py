@@ -160,9 +160,11 @@ def run_tensor_parallel_node(config: EngineConfig) -> int:
 def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: str = "cpu",
                          model: str | None = None, tensor_parallel_size: int = 1) -> str:
     """The target's matrix-product dtype (EngineConfig.matmul_dtype), "auto" resolved for a float32 CPU
-    engine: q4_1 for a Q4_1 GGUF `model` (the default model) where the kernels multiply Q4_1 (AVX2 + FMA
-    + F16C): the file's own 4-bit weights, the fastest batch-1 decode of the three since a few-row step is
-    bound by the weight bytes it streams (docs/benchmarks.md, "Batch-1 decode"); else bfloat16 where the
+    engine: q4_1 for a Q4_1 GGUF `model` with a Q8_0 head (the default model) where the kernels multiply Q4_1
+    (AVX2 + FMA + F16C): the file's own 4-bit weights, the fastest batch-1 decode of the three since a few-row
+    step is bound by the weight bytes it streams (docs/benchmarks.md, "Batch-1 decode"); gguf for another GGUF
+    of a family whose blocks load resident (a Q4_1 file with a K-quant head, what llama-quantize writes, among
+    them: the q4_1 load would hold that head dense); else bfloat16 where the
     kernels multiply bf16 (AVX512-BF16); else float32. An explicit bfloat16 or q4_1 without such kernels still runs (torch
     multiplies the same values in fp32), slower: said in the log. "auto" device / dtype are resolved first;
     under tensor parallelism (`tensor_parallel_size` > 1) "auto" never means q4_1 (the ranks multiply
@@ -176,10 +178,10 @@ def resolve_matmul_dtype(matmul_dtype: str, *, dtype: str = "float32", device: s
         if dtype != "float32":
             return "float32"
         if model is not None and device == "cpu" and tensor_parallel_size == 1 and kernels.has_q4_1_kernels():
-            from dspark.models.loader import q4_1_problem, resolve_model_path
+            from dspark.models.loader import q4_1_head_is_q8_0, q4_1_problem, resolve_model_path
             from dspark.models.blocks import takes_gguf_blocks
             try:
-                if q4_1_problem(model) is None:
+                if q4_1_problem(model) is None and q4_1_head_is_q8_0(model):
                     return "q4_1"
                 if takes_gguf_blocks(resolve_model_path(model)):
                     return "gguf"

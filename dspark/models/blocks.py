@@ -27,6 +27,9 @@ rounding alone moves them by 0.0005 (tests/test_gemma3_270m.py).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 import warnings
 from pathlib import Path
 
@@ -39,6 +42,8 @@ from dspark.kernels import ggml
 from dspark.models.gguf_format import GGMLType, gguf_model_config, gguf_reader, gguf_to_hf_name, unpermute_rope_rows
 
 F32, F16, Q4_1, Q8_0, BF16 = (int(GGMLType[name]) for name in ("F32", "F16", "Q4_1", "Q8_0", "BF16"))
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_PAGE = mmap.PAGESIZE
 Q8_0X8 = 1008  # not a GGML id: Q8_0 rows interleaved by 8 (`pack_q8_0x8`), multiplied with the input quantized
 
 
@@ -163,12 +168,28 @@ class BlockRows:
         return BlockMatrix([(BF16, torch.cat(chunks))], self.hidden)
 
 
+def drop_mapped_pages(view: np.ndarray) -> None:
+    """Drop a copied view's pages of the mapped file from this process (madvise MADV_DONTNEED: they stay in the
+    page cache, a later read faults them back in), so a load holds each tensor once, not its copy and the
+    file's pages too (peak resident memory near the file's size, not twice it)."""
+    size = view.nbytes
+    if size < _PAGE or not hasattr(_LIBC, "madvise"):
+        return
+    start = view.ctypes.data
+    first = -(-start // _PAGE) * _PAGE  # whole pages inside the view only: a neighbour's bytes stay mapped
+    length = (start + size - first) // _PAGE * _PAGE
+    if length > 0:
+        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), 4)  # 4: MADV_DONTNEED
+
+
 def gguf_rows(t, *, copy: bool = True) -> tuple[int, torch.Tensor]:
     """A gguf ReaderTensor -> (its GGML type id, its rows [n, row bytes] uint8, or [n, K] fp32 for F32).
     `copy=False`: a read-only view of the mapped file, for a caller that builds its own tensor from it (the
     Q8_0 embedding's packing) and keeps nothing of the view."""
     qtype = int(t.tensor_type)
     data = np.array(t.data, copy=True) if copy or qtype == F32 else np.asarray(t.data)
+    if data is not t.data and not np.shares_memory(data, t.data):
+        drop_mapped_pages(t.data)
     if qtype == F32:
         return qtype, torch.from_numpy(data.astype(np.float32)).reshape(-1, int(t.shape[0]))
     with warnings.catch_warnings():  # torch warns of a read-only view (copy=False); it is read, never written

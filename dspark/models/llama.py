@@ -257,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
     def _block_layers(self, x: torch.Tensor, rope: dict, meta: AttnMetadata, rows: dict, local: list[bool],
                       kv_caches: list[KVCache], taps: torch.Tensor | None, tap_slots: dict[int, list[int]]) -> bool:
         """All decoder layers through `kernels.block_layers` (rope / rows: local? -> the layer kind's RoPE
-        tables and attention rows); False when a matrix has a part it does not multiply (bf16, Q4_1)."""
+        tables and attention rows); False when a matrix has a part it does not multiply (bf16)."""
         stack = self._block_stack()
         if stack is None:
             return False
@@ -270,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
             scale=attn.scale, gelu_tanh=self.stack_gelu_tanh, taps=taps, tap_layers=tap_layers, tap_cols=tap_cols)
 
     stack_gelu_tanh = False  # the MLP's activation in `kernels.block_layers` (else SiLU)
-    STACK_TYPES = (0, 6, 8, 12, 14)  # GGML types `kernels.block_layers` multiplies: F32, Q5_0, Q8_0, Q4_K, Q6_K
+    STACK_TYPES = (0, 3, 6, 8, 12, 14)  # GGML types `kernels.block_layers` multiplies: F32, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K
 
     def _stack_norms(self, layer: nn.Module) -> list[torch.Tensor | None]:
         """A layer's 6 norm vectors for `kernels.block_layers` (cpu_ops_block_layers.inc; None: absent)."""

@@ -171,6 +171,15 @@ def q4_1_problem(path_or_name: str | Path) -> str | None:
     return None
 
 
+def q4_1_head_is_q8_0(path_or_name: str | Path) -> bool:
+    """Is a Q4_1 GGUF's LM head (its own `output.weight`, or the tied embedding) Q8_0? Where it is not (llama-
+    quantize writes Q6_K), the Q4_1 load holds the head dense (4 bytes a weight: 1.2 GB at Qwen3-1.7B, half a
+    decode step's reads) while the GGUF load (`--matmul-dtype gguf`) keeps its blocks, so `auto` takes that."""
+    tensors = {t.name: t for t in gguf_reader(resolve_model_path(path_or_name)).tensors}
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    return head is not None and head.tensor_type == GGMLType.Q8_0
+
+
 def load_gguf_blocks(model: torch.nn.Module, source: "GGUFSource") -> None:
     """Fill `model` from the Q4_1 GGUF of `source` resident as quantized: every Linear keeps the file's Q4_1
     blocks (`use_q4_1_products`); a Q8_0 embedding keeps its blocks, interleaved by 8 for the LM head's Q8_0 x
