@@ -259,3 +259,40 @@ def test_the_files_mtp_layer_drafts_as_the_folders(conv):
         assert engine.metrics.num_drafts > 0, name
         accepted[name] = (engine.metrics.num_accepted_tokens, list(engine.metrics.accepted_per_pos))
     assert accepted["file"] == accepted["folder"]
+
+
+def test_the_quantized_file_loads_resident_as_its_blocks(conv, request):
+    """`--matmul-dtype gguf` (what `auto` takes for these files): every layer matrix of the Q8_0 file is a
+    BlockMatrix of its blocks, the rows the converter reordered moved back whole and its reordered columns (Qwen3.5's
+    out_proj) read through the input's order, each equal to the dense load's weight; a second embedding (Gemma 4's
+    per-layer inputs) keeps its rows; logits within the head's input rounding of the dense load's."""
+    from dspark.engine.build import resolve_matmul_dtype
+    from dspark.models.blocks import BF16
+    from dspark.models.layers import Linear, VocabEmbedding
+    if conv.cfg.num_experts and conv.cfg.architecture.startswith("Qwen") and "not slow" in (request.config.option.markexpr or ""):
+        pytest.skip("the Qwen MoE q8_0 conversions (~10 s each) run under -m slow")
+    path = conv.file("q8_0")
+    assert resolve_matmul_dtype("auto", model=str(path)) == "gguf"
+    ours, _, _ = load_model(path, matmul_dtype="gguf")
+    dense = _model(GGUFSource(path))
+    linears = [(n, m) for n, m in dense.named_modules() if isinstance(m, Linear) and not n.startswith("mtp")]
+    reordered = 0
+    for name, module in linears:
+        mine = ours.get_submodule(name)
+        if mine.blocks is None:
+            continue  # a router / gate the file keeps in F32 loads dense
+        want = module.weight if BF16 not in mine.blocks.types else module.weight.to(torch.bfloat16).float()
+        assert mine.weight is None and torch.equal(mine.dense_weight(), want), name  # (F16: held as bf16)
+        reordered += mine.blocks.input_order is not None
+    assert sum(ours.get_submodule(n).blocks is not None for n, _ in linears) >= 4 * conv.cfg.num_hidden_layers // 2
+    hk, hv = conv.cfg.linear_num_key_heads, conv.cfg.linear_num_value_heads
+    assert reordered == (sum(t == "linear_attention" for t in conv.cfg.layer_types)
+                         if conv.cfg.architecture == "Qwen3_5ForCausalLM" and hk != hv else 0) or \
+        conv.cfg.architecture != "Qwen3_5ForCausalLM"
+    for name, module in ours.named_modules():
+        if isinstance(module, VocabEmbedding):
+            assert module.weight is None and module.block_rows is not None, name
+    ids = _prompt(conv.cfg)
+    ref, got = _logits(dense, ids), _logits(ours, ids)
+    err = float((got - ref).abs().max()) / float(ref.max() - ref.min())
+    assert err <= BOUNDS[conv.cfg.architecture.startswith("Gemma4"), "q8_0"], err

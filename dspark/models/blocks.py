@@ -39,6 +39,7 @@ import torch
 from dspark import kernels
 from dspark.kernels import blocks as qb
 from dspark.kernels import ggml
+from dspark.models.gguf_families import GGUF_FAMILIES
 from dspark.models.gguf_format import GGMLType, gguf_model_config, gguf_reader, gguf_to_hf_name, unpermute_rope_rows
 
 F32, F16, Q4_1, Q8_0, BF16 = (int(GGMLType[name]) for name in ("F32", "F16", "Q4_1", "Q8_0", "BF16"))
@@ -99,9 +100,13 @@ class BlockMatrix:
     """A matrix [out_features, in_features] held as GGUF blocks: `parts` [(type id, tensor)] stacked along the
     output rows in order, each in its product's form (module docstring)."""
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int) -> None:
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int,
+                 input_order: torch.Tensor | None = None) -> None:
         self.parts, self.in_features = parts, in_features
         self.out_features = sum(w.shape[0] for _, w in parts)
+        # [in] long or None: the file's columns are the model's in this order (a converter that reordered them:
+        # the input is gathered into the file's order, which quantized rows cannot be re-cut to)
+        self.input_order = input_order
 
     @classmethod
     def from_gguf(cls, pieces: list[tuple[int, torch.Tensor]], in_features: int, *,
@@ -127,12 +132,17 @@ class BlockMatrix:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] fp32 (x's dtype)."""
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         outs = [_part_product(x, t, w) for t, w in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
     def dense(self) -> torch.Tensor:
         """The matrix's values [out, in] fp32 (dequantized now)."""
-        return torch.cat([_part_values(t, w) for t, w in self.parts])
+        values = torch.cat([_part_values(t, w) for t, w in self.parts])
+        if self.input_order is None:
+            return values
+        return values.index_select(1, torch.argsort(self.input_order))
 
 
 class BlockRows:
@@ -215,24 +225,46 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     Linear gets a BlockMatrix of its GGUF tensors (merged projections stacked in shard order, Llama's q/k rows
     un-interleaved as the dense load does), the embedding a BlockRows, the head the embedding's bytes when
     tied (or its own tensor); the other tensors (norms, biases) load as usual. No dense copy is kept."""
-    from dspark.models.layers import Linear
+    from dspark.models.layers import Linear, VocabEmbedding
     config = source.config
     permute = config.architecture == "LlamaForCausalLM"
     arch = source.field("general.architecture")
+    family = GGUF_FAMILIES.get(arch)  # Gemma 4, the hybrid Qwens: names and row / column orders by record
     tensors = {t.name: t for t in source.reader.tensors}
     pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    input_orders: dict[str, torch.Tensor] = {}
     covered: set[str] = set()
     for t in source.reader.tensors:
         if t.name in ("token_embd.weight", "output.weight") or len(t.shape) != 2:
             continue
-        name, shard = model._resolve(gguf_to_hf_name(t.name, arch))
+        hf = family.hf_name(t.name, config) if family is not None else gguf_to_hf_name(t.name, arch)
+        if not hf or "*" in hf:
+            continue  # held by the config, or stacked experts: the dense load
+        name, shard = model._resolve(hf)
         module_name = name.rpartition(".")[0]
-        module = model.get_submodule(module_name)
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            continue  # not a module of the target (the MTP layer's tensors): the dense load decides
+        if isinstance(module, VocabEmbedding) and family is not None and name.endswith(".weight"):
+            qtype, raw = gguf_rows(t)  # a second embedding (Gemma 4's per-layer inputs) keeps its rows too
+            module.block_rows, module.weight = BlockRows(qtype, raw, int(t.shape[0])), None
+            covered.add(t.name)
+            continue
         if not isinstance(module, Linear) or not name.endswith(".weight"):
             continue
         qtype, raw = gguf_rows(t)
         if permute and name.endswith("qkv_proj.weight") and shard in ("q", "k"):
             raw = unpermute_rope_rows(raw, config.num_attention_heads if shard == "q" else config.num_key_value_heads)
+        if family is not None:
+            rows, cols = family.orders(hf, config, (raw.shape[0], int(t.shape[0])))
+            if rows is not None:
+                raw = raw.index_select(0, rows)
+            if cols is not None:
+                if shard:
+                    raise ValueError(f"{source.path.name}: {t.name} has its columns reordered inside a merged "
+                                     f"projection; load it with --matmul-dtype float32")
+                input_orders[module_name] = torch.argsort(cols)
         start = module.shard_rows[shard][0] if shard else 0
         pieces.setdefault(module_name, []).append((start, qtype, raw))
         covered.add(t.name)
@@ -240,6 +272,7 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
         module = model.get_submodule(module_name)
         parts.sort(key=lambda p: p[0])
         blocks = BlockMatrix.from_gguf([(q, r) for _, q, r in parts], module.in_features)
+        blocks.input_order = input_orders.get(module_name)
         if blocks.out_features != module.out_features:
             raise ValueError(f"{source.path.name}: GGUF tensors cover {blocks.out_features} of the "
                              f"{module.out_features} rows of {module_name}")
@@ -274,12 +307,14 @@ BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalL
 
 def takes_gguf_blocks(path) -> bool:
     """Does `--matmul-dtype auto` keep this model's GGUF blocks (`gguf`)? A GGUF of a family in
-    BLOCK_ARCHITECTURES with a layer matrix in a type the kernels multiply, and the kernels built."""
+    BLOCK_ARCHITECTURES or GGUF_FAMILIES (Gemma 4, the hybrid Qwens) with a layer matrix in a type the kernels
+    multiply, and the kernels built."""
     path = Path(path)
     if not (path.is_file() and path.suffix == ".gguf") or kernels.ops() is None:
         return False
     reader = gguf_reader(path)
-    if gguf_model_config(reader).architecture not in BLOCK_ARCHITECTURES:
+    if gguf_model_config(reader).architecture not in BLOCK_ARCHITECTURES and \
+            str(reader.fields["general.architecture"].contents()) not in GGUF_FAMILIES:
         return False
     products = {Q4_1, Q8_0, *ggml.BLOCK_TYPES}
     return any(t.name.startswith("blk.") and len(t.shape) == 2 and int(t.tensor_type) in products for t in reader.tensors)

@@ -274,6 +274,27 @@ class GGUFFamily:
         except KeyError:
             raise KeyError(f"GGUF tensor {name!r} has no known HF equivalent") from None
 
+    def orders(self, hf: str, cfg: ModelConfig, shape: tuple[int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(rows, cols) long or None: `undo` of a matrix [n, k] named `hf` is its rows in order `rows` and its
+        columns in order `cols` (None: as they are), read off `undo` itself on index tensors, so a quantized
+        matrix, whose rows cannot be re-cut along its columns, is reordered by whole rows or through its input.
+        ValueError where `undo` does more to the matrix than reorder it."""
+        n, k = shape
+        dtype = torch.int16 if max(n, k) < 2 ** 15 else torch.int32
+        out = []
+        for dim, size in ((0, n), (1, k)):
+            index = torch.arange(size, dtype=dtype)
+            probe = (index[:, None] if dim == 0 else index[None, :]).expand(n, k).contiguous()
+            moved = self.undo(hf, probe, cfg)
+            line = moved[:, 0] if dim == 0 else moved[0, :]
+            if moved.shape != (n, k) or moved.dtype != dtype or not torch.equal(
+                    moved, (line[:, None] if dim == 0 else line[None, :]).expand(n, k)) or not torch.equal(
+                    line.sort().values, index):
+                raise ValueError(f"{hf}: the converter's change to this matrix is not a reordering of its rows "
+                                 f"and columns; load it with --matmul-dtype float32")
+            out.append(None if torch.equal(line, index) else line.long())
+        return out[0], out[1]
+
     def hf_tensors(self, name: str, t: torch.Tensor, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) pairs of the file's tensor `name` (fp32, HF's [out, in] layout): none for one the
         config holds, one per expert for stacked experts."""
