@@ -1,5 +1,6 @@
 """`ReplicaSet`: N engine processes behind one API server (`dspark serve --data-parallel-size N`), with the
-interface of `AsyncEngine` that the app reads, so `build_app` and `serve_app` take either.
+interface of `AsyncEngine` that the app reads (`stats()`, `metrics`, admission, requests), so `build_app` and
+`serve_app` take either.
 
 Each replica is a child process (`python -m dspark.server.replica`, started with `subprocess`, not forked:
 its own interpreter, its own torch threads and KV pool) that runs the existing `Engine` + `AsyncEngine`
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from dspark.request import SpecStats, check_request
 from dspark.server.async_engine import AdmissionError, RequestFault, call_soon, settle
 from dspark.server.balance import Balancer, BalanceConfig
-from dspark.server.metrics import merge_expositions
+from dspark.server.metrics import ServerStats, merge_expositions
 from dspark.server.streams import RequestDelta, RequestStream
 from dspark.server.wire import Channel, delta_from_wire, error_from_wire, params_to_wire
 
@@ -106,9 +107,6 @@ class ReplicaSetMetrics:
     def __init__(self, replicas: "ReplicaSet", *, model_name: str = "dspark"):
         self.replicas, self.model_name = replicas, model_name
 
-    def on_request_end(self, record) -> None:  # the replicas observe their own requests
-        pass
-
     async def render_async(self) -> bytes:
         return merge_expositions([*await self.replicas.metrics_texts(), self._own()])
 
@@ -126,7 +124,6 @@ class ReplicaSetMetrics:
 
 
 class ReplicaSet:
-    metrics_class = ReplicaSetMetrics
     has_local_engine = False
 
     def __init__(self, launch: ReplicaLaunch, size: int, *, tokenizer, engine_config=None,
@@ -143,7 +140,7 @@ class ReplicaSet:
         self.affinity_slack, self.log_level = affinity_slack, log_level
         self.balancer: Balancer | None = None
         self.replicas: list[_Replica] = []
-        self.on_request_end = None  # the app sets it; the replicas observe their own requests
+        self.metrics = ReplicaSetMetrics(self, model_name=model_name)
         self.draining = False
         self.num_rejected = {429: 0, 503: 0}
         self._lock = threading.Lock()  # replicas' streams and pending maps (event loop and reader threads)
@@ -268,23 +265,15 @@ class ReplicaSet:
     def max_num_waiting(self) -> int | None:
         return self._limits["max_num_waiting"]
 
-    @max_num_waiting.setter
-    def max_num_waiting(self, value: int | None) -> None:
-        self._set_limit("max_num_waiting", value)
-
     @property
     def request_timeout_s(self) -> float | None:
         return self._limits["request_timeout_s"]
 
-    @request_timeout_s.setter
-    def request_timeout_s(self, value: float | None) -> None:
-        self._set_limit("request_timeout_s", value)
-
-    def _set_limit(self, name: str, value) -> None:
-        self._limits[name] = value
-        for r in self.replicas:
-            if r.state == "ready":
-                r.send({"op": "limits", **self._limits})
+    def stats(self) -> ServerStats:
+        """One snapshot for /health and /get_load (each replica's engine reports in its own /metrics)."""
+        return ServerStats(healthy=self.is_healthy, error=self.error, health=self.health_report(),
+                           num_running=self.num_running, num_queued=self.num_queued, num_active=self.num_active,
+                           num_rejected=dict(self.num_rejected))
 
     # -- requests (event loop side) -----------------------------------------------------------------------
     def check_admission(self) -> None:
