@@ -144,7 +144,6 @@ class ReplicaSet:
         self.draining = False
         self.num_rejected = {429: 0, 503: 0}
         self._lock = threading.Lock()  # replicas' streams and pending maps (event loop and reader threads)
-        self._owner: dict[str, _Replica] = {}  # request id -> its replica
         self._tags = itertools.count()
         self._done = threading.Event()  # every replica has exited, or shutdown()
 
@@ -305,7 +304,6 @@ class ReplicaSet:
             replica.pending[tag] = (future, loop)
             for rid, queue in queues.items():
                 replica.streams[rid] = (queue, loop)
-                self._owner[rid] = replica
         sent = replica.send({"op": "add", "tag": tag, "client": client,
                              "requests": [[list(ids), params_to_wire(p), rid] for ids, p, rid in requests]})
         try:
@@ -323,14 +321,14 @@ class ReplicaSet:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for a request that has already finished."""
-        replica = self._owner.get(request_id)
+        with self._lock:  # the replica whose streams hold it (its one record in this process)
+            replica = next((r for r in self.replicas if request_id in r.streams), None)
         if replica is not None and replica.state in ("ready", "draining"):
             replica.send({"op": "abort", "id": request_id})
 
     def _forget(self, replica: _Replica, request_id: str) -> None:
         with self._lock:
             replica.streams.pop(request_id, None)
-            self._owner.pop(request_id, None)
 
     async def metrics_texts(self) -> list[str]:
         """Every live replica's Prometheus text (one that does not answer in time is left out)."""
@@ -399,8 +397,6 @@ class ReplicaSet:
         with self._lock:
             streams, r.streams = r.streams, {}
             pending, r.pending = r.pending, {}
-            for rid in streams:
-                self._owner.pop(rid, None)
         message = f"replica {r.index} failed: {r.error}"
         for rid, (queue, loop) in streams.items():
             call_soon(loop, queue.put_nowait, RequestDelta(
