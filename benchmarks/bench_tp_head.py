@@ -61,9 +61,8 @@ def measure(engine, tp, *, batch: int, blocks: int, steps: int) -> dict:
     finally:
         tp.gather_cat = gather
         engine.runner.head_argmax = True
-    for rid in list(engine.requests):
+    for rid in list(engine.requests):  # released at once
         engine.abort(rid)
-    engine.step()
     out = {head: {f"{k}_median": statistics.median(v) for k, v in m.items()} | {"steps": len(m["step_s"])}
            for head, m in per.items()}
     rows, arg = out["rows"], out["argmax"]

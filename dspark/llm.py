@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from dspark.config import DEFAULT_MODEL, EngineConfig
+from dspark.detokenizer import StreamState
 from dspark.engine.output import OutputProcessor, fan_out
 from dspark.request import SpecStats
 from dspark.sampling import SamplingParams, TokenLogprob
@@ -195,9 +196,9 @@ class LLM:
         if len(params) != len(prompt_ids):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_ids)} prompts")
         engine = self.engine
-        output = OutputProcessor(engine, self.tokenizer.tokenizer if self.tokenizer else None)
-        order, results, slot = [], {}, {}
-        logprobs: dict[str, list[TokenLogprob]] = {}  # engine request → its kept tokens' logprobs so far
+        # each engine request's one record: its text so far, its RequestOutput and choice, its kept logprobs
+        output: OutputProcessor[_Slot] = OutputProcessor(self.tokenizer.tokenizer if self.tokenizer else None)
+        order, failed = [], {}
         start, wall = time.perf_counter(), time.time()
         for ids, text, p in zip(prompt_ids, texts, params):
             n = getattr(p, "n", 1)
@@ -206,31 +207,32 @@ class LLM:
             for i, sub in enumerate(fan_out(p, n)):
                 rid = engine.add_request(ids, sub)
                 res.request_id = res.request_id or rid
-                output.add(rid, sub)
-                results[rid], slot[rid] = res, i
-                if sub.logprobs is not None:
-                    logprobs[rid] = []
+                output.add(rid, sub, _Slot(StreamState.for_params(sub), res, i,
+                                           [] if sub.logprobs is not None else None))
             order.append(res)
         bar = _progress(len(order), use_tqdm)
-        while output.has_work():
-            for out in output.step():
-                delta = output.process(out)
-                if delta is None:
-                    continue  # left over from an earlier call
-                res, i = results[out.request_id], slot[out.request_id]
+        while engine.has_unfinished():
+            deltas, aborts = output.process(engine.step())
+            for rid in aborts:  # a stop string (or a fault of its own) ended it here
+                engine.abort(rid)
+            for delta in deltas:
+                out, slot = delta.output, delta.record
+                res, i = slot.result, slot.index
+                if delta.error is not None:  # non-finite target logits (dspark.engine.faults)
+                    failed[delta.request_id] = delta.error
                 if delta.num_kept and res.metrics.first_token_time is None:
                     res.ttft_s = time.perf_counter() - start
                     res.metrics.first_token_time = time.time()
                 if delta.num_kept:
                     res.metrics.last_token_time = time.time()
-                if out.request_id in logprobs:
-                    logprobs[out.request_id] += delta.logprobs or []
+                if slot.logprobs is not None:
+                    slot.logprobs += delta.logprobs or []
                 res.num_cached_tokens, res.spec = out.num_cached_tokens, out.spec
                 if out.prompt_logprobs is not None and res.prompt_logprobs is None:  # n > 1: one prompt
                     res.prompt_logprobs = out.prompt_logprobs
                 if delta.finished:
                     res.outputs[i] = CompletionOutput(i, delta.state.text, list(delta.state.token_ids),
-                                                      delta.finish_reason, logprobs=logprobs.get(out.request_id))
+                                                      delta.finish_reason, logprobs=slot.logprobs)
                     if all(o.finish_reason is not None for o in res.outputs):
                         res.finished = True
                         res.e2e_s = time.perf_counter() - start
@@ -240,11 +242,20 @@ class LLM:
                             bar.update(1)
         if bar:
             bar.close()
-        failed = {rid: why for rid, why in engine.take_failed().items() if rid in results}
-        if failed:  # non-finite target logits (dspark.engine.faults): never hand back garbage
+        if failed:  # never hand back garbage
             rid, why = next(iter(failed.items()))
             raise RuntimeError(f"{len(failed)} of {len(order)} requests failed ({rid}: {why})")
         return order
+
+
+@dataclass
+class _Slot:
+    """One engine request of `LLM._run`: its text so far, the RequestOutput and choice it fills, its logprobs."""
+
+    state: StreamState
+    result: RequestOutput
+    index: int
+    logprobs: list[TokenLogprob] | None  # the kept tokens' so far, when it asked
 
 
 def _prompt_list(prompts) -> list:

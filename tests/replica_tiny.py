@@ -41,8 +41,11 @@ def serve_replicas(size: int = 2, *, config=None, pin_cores: bool = False, **arg
     from dspark.server.replicas import ReplicaLaunch, ReplicaSet
     from server_harness import MODEL, run_app
 
+    from dspark.server.config import ServerConfig
+    limits = config or ServerConfig()
     replicas = ReplicaSet(ReplicaLaunch("replica_tiny:tiny_engine", args, env=launch_env()), size,
-                          tokenizer=CharTokenizer(), threads=1, pin_cores=pin_cores, model_name=MODEL).launch()
+                          tokenizer=CharTokenizer(), threads=1, pin_cores=pin_cores, model_name=MODEL,
+                          max_num_waiting=limits.max_num_waiting, request_timeout_s=limits.request_timeout_s).launch()
     try:
         with run_app(build_app(replicas, model_name=MODEL, config=config)) as url:
             yield url, replicas

@@ -38,8 +38,9 @@ def main() -> int:
         return real_step()
 
     engine.step = step
-    async_engine = AsyncEngine(engine, CharTokenizer(), own_thread=False)
     config = ServerConfig(drain_timeout_s=args.drain_timeout_s)
+    async_engine = AsyncEngine(engine, CharTokenizer(), own_thread=False, max_num_waiting=config.max_num_waiting,
+                               model_name=MODEL)
     app = build_app(async_engine, model_name=MODEL, config=config)
     return serve_app(app, async_engine, host="127.0.0.1", port=args.port, log_level="warning",
                      drain_timeout_s=config.drain_timeout_s, max_connections=args.max_connections)

@@ -200,10 +200,12 @@ def run_app(app):
 @contextlib.contextmanager
 def serve(engine: Engine, *, api_key=None, config: ServerConfig | None = None, tokenizer=None,
           model_name=MODEL):
-    async_engine = AsyncEngine(engine, tokenizer or CharTokenizer())
+    config = config or ServerConfig()
+    first = model_name if isinstance(model_name, str) else model_name[0]
+    async_engine = AsyncEngine(engine, tokenizer or CharTokenizer(), max_num_waiting=config.max_num_waiting,
+                               request_timeout_s=config.request_timeout_s, model_name=first)
     app = build_app(async_engine, model_name=model_name, api_key=api_key, config=config)
     with run_app(app) as url:
-        first = model_name if isinstance(model_name, str) else model_name[0]
         yield Served(url, engine, async_engine, first)
 
 

@@ -67,7 +67,7 @@ def drain(engine: Engine, out: dict[str, list[int]]) -> None:
 def assert_clean(engine: Engine, aborted: str) -> None:
     bm = engine.block_manager
     assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
-    assert bm.num_free_blocks == len(bm.blocks) and engine.kv_usage == 0.0
+    assert bm.num_free_blocks == len(bm.blocks) and engine.stats().kv_usage == 0.0
     assert aborted not in bm.hash_state, "hash-chain bookkeeping of the aborted request"
     bm.check_invariants()
     pending = getattr(engine.drafter, "_pending", None)
@@ -112,9 +112,9 @@ def test_abort_at_each_stage_frees_everything(target, spec, plain_others, stage,
                                 GREEDY)
     req = engine.requests[victim]
     out = _until(engine, lambda: STAGES[stage](req), limit=80)
-    engine.abort(victim)
-    for o in engine.step():  # an abort is reported (and dropped) by the next step
-        out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    final = engine.abort(victim)  # released at once; no step reports it
+    assert final.finished and final.finish_reason == "abort" and final.new_token_ids == []
+    assert victim not in engine.requests and not req.block_table and req.state_slot is None
     drain(engine, out)
     assert [out.get(i, []) for i in others] == plain_others
     assert len(out.get(victim, [])) < GREEDY.max_tokens
@@ -125,7 +125,7 @@ def test_abort_after_finish_is_a_no_op(target, spec):
     engine = build(target, spec)
     rid = engine.add_request(OTHERS[0], GREEDY)
     drain(engine, {})
-    engine.abort(rid)
+    assert engine.abort(rid) is None
     assert not engine.has_unfinished() and engine.step() == []
     assert_clean(engine, rid)
 
@@ -247,9 +247,9 @@ def test_non_stream_client_leaving_while_waiting_frees_its_place():
             httpx.post(srv.base_url + "/v1/completions", timeout=0.3, json={
                 "model": MODEL, "prompt": "left while waiting", "max_tokens": 5})
         deadline = time.monotonic() + 5
-        while srv.async_engine.num_waiting and time.monotonic() < deadline:
+        while srv.engine.stats().num_waiting and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert srv.async_engine.num_waiting == 0 and busy.is_alive(), "freed while the other runs"
+        assert srv.engine.stats().num_waiting == 0 and busy.is_alive(), "freed while the other runs"
         busy.join()
         assert engine.metrics.num_prompt_tokens == before, "the waiting prompt was never computed"
         assert_metrics_zero(srv)
@@ -305,10 +305,10 @@ def test_one_clients_batch_does_not_hold_back_another_clients_request():
         batch = threading.Thread(target=lambda: srv.post("/v1/completions", json=body))
         batch.start()
         deadline = time.monotonic() + 10
-        while srv.async_engine.num_waiting < 20 and time.monotonic() < deadline:
+        while srv.engine.stats().num_waiting < 20 and time.monotonic() < deadline:
             time.sleep(0.01)
         probe = srv.post("/v1/completions", json={"model": MODEL, "prompt": "probe", "max_tokens": 4})
         assert probe.status_code == 200
-        assert srv.async_engine.num_waiting >= 16 and batch.is_alive(), "the probe waited for the batch"
+        assert srv.engine.stats().num_waiting >= 16 and batch.is_alive(), "the probe waited for the batch"
         batch.join()
         assert_metrics_zero(srv)

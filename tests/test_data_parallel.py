@@ -255,8 +255,7 @@ def test_replica_set_interface_matches_what_the_app_reads():
     from dspark.server.replicas import ReplicaSet
     used = ["tokenizer", "engine_config", "has_local_engine", "check_admission", "check_request", "add_requests",
             "abort", "is_healthy", "error", "health_report", "max_model_len", "start", "shutdown", "draining",
-            "begin_drain", "run_forever", "max_num_waiting", "request_timeout_s", "on_request_end", "num_running",
-            "num_queued"]
+            "begin_drain", "run_forever", "max_num_waiting", "request_timeout_s", "stats", "metrics", "num_active"]
     engine = AsyncEngine(make_engine(build_tiny_model()), CharTokenizer())
     replicas = ReplicaSet(None, 2, tokenizer=CharTokenizer())  # not launched: its attributes only
     for obj in (engine, replicas):

@@ -48,12 +48,15 @@ def build(target, drafter_dir=None, **spec_kw) -> Engine:
     return Engine(config, model=target, model_config=TARGET, drafter=drafter)
 
 
-def run(engine: Engine, params=GREEDY) -> dict[str, list[int]]:
+def run(engine: Engine, params=GREEDY, errors: dict | None = None) -> dict[str, list[int]]:
+    """Every prompt to its end: request id -> its tokens; `errors` gets the failed ones' messages."""
     ids = [engine.add_request(p, params) for p in PROMPTS]
     out = {i: [] for i in ids}
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
+            if o.error is not None and errors is not None:
+                errors[o.request_id] = o.error
     bm = engine.block_manager
     assert not engine.requests and bm.num_free_blocks == len(bm.blocks), "blocks leaked"
     bm.check_invariants()
@@ -165,8 +168,8 @@ def _nan_target_row(engine: Engine, at_step: int):
 def test_nan_target_logits_fail_that_request_only(target, drafter_dir, plain, speculative):
     engine = build(target, drafter_dir if speculative else None)
     _nan_target_row(engine, at_step=6)
-    out = run(engine)
-    failed = engine.take_failed()
+    failed = {}
+    out = run(engine, errors=failed)
     assert len(failed) == 1 and "non-finite logits" in next(iter(failed.values()))
     for rid, ids, want in zip(out, out.values(), plain):
         if rid in failed:

@@ -12,7 +12,6 @@ a failing twin (restoring another boundary's snapshot) that the logits check cat
 from __future__ import annotations
 
 from collections import defaultdict
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -373,15 +372,14 @@ def test_hybrid_prefix_caching_config_is_checked_before_weights_and_can_be_off(t
 
 
 def test_metrics_count_the_snapshots():
-    from dspark.server.metrics import _EngineCollector
+    from dspark.server.metrics import ServerStats, _EngineCollector
     cfg = CONFIGS["qwen3_5"]
     model, _ = tiny_target(cfg)
     engine = _engine(model, cfg)
     for prompt in (FIRST, SECOND):
         _generate(engine, prompt)
-    ae = SimpleNamespace(engine=engine, metrics=engine.metrics, kv_usage=engine.kv_usage, num_waiting=0,
-                         num_running=0)
-    samples = {s.name: s.value for family in _EngineCollector(ae).collect() for s in family.samples}
+    samples = {s.name: s.value for family in _EngineCollector(lambda: ServerStats(engine=engine.stats())).collect()
+               for s in family.samples}
     assert samples["vllm:state_snapshot_hits_total"] == 1
     assert samples["vllm:state_snapshots_stored_total"] == 4 and samples["vllm:state_snapshots_evicted_total"] == 0
     assert samples["vllm:num_state_snapshots"] == 16 and samples["vllm:num_state_snapshots_used"] == 4

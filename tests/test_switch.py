@@ -177,20 +177,17 @@ def test_settings_are_checked():
 
 
 def test_metrics_expose_each_load_decision_and_figures():
-    from types import SimpleNamespace
-
-    from dspark.engine.metrics import EngineMetrics
-    from dspark.server.metrics import _EngineCollector
+    from dspark.engine.metrics import EngineStats
+    from dspark.server.metrics import ServerStats, _EngineCollector
 
     switch = warm()
     drive(switch, num_reqs=8, steps=200, spec_ms_per_token=1.2, plain_ms_per_token=1.0)
-    engine = SimpleNamespace(cost_table=None, spec=SimpleNamespace(switch=switch))
-    ae = SimpleNamespace(metrics=EngineMetrics(), engine=engine, kv_usage=0.0, num_waiting=0, num_running=0)
-    families = {f.name: f for f in _EngineCollector(ae).collect()}
+    families = {f.name: f for f in _EngineCollector(
+        lambda: ServerStats(engine=EngineStats(switch=tuple(switch.snapshot())))).collect()}
     on = {s.labels["load"]: s.value for s in families["vllm:measured_switch_on"].samples}
     per_token = {(s.labels["load"], s.labels["mode"]): s.value
                  for s in families["vllm:measured_switch_seconds_per_token"].samples}
     assert on == {"6-8": 0.0}
     assert per_token == pytest.approx({("6-8", "speculative"): 1.2e-3, ("6-8", "plain"): 1.0e-3})
-    engine.spec.switch = None
-    assert "vllm:measured_switch_on" not in {f.name for f in _EngineCollector(ae).collect()}
+    assert "vllm:measured_switch_on" not in {
+        f.name for f in _EngineCollector(lambda: ServerStats(engine=EngineStats())).collect()}

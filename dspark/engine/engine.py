@@ -21,7 +21,7 @@ from dspark.config import EngineConfig
 from dspark.drafters.base import Drafter
 from dspark.engine.block_manager import BlockManager
 from dspark.engine.faults import isolate_target_faults
-from dspark.engine.metrics import EngineMetrics
+from dspark.engine.metrics import EngineMetrics, EngineStats, engine_stats
 from dspark.worker.model_runner import ModelRunner, allocate_caches
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.request import Request, SpecStats, check_request
@@ -48,6 +48,9 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     # with the request's first new tokens, when it asked for them: [None, one per prompt token after the first]
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # why the engine failed this request (non-finite target logits, or no token may follow: a `RequestError`,
+    # whose cause is the request); finish_reason is then "abort" and nothing it committed in the step is emitted
+    error: str | None = None
 
 
 @dataclass
@@ -95,7 +98,6 @@ class Engine:
                              device=config.device, tap_layer_ids=drafter.tap_layer_ids if drafter else ())
         self.runner = wrap_runner(runner) if wrap_runner is not None else runner
         self.workers, self.grammar_compiler = workers, grammar_compiler
-        self.failed: dict[str, str] = {}  # request_id → why this engine failed it (take_failed)
         self._ids = itertools.count()
         if config.spec is not None and config.spec.cost_table == "auto" and drafter is not None:
             from dspark.engine.step_profiler import profile_engine
@@ -131,19 +133,25 @@ class Engine:
         check_request(prompt_ids, params, max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
                       max_logprobs=self.config.max_logprobs, max_tokens_fit=max_tokens_fit)
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        req = self.requests.get(request_id)
-        if req is not None and not req.is_finished:
-            self.scheduler.finish_request(req, reason)
+    def abort(self, request_id: str, reason: str = "abort") -> StepOutput | None:
+        """End a request now, between steps: its KV blocks and state slot go back to the pool and the drafter drops
+        what it keeps for it. No step reports it: its final output (no new tokens) is returned instead; None for a
+        request that has already finished or is unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish_request(req, reason)
+        finished = self.scheduler.finished
+        if finished and finished[-1] is req:  # ended here: not one of the next step's finished outputs
+            finished.pop()
+        self.metrics.record_finished(coalesce_held_steps=req.waiting_steps)
+        self.spec.finished(req, failed=False)
+        return StepOutput(request_id=request_id, new_token_ids=[], finished=True, finish_reason=req.finish_reason,
+                          num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
+                          num_cached_tokens=req.num_cached_tokens, spec=req.spec, coalesce_held_steps=req.waiting_steps)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    def take_failed(self) -> dict[str, str]:
-        """request_id → message for requests this engine failed since the last call (their outputs
-        carry finish_reason "abort"; a caller reports them as errors)."""
-        failed, self.failed = self.failed, {}
-        return failed
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -152,7 +160,7 @@ class Engine:
         batch, taps, verified = self._run_target(sched) if sched.scheduled else (None, None, StepVerify())
         emitted = self._commit(sched, verified)
         num_proposed = self.spec.after_commit(sched, batch, taps, verified, demand=self.scheduler.next_step_demand)
-        outputs = self._outputs(emitted, verified.logprobs_by_id)
+        outputs = self._outputs(emitted, verified)
         self.spec.observe_step(sched, emitted, seconds=time.perf_counter() - start, num_proposed=num_proposed)
         return outputs
 
@@ -213,11 +221,12 @@ class Engine:
             req.finish_reason = "abort"
         else:
             self.scheduler.finish_request(req, "abort")
-        self.failed[request_id] = message
         self.metrics.num_failed_requests += 1
 
-    def _outputs(self, emitted: dict[str, list[int]], logprobs: dict[str, list[TokenLogprob]]) -> list[StepOutput]:
-        outs = []
+    def _outputs(self, emitted: dict[str, list[int]], verified: StepVerify) -> list[StepOutput]:
+        """A `StepOutput` per request that emitted or finished (a failed one carries its `error`); finished
+        requests leave the engine."""
+        outs, logprobs = [], verified.logprobs_by_id
         finished = {r.request_id: r for r in self.scheduler.take_finished()}
         for rid in list(emitted) + [rid for rid in finished if rid not in emitted]:
             req = self.requests[rid]
@@ -229,22 +238,17 @@ class Engine:
                 num_output_tokens=len(req.output_ids), num_cached_tokens=req.num_cached_tokens,
                 spec=req.spec, coalesce_held_steps=req.waiting_steps,
                 logprobs=logprobs[rid][:len(new_ids)] if rid in logprobs else None,
-                prompt_logprobs=req.prompt_logprobs if new_ids and len(req.output_ids) == len(new_ids) else None))
+                prompt_logprobs=req.prompt_logprobs if new_ids and len(req.output_ids) == len(new_ids) else None,
+                error=verified.faults.get(rid)))
             if req.is_finished:
                 self.metrics.record_finished(coalesce_held_steps=req.waiting_steps)
-                self.spec.finished(req, failed=rid in self.failed)
+                self.spec.finished(req, failed=rid in verified.faults)
                 del self.requests[rid]
         return outs
 
-    # -- introspection (server /metrics) ---------------------------------------------------------
-    @property
-    def kv_usage(self) -> float:
-        return self.block_manager.usage
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
+    # -- introspection (server /metrics, /health, the stats line) ------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters and gauges (plain reads: safe from another thread while the engine steps)."""
+        return engine_stats(self.metrics, scheduler=self.scheduler, block_manager=self.block_manager,
+                            num_draft_positions=self.drafter.num_draft_tokens if self.drafter else 0,
+                            cost_table=self.cost_table, switch=getattr(self.spec, "switch", None))

@@ -10,12 +10,14 @@ Threading contract:
   (`dspark.engine.output`: detokenization, stop strings, finish reasons, shared with the offline `LLM`).
   Coroutines hand it commands through a locked list and a condition variable; the thread applies
   them between steps, and sleeps on the condition while there is no work (no busy loop).
+- The processor's registry is this side's one record per live request (`_Tracked`: its queue, deadline,
+  timings and text so far); the engine's `requests` is the other side's.
 - Results go back through one `asyncio.Queue` per request, fed with `loop.call_soon_threadsafe`.
-- Detokenization (and so stop strings) runs on the engine thread, right after each step: a stop
-  string found there aborts the engine request with reason "stop" before the next step is scheduled,
-  and the held-back tail guarantees no text past the stop string is ever sent.
-- A client that goes away calls `RequestStream.close()`; the engine request is aborted and its KV
-  blocks are freed at the next loop turn.
+- Detokenization (and so stop strings) runs on the engine thread, right after each step: the processor
+  returns the requests a stop string ended, and they are aborted before the next step is scheduled; the
+  held-back tail guarantees no text past the stop string is ever sent.
+- A client that goes away calls `RequestStream.close()`; at the next loop turn the engine request is
+  aborted, which frees its KV blocks at once.
 
 Admission and faults:
 - `max_num_waiting` bounds the requests admitted but not yet running (queued commands + the scheduler's
@@ -24,7 +26,7 @@ Admission and faults:
 - `request_timeout_s`: a request still unfinished that long after arrival is aborted, and its stream
   ends with an error delta (status 504).
 - One request's fault (the engine refusing it, its detokenization failing, a non-finite target
-  logit: `Engine.failed`) ends that request only, with an error delta (500) carrying the message.
+  logit: `StepOutput.error`) ends that request only, with an error delta (500) carrying the message.
   An exception out of `Engine.step()` itself fails every request and stops the loop (`error` set,
   /health 503; `dspark serve` then exits non-zero).
 """
@@ -36,31 +38,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from dspark.detokenizer import StreamState
-from dspark.engine.output import OutputProcessor
+from dspark.engine.output import OutputDelta, OutputProcessor
 from dspark.request import SpecStats
 from dspark.sampling import SamplingParams
+from dspark.server.metrics import RequestRecord, ServerMetrics, ServerStats
 from dspark.server.streams import RequestDelta, RequestStream
 from dspark.utils.host import IDLE_TRIM_S
 from dspark.utils.host import trim_heap_on_cpu as _trim_when_idle
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One finished (or aborted) request, for latency histograms and the success counter."""
-
-    request_id: str
-    finish_reason: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    arrival_s: float  # time.perf_counter() at add_request
-    first_token_s: float | None  # when the first output token left the engine thread
-    end_s: float
-    token_times_s: tuple[float, ...] = ()  # when each step's output tokens left the engine thread
 
 
 @dataclass
@@ -103,22 +91,25 @@ class AdmissionError(Exception):
 
 
 class AsyncEngine:
-    def __init__(self, engine, tokenizer, *,
-                 on_request_end: Callable[[RequestRecord], None] | None = None, own_thread: bool = True,
-                 max_num_waiting: int | None = None, request_timeout_s: float | None = None):
+    def __init__(self, engine, tokenizer, *, own_thread: bool = True, max_num_waiting: int | None = None,
+                 request_timeout_s: float | None = None, model_name: str = "dspark", metrics_engine: str = "0"):
+        """`max_num_waiting` (None: unbounded) and `request_timeout_s` (None: none): admission and deadlines;
+        `model_name` and `metrics_engine`: the labels of its Prometheus metrics (`metrics`; `metrics_engine`: the
+        replica's index under --data-parallel-size)."""
         self.engine = engine
-        self.max_num_waiting = max_num_waiting  # None: unbounded
+        self.max_num_waiting = max_num_waiting
         self.request_timeout_s = request_timeout_s
         self.own_thread = own_thread  # False: the caller runs the loop with `run_forever()`
         self.tokenizer = tokenizer  # bundle with .tokenizer (HF) for decoding
-        self.output = OutputProcessor(engine, tokenizer.tokenizer)  # detokenization, stop strings, finish reasons
-        self.on_request_end = on_request_end  # called on the engine thread; must be thread-safe
+        # detokenization, stop strings, finish reasons; its registry holds each live request's `_Tracked`
+        # (engine thread only)
+        self.output: OutputProcessor[_Tracked] = OutputProcessor(tokenizer.tokenizer)
+        self.metrics = ServerMetrics(self, model_name=model_name, engine=metrics_engine)
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._looping = False  # the engine loop runs (on its own thread or the caller's)
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self.error: str | None = None  # set if the engine thread died
         self.draining = False  # `begin_drain`: new requests get 503
         self._drain_deadline_s: float | None = None  # the loop ends when drained; aborts past it
@@ -169,14 +160,14 @@ class AsyncEngine:
 
     @property
     def is_drained(self) -> bool:
-        return not self._tracked and not self._num_queued_adds
+        return not self.output.requests and not self._num_queued_adds
 
     def abort_all(self) -> None:
         """Abort every request in flight (end of a drain)."""
-        for request_id in list(self._tracked):
+        for request_id in list(self.output.requests):
             self.abort(request_id)
 
-    # -- read-only views for /metrics and validation (plain reads, benign from any thread) -------
+    # -- read-only views for /metrics, /health and validation (plain reads, benign from any thread) ---
     has_local_engine = True  # the engine is in this process: the app's stats line reads it
 
     @property
@@ -189,30 +180,27 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
-    def metrics(self):
-        return self.engine.metrics
-
-    @property
-    def kv_usage(self) -> float:
-        return self.engine.kv_usage
-
-    @property
     def num_active(self) -> int:
         """Requests with a live stream (accepted, not yet finished or aborted)."""
-        return len(self._tracked)
-
-    @property
-    def num_waiting(self) -> int:
-        return self.engine.num_waiting
+        return len(self.output.requests)
 
     @property
     def num_queued(self) -> int:
         """Requests admitted but not running: commands not yet applied + the scheduler's waiting."""
-        return self._num_queued_adds + self.engine.num_waiting
+        return self._num_queued_adds + self.engine.stats().num_waiting
 
-    @property
-    def num_running(self) -> int:
-        return self.engine.num_running
+    def stats(self) -> ServerStats:
+        """One snapshot for /health, /get_load, /metrics and the stats line, with the engine's `EngineStats`."""
+        engine = self.engine.stats()
+        return ServerStats(healthy=self.is_healthy, error=self.error, health=self.health_report(),
+                           num_running=engine.num_running, num_queued=self._num_queued_adds + engine.num_waiting,
+                           num_active=self.num_active, num_rejected=dict(self.num_rejected),
+                           num_failed=self.num_failed, engine=engine)
+
+    def drain_histogram_samples(self) -> tuple[list[int], list[int]]:
+        """The engine's verify lengths and coalescing holds since the last call (for /metrics' histograms)."""
+        m = self.engine.metrics
+        return m.drain_verify_lens(), m.drain_coalesce_held_steps()
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The engine's check of a request (`Engine.check_request`, reading only its limits), with prompt +
@@ -229,9 +217,10 @@ class AsyncEngine:
         if self.draining:
             self.num_rejected[503] += 1
             raise AdmissionError(503, "the server is shutting down and admits no new requests")
-        if self.max_num_waiting is not None and self.num_queued >= self.max_num_waiting:
+        num_queued = self.num_queued
+        if self.max_num_waiting is not None and num_queued >= self.max_num_waiting:
             self.num_rejected[429] += 1
-            raise AdmissionError(429, f"the server is overloaded: {self.num_queued} requests are "
+            raise AdmissionError(429, f"the server is overloaded: {num_queued} requests are "
                                       f"waiting (max_num_waiting={self.max_num_waiting}); retry later")
 
     async def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -322,20 +311,21 @@ class AsyncEngine:
                     self._cond.wait(0.05)
                 continue
             if self._drain_deadline_s is not None and time.perf_counter() > self._drain_deadline_s:
-                for rid in list(self._tracked):  # past the drain timeout: abort what is left
+                for rid in list(self.output.requests):  # past the drain timeout: abort what is left
                     commands.append(_Abort(rid))
             try:
                 for command in commands:
                     self._apply(command)
                 if self.request_timeout_s is not None:
                     self._expire(time.perf_counter())
-                stepped = self.output.has_work()
+                stepped = engine.has_unfinished()
                 if stepped:
-                    outs = self.output.step()
-                    failed = engine.take_failed() if hasattr(engine, "take_failed") else {}
-                    for out in outs:
-                        self._process(out, failed.get(out.request_id))
-                busy = self.output.has_work()
+                    deltas, aborts = self.output.process(engine.step())
+                    for rid in aborts:  # a stop string or the request's own fault ended it here
+                        engine.abort(rid)
+                    for delta in deltas:
+                        self._deliver(delta)
+                busy = engine.has_unfinished()
                 if busy:
                     trim_at = None
                 elif stepped:  # it ended the last requests (also one it admitted): responses out, objects freed
@@ -353,21 +343,20 @@ class AsyncEngine:
             self._num_queued_adds -= 1
         try:
             self.engine.add_request(command.prompt_ids, command.params, command.request_id, client=command.client)
-            self.output.states[command.request_id] = command.tracked.state
         except ValueError as e:
             call_soon(command.tracked.loop, settle, command.future, e)
             return
         except Exception as e:  # a fault of this request's own (the engine is untouched): a 500
             log.exception("adding request %s failed", command.request_id)
-            self.output.abort(command.request_id)
+            self.engine.abort(command.request_id)
             call_soon(command.tracked.loop, settle, command.future,
                        RequestFault(f"{type(e).__name__}: {e}"))
             return
-        self._tracked[command.request_id] = command.tracked
+        self.output.add(command.request_id, command.params, command.tracked)
         call_soon(command.tracked.loop, settle, command.future, None)
 
     def _expire(self, now_s: float) -> None:
-        late = [rid for rid, t in self._tracked.items()
+        late = [rid for rid, t in self.output.requests.items()
                 if t.deadline_s is not None and now_s > t.deadline_s]
         for rid in late:
             self._fail(rid, f"request exceeded its deadline of {self.request_timeout_s:g} s "
@@ -375,52 +364,42 @@ class AsyncEngine:
 
     def _fail(self, request_id: str, message: str, *, status: int = 500) -> None:
         """End one request with an error delta (`status`: its HTTP status)."""
-        if request_id in self._tracked:
+        if request_id in self.output.requests:
             self.num_failed += 1
         self._end(request_id, message, status)
 
     def _end(self, request_id: str, error: str | None = None, status: int = 500) -> None:
-        """Abort one request in the engine (its blocks are freed at the next step) and end its
-        stream with a finished delta, reason "abort", carrying `error` if given."""
-        tracked = self._tracked.pop(request_id, None)
+        """Abort one request in the engine (its blocks are freed at once) and end its stream with a
+        finished delta, reason "abort", carrying `error` if given."""
+        tracked = self.output.pop(request_id)
         if tracked is None:
             return
-        req = self.engine.requests.get(request_id)
-        self.output.abort(request_id)
-        spec = SpecStats() if req is None else _snapshot(req.spec)
+        final = self.engine.abort(request_id)
+        self._send_end(request_id, tracked, final, error, status)
+
+    def _send_end(self, request_id: str, tracked: _Tracked, final, error: str | None, status: int) -> None:
+        """The finished delta, reason "abort", of a request ended outside its own output (`final`: the engine's
+        last `StepOutput` of it, or None)."""
         delta = RequestDelta(
             request_id=request_id, text="", num_tokens=0, finished=True, finish_reason="abort",
             num_prompt_tokens=tracked.num_prompt_tokens,
             num_output_tokens=len(tracked.state.token_ids),
-            num_cached_tokens=0 if req is None else req.num_cached_tokens, spec=spec,
-            error=error, error_status=status)
+            num_cached_tokens=0 if final is None else final.num_cached_tokens,
+            spec=SpecStats() if final is None else _snapshot(final.spec), error=error, error_status=status)
         call_soon(tracked.loop, tracked.queue.put_nowait, delta)
         self._record_end(request_id, tracked, "abort")
 
-    def _process(self, out, fault: str | None = None) -> None:
-        if out.request_id not in self._tracked:
-            return  # aborted by its client, or ended by a stop string in an earlier step
-        if fault is not None:  # 400 where the request's own constraints caused it (request.RequestError)
-            self._fail(out.request_id, fault, status=getattr(fault, "status", 500))
-            return
-        try:
-            self._deliver(out)
-        except Exception as e:  # this request's detokenization failed: it alone ends
-            log.exception("request %s failed after a step", out.request_id)
-            self._fail(out.request_id, f"{type(e).__name__}: {e}")
-
-    def _deliver(self, out) -> None:
-        tracked = self._tracked[out.request_id]
-        delta = self.output.process(out)
-        if delta is None:
+    def _deliver(self, delta: OutputDelta[_Tracked]) -> None:
+        out, tracked = delta.output, delta.record
+        if delta.error is not None:  # 400 where the request's own constraints caused it (request.RequestError)
+            self.num_failed += 1
+            self._send_end(out.request_id, tracked, None, delta.error, getattr(delta.error, "status", 500))
             return
         now_s = time.perf_counter()
         if delta.num_kept and tracked.first_token_s is None:
             tracked.first_token_s = now_s
         if delta.num_kept:
             tracked.token_times_s.append(now_s)
-        if delta.finished:
-            del self._tracked[out.request_id]
         call_soon(tracked.loop, tracked.queue.put_nowait, RequestDelta(
             request_id=out.request_id, text=delta.text, num_tokens=delta.num_kept, finished=delta.finished,
             finish_reason=delta.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
@@ -431,8 +410,6 @@ class AsyncEngine:
 
     def _record_end(self, request_id: str, tracked: _Tracked, reason: str,
                     end_s: float | None = None) -> None:
-        if self.on_request_end is None:
-            return
         record = RequestRecord(
             request_id=request_id, finish_reason=reason,
             num_prompt_tokens=tracked.num_prompt_tokens,
@@ -440,9 +417,9 @@ class AsyncEngine:
             first_token_s=tracked.first_token_s, end_s=end_s or time.perf_counter(),
             token_times_s=tuple(tracked.token_times_s))
         try:
-            self.on_request_end(record)
+            self.metrics.on_request_end(record)
         except Exception:
-            log.exception("on_request_end hook failed")
+            log.exception("observing the end of request %s failed", request_id)
 
     def _die(self, message: str) -> None:
         self.error = message
@@ -453,14 +430,14 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 call_soon(command.tracked.loop, settle, command.future,
                            RuntimeError(f"engine is not running: {message}"))
-        for request_id, tracked in self._tracked.items():
+        for request_id, tracked in self.output.requests.items():
             delta = RequestDelta(
                 request_id=request_id, text="", num_tokens=0, finished=True, finish_reason="abort",
                 num_prompt_tokens=tracked.num_prompt_tokens,
                 num_output_tokens=len(tracked.state.token_ids),
                 num_cached_tokens=0, spec=SpecStats(), error=f"engine failed: {message}")
             call_soon(tracked.loop, tracked.queue.put_nowait, delta)
-        self._tracked.clear()
+        self.output.requests.clear()
 
 
 def _snapshot(spec: SpecStats) -> SpecStats:

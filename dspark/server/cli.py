@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     spec = engine.config.spec.method if engine.config.spec else "none"  # "default" resolved
     log.info("serving %s as %s on http://%s:%d (speculation: %s)", config.model,
              ", ".join(repr(n) for n in model_names), server_config.host, server_config.port, spec)
-    async_engine = AsyncEngine(engine, tokenizer, own_thread=False)
+    async_engine = AsyncEngine(engine, tokenizer, own_thread=False, max_num_waiting=server_config.max_num_waiting,
+                               request_timeout_s=server_config.request_timeout_s, model_name=model_names[0])
     app = build_app(async_engine, model_name=model_names, config=server_config)
     return serve_app(app, async_engine, host=server_config.host, port=server_config.port,
                      log_level=server_config.uvicorn_log_level, drain_timeout_s=server_config.drain_timeout_s,

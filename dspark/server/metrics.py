@@ -5,11 +5,11 @@ vLLM read dspark unchanged. dspark's own series (draft gate, measured switch, co
 coalescing) follow the same convention.
 
 Counters that the engine already counts (tokens, spec-decode drafts) are not double-kept: a custom
-collector reads `EngineMetrics` at scrape time, so they are exact. Request-level latencies are
-histograms observed when a request ends (the `AsyncEngine.on_request_end` hook, on the engine
-thread; prometheus_client metrics are thread-safe). The verify-budget and coalescing histograms
-are fed from `EngineMetrics.drain_verify_lens()` / `drain_coalesce_held_steps()` at each request end
-and each scrape. τ (mean tokens per verification round) is derived from the counters at scrape
+collector reads one `ServerStats` snapshot (the async engine's, with the engine's `EngineStats`) at scrape time,
+so they are exact. Request-level latencies are histograms observed when a request ends (`on_request_end`, called
+by the async engine that owns these metrics, on the engine thread; prometheus_client metrics are thread-safe). The
+verify-budget and coalescing histograms are fed from the engine's drained samples
+(`AsyncEngine.drain_histogram_samples`) at each request end and each scrape. τ (mean tokens per verification round) is derived from the counters at scrape
 time, and the cost table the length policy is using (live, if online upkeep refreshes it) is one
 gauge sample per profiled point. The per-position acceptance counter has a series for every draft position
 0..K-1 from the start (K = the drafter's drafts per step), as vLLM's does.
@@ -21,10 +21,13 @@ steps that gave a request output (with speculation a step can carry several toke
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dspark.server.async_engine import RequestRecord
+from dspark.engine.metrics import EngineStats
 
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                   7.5, 10.0, 20.0, 40.0, 80.0)
@@ -39,11 +42,41 @@ PREFIX = "vllm:"
 LABELS = ["model_name", "engine"]
 
 
-class _EngineCollector:
-    """Reads the engine's counters and gauges at scrape time."""
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished (or aborted) request, for latency histograms and the success counter."""
 
-    def __init__(self, async_engine, labels: list[str] | None = None):
-        self.async_engine = async_engine
+    request_id: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    arrival_s: float  # time.perf_counter() at add_request
+    first_token_s: float | None  # when the first output token left the engine thread
+    end_s: float
+    token_times_s: tuple[float, ...] = ()  # when each step's output tokens left the engine thread
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """One snapshot of what the app reports (`AsyncEngine.stats()`, `ReplicaSet.stats()`): /health, /get_load,
+    /metrics and the stats line each read one."""
+
+    healthy: bool = True  # the engine loop runs (a replica set: some replica serves)
+    error: str | None = None  # why it does not
+    health: dict = field(default_factory=lambda: {"status": "ok"})  # /health's body while healthy
+    num_running: int = 0  # requests being scheduled (a replica set: every request its replicas hold)
+    num_queued: int = 0  # admitted but not yet running (a replica set: 0, each replica counts its own)
+    num_active: int = 0  # requests with a live stream
+    num_rejected: dict = field(default_factory=dict)  # HTTP status -> admission refusals
+    num_failed: int = 0  # requests ended by their own fault (500) or deadline (504)
+    engine: EngineStats | None = None  # the engine's, where it runs in this process
+
+
+class _EngineCollector:
+    """Reads one `ServerStats` snapshot at scrape time."""
+
+    def __init__(self, stats: Callable[[], ServerStats], labels: list[str] | None = None):
+        self.stats = stats
         self.labels = labels or ["dspark", "0"]  # [model_name, engine]
 
     def describe(self):
@@ -58,9 +91,8 @@ class _EngineCollector:
         return family
 
     def collect(self):
-        ae = self.async_engine
-        m = ae.metrics
-        sched = getattr(ae.engine, "scheduler", None)
+        stats = self.stats()
+        m = stats.engine
 
         def counter(name: str, doc: str, value: float):
             return self._one(CounterMetricFamily, name, doc, value)
@@ -74,9 +106,9 @@ class _EngineCollector:
                       m.num_generation_tokens)
         yield counter("num_preemptions", "Requests preempted by recompute.", m.num_preemptions)
         yield counter("prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.",
-                      getattr(sched, "num_prefix_cache_queries", 0))
+                      m.num_prefix_cache_queries)
         yield counter("prefix_cache_hits", "Tokens of admitted requests found in the prefix cache.",
-                      getattr(sched, "num_prefix_cache_hits", 0))
+                      m.num_prefix_cache_hits)
         yield counter("spec_decode_num_drafts", "Verification rounds that carried drafts.",
                       m.num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", m.num_draft_tokens)
@@ -104,87 +136,84 @@ class _EngineCollector:
                       "lookup only (gate_admission).", m.num_admitted_without_drafter)
         per_pos = self._family(CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
                                "Accepted draft tokens by draft position.", ["position"])
-        drafter = getattr(ae.engine, "drafter", None)
-        accepted = list(m.accepted_per_pos)
-        num_pos = max(len(accepted), getattr(drafter, "num_draft_tokens", 0) if drafter else 0)
+        accepted = m.accepted_per_pos
+        num_pos = max(len(accepted), m.num_draft_positions)
         for pos in range(num_pos):
             per_pos.add_metric(self.labels + [str(pos)], accepted[pos] if pos < len(accepted) else 0)
         yield per_pos
         tau = 1.0 + m.num_accepted_tokens / m.num_drafts if m.num_drafts else 1.0
         yield gauge("spec_decode_mean_acceptance_length",
                     "Mean tokens per verification round with drafts (tau, bonus included).", tau)
-        cost_table = getattr(ae.engine, "cost_table", None)
-        if cost_table is not None:
+        if m.cost_table is not None:
             sps = self._family(GaugeMetricFamily, "cost_table_sps", "Verification steps per second at "
                                "num_tokens, from the cost table in use.", ["num_tokens"])
-            for num_tokens, value in zip(cost_table.num_tokens, cost_table.steps_per_second):
+            for num_tokens, value in m.cost_table:
                 sps.add_metric(self.labels + [str(num_tokens)], value)
             yield sps
-        switch = getattr(getattr(ae.engine, "spec", None), "switch", None)
-        if switch is not None:
+        if m.switch is not None:
             on = self._family(GaugeMetricFamily, "measured_switch_on", "Speculation on (1) or off (0) at a "
                               "load (requests in a step) and context (its longest request's tokens), as the measured "
                               "switch decided it.", ["load", "context"])
             per_token = self._family(GaugeMetricFamily, "measured_switch_seconds_per_token",
                                      "Seconds of an engine decode step per emitted token at a load and context, with "
                                      "speculation and without (measured switch).", ["load", "context", "mode"])
-            for label, context, is_on, spec, plain in switch.snapshot():
+            for label, context, is_on, spec, plain in m.switch:
                 on.add_metric(self.labels + [label, context], float(is_on))
                 for mode, value in (("speculative", spec), ("plain", plain)):
                     if value is not None:
                         per_token.add_metric(self.labels + [label, context, mode], value)
             yield on
             yield per_token
-        yield gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", ae.kv_usage)
-        blocks = getattr(sched, "block_manager", None)
-        yield from self._cache_config_info(ae, blocks)
-        if getattr(blocks, "num_state_slots", 0):  # a hybrid target's recurrent state slots
+        yield gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", m.kv_usage)
+        yield from self._cache_config_info(m)
+        if m.num_state_slots:  # a hybrid target's recurrent state slots
             yield gauge("num_state_slots_used", "Recurrent state slots held by requests (hybrid targets).",
-                        blocks.num_used_state_slots)
-            yield gauge("num_state_slots", "Recurrent state slots in all (hybrid targets).", blocks.num_state_slots)
-        if getattr(blocks, "num_state_snapshots", 0) and blocks.enable_prefix_caching:  # a hybrid's prefix cache
+                        m.num_used_state_slots)
+            yield gauge("num_state_slots", "Recurrent state slots in all (hybrid targets).", m.num_state_slots)
+        if m.num_state_snapshots:  # a hybrid's prefix cache
             yield gauge("num_state_snapshots_used", "Recurrent-state snapshots kept for cached blocks or being "
-                        "written (hybrid targets' prefix caching).", blocks.num_used_snapshots)
+                        "written (hybrid targets' prefix caching).", m.num_used_snapshots)
             yield gauge("num_state_snapshots", "Recurrent-state snapshot entries in all (hybrid targets).",
-                        blocks.num_state_snapshots)
+                        m.num_state_snapshots)
             yield counter("state_snapshot_hits", "Prefix-cache hits that resumed a hybrid target's recurrence "
-                          "from a state snapshot.", blocks.num_snapshot_hits)
+                          "from a state snapshot.", m.num_snapshot_hits)
             yield counter("state_snapshots_stored", "Recurrent-state snapshots kept at block boundaries.",
-                          blocks.num_snapshots_stored)
+                          m.num_snapshots_stored)
             yield counter("state_snapshots_evicted", "Recurrent-state snapshots dropped: their block left the "
-                          "prefix cache, or a newer snapshot took the entry.", blocks.num_snapshots_evicted)
-        yield gauge("num_requests_waiting", "Requests waiting for admission.", ae.num_waiting)
-        yield gauge("num_requests_running", "Requests being scheduled.", ae.num_running)
-        yield from self._reliability_families(ae)
+                          "prefix cache, or a newer snapshot took the entry.", m.num_snapshots_evicted)
+        yield gauge("num_requests_waiting", "Requests waiting for admission.", m.num_waiting)
+        yield gauge("num_requests_running", "Requests being scheduled.", m.num_running)
+        yield from self._reliability_families(stats)
 
-    def _cache_config_info(self, ae, blocks):
+    def _cache_config_info(self, m: EngineStats):
         """vLLM's info gauge (value 1) whose labels carry the KV pool's shape: the Gateway API Inference
         Extension's prefix-cache scorer reads `block_size` and `num_gpu_blocks` from it."""
-        if blocks is None:
+        if not m.kv_block_size:
             return
         info = self._family(GaugeMetricFamily, "cache_config_info", "Information of the engine's cache "
                             "configuration (value 1; the labels carry it).", ["block_size", "num_gpu_blocks"])
-        info.add_metric(self.labels + [str(blocks.kv_block_size), str(len(blocks.blocks))], 1.0)
+        info.add_metric(self.labels + [str(m.kv_block_size), str(m.num_kv_blocks)], 1.0)
         yield info
 
-    def _reliability_families(self, ae):
+    def _reliability_families(self, stats: ServerStats):
         """Admission refusals, requests failed on their own, and the engine's fault fallbacks."""
         rejected = self._family(CounterMetricFamily, "num_requests_rejected", "Requests refused at admission: "
                                 "429 past max_num_waiting, 503 while draining.", ["status"])
-        for status, value in sorted(getattr(ae, "num_rejected", {}).items()):
+        for status, value in sorted(stats.num_rejected.items()):
             rejected.add_metric(self.labels + [str(status)], value)
         yield rejected
         yield self._one(CounterMetricFamily, "num_requests_failed",
-                        "Requests ended by their own fault (500) or their deadline (504).",
-                        getattr(ae, "num_failed", 0))
+                        "Requests ended by their own fault (500) or their deadline (504).", stats.num_failed)
         yield self._one(CounterMetricFamily, "spec_decode_num_draft_faults",
                         "Request-steps decoded plainly because the drafter raised or returned non-finite or "
-                        "out-of-range drafts.", getattr(ae.metrics, "num_draft_faults", 0))
+                        "out-of-range drafts.", stats.engine.num_draft_faults)
 
 
 class ServerMetrics:
-    def __init__(self, async_engine, *, model_name: str = "dspark", engine: str = "0"):
-        self.async_engine = async_engine
+    def __init__(self, source, *, model_name: str = "dspark", engine: str = "0"):
+        """`source`: the async engine these metrics observe (its `stats()` snapshot at each scrape, its drained
+        histogram samples); it calls `on_request_end` as each of its requests ends."""
+        self.source = source
         self.labels = [model_name, engine]  # `engine`: the replica's index under --data-parallel-size
         self.registry = CollectorRegistry(auto_describe=False)
 
@@ -209,7 +238,7 @@ class ServerMetrics:
                                        "Drafts verified per request per step (verify length).", VERIFY_BUDGET_BUCKETS)
         self.coalesce_held = histogram("coalesce_held_steps",
                                        "Steps a request's prompt was held back by coalescing.", COALESCE_BUCKETS)
-        self.registry.register(_EngineCollector(async_engine, self.labels))
+        self.registry.register(_EngineCollector(source.stats, self.labels))
 
     def on_request_end(self, record: RequestRecord) -> None:
         self.request_success.labels(*self.labels, record.finish_reason).inc()
@@ -227,10 +256,10 @@ class ServerMetrics:
         self._drain_verify_lens()
 
     def _drain_verify_lens(self) -> None:
-        m = self.async_engine.metrics
-        for verify_len in m.drain_verify_lens():
+        verify_lens, coalesce_held_steps = self.source.drain_histogram_samples()
+        for verify_len in verify_lens:
             self.verify_budget.observe(verify_len)
-        for held in m.drain_coalesce_held_steps():
+        for held in coalesce_held_steps:
             self.coalesce_held.observe(held)
 
     def render(self) -> bytes:

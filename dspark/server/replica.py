@@ -26,7 +26,6 @@ import sys
 import threading
 
 from dspark.server.async_engine import AsyncEngine
-from dspark.server.metrics import ServerMetrics
 from dspark.server.wire import Channel, delta_to_wire, error_to_wire, params_from_wire
 
 log = logging.getLogger(__name__)
@@ -56,21 +55,18 @@ class Replica:
         self.channel = channel
         self.async_engine = AsyncEngine(engine, tokenizer, own_thread=False,
                                         max_num_waiting=spec.get("max_num_waiting"),
-                                        request_timeout_s=spec.get("request_timeout_s"))
-        self.metrics = ServerMetrics(self.async_engine, model_name=spec.get("model_name") or "dspark",
-                                     engine=str(self.index))
-        self.async_engine.on_request_end = self.metrics.on_request_end
+                                        request_timeout_s=spec.get("request_timeout_s"),
+                                        model_name=spec.get("model_name") or "dspark", metrics_engine=str(self.index))
         self.loop = asyncio.new_event_loop()
         self.pumps: set[asyncio.Task] = set()
-        self.handlers = {"add": self._add, "abort": self._abort, "drain": self._drain, "limits": self._limits,
-                         "metrics": self._metrics}
+        self.handlers = {"add": self._add, "abort": self._abort, "drain": self._drain, "metrics": self._metrics}
 
     def limits(self) -> dict:
         engine = self.async_engine.engine
         config = getattr(engine, "config", None)
         return {"max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
                 "max_logprobs": getattr(config, "max_logprobs", 20),
-                "block_size": engine.scheduler.block_manager.kv_block_size}
+                "block_size": engine.stats().kv_block_size}
 
     def run(self) -> int:
         threading.Thread(target=self.loop.run_forever, name="dspark-replica-loop", daemon=True).start()
@@ -142,12 +138,8 @@ class Replica:
         # not refused
         self.loop.call_soon(self.async_engine.begin_drain, message.get("timeout_s"))
 
-    def _limits(self, message: dict) -> None:
-        self.async_engine.max_num_waiting = message.get("max_num_waiting")
-        self.async_engine.request_timeout_s = message.get("request_timeout_s")
-
     def _metrics(self, message: dict) -> None:
-        self._send({"op": "metrics", "tag": message["tag"], "text": self.metrics.render().decode()})
+        self._send({"op": "metrics", "tag": message["tag"], "text": self.async_engine.metrics.render().decode()})
 
     async def _flush(self) -> None:
         """Let the streams forward their last deltas (a drain's or a death's)."""

@@ -1,5 +1,6 @@
 """`ReplicaSet`: N engine processes behind one API server (`dspark serve --data-parallel-size N`), with the
-interface of `AsyncEngine` that the app reads, so `build_app` and `serve_app` take either.
+interface of `AsyncEngine` that the app reads (`stats()`, `metrics`, admission, requests), so `build_app` and
+`serve_app` take either.
 
 Each replica is a child process (`python -m dspark.server.replica`, started with `subprocess`, not forked:
 its own interpreter, its own torch threads and KV pool) that runs the existing `Engine` + `AsyncEngine`
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from dspark.request import SpecStats, check_request
 from dspark.server.async_engine import AdmissionError, RequestFault, call_soon, settle
 from dspark.server.balance import Balancer, BalanceConfig
-from dspark.server.metrics import merge_expositions
+from dspark.server.metrics import ServerStats, merge_expositions
 from dspark.server.streams import RequestDelta, RequestStream
 from dspark.server.wire import Channel, delta_from_wire, error_from_wire, params_to_wire
 
@@ -106,9 +107,6 @@ class ReplicaSetMetrics:
     def __init__(self, replicas: "ReplicaSet", *, model_name: str = "dspark"):
         self.replicas, self.model_name = replicas, model_name
 
-    def on_request_end(self, record) -> None:  # the replicas observe their own requests
-        pass
-
     async def render_async(self) -> bytes:
         return merge_expositions([*await self.replicas.metrics_texts(), self._own()])
 
@@ -126,7 +124,6 @@ class ReplicaSetMetrics:
 
 
 class ReplicaSet:
-    metrics_class = ReplicaSetMetrics
     has_local_engine = False
 
     def __init__(self, launch: ReplicaLaunch, size: int, *, tokenizer, engine_config=None,
@@ -143,11 +140,10 @@ class ReplicaSet:
         self.affinity_slack, self.log_level = affinity_slack, log_level
         self.balancer: Balancer | None = None
         self.replicas: list[_Replica] = []
-        self.on_request_end = None  # the app sets it; the replicas observe their own requests
+        self.metrics = ReplicaSetMetrics(self, model_name=model_name)
         self.draining = False
         self.num_rejected = {429: 0, 503: 0}
         self._lock = threading.Lock()  # replicas' streams and pending maps (event loop and reader threads)
-        self._owner: dict[str, _Replica] = {}  # request id -> its replica
         self._tags = itertools.count()
         self._done = threading.Event()  # every replica has exited, or shutdown()
 
@@ -268,23 +264,15 @@ class ReplicaSet:
     def max_num_waiting(self) -> int | None:
         return self._limits["max_num_waiting"]
 
-    @max_num_waiting.setter
-    def max_num_waiting(self, value: int | None) -> None:
-        self._set_limit("max_num_waiting", value)
-
     @property
     def request_timeout_s(self) -> float | None:
         return self._limits["request_timeout_s"]
 
-    @request_timeout_s.setter
-    def request_timeout_s(self, value: float | None) -> None:
-        self._set_limit("request_timeout_s", value)
-
-    def _set_limit(self, name: str, value) -> None:
-        self._limits[name] = value
-        for r in self.replicas:
-            if r.state == "ready":
-                r.send({"op": "limits", **self._limits})
+    def stats(self) -> ServerStats:
+        """One snapshot for /health and /get_load (each replica's engine reports in its own /metrics)."""
+        return ServerStats(healthy=self.is_healthy, error=self.error, health=self.health_report(),
+                           num_running=self.num_running, num_queued=self.num_queued, num_active=self.num_active,
+                           num_rejected=dict(self.num_rejected))
 
     # -- requests (event loop side) -----------------------------------------------------------------------
     def check_admission(self) -> None:
@@ -316,7 +304,6 @@ class ReplicaSet:
             replica.pending[tag] = (future, loop)
             for rid, queue in queues.items():
                 replica.streams[rid] = (queue, loop)
-                self._owner[rid] = replica
         sent = replica.send({"op": "add", "tag": tag, "client": client,
                              "requests": [[list(ids), params_to_wire(p), rid] for ids, p, rid in requests]})
         try:
@@ -334,14 +321,14 @@ class ReplicaSet:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for a request that has already finished."""
-        replica = self._owner.get(request_id)
+        with self._lock:  # the replica whose streams hold it (its one record in this process)
+            replica = next((r for r in self.replicas if request_id in r.streams), None)
         if replica is not None and replica.state in ("ready", "draining"):
             replica.send({"op": "abort", "id": request_id})
 
     def _forget(self, replica: _Replica, request_id: str) -> None:
         with self._lock:
             replica.streams.pop(request_id, None)
-            self._owner.pop(request_id, None)
 
     async def metrics_texts(self) -> list[str]:
         """Every live replica's Prometheus text (one that does not answer in time is left out)."""
@@ -410,8 +397,6 @@ class ReplicaSet:
         with self._lock:
             streams, r.streams = r.streams, {}
             pending, r.pending = r.pending, {}
-            for rid in streams:
-                self._owner.pop(rid, None)
         message = f"replica {r.index} failed: {r.error}"
         for rid, (queue, loop) in streams.items():
             call_soon(loop, queue.put_nowait, RequestDelta(

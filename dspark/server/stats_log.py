@@ -1,12 +1,14 @@
 """The periodic stats line of `dspark serve` (vLLM's; `--disable-log-stats` turns it off): prompt and
 generation throughput over the interval, running / waiting requests, KV usage, prefix-cache hit rate and,
-with speculation, the acceptance over the interval."""
+with speculation, the acceptance over the interval; each line reads one `AsyncEngine.stats()` snapshot."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+
+from dspark.engine.metrics import EngineStats
 
 log = logging.getLogger("dspark.stats")
 INTERVAL_S = 10.0
@@ -19,23 +21,21 @@ class StatsLogger:
         self.task: asyncio.Task | None = None
         self._last = self._snapshot()
 
-    def _snapshot(self) -> tuple[float, ...]:
-        m = self.async_engine.metrics
-        sched = self.async_engine.engine.scheduler
+    def _snapshot(self, m: EngineStats | None = None) -> tuple[float, ...]:
+        m = m or self.async_engine.stats().engine
         return (time.perf_counter(), m.num_prompt_tokens, m.num_generation_tokens, m.num_drafts,
-                m.num_draft_tokens, m.num_accepted_tokens, sched.num_prefix_cache_queries,
-                sched.num_prefix_cache_hits)
+                m.num_draft_tokens, m.num_accepted_tokens, m.num_prefix_cache_queries, m.num_prefix_cache_hits)
 
     def line(self) -> str:
         """The stats since the previous line (or since start)."""
-        now = self._snapshot()
+        m = self.async_engine.stats().engine
+        now = self._snapshot(m)
         t, prompt, gen, drafts, draft_tokens, accepted, queries, hits = (a - b for a, b in zip(now, self._last))
         self._last = now
         t = max(t, 1e-9)
-        ae = self.async_engine
         text = (f"prompt throughput: {prompt / t:.1f} tokens/s, generation throughput: {gen / t:.1f} tokens/s, "
-                f"running: {ae.num_running} reqs, waiting: {ae.num_waiting} reqs, "
-                f"KV cache usage: {100 * ae.kv_usage:.1f}%, prefix cache hit rate: "
+                f"running: {m.num_running} reqs, waiting: {m.num_waiting} reqs, "
+                f"KV cache usage: {100 * m.kv_usage:.1f}%, prefix cache hit rate: "
                 f"{100 * hits / queries if queries else 0.0:.1f}%")
         if drafts:
             text += (f"; speculative decoding: mean acceptance length {1 + accepted / drafts:.2f}, "

@@ -6,8 +6,8 @@ errors as (kind, message, status, param). Nothing is unpickled (tests/test_no_pi
 and each message kind is rebuilt field by field into the dataclass it came from.
 
 API process → replica: {"op": "add", "tag", "client", "requests": [[prompt ids, params, request id], ...]},
-{"op": "abort", "id"}, {"op": "drain", "timeout_s"}, {"op": "limits", "max_num_waiting", "request_timeout_s"},
-{"op": "metrics", "tag"}.
+{"op": "abort", "id"}, {"op": "drain", "timeout_s"}, {"op": "metrics", "tag"} (the admission limits come with the
+start-up spec).
 Replica → API process: {"op": "ready", "limits"}, {"op": "failed", "error"} (it could not build its
 engine), {"op": "added", "tag"}, {"op": "refused", "tag", "error"}, {"op": "delta", "delta"},
 {"op": "metrics", "tag", "text"}, {"op": "dead", "error"} (its engine loop died).
