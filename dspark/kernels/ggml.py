@@ -1,5 +1,5 @@
 """GGUF block types beyond Q4_1 / Q8_0 (those: `kernels.blocks`): which types the CPU products multiply in
-their own blocks (Q5_0, Q4_K, Q6_K: `cpu_ops_blocks.inc`, `block_mm`), the torch twins of those products, and the
+their own blocks (Q5_0: `cpu_ops_blocks.inc`; Q4_K, Q6_K: `cpu_ops_kquants.inc`; `block_mm`), the torch twins of those products, and the
 dequantization every other type gets at load.
 
 A matrix of a kernel type stays as the GGUF's bytes, [N, K / S * block bytes] uint8 (S weights a block).
