@@ -105,8 +105,8 @@ def _runner_wrapper(config: EngineConfig, model, target_config, workers):
 def _check_tensor_parallel(config: EngineConfig, matmul_dtype: str, target_config) -> None:
     """Before any worker starts: what tensor parallelism cannot split fails here."""
     size = config.tensor_parallel_size
-    from dspark.models.config import HYBRID_ARCHITECTURES
-    if target_config.architecture in HYBRID_ARCHITECTURES:
+    from dspark.models.family import family_of
+    if family_of(target_config.architecture).recurrent_state:
         raise ValueError(f"tensor parallelism over the hybrid {target_config.architecture} is not supported "
                          f"(its linear-attention layers and state slots are not split over ranks); run it "
                          f"with tensor_parallel_size 1")

@@ -36,6 +36,7 @@ import torch
 from dspark import kernels
 from dspark.kernels import blocks as qb
 from dspark.kernels import ggml
+from dspark.models.family import family_of
 from dspark.models.gguf_format import GGMLType, gguf_model_config, gguf_reader, gguf_to_hf_name, unpermute_rope_rows
 
 F32, F16, Q4_1, Q8_0, BF16 = (int(GGMLType[name]) for name in ("F32", "F16", "Q4_1", "Q8_0", "BF16"))
@@ -196,7 +197,7 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     tied (or its own tensor); the other tensors (norms, biases) load as usual. No dense copy is kept."""
     from dspark.models.layers import Linear
     config = source.config
-    permute = config.architecture == "LlamaForCausalLM"
+    permute = family_of(config.architecture).gguf_qk_permuted
     arch = source.field("general.architecture")
     tensors = {t.name: t for t in source.reader.tensors}
     pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
@@ -248,17 +249,14 @@ def load_vocab_blocks(model: torch.nn.Module, tensors: dict, covered: set[str]) 
     embed.weight, head.weight, head.weight_t = None, None, None
 
 
-BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")  # models whose GGUF loads as blocks
-
-
 def takes_gguf_blocks(path) -> bool:
     """Does `--matmul-dtype auto` keep this model's GGUF blocks (`gguf`)? A GGUF of a family in
-    BLOCK_ARCHITECTURES with a layer matrix in a type the kernels multiply, and the kernels built."""
+    family whose record says `gguf_blocks`, with a layer matrix in a type the kernels multiply, and the kernels built."""
     path = Path(path)
     if not (path.is_file() and path.suffix == ".gguf") or kernels.ops() is None:
         return False
     reader = gguf_reader(path)
-    if gguf_model_config(reader).architecture not in BLOCK_ARCHITECTURES:
+    if not family_of(gguf_model_config(reader).architecture).gguf_blocks:
         return False
     products = {Q4_1, Q8_0, *ggml.BLOCK_TYPES}
     return any(t.name.startswith("blk.") and len(t.shape) == 2 and int(t.tensor_type) in products for t in reader.tensors)
