@@ -18,6 +18,10 @@ so prefix caching, rollback and preemption work as for Llama; local layers only 
 A CPU step of up to 128 rows (decode, verification, prompt chunks, a mix) runs every decoder layer in one
 kernel call (`kernels.block_layers`, for matrices resident as GGUF blocks or fp32: the
 per-layer modules' numbers bit for bit); other steps run the per-layer modules.
+
+Its record (`FAMILY`) reads and writes `Gemma3TextConfig` (`gemma3_from_hf`, `gemma3_to_hf`) and names what a
+llama.cpp Gemma 3 file differs by: four norms a layer (`GGUF_GEMMA3_BLOCK_NAMES`), norms stored as 1 + weight and
+the header keys of `gguf_gemma3_fields`.
 """
 
 from __future__ import annotations

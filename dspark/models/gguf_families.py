@@ -150,7 +150,7 @@ def _grouped(t: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor
     return t.reshape(shape)
 
 
-def _undo_qwen(name: str, t: torch.Tensor, cfg: ModelConfig, arch: str) -> torch.Tensor:
+def _undo_qwen(name: str, t: torch.Tensor, cfg: ModelConfig, reordered: bool) -> torch.Tensor:
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight") or name.startswith("mtp.pre_fc_norm"):
         t = t - 1.0
     if name.endswith("linear_attn.A_log"):
@@ -158,7 +158,7 @@ def _undo_qwen(name: str, t: torch.Tensor, cfg: ModelConfig, arch: str) -> torch
     elif name.endswith("linear_attn.conv1d.weight"):
         t = t.unsqueeze(1)  # HF's [channels, 1, kernel]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    if arch == "qwen3next" or hk == hv or ".linear_attn." not in name:
+    if not reordered or hk == hv or ".linear_attn." not in name:
         return t
     r, dv, qk = hv // hk, cfg.linear_value_head_dim, 2 * hk * cfg.linear_key_head_dim
     leaf = name.rpartition(".linear_attn.")[2]
@@ -286,11 +286,11 @@ class GGUFFamily:
             yield hf.replace("*", str(e)), t[e].clone()
 
 
-def qwen_gguf(arch: str, architecture: str) -> GGUFFamily:
-    """The record of a hybrid Qwen GGUF of `general.architecture` `arch` (qwen35, qwen35moe, qwen3next), read as
-    the HF `architecture`."""
+def qwen_gguf(architecture: str, *, reordered_value_heads: bool) -> GGUFFamily:
+    """The record of a hybrid Qwen GGUF (qwen35, qwen35moe, qwen3next), read as the HF `architecture`;
+    `reordered_value_heads`: the converter tiled the value heads (Qwen3.5, not Qwen3-Next)."""
     return GGUFFamily(lambda h: _qwen_config(h, architecture), _qwen_block_name, _GLOBAL,
-                      lambda n, t, c: _undo_qwen(n, t, c, arch))
+                      lambda n, t, c: _undo_qwen(n, t, c, reordered_value_heads))
 
 
 GEMMA4_GGUF = GGUFFamily(_gemma4_config, lambda i, leaf, cfg: f"model.layers.{i}.{_GEMMA4_BLOCK[leaf]}",

@@ -5,7 +5,8 @@ mixture-of-experts block (`moe.SparseMoeBlock`, HF names `mlp.gate.weight`, `mlp
 
 Attention, taps and the paged KV pool are Qwen3's. The one-call CPU decoder stack multiplies dense MLPs only, so
 every step runs the per-layer modules (`LlamaForCausalLM.moe_layers`); tensor parallelism refuses the model
-(`distributed.shard.check_shardable`).
+(`distributed.shard.check_shardable`). Its record (`FAMILY`) reads config.json as Qwen3's plus the MoE fields
+(`moe_fields`, also read by the hybrid Qwen3-Next).
 """
 
 from __future__ import annotations

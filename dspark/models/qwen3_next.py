@@ -13,6 +13,9 @@ Weights: Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` load int
 folder's `model.language_model.*` is the decoder; its vision tower and the `mtp.*` layers are skipped here
 (`dspark.drafters.mtp` loads the latter).
 
+Its config.json reader and writer (`hybrid_from_hf`, `hybrid_to_hf`) and the three family records (`FAMILIES`:
+Qwen3-Next, Qwen3.5, Qwen3.5-MoE; one module class, the layout read from the config) close the file.
+
 The model keeps no per-request state in its parameters: the state slots and the prefix cache's state snapshots
 (`allocate_state`) are indexed by the step's `AttnMetadata.state` rows, and `num_kv_layers` counts the full-attention layers, whose paged K/V the
 engine allocates as for any target.
@@ -402,9 +405,9 @@ def _q35_moe_to_hf(c: ModelConfig) -> dict[str, Any]:
 
 
 def _hybrid(architecture: str, model_types: tuple[str, ...], gguf_name: str, moe, moe_to_hf_,
-            hf_architectures: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> ModelFamily:
+            hf_architectures: tuple[str, ...] = (), drop: tuple[str, ...] = (), tiled: bool = True) -> ModelFamily:
     """A hybrid family's record: one module class, the layout read from the config; `drop`: keys its config.json
-    does not have."""
+    does not have; `tiled`: llama.cpp's converter reorders its value heads to tiled (Qwen3.5, not Qwen3-Next)."""
     def to_hf(c: ModelConfig) -> dict[str, Any]:
         out = {**hybrid_to_hf(c, model_types[0]), **moe_to_hf_(c)}
         return {k: v for k, v in out.items() if k not in drop}
@@ -413,11 +416,11 @@ def _hybrid(architecture: str, model_types: tuple[str, ...], gguf_name: str, moe
         hf_architectures=hf_architectures, from_hf=lambda hf: hybrid_from_hf(hf, architecture, moe), to_hf=to_hf,
         qk_norm=True, recurrent_state=True, mtp="layers",
         no_tensor_parallel="its linear-attention layers and state slots are not split over ranks",
-        gguf_names=(gguf_name,), gguf=qwen_gguf(gguf_name, architecture))
+        gguf_names=(gguf_name,), gguf=qwen_gguf(architecture, reordered_value_heads=tiled))
 
 
 FAMILIES = (
-    _hybrid("Qwen3NextForCausalLM", ("qwen3_next",), "qwen3next", _next_moe, _next_moe_to_hf),
+    _hybrid("Qwen3NextForCausalLM", ("qwen3_next",), "qwen3next", _next_moe, _next_moe_to_hf, tiled=False),
     _hybrid("Qwen3_5ForCausalLM", ("qwen3_5_text", "qwen3_5"), "qwen35", lambda hf: {}, lambda c: {},
             hf_architectures=("Qwen3_5ForConditionalGeneration",)),
     _hybrid("Qwen3_5MoeForCausalLM", ("qwen3_5_moe_text", "qwen3_5_moe"), "qwen35moe", _q35_moe, _q35_moe_to_hf,
