@@ -132,8 +132,8 @@ def _vocab_slice(weight: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, int]:
 
 def check_shardable(config) -> None:
     """Refuse what `shard_model` cannot split (a `ModelConfig`, read from the checkpoint's header): MoE layers,
-    whose stacked experts the MLP sharding above does not know; Gemma 4, whose per-kind head shapes, KV sharing and
-    per-layer inputs it does not split."""
+    whose stacked experts the MLP sharding above does not know; a family whose record gives `no_tensor_parallel`
+    (Gemma 4: per-kind head shapes, KV sharing and per-layer inputs it does not split)."""
     reason = family_of(config.architecture).no_tensor_parallel  # the family's record says why it cannot split
     if reason:
         raise ValueError(f"tensor parallelism over {config.architecture} is not supported ({reason}); run it with "
