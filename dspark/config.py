@@ -13,15 +13,12 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from dspark.drafters.methods import method_names, method_record, methods_with, names_phrase
 from dspark.utils.options import human_int, opt, optional_human_int
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-# speculative method -> the module that checks and builds its drafter (`dspark.drafters.DRAFTER_REGISTRY`); "dflash"
-# is the DSpark drafter with its Markov and confidence heads off
-SPEC_METHODS = {"dspark": "dspark.drafters.dspark", "dflash": "dspark.drafters.dspark",
-                "eagle3": "dspark.drafters.eagle3", "ngram": "dspark.drafters.ngram",
-                "draft_model": "dspark.drafters.draft_model", "mtp": "dspark.drafters.mtp"}
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+# the length policies `length_policy` names (their classes: dspark.speculation.length_policy.LENGTH_POLICIES)
 LENGTH_POLICY_NAMES = ("fixed", "threshold", "prefix", "async")
 # length_policy "threshold": "cumulative" keeps the drafts whose survival Π_{i≤k} c_i stays >= the threshold;
 # "conditional" is DeepSpec's rule, cut at the first position whose own confidence c_k is below it
@@ -247,8 +244,9 @@ class SpecConfig:
     draft_context_window: int | str = "auto"
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative method {self.method!r} unknown; choose from {', '.join(SPEC_METHODS)}")
+        record = method_record(self.method)  # what the method needs and accepts (dspark.drafters.methods)
+        if record is None:
+            raise ValueError(f"speculative method {self.method!r} unknown; choose from {', '.join(method_names())}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
@@ -278,27 +276,30 @@ class SpecConfig:
                              f"got {self.draft_matmul_dtype!r}")
         if self.draft_topk < 0:
             raise ValueError(f"draft_topk must be >= 0 (0: the whole draft vocabulary), got {self.draft_topk}")
-        if self.draft_topk and self.method not in ("dspark",):
-            raise ValueError(f"draft_topk applies to method 'dspark' (its Markov head); {self.method!r} has none")
+        if self.draft_topk and not record.markov_head:
+            raise ValueError(f"draft_topk applies to {names_phrase(methods_with('markov_head'))} (its Markov head); "
+                             f"{self.method!r} has none")
         if self.lookup_cache_entries < 0:
             raise ValueError(f"lookup_cache_entries must be >= 0, got {self.lookup_cache_entries}")
         if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool) or
                                                   not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1):
             raise ValueError(f"draft_vocab_size must be a positive number of tokens, got {self.draft_vocab_size!r}")
-        if self.draft_vocab_size is not None and self.method not in ("dspark", "dflash", "eagle3"):
-            raise ValueError(f"draft_vocab_size applies to methods 'dspark', 'dflash' and 'eagle3', not {self.method!r}")
+        if self.draft_vocab_size is not None and not record.draft_vocab:
+            raise ValueError(f"draft_vocab_size applies to {names_phrase(methods_with('draft_vocab'))}, "
+                             f"not {self.method!r}")
         window = self.draft_context_window
         if window != "auto" and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
             raise ValueError(f"draft_context_window must be \"auto\" or a number of positions >= 0 (0: the whole "
                              f"context), got {window!r}")
-        if window not in ("auto", 0) and self.method not in ("dspark", "dflash"):
-            raise ValueError(f"draft_context_window applies to methods 'dspark' and 'dflash', not {self.method!r}")
-        if self.lookup_corpus and not (self.ngram_first or self.method == "ngram" or self.draft_vocab_size):
-            raise ValueError(f"lookup_corpus applies to method 'ngram', ngram_first or draft_vocab_size (its token "
-                             f"counts), not {self.method!r} alone")
-        if self.ngram_first and self.method == "ngram":
-            raise ValueError("ngram_first wraps a model drafter; method 'ngram' is prompt lookup already")
-        if self.method in ("dspark", "dflash", "eagle3") and not self.model:
+        if window not in ("auto", 0) and not record.context_window:
+            raise ValueError(f"draft_context_window applies to {names_phrase(methods_with('context_window'))}, "
+                             f"not {self.method!r}")
+        if self.lookup_corpus and not (self.ngram_first or record.prompt_lookup or self.draft_vocab_size):
+            raise ValueError(f"lookup_corpus applies to {names_phrase(methods_with('prompt_lookup'))}, ngram_first "
+                             f"or draft_vocab_size (its token counts), not {self.method!r} alone")
+        if self.ngram_first and record.prompt_lookup:
+            raise ValueError(f"ngram_first wraps a model drafter; method {self.method!r} is prompt lookup already")
+        if record.needs_checkpoint and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs 'model' (the drafter checkpoint)")
 
     @classmethod

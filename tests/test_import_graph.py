@@ -95,11 +95,12 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-# The layers, from the bottom up (a top-level module or package of dspark/ each; "dspark" is the package's
-# __init__, the public API).
+# The layers, from the bottom up (a top-level module or package of dspark/ each, or a module inside a package
+# placed apart from it; "dspark" is the package's __init__, the public API).
 LAYERS = (
     ("utils", "kernels", "config", "spec_schema", "sampling", "logits_processors", "request", "structured", "json_schema",
-     "detokenizer", "generation_config", "engine_args"),  # configuration, requests, sampling, CPU kernels
+     "detokenizer", "generation_config", "engine_args",
+     "drafters.methods"),  # configuration, requests, sampling, CPU kernels; the drafter-method records config reads
     ("models",),  # target families, loading, attention, recurrent state
     ("verify", "drafters", "chat"),  # the verifier; the drafters; chat output parsing
     ("worker", "distributed"),  # the model runner and CUDA graphs; tensor-parallel ranks
@@ -111,7 +112,10 @@ LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
 def _part(module: str) -> str:
+    """The LAYERS entry `module` falls under: itself where listed (`drafters.methods`), else its top-level part."""
     parts = module.split(".")
+    if ".".join(parts[1:]) in LAYER_OF:
+        return ".".join(parts[1:])
     return parts[1] if len(parts) > 1 else parts[0]
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark.config import LENGTH_POLICY_NAMES, SPEC_METHODS
+from dspark.config import LENGTH_POLICY_NAMES
+from dspark.drafters.methods import method_names
 
 NO_SPEC = "none"
 DRAFTER_METHODS = ("dspark", "dflash", "eagle3", "draft_model")
@@ -65,9 +66,9 @@ class Method:
 def parse_method(name: str) -> Method:
     """`dspark-k3` → Method(base="dspark", num_speculative_tokens=3, length_policy="fixed")."""
     base, *parts = name.strip().split("-")
-    if base != NO_SPEC and base not in SPEC_METHODS:
+    if base != NO_SPEC and base not in method_names():
         raise ValueError(f"method {name!r}: unknown base {base!r}; "
-                         f"choose from {', '.join((NO_SPEC, *SPEC_METHODS))}")
+                         f"choose from {', '.join((NO_SPEC, *method_names()))}")
     num_tokens, policy, lookup, switch = None, None, False, True
     for part in parts:
         if part.startswith("k") and part[1:].isdigit() and int(part[1:]) >= 1:

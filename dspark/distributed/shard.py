@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.distributed.group import TPGroup, even_split
+from dspark.models.family import family_of
 from dspark.models.layers import LMHead, Linear, MergedLinear, VocabEmbedding
 
 
@@ -131,11 +132,12 @@ def _vocab_slice(weight: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, int]:
 
 def check_shardable(config) -> None:
     """Refuse what `shard_model` cannot split (a `ModelConfig`, read from the checkpoint's header): MoE layers,
-    whose stacked experts the MLP sharding above does not know; Gemma 4, whose per-kind head shapes, KV sharing and
-    per-layer inputs it does not split."""
-    if config.architecture == "Gemma4ForCausalLM":
-        raise ValueError("tensor parallelism over Gemma4ForCausalLM is not supported (per-kind head shapes, KV "
-                         "sharing and per-layer inputs are not split over ranks); run it with tensor_parallel_size 1")
+    whose stacked experts the MLP sharding above does not know; a family whose record gives `no_tensor_parallel`
+    (Gemma 4: per-kind head shapes, KV sharing and per-layer inputs it does not split)."""
+    reason = family_of(config.architecture).no_tensor_parallel  # the family's record says why it cannot split
+    if reason:
+        raise ValueError(f"tensor parallelism over {config.architecture} is not supported ({reason}); run it with "
+                         f"tensor_parallel_size 1")
     if config.num_experts:
         raise ValueError(f"tensor parallelism over MoE layers ({config.architecture}) is not supported; "
                          "run it with tensor_parallel_size 1")

@@ -1,25 +1,31 @@
-"""Drafter registry: method name → module with `check(spec, target_config)` (validates the drafter's
-configuration against the target before any weight is loaded; may be absent) and
-`build(spec, *, target_config, target_model, dtype, device) -> Drafter`.
+"""Drafter registry: one `DrafterMethod` record per speculative method (`dspark.drafters.methods`), naming the
+module with `check(spec, target_config)` (validates the drafter's configuration against the target before any
+weight is loaded; may be absent) and `build(spec, *, target_config, target_model, dtype, device) -> Drafter`.
 
 "dflash" is the DSpark drafter with the Markov and confidence heads switched off. `"ngram_first": true`
 wraps any of them in `LookupFirstDrafter` (prompt lookup first, the model where lookup cannot do better).
+
+Importing this package loads no drafter and no torch: `dspark.config` reads the method records through it, so
+`Drafter` and `DraftProposal` (`base.py`) load on first use.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
-from dspark.config import SPEC_METHODS, SpecConfig
-from dspark.drafters.base import DraftProposal, Drafter
+from dspark.drafters.methods import DrafterMethod, method_names, method_record, register_method
 
-DRAFTER_REGISTRY = SPEC_METHODS  # method -> module (one table: dspark.config)
+if TYPE_CHECKING:
+    from dspark.config import SpecConfig
+    from dspark.drafters.base import Drafter
 
 
 def _module(method: str):
-    if method not in DRAFTER_REGISTRY:
-        raise ValueError(f"unknown drafter {method!r}; registered: {', '.join(DRAFTER_REGISTRY)}")
-    return importlib.import_module(DRAFTER_REGISTRY[method])
+    record = method_record(method)
+    if record is None:
+        raise ValueError(f"unknown drafter {method!r}; registered: {', '.join(method_names())}")
+    return importlib.import_module(record.module)
 
 
 def check_drafter(spec: SpecConfig, target_config) -> None:
@@ -45,4 +51,12 @@ def build_drafter(spec: SpecConfig, *, target_config, target_model, dtype, devic
     return drafter
 
 
-__all__ = ["DRAFTER_REGISTRY", "DraftProposal", "Drafter", "build_drafter", "check_drafter"]
+def __getattr__(name: str) -> Any:
+    """`Drafter` and `DraftProposal` from `base.py`, imported on first use (it imports torch)."""
+    if name in ("Drafter", "DraftProposal"):
+        from dspark.drafters import base
+        return getattr(base, name)
+    raise AttributeError(f"module 'dspark.drafters' has no attribute {name!r}")
+
+
+__all__ = ["DraftProposal", "Drafter", "DrafterMethod", "build_drafter", "check_drafter", "register_method"]

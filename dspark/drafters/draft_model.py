@@ -36,7 +36,7 @@ from torch import nn
 from dspark.drafters.base import ContextUpdate, DraftProposal, Drafter, ProposeBatch
 from dspark.drafters.draft_sampling import DraftAccumulator
 from dspark.models.attention import flat_batch
-from dspark.models.config import HYBRID_ARCHITECTURES
+from dspark.models.family import family_of
 
 
 class DraftModelDrafter(Drafter):
@@ -127,14 +127,15 @@ def check(spec, target_config) -> None:
         if spec.draft_num_layers is None:
             raise ValueError("draft_model needs 'model' (a draft checkpoint) or 'draft_num_layers' "
                              "(a layer-truncated copy of the target)")
-        if target_config.architecture in HYBRID_ARCHITECTURES:
+        family = family_of(target_config.architecture)
+        if family.recurrent_state:
             raise ValueError(f"draft_num_layers (a layer view of the target) is not supported for the hybrid "
                              f"{target_config.architecture}: its linear-attention layers would need state slots "
                              f"of their own; pass a draft checkpoint as 'model', or use 'ngram' or 'mtp'")
-        if target_config.architecture == "Gemma4ForCausalLM":
-            raise ValueError("draft_num_layers (a layer view of the target) is not supported for Gemma4ForCausalLM: "
-                             "its KV sharing and per-layer inputs span every layer; pass a draft checkpoint as "
-                             "'model', or use 'ngram'")
+        if family.no_layer_view:
+            raise ValueError(f"draft_num_layers (a layer view of the target) is not supported for "
+                             f"{target_config.architecture}: {family.no_layer_view}; pass a draft checkpoint as "
+                             f"'model', or use 'ngram'")
         if not 1 <= spec.draft_num_layers <= target_config.num_hidden_layers:
             raise ValueError(f"draft_num_layers={spec.draft_num_layers} is outside [1, target "
                              f"num_hidden_layers={target_config.num_hidden_layers}]")
@@ -145,7 +146,7 @@ def check(spec, target_config) -> None:
 
 
 def check_draft_config(draft_config, target_config) -> None:
-    if draft_config.architecture in HYBRID_ARCHITECTURES:
+    if family_of(draft_config.architecture).recurrent_state:
         raise ValueError(f"a hybrid draft model ({draft_config.architecture}) is not supported: its "
                          f"linear-attention layers would need state slots of their own")
     if draft_config.vocab_size != target_config.vocab_size:

@@ -46,6 +46,7 @@ from torch import nn
 from dspark.drafters.checkpoint import (CONFIG_NAME, check_tensors, config_file, load_tensors, read_config,
                                        save_weights, write_json)
 from dspark.drafters.vocab import D2T_FORMAT_KEY, MAP_NAMES, WRITTEN_FORMAT, read_d2t, to_offsets
+from dspark.models import llama, qwen3
 from dspark.models.attention import AttnMetadata
 from dspark.models.config import ModelConfig, dense_width
 from dspark.models.files import CONFIG_ERRORS, SIZE_KEYS, check_sizes, config_error
@@ -143,7 +144,7 @@ class Eagle3Config:
     def layer_config(self) -> ModelConfig:
         """The decoder-layer geometry as a ModelConfig, to build the target family's modules."""
         return ModelConfig(
-            architecture="Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM",
+            architecture=(qwen3.FAMILY if self.qk_norm else llama.FAMILY).architecture,  # the layer's family
             vocab_size=self.vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_hidden_layers=1,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,

@@ -42,7 +42,8 @@ from dspark.models.config import ModelConfig
 from dspark.models.files import CONFIG_ERRORS, CheckpointError, check_num_layers, check_sizes, config_error
 from dspark.models.gemma3 import _rounded
 from dspark.models.gemma4 import Gemma4DecoderLayer, Gemma4RMSNorm, Gemma4Rotary, kv_layout, layer_shape
-from dspark.models.gemma4_hf import GEMMA4_ARCHITECTURES, gemma4_fields
+from dspark.models.family import family_of
+from dspark.models.gemma4_hf import gemma4_fields
 from dspark.models.layers import LMHead, Linear, VocabEmbedding
 from dspark.models.llama import KVCache, LlamaForCausalLM
 
@@ -252,7 +253,7 @@ class Gemma4AssistantDrafter(Drafter):
 
 def check(spec, target_config: ModelConfig) -> AssistantConfig:
     """Before any weight: the folder is a Gemma 4 assistant that fits this target."""
-    if target_config.architecture not in GEMMA4_ARCHITECTURES:
+    if family_of(target_config.architecture).mtp != "assistant":  # the family record names its assistant
         raise ValueError(f"a Gemma 4 assistant drafts for a Gemma 4 target, not {target_config.architecture}")
     if not spec.model:
         raise ValueError("method 'mtp' on a Gemma 4 target needs the assistant's folder as \"model\" "

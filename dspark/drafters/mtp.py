@@ -30,10 +30,10 @@ from dspark.drafters.base import Drafter
 from dspark.drafters.checkpoint import header_shapes, safetensors_files
 from dspark.drafters.eagle3 import Eagle3Drafter
 from dspark.models.attention import AttnMetadata, flat_batch
-from dspark.models.config import HYBRID_ARCHITECTURES, ModelConfig
+from dspark.models.config import ModelConfig
 from dspark.models.files import open_safetensors
 from dspark.models.gemma3 import GemmaRMSNorm
-from dspark.models.gemma4_hf import GEMMA4_ARCHITECTURES
+from dspark.models.family import architectures_with, family_for_gguf, family_of
 from dspark.models.layers import Linear, rope_cos_sin
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.moe import MoeWeights
@@ -108,14 +108,15 @@ class MtpDrafter(Eagle3Drafter):
 def check(spec, target_config) -> None:
     """Before any weight: a hybrid target with exactly one MTP layer in the checkpoint (a Gemma 4 target: its
     assistant's folder, `gemma4_assistant.check`)."""
-    if target_config.architecture in GEMMA4_ARCHITECTURES:
+    how = family_of(target_config.architecture).mtp  # the family's record: its own layers, or an assistant
+    if how == "assistant":
         from dspark.drafters.gemma4_assistant import check as check_assistant
         check_assistant(spec, target_config)
         return
-    if target_config.architecture not in HYBRID_ARCHITECTURES:
+    if how != "layers":
         raise ValueError(f"method 'mtp' drafts with a checkpoint's own MTP layers (Qwen3-Next, Qwen3.5: "
-                         f"{', '.join(HYBRID_ARCHITECTURES)}) or Gemma 4's assistant; {target_config.architecture} has "
-                         f"neither")
+                         f"{', '.join(architectures_with('mtp', 'layers'))}) or Gemma 4's assistant; "
+                         f"{target_config.architecture} has neither")
     if not spec.model:
         raise ValueError("method 'mtp' needs the checkpoint folder holding the mtp.* tensors (the engine passes "
                          "the target's own)")
@@ -128,7 +129,7 @@ def check(spec, target_config) -> None:
 
 
 def build(spec, *, target_config, target_model, dtype, device) -> Drafter:
-    if target_config.architecture in GEMMA4_ARCHITECTURES:
+    if family_of(target_config.architecture).mtp == "assistant":
         from dspark.drafters.gemma4_assistant import build as build_assistant
         return build_assistant(spec, target_config=target_config, target_model=target_model, dtype=dtype,
                                device=device)
@@ -143,10 +144,10 @@ def build(spec, *, target_config, target_model, dtype, device) -> Drafter:
 def _gguf_mtp(path: Path):
     """(the file's GGUFSource, GGUF name -> HF name of its MTP layer's tensors): llama.cpp's converter writes the
     layer as one block past the decoder's (`models.gguf_families` names it back to `mtp.*`)."""
-    from dspark.models.gguf_families import GGUF_FAMILIES
     from dspark.models.loader import GGUFSource
     source = GGUFSource(path)
-    family = GGUF_FAMILIES.get(source.field("general.architecture"))
+    record = family_for_gguf(source.field("general.architecture"))
+    family = record and record.gguf
     names = {} if family is None else {t.name: family.hf_name(t.name, source.config) for t in source.reader.tensors}
     return source, {g: h for g, h in names.items() if h.startswith(PREFIX)}
 

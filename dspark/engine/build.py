@@ -14,6 +14,7 @@ import torch
 
 from dspark.config import DEFAULT_SPEC, EngineConfig, SpecConfigError
 from dspark.drafters import build_drafter, check_drafter
+from dspark.drafters.methods import method_record, methods_with, names_phrase
 from dspark.engine.engine import Engine
 from dspark.worker.model_runner import DTYPES
 
@@ -45,7 +46,7 @@ def build_engine(config: EngineConfig):
         config = dataclasses.replace(config, spec=default_spec_config(config.model, matmul_dtype=matmul_dtype))
         if config.spec is None:
             raise SpecConfigError(f"--speculative-config default: no drafter is shipped for {config.model!r}")
-    if config.spec is not None and config.spec.method == "mtp" and not config.spec.model:  # the target's own
+    if config.spec is not None and method_record(config.spec.method).own_checkpoint and not config.spec.model:
         config = dataclasses.replace(config, spec=dataclasses.replace(
             config.spec, model=str(resolve_model_path(config.model))))
     if config.spec is not None:
@@ -105,8 +106,8 @@ def _runner_wrapper(config: EngineConfig, model, target_config, workers):
 def _check_tensor_parallel(config: EngineConfig, matmul_dtype: str, target_config) -> None:
     """Before any worker starts: what tensor parallelism cannot split fails here."""
     size = config.tensor_parallel_size
-    from dspark.models.config import HYBRID_ARCHITECTURES
-    if target_config.architecture in HYBRID_ARCHITECTURES:
+    from dspark.models.family import family_of
+    if family_of(target_config.architecture).recurrent_state:
         raise ValueError(f"tensor parallelism over the hybrid {target_config.architecture} is not supported "
                          f"(its linear-attention layers and state slots are not split over ranks); run it "
                          f"with tensor_parallel_size 1")
@@ -117,10 +118,10 @@ def _check_tensor_parallel(config: EngineConfig, matmul_dtype: str, target_confi
         raise ValueError(f"matmul_dtype q4_1 runs on one process; with tensor_parallel_size {size} use "
                          f"--matmul-dtype auto, float32 or bfloat16 (the ranks multiply slices of the "
                          f"dequantized weights)")
-    if config.spec is not None and config.spec.method == "draft_model":
-        raise ValueError("speculative method 'draft_model' runs the target's own first layers, which tensor "
-                         "parallelism splits over the ranks; with tensor_parallel_size > 1 use dspark, dflash, "
-                         "eagle3 or ngram")
+    if config.spec is not None and method_record(config.spec.method).runs_target_layers:
+        raise ValueError(f"speculative method {config.spec.method!r} runs the target's own first layers, which "
+                         f"tensor parallelism splits over the ranks; with tensor_parallel_size > 1 use dspark, "
+                         f"dflash, eagle3 or ngram")
 
 
 def _start_tensor_parallel(config: EngineConfig, matmul_dtype: str):
@@ -201,9 +202,9 @@ def _check_length_policy(config: EngineConfig, matmul_dtype: str = "float32") ->
     """Fail closed before loading weights: adaptive verification needs a confidence head (checked
     by the drafter's `check`) and a cost table on disk, profiled with the engine's matmul dtype."""
     spec = config.spec
-    if spec.length_policy != "fixed" and spec.method not in ("dspark",):
+    if spec.length_policy != "fixed" and not method_record(spec.method).confidence_head:
         raise ValueError(f"length_policy={spec.length_policy!r} needs a drafter with a confidence head "
-                         f"(method 'dspark'); {spec.method!r} has none")
+                         f"({names_phrase(methods_with('confidence_head'))}); {spec.method!r} has none")
     if spec.cost_table and spec.cost_table != "auto" and not Path(spec.cost_table).is_file():
         raise ValueError(f"cost_table {spec.cost_table!r} does not exist (run `dspark profile --out PATH`)")
     if spec.cost_table and spec.cost_table != "auto":

@@ -39,7 +39,7 @@ import torch
 from dspark import kernels
 from dspark.kernels import blocks as qb
 from dspark.kernels import ggml
-from dspark.models.gguf_families import GGUF_FAMILIES
+from dspark.models.family import family_for_gguf, family_of
 from dspark.models.gguf_format import GGMLType, gguf_model_config, gguf_reader, gguf_to_hf_name, unpermute_rope_rows
 
 F32, F16, Q4_1, Q8_0, BF16 = (int(GGMLType[name]) for name in ("F32", "F16", "Q4_1", "Q8_0", "BF16"))
@@ -227,9 +227,10 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     tied (or its own tensor); the other tensors (norms, biases) load as usual. No dense copy is kept."""
     from dspark.models.layers import Linear, VocabEmbedding
     config = source.config
-    permute = config.architecture == "LlamaForCausalLM"
+    permute = family_of(config.architecture).gguf_qk_permuted
     arch = source.field("general.architecture")
-    family = GGUF_FAMILIES.get(arch)  # Gemma 4, the hybrid Qwens: names and row / column orders by record
+    record = family_for_gguf(arch)
+    family = record.gguf if record is not None else None  # Gemma 4, the hybrid Qwens: names, row / column orders
     tensors = {t.name: t for t in source.reader.tensors}
     pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
     input_orders: dict[str, torch.Tensor] = {}
@@ -302,19 +303,15 @@ def load_vocab_blocks(model: torch.nn.Module, tensors: dict, covered: set[str]) 
     embed.weight, head.weight, head.weight_t = None, None, None
 
 
-BLOCK_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")  # models whose GGUF loads as blocks
-
-
 def takes_gguf_blocks(path) -> bool:
     """Does `--matmul-dtype auto` keep this model's GGUF blocks (`gguf`)? A GGUF of a family in
-    BLOCK_ARCHITECTURES or GGUF_FAMILIES (Gemma 4, the hybrid Qwens) with a layer matrix in a type the kernels
-    multiply, and the kernels built."""
+    family whose record says `gguf_blocks` (Llama, Qwen3, Gemma 3, Gemma 4, the hybrid Qwens), with a layer matrix
+    in a type the kernels multiply, and the kernels built."""
     path = Path(path)
     if not (path.is_file() and path.suffix == ".gguf") or kernels.ops() is None:
         return False
     reader = gguf_reader(path)
-    if gguf_model_config(reader).architecture not in BLOCK_ARCHITECTURES and \
-            str(reader.fields["general.architecture"].contents()) not in GGUF_FAMILIES:
+    if not family_of(gguf_model_config(reader).architecture).gguf_blocks:
         return False
     products = {Q4_1, Q8_0, *ggml.BLOCK_TYPES}
     return any(t.name.startswith("blk.") and len(t.shape) == 2 and int(t.tensor_type) in products for t in reader.tensors)

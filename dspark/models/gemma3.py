@@ -18,18 +18,25 @@ so prefix caching, rollback and preemption work as for Llama; local layers only 
 A CPU step of up to 128 rows (decode, verification, prompt chunks, a mix) runs every decoder layer in one
 kernel call (`kernels.block_layers`, for matrices resident as GGUF blocks or fp32: the
 per-layer modules' numbers bit for bit); other steps run the per-layer modules.
+
+Its record (`FAMILY`) reads and writes `Gemma3TextConfig` (`gemma3_from_hf`, `gemma3_to_hf`) and names what a
+llama.cpp Gemma 3 file differs by: four norms a layer (`GGUF_GEMMA3_BLOCK_NAMES`), norms stored as 1 + weight and
+the header keys of `gguf_gemma3_fields`.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.attention import AttnMetadata, one_group_metadata, paged_attention, sliding_window_metadata, store_kv
-from dspark.models.config import ModelConfig
+from dspark.models.config import ModelConfig, eos_ids, hf_eos
+from dspark.models.family import ModelFamily
+from dspark.models.gguf_format import GGUF_BLOCK_NAMES
 from dspark.models.layers import (LMHead, Fp32Buffers, Linear, MergedLinear, RMSNorm, VocabEmbedding, apply_rope,
                                   default_weight_loader, rope_cos_sin, rope_type, ROPE_INIT)
 from dspark.models.llama import KVCache, LlamaForCausalLM
@@ -230,3 +237,98 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+# -- config.json and GGUF headers -----------------------------------------------------------------------------
+def gemma3_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Gemma3TextConfig field names (transformers 4.5x flat rope keys or 5.x `rope_parameters` per
+    layer kind)."""
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping (Gemma 2) is not supported")
+    layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if not layer_types:
+        pattern = hf.get("sliding_window_pattern", 6)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    params = hf.get("rope_parameters") or {}
+    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    theta = full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local_theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    scaling = hf.get("rope_scaling")
+    if full.get("rope_type", "default") != "default":
+        scaling = full
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling on Gemma 3 sliding layers ({local}) is not supported")
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        architecture="Gemma3ForCausalLM", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta), rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 131072),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True,
+        bos_token_id=hf.get("bos_token_id", 2), eos_token_ids=eos_ids(hf.get("eos_token_id", 1)),
+        hidden_activation=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        layer_types=tuple(layer_types), sliding_window=hf.get("sliding_window", 4096),
+        rope_local_theta=float(local_theta),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+    )
+
+
+def gemma3_to_hf(c: ModelConfig) -> dict[str, Any]:
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling:
+        full = {**dict(c.rope_scaling), "rope_theta": c.rope_theta}
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias,
+        "hidden_activation": c.hidden_activation, "bos_token_id": c.bos_token_id,
+        "eos_token_id": hf_eos(c.eos_token_ids),
+        "pad_token_id": 0, "layer_types": list(c.layer_types[:c.num_hidden_layers]),
+        "sliding_window": c.sliding_window, "query_pre_attn_scalar": _int_if_whole(c.query_pre_attn_scalar),
+        "final_logit_softcapping": c.final_logit_softcapping, "attn_logit_softcapping": None,
+        "rope_parameters": {"full_attention": full,
+                            "sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": c.rope_local_theta or c.rope_theta}},
+    }
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    return int(x) if x is not None and float(x).is_integer() else x
+
+
+# llama.cpp's Gemma 3 names: four norms a layer, and ffn_norm is the pre-feed-forward one
+GGUF_GEMMA3_BLOCK_NAMES = {
+    **GGUF_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def gguf_gemma3_fields(get: Any, hidden: int, heads: int, layers: int) -> dict[str, Any]:
+    """The Gemma 3 ModelConfig fields a GGUF header implies, as llama.cpp reads them: every 6th layer
+    global, local RoPE base 10000, attention scale 1/sqrt(head_dim) except gemma-3-27b (62 layers:
+    1/sqrt(hidden / heads)), GELU-tanh, no logit softcapping (Gemma 3 has none). (llama.cpp's linear RoPE
+    scaling applies to the global layers only, as `rope_scaling` does here.)"""
+    head_dim = int(get("attention.key_length", hidden // heads))
+    return dict(
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)),
+        sliding_window=int(get("attention.sliding_window")),
+        rope_local_theta=10_000.0,
+        query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+        final_logit_softcapping=get("final_logit_softcapping", None),
+    )
+
+
+FAMILY = ModelFamily(
+    architecture="Gemma3ForCausalLM", model_class=Gemma3ForCausalLM, model_types=("gemma3_text",),
+    from_hf=gemma3_from_hf, to_hf=gemma3_to_hf, qk_norm=True,
+    gguf_names=("gemma3",), gguf_norm_offset=True, gguf_blocks=True,
+    gguf_tensor_names=GGUF_GEMMA3_BLOCK_NAMES, gguf_fields=gguf_gemma3_fields)

@@ -42,7 +42,10 @@ from torch import nn
 from dspark import kernels
 from dspark.models.attention import AttnMetadata, paged_attention, sliding_window_metadata, store_kv
 from dspark.models.config import ModelConfig
+from dspark.models.family import ModelFamily
 from dspark.models.gemma3 import Gemma3MLP, _rounded
+from dspark.models.gemma4_hf import gemma4_fields, gemma4_to_hf
+from dspark.models.gguf_families import GEMMA4_GGUF
 from dspark.models.layers import (Fp32Buffers, Linear, MergedLinear, RMSNorm, VocabEmbedding, ROPE_INIT,
                                   _set_loader, apply_rope, default_weight_loader, rope_cos_sin, rope_type)
 from dspark.models.llama import KVCache, LlamaForCausalLM
@@ -363,3 +366,12 @@ class Gemma4ForCausalLM(MoeWeights, LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True) -> set[str]:
         return super().load_weights(self._hf_weights(weights), strict=strict)
+
+
+FAMILY = ModelFamily(
+    architecture="Gemma4ForCausalLM", model_class=Gemma4ForCausalLM, model_types=("gemma4_text", "gemma4"),
+    hf_architectures=("Gemma4ForConditionalGeneration",), from_hf=lambda hf: ModelConfig(**gemma4_fields(hf)),
+    to_hf=gemma4_to_hf, qk_norm=True, mtp="assistant",
+    no_tensor_parallel="per-kind head shapes, KV sharing and per-layer inputs are not split over ranks",
+    no_layer_view="its KV sharing and per-layer inputs span every layer",
+    gguf_names=("gemma4",), gguf=GEMMA4_GGUF, gguf_blocks=True)

@@ -1,6 +1,7 @@
 """Gemma 4 text-decoder fields of `ModelConfig` read from, and written as, an HF config.json: `Gemma4TextConfig`
 (model_type `gemma4_text`) or a multimodal `Gemma4Config` (`Gemma4ForConditionalGeneration`), whose `text_config`
-is the decoder dspark serves. Kept out of `config.py` (which imports it) and importing nothing of dspark.
+is the decoder dspark serves. Kept out of `gemma4.py` (whose `FAMILY` record reads and writes through it) and
+importing nothing of dspark.
 
 What the dict says and where it goes:
 * `layer_types` (default: 5 sliding to 1 full; transformers forces the last layer to full attention, so do we);
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-GEMMA4_ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 _DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                     "rope_theta": 1_000_000.0}}

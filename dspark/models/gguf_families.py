@@ -1,5 +1,6 @@
 """GGUF files of Gemma 4 and the hybrid Qwen families as llama.cpp's `convert_hf_to_gguf.py` writes them
-(`general.architecture` gemma4, qwen35, qwen35moe, qwen3next), one `GGUFFamily` record each in `GGUF_FAMILIES`:
+(`general.architecture` gemma4, qwen35, qwen35moe, qwen3next), one `GGUFFamily` record each, which the family's
+`ModelFamily` record holds (`gguf`):
 
 * `hf_config`: the HF config.json dict the header implies, read by `ModelConfig.from_hf`, so a file and the HF
   folder it was converted from give the same ModelConfig (tests/test_gguf_families.py checks that);
@@ -82,17 +83,14 @@ class Header:
 
 
 # -- the hybrid Qwen families ---------------------------------------------------------------------------------
-_QWEN_HF = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}
-
-
-def _qwen_config(h: Header) -> dict[str, Any]:
+def _qwen_config(h: Header, architecture: str) -> dict[str, Any]:
     layers = int(h.get("block_count")) - int(h.get("nextn_predict_layers", 0))
     head_dim = int(h.get("attention.key_length"))
     recurrent = h.get("attention.recurrent_layers", None)
     interval = int(h.get("full_attention_interval", 4))
     kinds = [bool(recurrent[i]) if recurrent is not None else (i + 1) % interval != 0 for i in range(layers)]
     hv = int(h.get("ssm.time_step_rank"))
-    out = {**h.common(), "architectures": [_QWEN_HF[h.arch]], "num_hidden_layers": layers,
+    out = {**h.common(), "architectures": [architecture], "num_hidden_layers": layers,
            "intermediate_size": int(h.get("feed_forward_length", 0)),
            "num_key_value_heads": int(h.get("attention.head_count_kv")), "head_dim": head_dim,
            "layer_types": ["linear_attention" if k else "full_attention" for k in kinds],
@@ -152,7 +150,7 @@ def _grouped(t: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor
     return t.reshape(shape)
 
 
-def _undo_qwen(name: str, t: torch.Tensor, cfg: ModelConfig, arch: str) -> torch.Tensor:
+def _undo_qwen(name: str, t: torch.Tensor, cfg: ModelConfig, reordered: bool) -> torch.Tensor:
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight") or name.startswith("mtp.pre_fc_norm"):
         t = t - 1.0
     if name.endswith("linear_attn.A_log"):
@@ -160,7 +158,7 @@ def _undo_qwen(name: str, t: torch.Tensor, cfg: ModelConfig, arch: str) -> torch
     elif name.endswith("linear_attn.conv1d.weight"):
         t = t.unsqueeze(1)  # HF's [channels, 1, kernel]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    if arch == "qwen3next" or hk == hv or ".linear_attn." not in name:
+    if not reordered or hk == hv or ".linear_attn." not in name:
         return t
     r, dv, qk = hv // hk, cfg.linear_value_head_dim, 2 * hk * cfg.linear_key_head_dim
     leaf = name.rpartition(".linear_attn.")[2]
@@ -309,12 +307,12 @@ class GGUFFamily:
             yield hf.replace("*", str(e)), t[e].clone()
 
 
-def _qwen_family(arch: str) -> GGUFFamily:
-    return GGUFFamily(_qwen_config, _qwen_block_name, _GLOBAL, lambda n, t, c: _undo_qwen(n, t, c, arch))
+def qwen_gguf(architecture: str, *, reordered_value_heads: bool) -> GGUFFamily:
+    """The record of a hybrid Qwen GGUF (qwen35, qwen35moe, qwen3next), read as the HF `architecture`;
+    `reordered_value_heads`: the converter tiled the value heads (Qwen3.5, not Qwen3-Next)."""
+    return GGUFFamily(lambda h: _qwen_config(h, architecture), _qwen_block_name, _GLOBAL,
+                      lambda n, t, c: _undo_qwen(n, t, c, reordered_value_heads))
 
 
-GGUF_FAMILIES: dict[str, GGUFFamily] = {
-    "gemma4": GGUFFamily(_gemma4_config, lambda i, leaf, cfg: f"model.layers.{i}.{_GEMMA4_BLOCK[leaf]}",
-                         {**_GLOBAL, **_GEMMA4_GLOBAL}, lambda n, t, c: t),
-    **{arch: _qwen_family(arch) for arch in _QWEN_HF},
-}
+GEMMA4_GGUF = GGUFFamily(_gemma4_config, lambda i, leaf, cfg: f"model.layers.{i}.{_GEMMA4_BLOCK[leaf]}",
+                         {**_GLOBAL, **_GEMMA4_GLOBAL}, lambda n, t, c: t)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dspark.models.config import ModelConfig
-from dspark.models.gguf_families import GGUF_FAMILIES
+from dspark.models.family import family_for_gguf, gguf_names
 
 # GGML tensor type id -> (name, weights a block, bytes a block): gguf.constants' GGMLQuantizationType names
 # and GGML_QUANT_SIZES (test_loader checks the two agree)
@@ -195,23 +195,18 @@ def gguf_values(t) -> np.ndarray:
     return dequantize(t.data, GGMLQuantizationType(int(t.tensor_type)))
 
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp tensor name -> HF name; {i} is the block index
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_BLOCK_NAMES = {
+# a block's tensors (a family's record may give its own, `ModelFamily.gguf_tensor_names`)
+GGUF_BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-# Gemma 3 (llama.cpp's names): four norms a layer, and ffn_norm is the pre-feed-forward one
-_GGUF_GEMMA3_BLOCK_NAMES = {
-    **_GGUF_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -220,7 +215,8 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     """llama.cpp tensor name -> HF name, for the GGUF architecture `arch` (general.architecture)."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    block_names = _GGUF_GEMMA3_BLOCK_NAMES if arch == "gemma3" else _GGUF_BLOCK_NAMES
+    family = family_for_gguf(arch)
+    block_names = (family and family.gguf_tensor_names) or GGUF_BLOCK_NAMES
     m = _BLOCK_RE.match(name)
     if m and m.group(2) in block_names:
         return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
@@ -242,13 +238,14 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 
 def gguf_model_config(reader: Any) -> ModelConfig:
     """ModelConfig from a GGUF header (`<arch>.*` keys, tokenizer ids, presence of output.weight); the families
-    of `gguf_families` (Gemma 4, the hybrid Qwens) through their records."""
+    of `gguf_families` (Gemma 4, the hybrid Qwens) through their records; the family's record (`ModelFamily`)
+    names the architecture and what its header adds."""
     arch = gguf_field(reader, "general.architecture")
-    if arch in GGUF_FAMILIES:
-        return GGUF_FAMILIES[arch].model_config(reader, arch)
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join([*GGUF_ARCHITECTURES, *GGUF_FAMILIES])}")
+    family = family_for_gguf(arch)
+    if family is None:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(gguf_names())}")
+    if family.gguf is not None:
+        return family.gguf.model_config(reader, arch)
 
     def get(key: str, default: Any = KeyError) -> Any:
         value = gguf_field(reader, f"{arch}.{key}", None)
@@ -270,13 +267,9 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     elif kind not in ("none", None):
         raise ValueError(f"GGUF rope scaling {kind!r} is not supported")
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    gemma: dict[str, Any] = {}
-    if arch == "gemma3":
-        gemma = _gguf_gemma3_fields(get, hidden, heads, int(get("block_count")))
-        if scaling is not None:
-            scaling = {**scaling, "rope_type": "linear"}  # llama.cpp scales the global layers only
+    extra = {} if family.gguf_fields is None else family.gguf_fields(get, hidden, heads, int(get("block_count")))
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=family.architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -290,23 +283,9 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 8192)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=family.qk_norm,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
-        **gemma,
+        **extra,
     )
 
-
-def _gguf_gemma3_fields(get: Any, hidden: int, heads: int, layers: int) -> dict[str, Any]:
-    """The Gemma 3 ModelConfig fields a GGUF header implies, as llama.cpp reads them: every 6th layer
-    global, local RoPE base 10000, attention scale 1/sqrt(head_dim) except gemma-3-27b (62 layers:
-    1/sqrt(hidden / heads)), GELU-tanh, no logit softcapping (Gemma 3 has none)."""
-    head_dim = int(get("attention.key_length", hidden // heads))
-    return dict(
-        hidden_activation="gelu_pytorch_tanh",
-        layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)),
-        sliding_window=int(get("attention.sliding_window")),
-        rope_local_theta=10_000.0,
-        query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
-        final_logit_softcapping=get("final_logit_softcapping", None),
-    )

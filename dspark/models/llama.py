@@ -22,6 +22,7 @@ from torch import nn
 from dspark import kernels
 from dspark.models.attention import AttnMetadata, one_group_metadata, paged_attention, store_kv
 from dspark.models.config import ModelConfig
+from dspark.models.family import ModelFamily
 from dspark.models.layers import (LMHead, Linear, MergedLinear, RMSNorm, RotaryEmbedding, VocabEmbedding,
                                   apply_rope, silu_and_mul)
 
@@ -374,3 +375,8 @@ class LlamaForCausalLM(nn.Module):
             raise KeyError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                            + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
         return loaded
+
+
+# Llama's config.json field names (the default reader and writer); llama.cpp interleaves its q/k rows
+FAMILY = ModelFamily(architecture="LlamaForCausalLM", model_class=LlamaForCausalLM, model_types=("llama",),
+                     gguf_names=("llama",), gguf_qk_permuted=True, gguf_blocks=True)

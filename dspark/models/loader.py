@@ -44,7 +44,7 @@ from dspark.models.layers import (Linear, add_decode_layout, drop_dense_weights,
 from dspark.models.config import ModelConfig
 from dspark.models.files import (CONFIG_ERRORS, CheckpointError, check_num_layers, check_sizes, config_error,
                                  folder_file, index_files, open_safetensors, read_json_object, safetensors_header)
-from dspark.models.gguf_families import GGUF_FAMILIES
+from dspark.models.family import family_for_gguf, family_of
 from dspark.models.gguf_format import (GGMLType, _gguf_reader, gguf_field, gguf_model_config,  # noqa: F401
                                        gguf_reader, gguf_to_hf_name, gguf_values, unpermute_rope_rows)
 from dspark.models.tokenizer import TokenizerBundle, check_tokenizer_files, gguf_cache_dir, load_tokenizer
@@ -159,7 +159,8 @@ def q4_1_problem(path_or_name: str | Path) -> str | None:
     if not (path.is_file() and path.suffix == ".gguf"):
         return f"{path} is not a GGUF file (Q4_1 products multiply a Q4_1 GGUF's own blocks)"
     arch = gguf_field(gguf_reader(path), "general.architecture")
-    if arch in GGUF_FAMILIES:
+    family = family_for_gguf(arch)
+    if family is not None and family.gguf is not None:
         return f"{path.name}: a {arch} GGUF loads dequantized (its blocks are not kept resident)"
     for t in gguf_reader(path).tensors:
         if not t.name.startswith("blk.") or len(t.shape) != 2:
@@ -245,7 +246,7 @@ def gguf_q4_1_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Ten
     in * 10 / 16] uint8}); merged projections (qkv, gate_up) are stacked in their shard order."""
     reader = gguf_reader(path)
     config = gguf_model_config(reader)
-    permute = config.architecture == "LlamaForCausalLM"
+    permute = family_of(config.architecture).gguf_qk_permuted
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, int] = {}
     for t in reader.tensors:
@@ -390,10 +391,11 @@ class GGUFSource:
 
     def weights(self, skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 tensor) of every tensor but those named (GGUF names) in `skip`."""
-        permute = self.config.architecture == "LlamaForCausalLM"  # llama.cpp permutes Llama q/k only
+        permute = family_of(self.config.architecture).gguf_qk_permuted  # llama.cpp permutes Llama q/k only
         arch = self.field("general.architecture")
-        norm_shift = arch == "gemma3"  # llama.cpp stores Gemma's RMSNorm weights as 1 + weight
-        family = GGUF_FAMILIES.get(arch)  # Gemma 4, the hybrid Qwens: names and transforms by record
+        record = family_for_gguf(arch)
+        norm_shift = record is not None and record.gguf_norm_offset  # Gemma's RMSNorm weights as 1 + weight
+        family = record and record.gguf  # Gemma 4, the hybrid Qwens: names and transforms by record
         for t in self.reader.tensors:
             if t.name in skip:
                 continue

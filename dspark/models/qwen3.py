@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dspark.models.config import ModelConfig
+from dspark.models.family import ModelFamily
 from dspark.models.layers import RMSNorm, apply_rope
 from dspark.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -40,3 +41,7 @@ class Qwen3Model(LlamaModel):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen3Model
+
+
+FAMILY = ModelFamily(architecture="Qwen3ForCausalLM", model_class=Qwen3ForCausalLM, model_types=("qwen3",),
+                     qk_norm=True, gguf_names=("qwen3",), gguf_blocks=True)

@@ -13,6 +13,9 @@ Weights: Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` load int
 folder's `model.language_model.*` is the decoder; its vision tower and the `mtp.*` layers are skipped here
 (`dspark.drafters.mtp` loads the latter).
 
+Its config.json reader and writer (`hybrid_from_hf`, `hybrid_to_hf`) and the three family records (`FAMILIES`:
+Qwen3-Next, Qwen3.5, Qwen3.5-MoE; one module class, the layout read from the config) close the file.
+
 The model keeps no per-request state in its parameters: the state slots and the prefix cache's state snapshots
 (`allocate_state`) are indexed by the step's `AttnMetadata.state` rows, and `num_kv_layers` counts the full-attention layers, whose paged K/V the
 engine allocates as for any target.
@@ -22,18 +25,21 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from dspark.models.attention import AttnMetadata, paged_attention, store_kv
-from dspark.models.config import ModelConfig
+from dspark.models.config import ModelConfig, eos_ids, hf_eos
+from dspark.models.family import ModelFamily
 from dspark.models.gemma3 import GemmaRMSNorm
+from dspark.models.gguf_families import qwen_gguf
 from dspark.models.layers import (Linear, MergedLinear, VocabEmbedding, apply_rope, default_weight_loader,
                                   rope_cos_sin, _set_loader)
 from dspark.models.llama import KVCache, LlamaForCausalLM, LlamaMLP
 from dspark.models.moe import MoeWeights, SparseMoeBlock
+from dspark.models.qwen3_moe import moe_fields, moe_to_hf
 from dspark.models.recurrent import (LayerState, StateRows, allocate_layer_state, causal_conv, delta_rule_chunked,
                                      delta_rule_tokens, gated_rms_norm, layer_state_bytes, prepare_qk)
 
@@ -314,3 +320,109 @@ class Qwen3NextForCausalLM(MoeWeights, LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True) -> set[str]:
         return super().load_weights(self._hf_weights(weights), strict=strict)
+
+
+# -- config.json: Qwen3NextConfig / Qwen3_5TextConfig / Qwen3_5MoeTextConfig -----------------------------------
+def hybrid_from_hf(hf: dict[str, Any], arch: str, moe: Callable[[dict[str, Any]], dict[str, Any]]) -> ModelConfig:
+    """Qwen3NextConfig / Qwen3_5TextConfig / Qwen3_5MoeTextConfig field names (a multimodal folder's
+    `text_config`); `moe` reads the family's MoE fields."""
+    if "text_config" in hf:
+        hf = {**{k: v for k, v in hf.items() if k in ("tie_word_embeddings", "eos_token_id", "bos_token_id")},
+              **hf["text_config"]}
+    layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0 else "linear_attention"
+        for i in range(layers)]
+    params = hf.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling {params.get('rope_type')!r} on {arch} is not supported")
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf.get("intermediate_size") or 0, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True,
+        bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids(hf.get("eos_token_id")),
+        layer_types=tuple(layer_types), linear_num_key_heads=hf["linear_num_key_heads"],
+        linear_num_value_heads=hf["linear_num_value_heads"], linear_key_head_dim=hf["linear_key_head_dim"],
+        linear_value_head_dim=hf["linear_value_head_dim"],
+        linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
+        attn_output_gate=True, **moe(hf))
+
+
+def hybrid_to_hf(c: ModelConfig, model_type: str) -> dict[str, Any]:
+    """The text config.json of a hybrid target (tests build the transformers reference from it)."""
+    out = {
+        "architectures": [c.architecture], "model_type": model_type,
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": c.attention_bias, "hidden_act": "silu", "bos_token_id": c.bos_token_id,
+        "eos_token_id": hf_eos(c.eos_token_ids),
+        "layer_types": list(c.layer_types[:c.num_hidden_layers]),
+        "linear_num_key_heads": c.linear_num_key_heads, "linear_num_value_heads": c.linear_num_value_heads,
+        "linear_key_head_dim": c.linear_key_head_dim, "linear_value_head_dim": c.linear_value_head_dim,
+        "linear_conv_kernel_dim": c.linear_conv_kernel_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta,
+                            "partial_rotary_factor": c.partial_rotary_factor},
+    }
+    return out
+
+
+def _next_moe(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's MoE fields: Qwen3-MoE's plus the shared expert (a dense config says num_experts 0)."""
+    if not hf.get("num_experts"):
+        return {}
+    return {**moe_fields(hf), "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0)}
+
+
+def _next_moe_to_hf(c: ModelConfig) -> dict[str, Any]:  # its defaults are MoE: a dense one says num_experts 0
+    out = dict(num_experts=c.num_experts, shared_expert_intermediate_size=c.shared_expert_intermediate_size)
+    if c.num_experts:
+        out.update({k: v for k, v in moe_to_hf(c).items() if k not in ("model_type", "use_sliding_window")})
+    return out
+
+
+def _q35_moe(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5-MoE routes every layer and always renormalises the top-k (its config has neither field)."""
+    if not hf.get("num_experts"):
+        return {}
+    return dict(num_experts=int(hf["num_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True,
+                shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0))
+
+
+def _q35_moe_to_hf(c: ModelConfig) -> dict[str, Any]:
+    return dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.moe_intermediate_size,
+                shared_expert_intermediate_size=c.shared_expert_intermediate_size)
+
+
+def _hybrid(architecture: str, model_types: tuple[str, ...], gguf_name: str, moe, moe_to_hf_,
+            hf_architectures: tuple[str, ...] = (), drop: tuple[str, ...] = (), tiled: bool = True) -> ModelFamily:
+    """A hybrid family's record: one module class, the layout read from the config; `drop`: keys its config.json
+    does not have; `tiled`: llama.cpp's converter reorders its value heads to tiled (Qwen3.5, not Qwen3-Next)."""
+    def to_hf(c: ModelConfig) -> dict[str, Any]:
+        out = {**hybrid_to_hf(c, model_types[0]), **moe_to_hf_(c)}
+        return {k: v for k, v in out.items() if k not in drop}
+    return ModelFamily(
+        architecture=architecture, model_class=Qwen3NextForCausalLM, model_types=model_types,
+        hf_architectures=hf_architectures, from_hf=lambda hf: hybrid_from_hf(hf, architecture, moe), to_hf=to_hf,
+        qk_norm=True, recurrent_state=True, mtp="layers",
+        no_tensor_parallel="its linear-attention layers and state slots are not split over ranks",
+        gguf_names=(gguf_name,), gguf=qwen_gguf(architecture, reordered_value_heads=tiled), gguf_blocks=True)
+
+
+FAMILIES = (
+    _hybrid("Qwen3NextForCausalLM", ("qwen3_next",), "qwen3next", _next_moe, _next_moe_to_hf, tiled=False),
+    _hybrid("Qwen3_5ForCausalLM", ("qwen3_5_text", "qwen3_5"), "qwen35", lambda hf: {}, lambda c: {},
+            hf_architectures=("Qwen3_5ForConditionalGeneration",)),
+    _hybrid("Qwen3_5MoeForCausalLM", ("qwen3_5_moe_text", "qwen3_5_moe"), "qwen35moe", _q35_moe, _q35_moe_to_hf,
+            hf_architectures=("Qwen3_5MoeForConditionalGeneration",), drop=("intermediate_size",)),
+)

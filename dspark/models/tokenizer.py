@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.models.files import CheckpointError
-from dspark.models.gguf_families import GGUF_FAMILIES
+from dspark.models.family import family_for_gguf
 from dspark.models.gguf_format import gguf_field, gguf_reader
 
 logger = logging.getLogger(__name__)
@@ -179,7 +179,8 @@ def _load_gguf_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     # transformers builds a whole model config before the tokenizer, and has none for some families' headers
     # (qwen3next; gemma4's per-layer widths): theirs is built from the tokenizer keys alone
-    by_keys = gguf_field(gguf_reader(path), "general.architecture") in GGUF_FAMILIES
+    family = family_for_gguf(gguf_field(gguf_reader(path), "general.architecture"))
+    by_keys = family is not None and family.gguf is not None
     tok = (PreTrainedTokenizerFast if by_keys else AutoTokenizer).from_pretrained(
         str(path.parent), gguf_file=path.name, local_files_only=True)
     try:

@@ -202,9 +202,12 @@ class AsyncPrefixScheduler:
         return _lengths_from_ranking(ranked_reqs[:_capped(capacity, max_drafts)], num_reqs)
 
 
-# the names `SpecConfig.length_policy` takes (dspark.config), in their order
-LENGTH_POLICIES: dict[str, type] = dict(zip(LENGTH_POLICY_NAMES, (FixedLength, ConfidenceThreshold, PrefixScheduler,
-                                                                   AsyncPrefixScheduler), strict=True))
+# name -> class: the one table of length policies; `SpecConfig.length_policy` takes exactly these names
+LENGTH_POLICIES: dict[str, type] = {"fixed": FixedLength, "threshold": ConfidenceThreshold,
+                                    "prefix": PrefixScheduler, "async": AsyncPrefixScheduler}
+if tuple(LENGTH_POLICIES) != LENGTH_POLICY_NAMES:  # config checks names before this layer loads: keep them one
+    raise ImportError(f"LENGTH_POLICIES {tuple(LENGTH_POLICIES)} differ from dspark.config.LENGTH_POLICY_NAMES "
+                      f"{LENGTH_POLICY_NAMES}")
 
 
 def build_length_policy(
