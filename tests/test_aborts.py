@@ -93,10 +93,10 @@ def _until(engine: Engine, done, limit: int = 50) -> dict:
     raise AssertionError("stage never reached")
 
 
-STAGES = {
-    "waiting": lambda r: r.status.value == "waiting" and r.num_computed_tokens == 0,
-    "prefill_chunk": lambda r: 0 < r.num_computed_tokens < len(r.prompt_ids),
-    "verify_window": lambda r: r.verify_len > 0 and bool(r.draft_ids),
+STAGES = {  # (request, the drafts the scheduler holds for it)
+    "waiting": lambda r, d: r.status.value == "waiting" and r.num_computed_tokens == 0,
+    "prefill_chunk": lambda r, d: 0 < r.num_computed_tokens < len(r.prompt_ids),
+    "verify_window": lambda r, d: d is not None and d.verify_len > 0 and bool(d.ids),
 }
 
 
@@ -111,7 +111,7 @@ def test_abort_at_each_stage_frees_everything(target, spec, plain_others, stage,
     victim = engine.add_request(LONG if stage != "verify_window" else [1, 4, 4, 4, 4, 4, 4],
                                 GREEDY)
     req = engine.requests[victim]
-    out = _until(engine, lambda: STAGES[stage](req), limit=80)
+    out = _until(engine, lambda: STAGES[stage](req, engine.scheduler.drafts.get(victim)), limit=80)
     engine.abort(victim)
     for o in engine.step():  # an abort is reported (and dropped) by the next step
         out.setdefault(o.request_id, []).extend(o.new_token_ids)
