@@ -1,4 +1,6 @@
-"""Request: one generation's token state as the scheduler sees it (the engine knows only token ids)."""
+"""Request: one generation's token state as the scheduler sees it (the engine knows only token ids); `Drafts`,
+one request's proposed drafts as a value; `ScheduledRequest` / `SchedulerOutput`, the scheduler's output (each
+window with the drafts it verifies) that the runner and the verifier read; `check_request`."""
 
 from __future__ import annotations
 
@@ -32,8 +34,23 @@ class SpecStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
+@dataclass(frozen=True)
+class Drafts:
+    """One request's drafts for its next verification, as the speculation controller proposed them; the
+    scheduler holds them until it schedules the request's verify window (`ScheduledRequest.drafts`)."""
+
+    ids: tuple[int, ...] = ()  # the valid drafts, in order (a grammar's forbidden tail already cut)
+    probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] or None (point mass)
+    confidence: tuple[float, ...] | None = None  # conditional c_k per drafted position
+    from_model: bool = True  # False: prompt lookup proposed them (lookup_first.py)
+    verify_len: int = 0  # how many of them the next step verifies at most (ℓ)
+
+
+NO_DRAFTS = Drafts()  # plain decoding: nothing to verify
+
+
 class PendingContext(NamedTuple):
-    """Committed positions of one step whose drafter context waits (`Engine._extend_drafter_context`)."""
+    """Committed positions of one step whose drafter context waits (`SpecController._extend_context`)."""
 
     start_pos: int
     token_ids: list[int]
@@ -60,7 +77,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose target K/V are in the pool (committed)
     num_cached_tokens: int = 0  # of the prompt, served by a prefix-cache hit at admission
     num_draft_computed: int = 0  # positions whose drafter context K/V are in the pool
-    # the model drafter keeps a context for this request (decided at admission, `Scheduler.admission`:
+    # the model drafter keeps a context for this request (decided at admission, `Scheduler.model_drafting`:
     # False where drafting could not pay at the load it joined): without it, prompt lookup is its only drafter
     model_drafting: bool = True
     # committed positions whose drafter context is deferred while the draft gate skips, contiguous from
@@ -69,11 +86,6 @@ class Request:
     num_pending_positions: int = 0
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None  # a hybrid target's recurrent state slot (held with the KV blocks)
-    draft_ids: list[int] = field(default_factory=list)  # proposed for the next verification
-    draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] or None (point mass)
-    draft_confidence: list[float] | None = None  # conditional c_k per draft position
-    draft_from_model: bool = True  # False: the drafts came from prompt lookup (lookup_first.py)
-    verify_len: int = 0  # drafts to verify in the next step (ℓ)
     finish_reason: str | None = None
     num_preemptions: int = 0
     waiting_steps: int = 0  # steps spent held back by prompt coalescing
@@ -123,10 +135,6 @@ class Request:
         return self.num_uncomputed_tokens == 1
 
     @property
-    def uses_speculation(self) -> bool:
-        return self.params.speculation
-
-    @property
     def needs_draft_context(self) -> bool:
         """Does the model drafter keep K/V for this request's positions?"""
         return self.params.speculation and self.model_drafting
@@ -147,7 +155,6 @@ class Request:
         self.num_draft_computed = 0
         self.take_pending_context()
         self.block_table = []
-        self.clear_drafts()
         self.status = RequestStatus.WAITING
         self.num_preemptions += 1
 
@@ -159,13 +166,6 @@ class Request:
         """The deferred parts, oldest first; none are left."""
         parts, self.pending_context, self.num_pending_positions = self.pending_context, [], 0
         return parts
-
-    def clear_drafts(self) -> None:
-        self.draft_ids = []
-        self.draft_probs = None
-        self.draft_confidence = None
-        self.draft_from_model = True
-        self.verify_len = 0
 
 
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 64, 4096, 1024
@@ -223,6 +223,8 @@ def check_request(prompt_ids: list[int], params: SamplingParams, *, max_model_le
 # -- the scheduler's output: what one step computes for each request (read by the runner and the verifier) --
 @dataclass
 class ScheduledRequest:
+    """One request's window in a step: a prompt chunk, or the next token with the drafts it verifies."""
+
     request: Request
     num_new_tokens: int  # tokens of this request in the batch
     num_drafts: int  # drafts at the end of the window (ℓ); 0 for a prompt chunk or plain decode
@@ -232,6 +234,18 @@ class ScheduledRequest:
     # -1: the request's state slot), and (position, entry) pairs whose states the step keeps (block boundaries)
     state_from: int = -1
     state_saves: tuple[tuple[int, int], ...] = ()
+    drafts: Drafts = NO_DRAFTS  # what the request held when scheduled: the first num_drafts are verified
+
+    @property
+    def draft_ids(self) -> list[int]:
+        """The drafts this window verifies [num_drafts]."""
+        return list(self.drafts.ids[:self.num_drafts])
+
+    @property
+    def draft_probs(self) -> torch.Tensor | None:
+        """Their distributions [num_drafts, vocab_size]; None where the drafts are point masses or absent."""
+        probs = self.drafts.probs
+        return None if probs is None or not self.num_drafts else probs[:self.num_drafts]
 
     @property
     def num_logits(self) -> int:
@@ -250,6 +264,8 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan: each scheduled request's window with the drafts it verifies, and who was preempted."""
+
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
 

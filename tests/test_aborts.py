@@ -93,10 +93,10 @@ def _until(engine: Engine, done, limit: int = 50) -> dict:
     raise AssertionError("stage never reached")
 
 
-STAGES = {
-    "waiting": lambda r: r.status.value == "waiting" and r.num_computed_tokens == 0,
-    "prefill_chunk": lambda r: 0 < r.num_computed_tokens < len(r.prompt_ids),
-    "verify_window": lambda r: r.verify_len > 0 and bool(r.draft_ids),
+STAGES = {  # (request, the drafts the scheduler holds for it)
+    "waiting": lambda r, d: r.status.value == "waiting" and r.num_computed_tokens == 0,
+    "prefill_chunk": lambda r, d: 0 < r.num_computed_tokens < len(r.prompt_ids),
+    "verify_window": lambda r, d: d is not None and d.verify_len > 0 and bool(d.ids),
 }
 
 
@@ -111,10 +111,11 @@ def test_abort_at_each_stage_frees_everything(target, spec, plain_others, stage,
     victim = engine.add_request(LONG if stage != "verify_window" else [1, 4, 4, 4, 4, 4, 4],
                                 GREEDY)
     req = engine.requests[victim]
-    out = _until(engine, lambda: STAGES[stage](req), limit=80)
+    out = _until(engine, lambda: STAGES[stage](req, engine.scheduler.drafts.get(victim)), limit=80)
     final = engine.abort(victim)  # released at once; no step reports it
     assert final.finished and final.finish_reason == "abort" and final.new_token_ids == []
     assert victim not in engine.requests and not req.block_table and req.state_slot is None
+    assert victim not in engine.scheduler.drafts  # its held drafts go with it
     drain(engine, out)
     assert [out.get(i, []) for i in others] == plain_others
     assert len(out.get(victim, [])) < GREEDY.max_tokens

@@ -182,7 +182,7 @@ def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(ta
     closed_from = 3  # the first three prompts are admitted while the gate is open
     engine.spec.draft_gate.drafted_requests = lambda *, num_reqs, **_: []  # the gate never lets the model draft
     admitted: dict[str, bool] = {}
-    admit = engine.scheduler.admission
+    admit = engine.scheduler.model_drafting
 
     gate.admits_model_drafting = lambda **_: len(admitted) < closed_from  # (the gate's rule: test_length_policy)
 
@@ -190,7 +190,7 @@ def test_requests_admitted_while_the_gate_stays_closed_get_no_drafter_context(ta
         ok = _f(load, context_tokens)
         admitted[f"n{len(admitted)}"] = ok
         return ok
-    engine.scheduler.admission = recording_admit
+    engine.scheduler.model_drafting = recording_admit
     extended: set[str] = set()
     extend = engine.drafter.extend_context
 

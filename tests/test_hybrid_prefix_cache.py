@@ -56,8 +56,7 @@ class LogitsRecorder:
             logits, taps = forward(batch, **kw)
             for item, offset in zip(self._sched.scheduled, batch.logits_offsets):
                 req = item.request
-                ids = req.all_ids[:item.start_pos + item.num_new_tokens - item.num_drafts] + \
-                    req.draft_ids[:item.num_drafts]
+                ids = req.all_ids[:item.start_pos + item.num_new_tokens - item.num_drafts] + item.draft_ids
                 first = item.start_pos + item.num_new_tokens - item.num_logits
                 for j in range(item.num_logits):
                     self.rows[req.request_id].append((tuple(ids[:first + j + 1]), logits[offset + j].clone()))

@@ -146,6 +146,46 @@ def test_an_upward_import_is_caught():
         upward_imports({"dspark.newpackage.x": {"dspark.config"}}) == [("dspark.newpackage.x", "dspark.config")]
 
 
+# Edges no layer rule forbids on its own terms: (importing package, imported module). The speculation controller
+# takes the committed step as values and hands drafts back; it never reaches into the engine's scheduler or
+# block manager.
+FORBIDDEN = (
+    ("dspark.speculation", "dspark.engine.scheduler"),
+    ("dspark.speculation", "dspark.engine.block_manager"),
+    ("dspark.speculation", "dspark.engine.engine"),
+)
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((module, dep) for module, deps in graph.items() for dep in deps
+                  for importer, imported in FORBIDDEN
+                  if (module == importer or module.startswith(importer + ".")) and dep == imported)
+
+
+def test_speculation_never_imports_the_scheduler_or_block_manager():
+    found = forbidden_imports(import_graph())
+    assert not found, "speculation reaches into the engine (tests/test_import_graph.py FORBIDDEN):\n" + \
+        "\n".join(f"  {a} -> {b}" for a, b in found)
+
+
+def test_a_back_call_import_is_caught():
+    graph = import_graph()
+    graph["dspark.speculation.controller"] = graph["dspark.speculation.controller"] | {"dspark.engine.scheduler"}
+    assert forbidden_imports(graph) == [("dspark.speculation.controller", "dspark.engine.scheduler")]
+    assert ("dspark.speculation.controller", "dspark.engine.scheduler") in upward_imports(graph)
+
+
+def test_the_controller_is_handed_no_engine_object():
+    """Built whole from the configuration, the drafter, its policy and table, and the metrics sink: no
+    scheduler, block manager or registry of the engine's requests to call back into."""
+    import inspect
+
+    from dspark.speculation.controller import SpecController, build_controller
+    for f in (build_controller, SpecController.__init__):
+        names = set(inspect.signature(f).parameters)
+        assert not names & {"scheduler", "block_manager", "requests", "engine"}, (f.__qualname__, names)
+
+
 def test_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]

@@ -25,7 +25,7 @@ import torch
 import dspark.verify.sampler as sampler
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.logits_processors import WindowRows, apply_processors
-from dspark.request import Request
+from dspark.request import Drafts, Request
 from dspark.sampling import SamplingParams, logits_to_probs
 from tests.stat_checks import assert_differs_from_distribution, assert_matches_distribution
 
@@ -121,14 +121,13 @@ def generate(p: SamplingParams, *, seed: int, num_drafts: int, draft_mode: str) 
         start = len(req.output_ids)
         k = min(num_drafts, NUM_OUT - start - 1)
         if draft_mode == "point":  # a deterministic drafter: the raw argmax
-            req.draft_ids = [int(TABLE[start + j].argmax()) for j in range(k)]
-            req.draft_probs = None
+            drafts = Drafts(ids=tuple(int(TABLE[start + j].argmax()) for j in range(k)), verify_len=k)
         else:  # probabilistic: drafts drawn from their own distribution
-            probs = torch.softmax(DRAFT_TABLE[start:start + k], dim=-1)
-            req.draft_ids = [int(torch.multinomial(probs[j], 1, generator=draft_gen)) for j in range(k)]
-            req.draft_probs = probs
+            probs = torch.softmax(DRAFT_TABLE[start:start + k], dim=-1)  # [k, vocab_size]
+            drafts = Drafts(ids=tuple(int(torch.multinomial(probs[j], 1, generator=draft_gen)) for j in range(k)),
+                            probs=probs, verify_len=k)
         logits = TABLE[start:start + k + 1]
-        result, _ = sampler.sample_step([ScheduledRequest(req, 1 + k, k, emits=True)], logits,
+        result, _ = sampler.sample_step([ScheduledRequest(req, 1 + k, k, emits=True, drafts=drafts)], logits,
                                         eos_token_ids=(EOS,))
         req.output_ids += result.output_ids[0]
     return req.output_ids[:NUM_OUT]

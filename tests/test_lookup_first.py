@@ -224,10 +224,19 @@ def test_model_observers_see_model_rounds_only_and_skipped_requests_verify_looku
                                                                                     plain_outputs):
     engine = _lookup_engine(target, drafter_dir, "prefix", cost=COSTLY_DRAFTS)  # the gate skips the model
     seen = {"model": [], "all": []}
+    from_model = {}  # request_id → the source of the drafts its window in this step carries
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        sched = schedule()
+        from_model.clear()
+        from_model.update((s.request.request_id, s.drafts.from_model) for s in sched.scheduled)
+        return sched
+    engine.scheduler.schedule = recording
     engine.spec.model_verify_observers.append(
-        lambda rid, conf, n, k: seen["model"].append(engine.requests[rid].draft_from_model) if n else None)
+        lambda rid, conf, n, k: seen["model"].append(from_model[rid]) if n else None)
     engine.spec.verify_observers.append(
-        lambda rid, conf, n, k: seen["all"].append(engine.requests[rid].draft_from_model) if n else None)
+        lambda rid, conf, n, k: seen["all"].append(from_model[rid]) if n else None)
     staged = run_staged(engine, _prompts(), greedy(MAX_TOKENS), ARRIVAL_STEPS)
     assert _mismatches(staged.outputs, plain_outputs) == 0
     assert engine.metrics.num_draft_skips > 0, "the gate must skip the costly model drafts"
@@ -247,9 +256,9 @@ def test_build_drafter_wraps_and_a_sampled_batch_mixes_sources(target, drafter_d
     propose = engine.spec._propose_and_choose
 
     def recorded(reqs, allowed, num_nondraft):
-        n = propose(reqs, allowed, num_nondraft)
-        rows.append([(r.draft_from_model, r.draft_probs is None) for r in reqs if r.draft_ids])
-        return n
+        drafts, n = propose(reqs, allowed, num_nondraft)
+        rows.append([(d.from_model, d.probs is None) for d in drafts.values() if d.ids])
+        return drafts, n
     engine.spec._propose_and_choose = recorded
     params = SamplingParams(temperature=0.5, max_tokens=MAX_TOKENS, ignore_eos=True, seed=5)
     staged = run_staged(engine, _prompts(), params, ARRIVAL_STEPS)

@@ -6,7 +6,7 @@ import pytest
 from dspark.config import SchedulerConfig
 from dspark.engine.block_manager import BlockManager
 from dspark.engine.scheduler import Scheduler
-from dspark.request import Request
+from dspark.request import Drafts, Request
 from dspark.sampling import SamplingParams
 
 
@@ -44,13 +44,14 @@ def test_verify_window_and_rollback_counter():
     a = Request("a", [1, 2, 3], SamplingParams(max_tokens=50))
     s.add(a)
     _commit_all(s, s.schedule())
-    a.draft_ids, a.verify_len = [4, 5, 6], 3
+    s.hold_drafts({"a": Drafts(ids=(4, 5, 6), verify_len=3)})
     out = s.schedule()
     item = out.scheduled[0]
     assert (item.num_new_tokens, item.num_drafts, item.num_logits) == (4, 3, 4)
+    assert item.draft_ids == [4, 5, 6] and item.drafts.verify_len == 3  # the window carries its drafts
     # 1 of 3 drafts accepted: accepted + recovered emitted, committed length grows by 2
     emitted = s.commit(out, {"a": [4, 9]}, {"a": 1})
-    assert emitted == {"a": [4, 9]}
+    assert emitted == {"a": [4, 9]} and "a" not in s.drafts  # the commit drops the verified drafts
     assert a.num_computed_tokens == 3 + 2 and a.all_ids == [1, 2, 3, 7, 4, 9] and a.is_decoding
     assert a.spec.num_drafts == 1 and a.spec.num_draft_tokens == 3 and a.spec.num_accepted_tokens == 1
     # blocks cover the committed length + window + drafter scratch
@@ -62,7 +63,7 @@ def test_stop_token_inside_accepted_run_truncates():
     a = Request("a", [1, 2], SamplingParams(max_tokens=50, stop_token_ids=(42,)))
     s.add(a)
     _commit_all(s, s.schedule())
-    a.draft_ids, a.verify_len = [5, 42, 6, 8], 4
+    s.hold_drafts({"a": Drafts(ids=(5, 42, 6, 8), verify_len=4)})
     out = s.schedule()
     emitted = s.commit(out, {"a": [5, 42, 6, 8, 3]}, {"a": 4})
     assert emitted == {"a": [5, 42]} and a.finish_reason == "stop" and a.is_finished
@@ -74,7 +75,7 @@ def test_max_tokens_inside_accepted_run():
     a = Request("a", [1, 2], SamplingParams(max_tokens=3))
     s.add(a)
     _commit_all(s, s.schedule())
-    a.draft_ids, a.verify_len = [5, 6, 7, 8], 4
+    s.hold_drafts({"a": Drafts(ids=(5, 6, 7, 8), verify_len=4)})
     out = s.schedule()
     emitted = s.commit(out, {"a": [5, 6, 7, 8, 9]}, {"a": 4})
     assert emitted == {"a": [5, 6]} and a.finish_reason == "length"
@@ -98,6 +99,29 @@ def test_preemption_by_recompute_loses_nothing():
     assert preempted > 0, "a 6-block pool must force preemption"
     assert all(r.is_finished and len(r.output_ids) == 12 for r in reqs)
     assert bm.num_free_blocks == 6
+
+
+def test_held_drafts_wait_for_their_window_and_go_with_preemption_or_abort():
+    """Drafts are the scheduler's to hold: a request the budget leaves out keeps them for its next window; a
+    preemption or an abort drops them; a window with no drafts is a plain decode."""
+    s, _ = _sched(budget=16, lookahead=15)
+    a, b = (Request(n, [1, 2], SamplingParams(max_tokens=50)) for n in "ab")
+    for r in (a, b):
+        s.add(r)
+    _commit_all(s, s.schedule())
+    _commit_all(s, s.schedule())  # both decoding now
+    s.hold_drafts({"a": Drafts(ids=tuple(range(20, 40)), verify_len=20), "b": Drafts(ids=(7,), verify_len=1)})
+    out = s.schedule()  # a's window [last, 20..34] fills the budget of 16: b waits, holding its draft
+    assert [(i.request.request_id, i.draft_ids) for i in out.scheduled] == [("a", list(range(20, 35)))]
+    _commit_all(s, out)
+    assert "a" not in s.drafts and s.drafts["b"].ids == (7,)
+    out = s.schedule()
+    assert [(i.request.request_id, i.draft_ids) for i in out.scheduled][0] == ("a", [])
+    s._preempt(b)
+    assert "b" not in s.drafts
+    s.hold_drafts({"a": Drafts(ids=(5,), verify_len=1)})
+    s.finish_request(a, "abort")
+    assert not s.drafts
 
 
 def test_abort_frees_blocks():

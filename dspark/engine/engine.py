@@ -3,8 +3,10 @@ The engine sees token ids only; tokenization and stop strings live in `detokeniz
 
 Plain decoding is the same step with no drafter: every request verifies zero drafts and the one "bonus" token
 is an ordinary sample from the target distribution. Whether and how much to draft is the speculation
-controller's (`dspark.speculation.controller`): the engine hands it the committed step and reads back each request's
-drafts and verification length.
+controller's (`dspark.speculation.controller`): the engine hands it the committed step (verification outcomes,
+the target's seconds, the next step's demand) and gets back each request's `Drafts` with its verification
+length, which it hands to the scheduler; after the outputs it reports the step's seconds and the requests that
+ended. Drafts travel as values: held by the scheduler, carried by the scheduled windows, never on `Request`.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class StepVerify:
     num_accepted_by_id: dict[str, int] = field(default_factory=dict)
     logprobs_by_id: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     faults: dict[str, str] = field(default_factory=dict)  # request_id → why its logits failed it
+    target_seconds: float = 0.0  # prepare, forward and verification, timed
 
 
 class Engine:
@@ -87,22 +90,23 @@ class Engine:
             num_state_snapshots=caches.num_state_snapshots, snapshot_interval=config.cache.state_snapshot_interval)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
-        self.spec = build_controller(config, drafter=drafter, length_policy=length_policy, cost_table=cost_table,
-                                     block_manager=self.block_manager, metrics=self.metrics, requests=self.requests,
-                                     vocab_size=model_config.vocab_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len=self.max_model_len,
-                                   num_lookahead_slots=drafter.num_draft_tokens if drafter else 0,
-                                   drafter_needs_kv=bool(drafter and drafter.needs_context_kv),
-                                   admission=self.spec.admits_model_drafting if drafter else None)
         runner = ModelRunner(model, kv_caches=caches.kv_caches, kv_block_size=config.cache.kv_block_size,
                              device=config.device, tap_layer_ids=drafter.tap_layer_ids if drafter else ())
         self.runner = wrap_runner(runner) if wrap_runner is not None else runner
+        self._with_taps = bool(drafter and drafter.tap_layer_ids)  # the target's forward may return taps
         self.workers, self.grammar_compiler = workers, grammar_compiler
         self._ids = itertools.count()
         if config.spec is not None and config.spec.cost_table == "auto" and drafter is not None:
             from dspark.engine.step_profiler import profile_engine
             log.info("profiling the step-cost table at startup (cost_table='auto')")
-            self.spec.cost_table = profile_engine(self, repeats=3, warmup=1)
+            cost_table = profile_engine(self, repeats=3, warmup=1)
+        self.spec = build_controller(config, drafter=drafter, length_policy=length_policy, cost_table=cost_table,
+                                     metrics=self.metrics, vocab_size=model_config.vocab_size)
+        keeps_context = bool(drafter and drafter.needs_context_kv)  # drafter K/V in the pool: prefix hits need it
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len=self.max_model_len,
+                                   num_lookahead_slots=drafter.num_draft_tokens if drafter else 0,
+                                   drafter_needs_kv=keeps_context,
+                                   model_drafting=self.spec.admit if keeps_context else None)
 
     @property
     def cost_table(self):
@@ -145,7 +149,7 @@ class Engine:
         if finished and finished[-1] is req:  # ended here: not one of the next step's finished outputs
             finished.pop()
         self.metrics.record_finished(coalesce_held_steps=req.waiting_steps)
-        self.spec.finished(req, failed=False)
+        self.spec.release([(req, False)])
         return StepOutput(request_id=request_id, new_token_ids=[], finished=True, finish_reason=req.finish_reason,
                           num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
                           num_cached_tokens=req.num_cached_tokens, spec=req.spec, coalesce_held_steps=req.waiting_steps)
@@ -159,9 +163,12 @@ class Engine:
         sched = self.scheduler.schedule()
         batch, taps, verified = self._run_target(sched) if sched.scheduled else (None, None, StepVerify())
         emitted = self._commit(sched, verified)
-        num_proposed = self.spec.after_commit(sched, batch, taps, verified, demand=self.scheduler.next_step_demand)
-        outputs = self._outputs(emitted, verified)
-        self.spec.observe_step(sched, emitted, seconds=time.perf_counter() - start, num_proposed=num_proposed)
+        after = self.spec.after_commit(sched, batch, taps, verified.num_accepted_by_id,
+                                       target_seconds=verified.target_seconds,
+                                       demand=self.scheduler.next_step_demand())
+        self.scheduler.hold_drafts(after.drafts, context_extended=after.context_extended)
+        outputs, ended = self._outputs(emitted, verified)
+        self.spec.observe_step(sched, emitted, seconds=time.perf_counter() - start, finished=ended)
         return outputs
 
     # -- phases ----------------------------------------------------------------------------------
@@ -172,7 +179,8 @@ class Engine:
         # an all-greedy step reads each row's argmax only: a vocabulary-parallel head gathers no rows
         argmax_only = argmax_suffices(emitting) and not any(s.prompt_positions for s in sched.scheduled)
         batch = self.runner.prepare(sched, argmax_only=argmax_only)
-        logits, taps = self.runner.forward(batch, with_taps=self.spec.wants_taps(sched))
+        with_taps = self._with_taps and any(s.request.needs_draft_context for s in sched.scheduled)
+        logits, taps = self.runner.forward(batch, with_taps=with_taps)
         if batch.host.num_prompt_logits:  # the rows that score prompt tokens come after the emitting ones
             score_prompts(sched.scheduled, logits[-batch.host.num_prompt_logits:])
             logits = logits[:-batch.host.num_prompt_logits]
@@ -183,12 +191,10 @@ class Engine:
         if emitting:  # + requests no token may follow (faults)
             result, verified.logprobs_by_id = sample_step(emitting, logits, eos_token_ids=self.eos_token_ids,
                                                           faults=faults, block=self._block_verification)
-            self.spec.observe_verify(emitting, result)
             ids = [s.request.request_id for s in emitting]
             verified.output_ids_by_id = dict(zip(ids, result.output_ids))
             verified.num_accepted_by_id = dict(zip(ids, result.num_accepted))
-        # verification synchronised the device: the timing is complete
-        self.spec.observe_target_step(num_tokens=sched.num_batched_tokens, seconds=time.perf_counter() - start)
+        verified.target_seconds = time.perf_counter() - start  # verification synchronised the device
         return batch, taps, verified
 
     def _commit(self, sched: SchedulerOutput, verified: StepVerify) -> dict[str, list[int]]:
@@ -223,10 +229,11 @@ class Engine:
             self.scheduler.finish_request(req, "abort")
         self.metrics.num_failed_requests += 1
 
-    def _outputs(self, emitted: dict[str, list[int]], verified: StepVerify) -> list[StepOutput]:
-        """A `StepOutput` per request that emitted or finished (a failed one carries its `error`); finished
-        requests leave the engine."""
-        outs, logprobs = [], verified.logprobs_by_id
+    def _outputs(self, emitted: dict[str, list[int]], verified: StepVerify
+                 ) -> tuple[list[StepOutput], list[tuple[Request, bool]]]:
+        """A `StepOutput` per request that emitted or finished (a failed one carries its `error`); the requests
+        that ended, with whether they failed, leave the engine."""
+        outs, ended, logprobs = [], [], verified.logprobs_by_id
         finished = {r.request_id: r for r in self.scheduler.take_finished()}
         for rid in list(emitted) + [rid for rid in finished if rid not in emitted]:
             req = self.requests[rid]
@@ -242,9 +249,9 @@ class Engine:
                 error=verified.faults.get(rid)))
             if req.is_finished:
                 self.metrics.record_finished(coalesce_held_steps=req.waiting_steps)
-                self.spec.finished(req, failed=rid in verified.faults)
+                ended.append((req, rid in verified.faults))
                 del self.requests[rid]
-        return outs
+        return outs, ended
 
     # -- introspection (server /metrics, /health, the stats line) ------------------------------
     def stats(self) -> EngineStats:

@@ -7,6 +7,11 @@ step) and leave when they finish. When the KV pool runs short the newest running
 by recompute: its blocks are freed and it goes back to the front of the queue with its tokens, so no
 request is lost.
 
+Drafts arrive as values: after each commit the engine hands over what the speculation controller proposed
+(`hold_drafts`), the scheduler keeps each request's `Drafts` until it schedules that request's verify window,
+and the window carries them (`ScheduledRequest.drafts`) to the runner and the verifier; the commit, a
+preemption or the request's end drops them.
+
 `commit` applies a `VerifyResult`: accepted drafts and the recovered/bonus token become output, the
 committed length grows by what was verified (rejected positions roll back by a counter), and stop
 conditions that fall inside an accepted run cut the output exactly where plain decoding would.
@@ -20,17 +25,17 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 from dspark.config import SchedulerConfig
 from dspark.engine.block_manager import BlockManager
-from dspark.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput  # noqa: F401 (the contract)
+from dspark.request import NO_DRAFTS, Drafts, Request, RequestStatus, ScheduledRequest, SchedulerOutput  # noqa: F401
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, max_model_len: int,
                  num_lookahead_slots: int = 0, drafter_needs_kv: bool = False,
-                 admission: Callable[[int, int], bool] | None = None):
+                 model_drafting: Callable[[int, int], bool] | None = None):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -38,8 +43,9 @@ class Scheduler:
         self.drafter_needs_kv = drafter_needs_kv  # prefix hits must carry drafter K/V too
         # asked at each admission of a speculative request (a preempted one is asked again) with the load it
         # joins (running and waiting requests, up to max_num_seqs) and its length: may the model drafter keep a
-        # context for it (`Request.model_drafting`)? None: always
-        self.admission = admission
+        # context for it (`Request.model_drafting`)? None: always (or no drafter context to keep)
+        self.model_drafting = model_drafting
+        self.drafts: dict[str, Drafts] = {}  # request_id → the drafts its next verify window carries
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []  # finished since the last take_finished()
@@ -67,6 +73,13 @@ class Scheduler:
     def take_finished(self) -> list[Request]:
         out, self.finished = self.finished, []
         return out
+
+    def hold_drafts(self, drafts: Mapping[str, Drafts], *, context_extended: Iterable[Request] = ()) -> None:
+        """After the commit: each request's drafts for its next verify window (replacing what it held), and the
+        requests whose drafter context grew (their full blocks are registered with drafter K/V)."""
+        self.drafts.update(drafts)
+        for req in context_extended:
+            self.block_manager.commit(req)
 
     # -- schedule --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -132,8 +145,8 @@ class Scheduler:
             req = self.waiting[0]
             queried, restore = 0, -1
             if not req.block_table and req.num_computed_tokens == 0:
-                if req.uses_speculation and self.drafter_needs_kv and self.admission is not None:
-                    req.model_drafting = self.admission(
+                if req.params.speculation and self.model_drafting is not None:
+                    req.model_drafting = self.model_drafting(
                         min(len(self.running) + len(self.waiting), self.config.max_num_seqs), req.num_tokens)
                 need_draft_kv = self.drafter_needs_kv and req.needs_draft_context
                 # a prompt whose logprobs are still to score computes every position it scores (no hit)
@@ -173,16 +186,18 @@ class Scheduler:
         """The request's part of the step within `budget`: a prompt chunk (at most `prompt_budget` tokens where
         it stops short of the prompt's end), or the next token with its drafts to verify."""
         remaining = req.num_uncomputed_tokens
-        if remaining > 1 or not req.draft_ids:
+        drafts = self.drafts.get(req.request_id, NO_DRAFTS)
+        if remaining > 1 or not drafts.ids:
             n = min(remaining, budget)
             if n < remaining and prompt_budget is not None:
                 n = min(n, prompt_budget)
-            return ScheduledRequest(req, n, 0, emits=n == remaining, start_pos=req.num_computed_tokens)
-        num_drafts = min(req.verify_len, len(req.draft_ids), budget - 1,
+            return ScheduledRequest(req, n, 0, emits=n == remaining, start_pos=req.num_computed_tokens,
+                                    drafts=drafts)
+        num_drafts = min(drafts.verify_len, len(drafts.ids), budget - 1,
                          self.max_model_len - 1 - req.num_tokens)
         num_drafts = max(num_drafts, 0)
         return ScheduledRequest(req, 1 + num_drafts, num_drafts, emits=True,
-                                start_pos=req.num_computed_tokens)
+                                start_pos=req.num_computed_tokens, drafts=drafts)
 
     def _plan_snapshots(self, item: ScheduledRequest) -> None:
         """A hybrid target's state snapshots at the block boundaries this step's prompt positions cross."""
@@ -190,7 +205,7 @@ class Scheduler:
             item.request, item.start_pos, item.start_pos + item.num_new_tokens - item.num_drafts)
 
     def _allocate(self, req: Request, item: ScheduledRequest) -> bool:
-        lookahead = self.num_lookahead_slots if req.uses_speculation else 0
+        lookahead = self.num_lookahead_slots if req.params.speculation else 0
         num_slots = min(req.num_computed_tokens + item.num_new_tokens + lookahead,
                         self.max_model_len + lookahead)
         return self.block_manager.allocate(req, num_slots)
@@ -205,6 +220,7 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free_request(req)
         req.reset_for_recompute()
+        self.drafts.pop(req.request_id, None)
         self.waiting.appendleft(req)
 
     # -- commit ----------------------------------------------------------------------------------
@@ -224,7 +240,7 @@ class Scheduler:
                 self._record_spec(req, item.num_drafts, accepted)
             new_ids = self._append_until_stop(req, output_ids[req.request_id])
             emitted[req.request_id] = new_ids
-            req.clear_drafts()
+            self.drafts.pop(req.request_id, None)
             self.block_manager.commit(req)  # a request finishing in its prompt's step still caches it
             if req.is_finished:
                 self.running.remove(req)
@@ -276,5 +292,5 @@ class Scheduler:
         self.block_manager.free_request(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        req.clear_drafts()
+        self.drafts.pop(req.request_id, None)
         self.finished.append(req)

@@ -32,6 +32,7 @@ class StepProfiler:
         self._key = None
         self._requests = []  # the pool (KV allocated), shared by every batch
         self._windows: list[list[int]] = []  # per pool request: its longest window's draft ids
+        self._drafts = []  # per request of the current batch: its window's drafts (`Drafts`)
         self._ids = 0
         self._taps: torch.Tensor | None = None  # context_step's random taps, made once per shape
 
@@ -42,12 +43,12 @@ class StepProfiler:
     def windows_step(self, window_sizes: list[int]) -> None:
         """One target forward over one verification window per request, of these sizes (each the
         decoding token + size - 1 drafts)."""
-        from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
+        from dspark.request import ScheduledRequest, SchedulerOutput
 
         reqs = self._batch(("verify", tuple(window_sizes)), window_sizes)
         sched = SchedulerOutput(scheduled=[
-            ScheduledRequest(r, 1 + len(r.draft_ids), len(r.draft_ids), emits=True,
-                             start_pos=self.context_len) for r in reqs])
+            ScheduledRequest(r, 1 + len(d.ids), len(d.ids), emits=True, start_pos=self.context_len, drafts=d)
+            for r, d in zip(reqs, self._drafts)])
         runner = self.engine.runner
         for state in getattr(runner.model, "states", ()):  # a hybrid target: start from an (unread) state
             for r in reqs:
@@ -104,7 +105,7 @@ class StepProfiler:
         `cost_table.profile` can alternate between sizes without allocating inside a timed call."""
         if key == self._key:
             return self._requests[:len(window_sizes)]
-        from dspark.request import Request
+        from dspark.request import Drafts, Request
         from dspark.sampling import SamplingParams
 
         vocab_size = self.engine.model_config.vocab_size
@@ -124,11 +125,10 @@ class StepProfiler:
                                    f"--context-len")
             self._requests.append(req)
             self._windows.append(ids[self.context_len + 1:])  # [max_window - 1] draft ids
-        reqs = self._requests[:len(window_sizes)]
-        for req, window, size in zip(reqs, self._windows, window_sizes):
-            req.draft_ids = window[:size - 1]
+        self._drafts = [Drafts(ids=tuple(window[:size - 1]), verify_len=size - 1)
+                        for window, size in zip(self._windows, window_sizes)]
         self._key = key
-        return reqs
+        return self._requests[:len(window_sizes)]
 
     def _sync(self) -> None:
         if str(self.engine.config.device).startswith("cuda"):

@@ -99,7 +99,6 @@ def drafter_fault(metrics, reqs, where: str) -> None:
     log.exception("drafter %s failed for %d request(s); they continue with plain decoding", where,
                   len(reqs))
     for r in reqs:
-        r.clear_drafts()
         r.model_drafting = False  # as if admitted without drafter context
         r.take_pending_context()
     with metrics.lock:

@@ -88,7 +88,7 @@ def _needs_rows(req) -> bool:
 
 def _rejection(s) -> bool:
     """Is this sampled item verified by rejection sampling (drafts with a distribution) rather than keyed?"""
-    return s.request.draft_probs is not None and s.num_drafts > 0
+    return s.drafts.probs is not None and s.num_drafts > 0
 
 
 def argmax_suffices(items: list) -> bool:
@@ -109,7 +109,7 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *, eos_token_id
     [sum of num_logits, vocab_size] (or only their `RowArgmax`, where `argmax_suffices`); returns the
     result (in item order) and the logprobs of the emitted tokens by request id (for requests that
     asked). `block`: drafts with a distribution are verified as one block (`verify/block.py`)."""
-    drafts = [s.request.draft_ids[:s.num_drafts] for s in items]
+    drafts = [s.draft_ids for s in items]  # per item [num_drafts]
     if argmax_suffices(items):
         argmax = target_argmax(logits).tolist()  # [num_logits]: compare-only, no distributions
         bounds = list(itertools.accumulate((s.num_logits for s in items), initial=0))
@@ -146,7 +146,7 @@ def sample_step(items: list, logits: "torch.Tensor | RowArgmax", *, eos_token_id
             results.append(accept_greedy(greedy_ids(rows[i]).tolist(), drafts[i]))
         elif _rejection(s):
             verify = verify_one_block if block else verify_one_rejection
-            results.append(verify(probs[i], drafts[i], req.draft_probs[:s.num_drafts], req.generator))
+            results.append(verify(probs[i], drafts[i], s.draft_probs, req.generator))
         else:
             results.append(accept_greedy([next(draws) for _ in range(s.num_logits)], drafts[i]))
     result = VerifyResult(num_accepted=[r[0] for r in results], output_ids=[r[1] for r in results],

@@ -78,7 +78,7 @@ def host_batch(sched: SchedulerOutput, *, argmax_only: bool = False) -> HostBatc
         req = item.request
         start = item.start_pos
         num_prompt_part = item.num_new_tokens - item.num_drafts
-        ids = req.all_ids[start:start + num_prompt_part] + req.draft_ids[:item.num_drafts]
+        ids = req.all_ids[start:start + num_prompt_part] + item.draft_ids
         offset = len(input_ids)
         token_offsets.append(offset)
         logits_offsets.append(len(logits_indices))
