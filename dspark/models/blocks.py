@@ -269,7 +269,8 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
         start = module.shard_rows[shard][0] if shard else 0
         pieces.setdefault(module_name, []).append((start, qtype, raw))
         covered.add(t.name)
-    for module_name, parts in pieces.items():
+    for module_name in list(pieces):  # each module's copied rows freed once its blocks are made (Q4_1's repacked)
+        parts = pieces.pop(module_name)
         module = model.get_submodule(module_name)
         parts.sort(key=lambda p: p[0])
         blocks = BlockMatrix.from_gguf([(q, r) for _, q, r in parts], module.in_features)
