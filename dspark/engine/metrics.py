@@ -4,7 +4,7 @@ the server's /metrics, /health and stats line read (`Engine.stats()`)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -96,10 +96,7 @@ class EngineStats:
     num_snapshots_evicted: int = 0
 
 
-COUNTERS = ("num_steps", "num_prompt_tokens", "num_generation_tokens", "num_preemptions", "num_drafts",
-            "num_draft_tokens", "num_accepted_tokens", "num_wasted_verify_tokens", "num_draft_skips",
-            "num_proposal_skips", "num_lookup_drafts", "num_measured_off_steps", "num_admitted_without_drafter",
-            "num_draft_faults", "num_failed_requests")
+COUNTERS = tuple(f.name for f in fields(EngineMetrics) if f.type == "int")  # the snapshot's copied counters
 
 
 def engine_stats(metrics: EngineMetrics, *, scheduler, block_manager, num_draft_positions: int = 0,

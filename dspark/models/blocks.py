@@ -197,8 +197,9 @@ def gguf_rows(t, *, copy: bool = True) -> tuple[int, torch.Tensor]:
     `copy=False`: a read-only view of the mapped file, for a caller that builds its own tensor from it (the
     Q8_0 embedding's packing) and keeps nothing of the view."""
     qtype = int(t.tensor_type)
-    data = np.array(t.data, copy=True) if copy or qtype == F32 else np.asarray(t.data)
-    if data is not t.data and not np.shares_memory(data, t.data):
+    copied = copy or qtype == F32
+    data = np.array(t.data, copy=True) if copied else np.asarray(t.data)
+    if copied:
         drop_mapped_pages(t.data)
     if qtype == F32:
         return qtype, torch.from_numpy(data.astype(np.float32)).reshape(-1, int(t.shape[0]))
