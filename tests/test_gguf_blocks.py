@@ -113,6 +113,32 @@ def test_k_quant_products_over_long_rows_and_partial_groups(qtype, rows, threads
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 23])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_q4_k_rows_packed_by_16_are_bitwise_the_file_rows(rows, threads):
+    """`ggml.pack_k16` (AVX-512 VNNI builds): the packing round-trips byte for byte, and the packed product over
+    48 output rows (3 groups, cut by the threads' shares) is bit for bit the twin on the file's rows, from one
+    input row (decode) to prompt-sized ones. A build without the packed product refuses the form by name."""
+    raw = gguf_rows(48, 1536, T.Q4_K, seed=rows)
+    packed = ggml.pack_k16(raw)
+    assert packed.shape == (48, 1536 // 256 * 148) and torch.equal(ggml.unpack_k16(packed), raw)
+    assert torch.equal(ggml.dequantize(ggml.unpack_k16(packed), T.Q4_K), ggml.block_values(raw, T.Q4_K))
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+    if ggml.k_group_rows() != 16:
+        with pytest.raises(RuntimeError, match="no product in this build"):
+            ggml.ops().block_mm(x, packed, ggml.Q4_KX16)
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(ggml.product(x, packed, ggml.Q4_KX16), ggml.product_reference(x, raw, T.Q4_K))
+    finally:
+        torch.set_num_threads(before)
+    assert ggml.packable(raw, T.Q4_K) and not ggml.packable(raw[:40], T.Q4_K)  # whole groups only
+    assert not ggml.packable(gguf_rows(48, 1536, T.Q6_K, seed=1), T.Q6_K)
+
+
+@needs_kernels
 def test_a_block_product_row_does_not_depend_on_the_batch():
     raw = gguf_rows(24, 256, T.Q4_K, seed=4)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
@@ -265,6 +291,8 @@ def test_every_listed_type_loads_resident_as_quantized(tmp_path, layer_type):
     native = layer_type in (T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K)
     qkv = ours.model.layers[0].self_attn.qkv_proj.blocks
     qk = int(layer_type) if native else BF16
+    if layer_type == T.Q4_K and ggml.k_group_rows() == 16:  # AVX-512 VNNI builds read Q4_K packed by 16 rows
+        qk = ggml.Q4_KX16
     assert qkv.types == ((qk,) if qk == int(T.Q6_K) else (qk, int(T.Q6_K)))  # q, k stacked; v its own part
     for name, module in dense.named_modules():  # the blocks hold the dequantized model's weights
         if isinstance(module, Linear):
@@ -341,6 +369,8 @@ def _part_reference(x, qtype, w):
         return ggml.q8_0_product_reference(x, w) if ggml.ops() is not None else ggml.q8_0_block_linear(x, w)
     if qtype == int(T.Q8_0):
         return qb.q8_0_product_reference(x, w) if kernels.has_q8_0_kernels() else qb.q8_0_linear(x, w)
+    if qtype == ggml.Q4_KX16:
+        return ggml.product_reference(x, ggml.unpack_k16(w), int(T.Q4_K))
     if qtype in ggml.BLOCK_TYPES:
         return ggml.product_reference(x, w, qtype) if ggml.ops() is not None else ggml.block_linear(x, w, qtype)
     assert qtype in (BF16, F32)

@@ -62,6 +62,7 @@
 #include "cpu_ops_attention.inc"
 #include "cpu_ops_blocks.inc"
 #include "cpu_ops_kquants.inc"
+#include "cpu_ops_kpacked.inc"
 #include "cpu_ops_head.inc"
 
 // act[r0:r1] = activation(gate[r0:r1]) * up[r0:r1] (SiLU, or tanh-GELU): torch's own ops, serial inside the
@@ -289,6 +290,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_q8_0") = kHasQ8;
   m.attr("q8_0_interleaved") = true;  // q8_0_mm reads rows interleaved by blocks.pack_q8_0x8 (ab_quant_ops.py)
   m.attr("has_quant") = kHasQuant;  // block_mm, q8_0_mm and block_layers_'s block parts (AVX2, FMA, F16C)
+  m.attr("k_quant_group_rows") = kKPackRows;  // rows a packed Q4_K / Q6_K group (ggml.pack_k16); 0: none
   m.attr("vnni") = kVnni;  // their integer sums by AVX512-VNNI (else AVX2; DSPARK_QUANT_AVX2 forces AVX2)
 }
 

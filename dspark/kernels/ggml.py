@@ -232,3 +232,49 @@ def block_values(raw: torch.Tensor, qtype) -> torch.Tensor:
     f = _q6_k(blocks)
     d = (f["d"].unsqueeze(-1) * f["sc"].float()).unsqueeze(-1)
     return (d * (f["q"] - 32).float()).reshape(n, -1)
+
+
+# --------------------------------------------------------------------- Q4_K rows packed by 16 (cpu_ops_kpacked.inc)
+
+Q4_KX16 = 1012  # not a GGML id: Q4_K rows packed in groups of 16 (`pack_k16`), the kernels' kQ4_KX16
+K_PACK_ROWS = 16
+_GROUP_BYTES = 2368  # a block of 16 packed rows
+
+
+def k_group_rows() -> int:
+    """Rows a packed Q4_K group the built kernels read (cpu_ops_kpacked.inc): 16 on AVX-512 VNNI builds, 0 where
+    the build multiplies the file's rows only."""
+    k = ops()
+    return int(getattr(k, "k_quant_group_rows", 0)) if k is not None else 0
+
+
+def packable(raw: torch.Tensor, qtype) -> bool:
+    """Would the built kernels read these rows packed (Q4_K, whole groups of 16, a build that reads them)?"""
+    return type_id(qtype) == 12 and raw.shape[0] % K_PACK_ROWS == 0 and k_group_rows() == K_PACK_ROWS
+
+
+def pack_k16(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_K rows [N, K / 256 * 144] (N a multiple of 16) -> the groups of 16 rows laid out block by block as
+    cpu_ops_kpacked.inc's header gives, [N, K / 256 * 148] uint8."""
+    G, nb = raw.shape[0] // K_PACK_ROWS, raw.shape[1] // 144
+    r = raw.reshape(G, K_PACK_ROWS, nb, 144)
+    f = _q4_k(raw.reshape(-1, nb, 144))
+    pairs = lambda t: t.to(torch.uint8).reshape(G, K_PACK_ROWS, nb, 4, 2).permute(0, 2, 3, 1, 4)  # noqa: E731
+    fields = [r[..., 0:2].permute(0, 2, 1, 3), r[..., 2:4].permute(0, 2, 1, 3), pairs(f["sc"]), pairs(f["mn"]),
+              r[..., 16:].reshape(G, K_PACK_ROWS, nb, 4, 8, 4).permute(0, 2, 3, 4, 1, 5)]
+    packed = torch.cat([t.reshape(G, nb, -1) for t in fields], -1)  # [G, nb, 2368]
+    return packed.reshape(raw.shape[0], -1).contiguous()
+
+
+def unpack_k16(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_k16`'s inverse: the GGUF Q4_K rows [N, K / 256 * 144], byte for byte the file's."""
+    G, nb = packed.shape[0] // K_PACK_ROWS, packed.shape[1] * K_PACK_ROWS // _GROUP_BYTES
+    p = packed.reshape(G, nb, _GROUP_BYTES)
+    rows = lambda t, *dims: t.reshape(G, nb, *dims)  # noqa: E731
+    pairs = lambda t: rows(t, 4, 16, 2).permute(0, 1, 3, 2, 4).reshape(G, nb, 16, 8).int()  # noqa: E731 [.., r, 8]
+    sc, mn = pairs(p[..., 64:192]), pairs(p[..., 192:320])
+    scales = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                        (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)], -1).to(torch.uint8)  # GGUF's 12 bytes
+    qs = rows(p[..., 320:], 4, 8, 16, 4).permute(0, 1, 4, 2, 3, 5).reshape(G, nb, 16, 128)
+    out = torch.cat([rows(p[..., 0:32], 16, 2), rows(p[..., 32:64], 16, 2), scales, qs], -1)  # [G, nb, r, 144]
+    return out.permute(0, 2, 1, 3).reshape(G * K_PACK_ROWS, nb * 144).contiguous()

@@ -9,6 +9,7 @@ each held in the form its product reads:
 | Q4_1 | `kernels.pack_q4_1` tiles | Q4_1 x Q8_1 (cpu_ops.cpp); `blocks.q4_1_linear` |
 | Q8_0 | `kernels.pack_q8_0` rows | Q8_0 x fp32 (cpu_ops.cpp); `blocks.q8_0_linear` |
 | Q8_0, an LM head or embedding of rows in groups of 8 | `blocks.pack_q8_0x8` (rows interleaved by 8) | Q8_0 x Q8_0 (cpu_ops_head.inc); `ggml.q8_0_block_linear` |
+| Q4_K, rows in groups of 16, on AVX-512 VNNI builds | `ggml.pack_k16` (16 rows' blocks as the products' tiles) | `ggml.product` (cpu_ops_kpacked.inc); `ggml.block_linear` on `ggml.unpack_k16` |
 | Q5_0, Q4_K, Q6_K | the file's bytes | `ggml.product` (cpu_ops_blocks.inc); `ggml.block_linear` |
 | F32 | fp32 | the fp32 product |
 | any other (Q4_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16, ...) | bf16, dequantized at load | bf16 products (input rounded to bf16, as `--matmul-dtype bfloat16`) |
@@ -57,6 +58,8 @@ def _product_form(qtype: int, raw: torch.Tensor, q8_0_input: bool = False) -> tu
         return Q8_0X8, qb.pack_q8_0x8(raw)
     if qtype == Q8_0:
         return Q8_0, qb.pack_q8_0(raw)
+    if ggml.packable(raw, qtype):
+        return ggml.Q4_KX16, ggml.pack_k16(raw)
     if qtype in ggml.BLOCK_TYPES:
         return qtype, raw.contiguous()
     if qtype == F32:
@@ -74,6 +77,9 @@ def _part_product(x: torch.Tensor, qtype: int, w: torch.Tensor) -> torch.Tensor:
     if qtype == Q8_0:
         out = kernels.linear(x, w)
         return qb.q8_0_linear(x, w) if out is None else out
+    if qtype == ggml.Q4_KX16:
+        out = ggml.product(x, w, qtype)
+        return ggml.block_linear(x, ggml.unpack_k16(w), 12) if out is None else out
     if qtype in ggml.BLOCK_TYPES:
         out = ggml.product(x, w, qtype)
         return ggml.block_linear(x, w, qtype) if out is None else out
@@ -91,6 +97,8 @@ def _part_values(qtype: int, w: torch.Tensor) -> torch.Tensor:
         return qb.q8_0_packed_values(w)
     if qtype == Q8_0X8:
         return qb.q8_0x8_values(w)
+    if qtype == ggml.Q4_KX16:
+        return ggml.dequantize(ggml.unpack_k16(w), 12)
     if qtype in ggml.BLOCK_TYPES:
         return ggml.dequantize(w, qtype)
     return w.float()

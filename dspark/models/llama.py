@@ -271,7 +271,8 @@ class LlamaForCausalLM(nn.Module):
             scale=attn.scale, gelu_tanh=self.stack_gelu_tanh, taps=taps, tap_layers=tap_layers, tap_cols=tap_cols)
 
     stack_gelu_tanh = False  # the MLP's activation in `kernels.block_layers` (else SiLU)
-    STACK_TYPES = (0, 3, 6, 8, 12, 14)  # GGML types `kernels.block_layers` multiplies: F32, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K
+    # the part types `kernels.block_layers` multiplies: F32, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K (GGML ids), packed Q4_K
+    STACK_TYPES = (0, 3, 6, 8, 12, 14, 1012)
 
     def _stack_norms(self, layer: nn.Module) -> list[torch.Tensor | None]:
         """A layer's 6 norm vectors for `kernels.block_layers` (cpu_ops_block_layers.inc; None: absent)."""
