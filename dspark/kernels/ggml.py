@@ -255,15 +255,19 @@ def packable(raw: torch.Tensor, qtype) -> bool:
 
 def pack_k16(raw: torch.Tensor) -> torch.Tensor:
     """GGUF Q4_K rows [N, K / 256 * 144] (N a multiple of 16) -> the groups of 16 rows laid out block by block as
-    cpu_ops_kpacked.inc's header gives, [N, K / 256 * 148] uint8."""
+    cpu_ops_kpacked.inc's header gives, [N, K / 256 * 148] uint8. Moved as int16 / int32 pieces (d and dmin,
+    scale pairs, 4 quant bytes), one copy of the matrix at a time."""
     G, nb = raw.shape[0] // K_PACK_ROWS, raw.shape[1] // 144
     r = raw.reshape(G, K_PACK_ROWS, nb, 144)
-    f = _q4_k(raw.reshape(-1, nb, 144))
-    pairs = lambda t: t.to(torch.uint8).reshape(G, K_PACK_ROWS, nb, 4, 2).permute(0, 2, 3, 1, 4)  # noqa: E731
-    fields = [r[..., 0:2].permute(0, 2, 1, 3), r[..., 2:4].permute(0, 2, 1, 3), pairs(f["sc"]), pairs(f["mn"]),
-              r[..., 16:].reshape(G, K_PACK_ROWS, nb, 4, 8, 4).permute(0, 2, 3, 4, 1, 5)]
-    packed = torch.cat([t.reshape(G, nb, -1) for t in fields], -1)  # [G, nb, 2368]
-    return packed.reshape(raw.shape[0], -1).contiguous()
+    s = r[..., 4:16].reshape(-1, 12).t().short()  # [12, blocks]: the 6-bit scales and mins, packed
+    sc = torch.cat([s[0:4] & 63, (s[8:12] & 0x0F) | ((s[0:4] >> 6) << 4)])  # [8, blocks] (GGUF's get_scale_min_k4)
+    mn = torch.cat([s[4:8] & 63, (s[8:12] >> 4) | ((s[4:8] >> 6) << 4)])
+    pairs = lambda t: (t[0::2] | (t[1::2] << 8)).reshape(4, G, K_PACK_ROWS, nb).permute(1, 3, 0, 2)  # noqa: E731
+    fields = [r[..., 0:4].contiguous().view(torch.int16).permute(0, 2, 3, 1),  # [G, nb, 2, 16]: d, dmin
+              pairs(sc), pairs(mn),  # [G, nb, 4, 16] int16: scales (mins) 2k, 2k + 1 as bytes
+              r[..., 16:].contiguous().view(torch.int32).permute(0, 2, 3, 1)]  # [G, nb, 32, 16]: 4 quant bytes
+    packed = torch.cat([f.contiguous().view(torch.uint8).reshape(G, nb, -1) for f in fields], -1)
+    return packed.reshape(raw.shape[0], -1)
 
 
 def unpack_k16(packed: torch.Tensor) -> torch.Tensor:
