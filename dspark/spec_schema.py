@@ -3,7 +3,9 @@ and what vLLM infers filled in the same way.
 
 - `method` omitted: inferred from the drafter's config.json (`train_config.json`'s method when the folder
   has one; DSpark-format blocks with a Markov or confidence head: dspark, without: dflash; EAGLE-3
-  heads: eagle3; Gemma 4's assistant (model_type gemma4_assistant): mtp; a full causal LM: draft_model).
+  heads: eagle3; Gemma 4's assistant (model_type gemma4_assistant): mtp; a full causal LM: draft_model). A drafter
+  file that is not a folder (a GGUF) is read by the reader registered for its suffix (`register_file_config`: the
+  drafters package registers `gguf_drafters.gguf_config`, the config dict of the folder it was converted from).
   `"[ngram]"` is `ngram`; `"gemma4_assistant"`, `"qwen3_next_mtp"` and `"qwen3_5_mtp"` are `mtp`.
 - `num_speculative_tokens` omitted: the drafter's block (drafts one block yields; EAGLE-3's
   `num_draft_tokens`).
@@ -61,13 +63,23 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
+# file suffix -> reader of a drafter file's config dict (as a folder's config.json holds it)
+FILE_CONFIGS: dict[str, Callable[[str], dict]] = {}
+
+
+def register_file_config(suffix: str, reader: Callable[[str], dict]) -> None:
+    FILE_CONFIGS[suffix] = reader
+
+
 def infer_drafter(model: str) -> tuple[str, int | None]:
-    """(method, drafts per block or None) of a drafter folder, from its config files."""
+    """(method, drafts per block or None) of a drafter folder, from its config files, or of a drafter file, from
+    the config its suffix's reader gives."""
     folder = Path(model)
-    cfg = _read_json(folder / "config.json") if folder.is_dir() else {}
+    reader = FILE_CONFIGS.get(folder.suffix) if folder.is_file() else None
+    cfg = _read_json(folder / "config.json") if folder.is_dir() else reader(model) if reader else {}
     if not cfg:
-        raise ValueError(f"cannot infer the speculative method: {model!r} is not a folder with a config.json; "
-                         f"give \"method\"")
+        raise ValueError(f"cannot infer the speculative method: {model!r} is not a folder with a config.json "
+                         f"(nor a {' or '.join(sorted(FILE_CONFIGS)) or 'drafter'} file); give \"method\"")
     trained = _read_json(folder / "train_config.json").get("method")
     block = cfg.get("block_size")
     if cfg.get("format") == "dspark-eagle3" or any("eagle" in a.lower() for a in cfg.get("architectures") or ()):

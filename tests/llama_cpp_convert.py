@@ -11,10 +11,15 @@ the sdist's `gguf-py` first on its path (it needs that version's constants; dspa
   the real Qwen2 BPE one (151936 tokens), built by transformers from `models/ggml-vocab-qwen2.gguf`.
 * Gemma 4: the converter reads any byte-fallback BPE `tokenizer.json`, so a 512-token one is built here (the
   embedding and the per-layer embedding stay small).
+* Drafters (`target`: `--target-model-dir`, the folder whose tokenizer the file carries): a Qwen3 target's vocabulary
+  is read by the converter's Qwen2 reader, which tries SentencePiece first and takes the BPE `tokenizer.json` on
+  FileNotFoundError (no `tokenizer.model`); where the `sentencepiece` package is not installed its import fails
+  first, so the subprocess is given a stand-in package that lets the converter reach that check.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -37,15 +42,32 @@ def converter_missing() -> str | None:
     return None
 
 
-def convert(folder: Path, outtype: str, out: Path) -> Path:
-    """`python convert_hf_to_gguf.py <folder> --outtype <outtype> --outfile <out>`; its log tail on failure."""
+def convert(folder: Path, outtype: str, out: Path, *, target: Path | None = None) -> Path:
+    """`python convert_hf_to_gguf.py <folder> --outtype <outtype> --outfile <out> [--target-model-dir <target>]`;
+    its log tail on failure."""
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # (that would drop its gguf-py)
-    env["PYTHONPATH"] = str(LLAMA_CPP / "gguf-py")
+    stand_in = [] if target is None else _sentencepiece_stand_in(out.parent)
+    env["PYTHONPATH"] = os.pathsep.join([str(LLAMA_CPP / "gguf-py"), *stand_in])
+    extra = [] if target is None else ["--target-model-dir", str(target)]
     done = subprocess.run([sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
-                           "--outfile", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           "--outfile", str(out), *extra], env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py {folder.name} --outtype {outtype} failed:\n{done.stderr[-3000:]}")
     return out
+
+
+def _sentencepiece_stand_in(where: Path) -> list[str]:
+    """[a folder holding a `sentencepiece` package whose processor cannot be made], or [] where the real one is
+    installed: the converter imports it before it looks for `tokenizer.model` (see the module docstring)."""
+    if importlib.util.find_spec("sentencepiece") is not None:
+        return []
+    package = where / "sentencepiece_stand_in" / "sentencepiece"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(
+        "class SentencePieceProcessor:\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        raise ImportError('sentencepiece is not installed (a stand-in for tests)')\n")
+    return [str(package.parent)]
 
 
 def qwen_tokenizer(cache: Path, dest: Path) -> None:

@@ -3,7 +3,11 @@
 module's expected keys and shapes (every mismatch names the key and both shapes), and write
 safetensors.
 
-Only local folders are read; nothing is downloaded. Every file is read through `dspark.models.files`: a damaged
+A GGUF file (`*.gguf`, llama.cpp's converter) reads as the folder it was converted from: `read_config`,
+`header_shapes`, `load_tensors` and `load_named` hand it to `gguf_drafters.py` (its config dict, its tensors under
+HF names, dequantized), so every drafter loader reads a drafter GGUF as it reads a folder.
+
+Only local folders and files are read; nothing is downloaded. Every file is read through `dspark.models.files`: a damaged
 one (config.json not a JSON object, a truncated or garbage shard, an index entry leading out of the folder) is
 a `CheckpointError` naming the file.
 """
@@ -32,7 +36,10 @@ def config_file(path: str | Path) -> Path:
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """config.json of a checkpoint folder (or the file itself) as a dict."""
+    """config.json of a checkpoint folder (or the file itself; a GGUF file: its header's) as a dict."""
+    if _is_gguf(path):
+        from dspark.drafters.gguf_drafters import gguf_config
+        return gguf_config(path)
     file = config_file(path)
     if not file.is_file():
         raise CheckpointError(f"drafter checkpoint {str(path)!r} has no {CONFIG_NAME}")
@@ -59,7 +66,11 @@ def load_tensors(path: str | Path, *, skip: Iterable[str] = (), device: str | to
     """All tensors of a checkpoint folder by name; names starting with a `skip` prefix are not read.
     Floating-point tensors are cast to `dtype` when given (integer buffers such as `d2t` never are). Each
     tensor owns its memory: safetensors' own are views of the mapped file, and one kept as read (the shipped
-    SmolLM2 drafter's 64 KiB `d2t`) kept the whole file (33 MiB) mapped and resident."""
+    SmolLM2 drafter's 64 KiB `d2t`) kept the whole file (33 MiB) mapped and resident. A GGUF file's are dequantized
+    (fp32, then cast)."""
+    if _is_gguf(path):
+        from dspark.drafters.gguf_drafters import gguf_tensors
+        return gguf_tensors(path, skip=skip, device=device, dtype=dtype)
     skip = tuple(skip)
     out: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
@@ -74,9 +85,32 @@ def load_tensors(path: str | Path, *, skip: Iterable[str] = (), device: str | to
     return out
 
 
+def load_named(path: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of those `names` it holds, read alone: no other tensor's data."""
+    names = tuple(names)
+    if _is_gguf(path):
+        from dspark.drafters.gguf_drafters import gguf_tensors
+        return gguf_tensors(path, only=names)
+    out: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        with open_safetensors(file) as f:
+            for name in names:
+                if name in f.keys():
+                    out[name] = f.get_tensor(name).clone()
+    return out
+
+
 def header_shapes(path: str | Path) -> dict[str, list[int]]:
-    """Every tensor's shape by name from the safetensors headers of a checkpoint folder (no data read)."""
+    """Every tensor's shape by name from the safetensors headers of a checkpoint folder (a GGUF file: its header,
+    HF names and shapes); no data read."""
+    if _is_gguf(path):
+        from dspark.drafters.gguf_drafters import gguf_shapes
+        return gguf_shapes(path)
     return {name: shape for name, (_, shape, _) in safetensors_header(safetensors_files(path)).items()}
+
+
+def _is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix == ".gguf"  # (gguf_drafters is imported only where a GGUF is read)
 
 
 def check_shapes(expected: dict[str, Any], shapes: dict[str, Any], *, where: str,

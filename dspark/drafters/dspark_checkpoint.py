@@ -1,5 +1,5 @@
-"""DSpark / DFlash checkpoints: read (ours, DeepSpec's, vLLM Speculators'), check against the target before any
-weight loads, load, save.
+"""DSpark / DFlash checkpoints: read (ours, DeepSpec's, vLLM Speculators', the GGUF files llama.cpp's converter
+writes: `gguf_drafters.py`), check against the target before any weight loads, load, save.
 
 `check` reads config.json and the safetensors headers only (every tensor name and shape against the model
 the config describes), so `engine/build.py` fails before the target's weights load. The frozen embedding and
@@ -27,8 +27,8 @@ from dspark.drafters.checkpoint import (DTYPE_NAMES, check_shapes, config_file, 
                                         read_config, same_weights, save_weights, write_json)
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
-from dspark.drafters.formats import (checkpoint_format, header_shapes_speculators, speculators_dspark_json,
-                                     speculators_tensors)
+from dspark.drafters.formats import (checkpoint_format, header_shapes_speculators, names_target_depth,
+                                     speculators_dspark_json, speculators_tensors)
 from dspark.drafters.vocab import (D2T_FORMAT_KEY, MAP_NAMES, WRITTEN_FORMAT, draft_vocab_at_load, read_d2t,
                                    slices_at_load, to_offsets)
 from dspark.models.files import (CONFIG_ERRORS, CheckpointError, check_num_layers, check_sizes, config_error,
@@ -49,13 +49,15 @@ def read_dspark_config(path: str | Path, *, num_target_layers: int | None = None
     fmt = checkpoint_format(d)
     if fmt in ("deepspec-eagle3", "speculators-eagle3"):
         raise ValueError(f"drafter checkpoint {str(path)!r} is an EAGLE-3 checkpoint ({fmt}): use method 'eagle3'")
-    if fmt.startswith("speculators-") and num_target_layers is None:
-        raise ValueError(f"drafter checkpoint {str(path)!r} (Speculators) does not name the target's depth; "
+    if not names_target_depth(fmt) and num_target_layers is None:
+        raise ValueError(f"drafter checkpoint {str(path)!r} ({fmt}) does not name the target's depth; "
                          "load it against a target")
     file = config_file(path)
     try:
         if fmt.startswith("speculators-"):
             d = speculators_dspark_json(d, num_target_layers=num_target_layers)
+        elif not names_target_depth(fmt):
+            d = {**d, "num_target_layers": num_target_layers}
         check_sizes(d, file=file)
         return DSparkConfig.from_deepspec_json(d)
     except CONFIG_ERRORS as e:

@@ -155,7 +155,9 @@ class DSparkConfig:
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        # sample_from_anchor: the slot layout in the key vLLM Speculators and llama.cpp's converter read
         return {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", **d,
+                "sample_from_anchor": self.slot_layout == "dspark",
                 "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False,
                 "tie_word_embeddings": False,
                 "layer_types": ["full_attention"] * self.num_hidden_layers}

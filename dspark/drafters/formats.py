@@ -21,6 +21,9 @@ Formats (facts from each project's published config classes and checkpoints, no 
   `lm_head.weight` [draft_vocab, d], `d2t` as *offsets* (target id = draft id + d2t[draft id]) and `t2d`
   (a boolean mask over the target vocabulary), read into our in-memory absolute `d2t` by `vocab.read_d2t`
   (the offset convention, which every checkpoint of ours stores too, with `"d2t_format": "offset"`).
+* **GGUF** (llama.cpp's converter, `general.architecture` dflash / gemma4-assistant): read by
+  `gguf_drafters.py` into the config dict of the drafter's HF folder, marked with `GGUF_KEY`; like Speculators',
+  a dflash file does not hold its target's depth.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 SPECULATORS_KEY = "speculators_model_type"
+GGUF_KEY = "gguf_architecture"  # the config dict `gguf_drafters.gguf_config` reads from a GGUF header
 SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
 DEEPSPEC_EAGLE3_ARCH = "Qwen3Eagle3Model"
 # tensors a Speculators checkpoint may carry that no drafter of ours reads
@@ -37,12 +41,21 @@ _SPECULATORS_DROPPED = ("verifier_norm.weight", "verifier_lm_head.weight")
 
 
 def checkpoint_format(d: dict[str, Any]) -> str:
-    """"speculators-<type>", "deepspec-eagle3" or "native" (ours and DeepSpec's DSpark/DFlash)."""
+    """"speculators-<type>", "gguf-<architecture>", "deepspec-eagle3" or "native" (ours and DeepSpec's
+    DSpark/DFlash)."""
     if SPECULATORS_KEY in d:
         return f"speculators-{d[SPECULATORS_KEY]}"
+    if GGUF_KEY in d:
+        return f"gguf-{d[GGUF_KEY]}"
     if DEEPSPEC_EAGLE3_ARCH in (d.get("architectures") or []) or "ttt_length" in d:
         return "deepspec-eagle3"
     return "native"
+
+
+def names_target_depth(fmt: str) -> bool:
+    """Whether a checkpoint of format `fmt` says how deep its target is (Speculators' and GGUF files do not: the
+    target's own depth is used)."""
+    return not fmt.startswith(("speculators-", "gguf-"))
 
 
 def _layer_config(d: dict[str, Any]) -> dict[str, Any]:

@@ -40,8 +40,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.drafters.checkpoint import read_config, safetensors_files
-from dspark.models.files import open_safetensors
+from dspark.drafters.checkpoint import load_named, read_config
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +99,8 @@ def _what_is_wrong(ids: torch.Tensor, vocab_size: int) -> str:
 
 
 def read_maps(path: str | Path) -> dict[str, torch.Tensor]:
-    """The checkpoint folder's `d2t` / `t2d` tensors (those it has), read alone: no other tensor's data."""
-    out: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        with open_safetensors(file) as f:
-            for name in MAP_NAMES:
-                if name in f.keys():
-                    out[name] = f.get_tensor(name).clone()
-    return out
+    """The checkpoint's `d2t` / `t2d` tensors (those it has), read alone: no other tensor's data."""
+    return load_named(path, MAP_NAMES)
 
 
 def read_d2t(path: str | Path, *, vocab_size: int, where: str) -> torch.Tensor | None:
