@@ -81,15 +81,19 @@ def infer_drafter(model: str) -> tuple[str, int | None]:
         raise ValueError(f"cannot infer the speculative method: {model!r} is not a folder with a config.json "
                          f"(nor a {' or '.join(sorted(FILE_CONFIGS)) or 'drafter'} file); give \"method\"")
     trained = _read_json(folder / "train_config.json").get("method")
-    block = cfg.get("block_size")
+    nested = cfg.get("dflash_config") or {}  # z-lab's and Gemma 4 DSpark folders may nest the block's keys
+    block = cfg.get("block_size", nested.get("block_size"))
     if cfg.get("format") == "dspark-eagle3" or any("eagle" in a.lower() for a in cfg.get("architectures") or ()):
         return "eagle3", cfg.get("num_draft_tokens")
     if block is not None:
-        layout = cfg.get("slot_layout") or ("zlab" if "dflash_config" in cfg else "dspark")
+        anchor = cfg.get("sample_from_anchor")  # (the key the converter and Speculators read; false: zlab)
+        zlab = anchor is False or (anchor is None and "dflash_config" in cfg)
+        layout = cfg.get("slot_layout") or ("zlab" if zlab else "dspark")
         drafts = int(block) - (1 if layout == "zlab" else 0)
         if trained in ("dspark", "dflash"):
             return trained, drafts
-        heads = int(cfg.get("markov_rank") or 0) > 0 or bool(cfg.get("enable_confidence_head"))
+        heads = int(cfg.get("markov_rank") or nested.get("markov_rank") or 0) > 0 or bool(
+            cfg.get("enable_confidence_head") or nested.get("enable_confidence_head"))
         return ("dspark" if heads else "dflash"), drafts
     if cfg.get("model_type") == "gemma4_assistant":  # Gemma 4's assistant: vLLM's "mtp" (drafters/gemma4_assistant.py)
         return "mtp", None

@@ -6,15 +6,15 @@ per module:
   Gemma 4 target, f32 and q8_0, and the same assistant with the centroid head (which the converter drops);
 * a DSpark drafter in dspark's own format (Markov and confidence heads, a reduced vocabulary: `d2t`) and a z-lab
   DFlash one (`DFlashDraftModel`: no heads, the anchor predicts nothing) for a tiny Qwen3 target with the Qwen2
-  vocabulary, converted with `--target-model-dir`;
-* a Gemma 4 DSpark drafter (`Gemma4DSparkModel`, written here in the layout the converter reads) for the Gemma 4
-  target.
+  vocabulary, converted with `--target-model-dir`.
+
+Gemma 4 DSpark drafters (`Gemma4DSparkModel`), folders and files: tests/test_gemma4_dspark.py.
 
 Checked: the file's config and tensors equal the HF folder's (f32 exactly; q8_0 within its rounding); greedy
 speculative decoding with the file equals plain decoding and accepts exactly what the folder's drafter accepts; the
 method is inferred from the file as from the folder; a wrong name mapping breaks the drafts; what dspark cannot run
-(the Gemma 4 DSpark file, a GGUF of another architecture, a drafter file given to another method) is refused by name
-before any tensor's data is read.
+(a GGUF of another architecture, a drafter file given to another method, what the Qwen3-style network lacks) is
+refused by name before any tensor's data is read.
 
     pytest tests/test_gguf_drafters.py -q
 """
@@ -335,61 +335,12 @@ def test_a_drafter_file_given_to_another_method_is_refused_by_name(qwen, gemma, 
                                                             gcfg), r"Gemma 4 assistant GGUF .* not 'dspark'")
 
 
-# -- Gemma 4 DSpark -------------------------------------------------------------------------------------------
-def _gemma4_dspark_folder(folder: Path, *, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 4,
-                          head_dim: int = 32, ffn: int = 96, rank: int = 8) -> Path:
-    """A tiny random `Gemma4DSparkModel` checkpoint in the layout the converter reads (K = V attention, the
-    sandwich norms, layer scalars, proportional RoPE, a Markov and a confidence head)."""
-    from safetensors.torch import save_file
-    g = torch.Generator().manual_seed(0)
-
-    def r(*shape):
-        return 0.1 * torch.randn(*shape, generator=g)
-    t = {"fc.weight": r(hidden, 2 * hidden), "hidden_norm.weight": r(hidden), "norm.weight": r(hidden),
-         "markov_head.markov_w1.weight": r(vocab, rank), "markov_head.markov_w2.weight": r(vocab, rank),
-         "confidence_proj.weight": r(1, hidden + rank), "confidence_proj.bias": r(1)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        t.update({p + "self_attn.q_proj.weight": r(heads * head_dim, hidden), p + "self_attn.k_proj.weight":
-                  r(head_dim, hidden), p + "self_attn.o_proj.weight": r(hidden, heads * head_dim),
-                  p + "self_attn.q_norm.weight": r(head_dim), p + "self_attn.k_norm.weight": r(head_dim),
-                  p + "layer_scalar": r(1), p + "mlp.gate_proj.weight": r(ffn, hidden),
-                  p + "mlp.up_proj.weight": r(ffn, hidden), p + "mlp.down_proj.weight": r(hidden, ffn)})
-        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-            t[f"{p}{norm}_layernorm.weight"] = r(hidden)
-    folder.mkdir()
-    save_file(t, folder / "model.safetensors", metadata={"format": "pt"})
-    config = {"architectures": ["Gemma4DSparkModel"], "model_type": "gemma4_dspark", "vocab_size": vocab,
-              "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
-              "num_attention_heads": heads, "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": head_dim,
-              "num_global_key_value_heads": 1, "attention_k_eq_v": True, "layer_types": ["full_attention"] * layers,
-              "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
-              "tie_word_embeddings": True, "block_size": 4, "sample_from_anchor": True,
-              "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                                     "rope_theta": 1e6}},
-              "dflash_config": {"mask_token_id": 4, "target_layer_ids": [0, 3]}}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
-def test_gemma4_dspark_file_is_refused_by_name_before_any_data(gemma, workdir, monkeypatch):
-    """The converter writes Gemma 4's DSpark drafter as a dflash file too; its draft layers are Gemma-style, which
-    dspark's DSpark network is not: refused, naming them, reading no tensor's data."""
-    _, cfg, target, _ = gemma
-    folder = _gemma4_dspark_folder(workdir / "gemma4_dspark", vocab=GEMMA4_VOCAB_SIZE)
-    path = convert(folder, "f32", workdir / "gemma4_dspark-f32.gguf", target=target)
-    for method in ("dspark", "dflash"):
-        _refused_before_data(monkeypatch, lambda: check_drafter(_block_spec(path, method), cfg),
-                             r"gemma4_dspark-f32.gguf: this DFlash / DSpark GGUF has Gemma 4 DSpark draft layers "
-                             r"\(GELU, K = V attention, sandwich norms, layer scalars: Gemma4DSparkModel\), which "
-                             r"dspark's DSpark / DFlash network \(Qwen3-style draft layers\) does not")
-
-
 # -- what dspark's block drafter network lacks, on synthetic headers ----------------------------------------------
 def _synthetic_dflash(path: Path, *, keys: dict | None = None, tensors: tuple[str, ...] = (),
-                      drop: tuple[str, ...] = ()) -> Path:
+                      drop: tuple[str, ...] = (), values: dict | None = None) -> Path:
     """A dflash GGUF header (one layer, zero tensors) as the converter writes a z-lab DFlash drafter's, with `keys`
-    added ({key: value}, the `dflash.` prefix implied), `tensors` added and `drop` left out."""
+    added ({key: value}, the `dflash.` prefix implied), `tensors` added, `values` ({name: float32 array}) added with
+    their data and `drop` left out."""
     import gguf
     w = gguf.GGUFWriter(str(path), "dflash")
     for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 8, "feed_forward_length": 16,
@@ -408,6 +359,8 @@ def _synthetic_dflash(path: Path, *, keys: dict | None = None, tensors: tuple[st
     for name, shape in shapes.items():
         if name not in drop:
             w.add_tensor(name, torch.zeros(shape).numpy())
+    for name, data in (values or {}).items():
+        w.add_tensor(name, data.astype("float32"))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -416,8 +369,7 @@ def _synthetic_dflash(path: Path, *, keys: dict | None = None, tensors: tuple[st
 
 
 @pytest.mark.parametrize("edit, named", [
-    (dict(keys={"hidden_activation": "gelu_pytorch_tanh"}), "Gemma 4 DSpark draft layers"),
-    (dict(tensors=("blk.0.layer_output_scale.weight",)), "Gemma 4 DSpark draft layers"),
+    (dict(keys={"hidden_activation": "gelu_pytorch_tanh"}), r"a GELU feed-forward \(hidden_activation\)"),
     (dict(keys={"hyper_connection.count": 4}), "DeepSeek-V4 DSpark stages"),
     (dict(tensors=("selector_hidden.weight",)), "DFlash2's convolutions and candidate selector"),
     (dict(tensors=("blk.0.attn_sinks.weight",)), "attention sinks"),

@@ -9,6 +9,11 @@ own (logged, with the largest difference): the drafter was trained with them. A 
 always the checkpoint's own. Calibration: an optional `calibration.json` beside the weights
 ({"temperatures": [T_k]} and optionally "greedy_temperatures", "biases", "greedy_biases").
 
+The draft network is a record (`DraftNetwork`, `DRAFT_NETWORKS`, keyed by `DSparkConfig.draft_layers`): Qwen3-style
+layers (`DSparkModel`, DeepSpec's Qwen3 DSpark / DFlash and everything dspark trains) or Gemma 4 layers
+(`gemma4_dspark.Gemma4DSparkModel`), whose HF config.json, named by its architecture, is read into `DSparkConfig`
+keys and whose tensor names are mapped to ours by the record, for a folder and a GGUF file alike.
+
 `d2t` is written as offsets with `"d2t_format": "offset"` in config.json and read in either convention
 (`vocab.py`); a full-vocabulary checkpoint can be given a reduced vocabulary at load (spec "draft_vocab_size":
 `load_dspark(draft_vocab=)` keeps those rows of the LM head and of Markov W2).
@@ -19,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -27,6 +34,8 @@ from dspark.drafters.checkpoint import (DTYPE_NAMES, check_shapes, config_file, 
                                         read_config, same_weights, save_weights, write_json)
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_model import DSparkModel
+from dspark.drafters.gemma4_dspark import (ARCHITECTURE as GEMMA4_ARCHITECTURE, Gemma4DSparkModel,
+                                           gemma4_dspark_json, gemma4_dspark_tensor_name)
 from dspark.drafters.formats import (checkpoint_format, header_shapes_speculators, names_target_depth,
                                      speculators_dspark_json, speculators_tensors)
 from dspark.drafters.vocab import (D2T_FORMAT_KEY, MAP_NAMES, WRITTEN_FORMAT, draft_vocab_at_load, read_d2t,
@@ -40,6 +49,39 @@ CALIBRATION_NAME = "calibration.json"
 CALIBRATION_KEYS = ("temperatures", "biases", "greedy_temperatures", "greedy_biases")
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")
 CONFIDENCE_POLICIES = ("threshold", "prefix", "async")
+
+
+@dataclass(frozen=True)
+class DraftNetwork:
+    model: type[DSparkModel]  # the network of configs with these draft layers
+    architectures: tuple[str, ...] = ()  # config.json architectures read through `config_json`
+    config_json: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # → from_deepspec_json keys
+    tensor_name: Callable[[str], str] | None = None  # its checkpoints' tensor names → ours
+
+
+DRAFT_NETWORKS: dict[str, DraftNetwork] = {
+    "qwen3": DraftNetwork(DSparkModel),
+    "gemma4": DraftNetwork(Gemma4DSparkModel, (GEMMA4_ARCHITECTURE,), gemma4_dspark_json, gemma4_dspark_tensor_name),
+}
+
+
+def network_of(d: dict[str, Any]) -> DraftNetwork | None:
+    """The record whose HF architecture a config.json names (None: DeepSpec's / dspark's own keys)."""
+    names = d.get("architectures") or []
+    return next((n for n in DRAFT_NETWORKS.values() if any(a in n.architectures for a in names)), None)
+
+
+def build_network(cfg: DSparkConfig) -> DSparkModel:
+    """The network `cfg` describes (its `draft_layers`' record), built on the current default device."""
+    return DRAFT_NETWORKS[cfg.draft_layers].model(cfg)
+
+
+def _our_names(d: dict[str, Any], named: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's {name: tensor or shape} under our names (its network's mapping, where it has one)."""
+    network = network_of(d)
+    if network is None or network.tensor_name is None:
+        return named
+    return {network.tensor_name(k): v for k, v in named.items()}
 
 
 def read_dspark_config(path: str | Path, *, num_target_layers: int | None = None) -> DSparkConfig:
@@ -59,6 +101,11 @@ def read_dspark_config(path: str | Path, *, num_target_layers: int | None = None
         elif not names_target_depth(fmt):
             d = {**d, "num_target_layers": num_target_layers}
         check_sizes(d, file=file)
+        network = network_of(d)
+        if network is not None and network.config_json is not None:
+            d = network.config_json(d)
+            if "num_target_layers" not in d and num_target_layers is not None:
+                d["num_target_layers"] = num_target_layers  # (the file does not say: its target's)
         return DSparkConfig.from_deepspec_json(d)
     except CONFIG_ERRORS as e:
         raise config_error(file, e) from None
@@ -89,7 +136,7 @@ def expected_shapes(cfg: DSparkConfig) -> tuple[dict[str, list[int]], dict[str, 
     """(required, optional) tensor shapes of a checkpoint of `cfg`: the frozen embedding and a full-vocabulary
     LM head are optional (the target's are used)."""
     with torch.device("meta"):
-        state = DSparkModel(cfg).state_dict()
+        state = build_network(cfg).state_dict()
     shapes = {k: list(v.shape) for k, v in state.items()}
     optional = {"embed_tokens.weight": shapes.pop("embed_tokens.weight")}
     if cfg.draft_vocab_size is None:
@@ -106,9 +153,10 @@ def check_depth(path: str | Path, cfg: DSparkConfig, shapes: dict[str, list[int]
 
 def check_header(path: str | Path, cfg: DSparkConfig, *, drop_heads: bool = False) -> None:
     """Every tensor name and shape in the safetensors headers against the model `cfg` describes."""
-    shapes = header_shapes(path)
+    d = read_config(path)
+    shapes = _our_names(d, header_shapes(path))
     check_depth(path, cfg, shapes)
-    if checkpoint_format(read_config(path)).startswith("speculators-"):
+    if checkpoint_format(d).startswith("speculators-"):
         shapes = header_shapes_speculators(shapes)
     if drop_heads:
         shapes = {k: v for k, v in shapes.items() if not k.startswith(HEAD_PREFIXES)}
@@ -197,12 +245,15 @@ def load_dspark(path: str | Path, *, target_model=None, embed_weight: torch.Tens
         cfg = dataclasses.replace(cfg, draft_vocab_size=d2t.numel())
     if drop_heads:
         cfg = without_heads(cfg)
-    check_depth(path, cfg, header_shapes(path))
+    d = read_config(path)
+    check_depth(path, cfg, _our_names(d, header_shapes(path)))
     with torch.device("meta"):
-        model = DSparkModel(cfg).to(dtype)  # no memory until the checkpoint's tensors are assigned
+        model = build_network(cfg).to(dtype)  # no memory until the checkpoint's tensors are assigned
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    tensors = load_tensors(path, skip=(HEAD_PREFIXES if drop_heads else ()) + MAP_NAMES, device=device)
-    if checkpoint_format(read_config(path)).startswith("speculators-"):
+    tensors = _our_names(d, load_tensors(path, skip=(HEAD_PREFIXES if drop_heads else ()) + MAP_NAMES, device=device))
+    if drop_heads:  # (also those whose names were mapped to the heads')
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(HEAD_PREFIXES)}
+    if checkpoint_format(d).startswith("speculators-"):
         tensors = speculators_tensors(tensors, where=where)
     share = {}
     for key, target_w in (("embed_tokens.weight", embed_weight), ("lm_head.weight", lm_head_weight)):

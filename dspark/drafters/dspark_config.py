@@ -3,8 +3,10 @@
 
 DeepSpec's `target_layer_ids` is renamed `tap_layer_ids` here, once, in `from_deepspec_json`.
 Unknown HF keys (architectures, dtype, layer_types, num_anchors, ...) are ignored; a missing required
-key raises `ValueError` naming it. Our own extra keys: `slot_layout`, `draft_vocab_size` and
-`anchor_features` (the newest context feature added to each block row's input; DeepSpec's have none).
+key raises `ValueError` naming it. Our own extra keys: `slot_layout`, `draft_vocab_size`,
+`anchor_features` (the newest context feature added to each block row's input; DeepSpec's have none) and
+`draft_layers`, the draft layers' style (`DRAFT_LAYERS`: "qwen3", DeepSpec's Qwen3 layers, or "gemma4", Gemma 4
+layers: `gemma4_dspark.py`, whose HF config.json `gemma4_dspark_json` reads into these keys).
 
 Slot layouts (reference §7.3, §8):
   "dspark": block = [anchor, mask × (block_size-1)] at anchor_pos .. ; slot k predicts anchor_pos+k+1,
@@ -23,6 +25,8 @@ from dspark.models.layers import drafter_rope_scaling
 
 SLOT_LAYOUTS = ("dspark", "zlab")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # keys of heads.SEQUENTIAL_HEADS
+# draft layer style -> its feed-forward activation (the network: `dspark_checkpoint.DRAFT_NETWORKS`)
+DRAFT_LAYERS = {"qwen3": "silu", "gemma4": "gelu_pytorch_tanh"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class DSparkConfig:
     # our extension, off in DeepSpec's checkpoints: every block row's input adds anchor_proj(H_ctx at the
     # anchor's previous position), the newest context feature, as EAGLE's input carries it
     anchor_features: bool = False
+    draft_layers: str = "qwen3"  # a key of DRAFT_LAYERS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tap_layer_ids", tuple(int(i) for i in self.tap_layer_ids))
@@ -74,6 +79,8 @@ class DSparkConfig:
               f"mask_token_id {self.mask_token_id} outside the vocabulary (size {self.vocab_size})")
         _need(not self.anchor_features or self.hidden_size % 2 == 0,
               f"anchor_features stores each context feature in two halves: hidden_size {self.hidden_size} is odd")
+        _need(self.draft_layers in DRAFT_LAYERS,
+              f"draft_layers {self.draft_layers!r} unknown; choose from {', '.join(DRAFT_LAYERS)}")
         _need(self.draft_vocab_size is None or 0 < self.draft_vocab_size <= self.vocab_size,
               f"draft_vocab_size {self.draft_vocab_size} must be in (0, vocab_size={self.vocab_size}]")
 
@@ -106,8 +113,10 @@ class DSparkConfig:
                 if value is not None:
                     return value
             raise ValueError(f"drafter config.json lacks required key {key!r}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} unsupported (DSpark layers use silu)")
+        layers = d.get("draft_layers", "qwen3")
+        act = DRAFT_LAYERS.get(layers)
+        if act is not None and d.get("hidden_act", act) != act:
+            raise ValueError(f"hidden_act {d['hidden_act']!r} unsupported ({layers} DSpark layers use {act})")
         if d.get("attention_bias", False):
             raise ValueError("attention_bias=true unsupported (DSpark layers have no biases)")
         bad_types = [t for t in d.get("layer_types") or [] if t != "full_attention"]
@@ -146,19 +155,23 @@ class DSparkConfig:
             slot_layout=layout,
             draft_vocab_size=d.get("draft_vocab_size"),
             anchor_features=bool(d.get("anchor_features", False)),
+            draft_layers=layers,
         )
 
     def to_json(self) -> dict[str, Any]:
         """A DeepSpec-compatible config.json dict (plus our slot_layout / draft_vocab_size keys)."""
         d = asdict(self)
         d["target_layer_ids"] = list(d.pop("tap_layer_ids"))
+        if self.draft_layers == "qwen3":
+            d.pop("draft_layers")  # the default: DeepSpec's and the converter's layout as it is
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
         # sample_from_anchor: the slot layout in the key vLLM Speculators and llama.cpp's converter read
-        return {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", **d,
-                "sample_from_anchor": self.slot_layout == "dspark",
-                "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False,
+        # (Gemma 4 layers are saved in these flat keys: "Gemma4DSparkModel" names the HF layout, not this one)
+        arch = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3"} if self.draft_layers == "qwen3" else {}
+        return {**arch, **d, "sample_from_anchor": self.slot_layout == "dspark",
+                "rope_parameters": rope, "hidden_act": DRAFT_LAYERS[self.draft_layers], "attention_bias": False,
                 "tie_word_embeddings": False,
                 "layer_types": ["full_attention"] * self.num_hidden_layers}
 

@@ -69,14 +69,14 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, from the target models' own RoPE table
-    (`models.layers.ROPE_INIT`: default / linear / llama3), so drafter and target rotate alike."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, table: dict = ROPE_INIT) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, from the target models' own RoPE table (`table`: by default
+    `models.layers.ROPE_INIT`, default / linear / llama3), so drafter and target rotate alike."""
     kind = rope_type(scaling)
-    if kind not in ROPE_INIT:
+    if kind not in table:
         raise ValueError(f"rope type {kind!r} unsupported for the DSpark drafter; "
-                         f"supported: {', '.join(ROPE_INIT)}")
-    return ROPE_INIT[kind](head_dim, theta, dict(scaling or {})).float()
+                         f"supported: {', '.join(table)}")
+    return table[kind](head_dim, theta, dict(scaling or {})).float()
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,6 +93,7 @@ class DSparkAttention(nn.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                             cfg.num_key_value_heads, hd)
+        self.scale = hd ** -0.5  # the attention scale
         self.q_proj = Linear(d, self.num_heads * hd, bias=False)
         self.k_proj = Linear(d, self.num_kv_heads * hd, bias=False)
         self.v_proj = Linear(d, self.num_kv_heads * hd, bias=False)
@@ -125,11 +126,11 @@ class DSparkAttention(nn.Module):
             # training under bf16 autocast: bf16 SDPA on CPU is very slow, so attention runs in fp32
             with torch.autocast("cpu", enabled=False):
                 out = F.scaled_dot_product_attention(
-                    q.float(), k.float(), v.float(), attn_mask=mask, scale=self.head_dim ** -0.5,
+                    q.float(), k.float(), v.float(), attn_mask=mask, scale=self.scale,
                     enable_gqa=self.num_heads != self.num_kv_heads)
         else:
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
+                q, k, v, attn_mask=mask, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads)  # [batch, heads, num_query, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_query, -1))
 
@@ -149,16 +150,22 @@ class DSparkDecoderLayer(nn.Module):
 
 
 class DSparkModel(FusedInference, nn.Module):
+    """The network with Qwen3-style draft layers; a subclass changes the layers (`layer_cls`), the norm (`make_norm`),
+    the RoPE table (`rope_table`) and the block rows' input (`embed`): `gemma4_dspark.Gemma4DSparkModel`."""
+
+    layer_cls: type[nn.Module] = DSparkDecoderLayer
+    rope_table: dict = ROPE_INIT
+
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
         self.cfg = cfg
         d, vocab, draft_vocab = cfg.hidden_size, cfg.vocab_size, cfg.effective_draft_vocab_size
         self.embed_tokens = embedding(vocab, d)
-        self.layers = nn.ModuleList(DSparkDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = Linear(cfg.num_taps * d, d, bias=False)
-        self.hidden_norm = _RMSNorm(d, cfg.rms_norm_eps)
+        self.hidden_norm = self.make_norm(d)
         self.anchor_proj = Linear(d, d, bias=False) if cfg.anchor_features else None
-        self.norm = _RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = self.make_norm(d)
         self.lm_head = Linear(d, draft_vocab, bias=False)
         self.markov_head, self.confidence_head = build_heads(cfg)
         for p in (self.embed_tokens.weight, self.lm_head.weight):
@@ -169,6 +176,14 @@ class DSparkModel(FusedInference, nn.Module):
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.long), persistent=False)
         self.register_buffer("inv_freq", torch.zeros(cfg.head_dim // 2), persistent=False)
         self.reset_buffers()  # d2t the identity
+
+    def make_norm(self, size: int) -> nn.Module:
+        """The context-feature and final norms' module (RMSNorm over `size`)."""
+        return _RMSNorm(size, self.cfg.rms_norm_eps)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Block token ids [...] → their input rows [..., hidden] in the activations' dtype."""
+        return self.embed_tokens(ids).to(self.norm.weight.dtype)
 
     def reset_buffers(self, *, d2t: torch.Tensor | None = None, device=None) -> None:
         """(Re)compute the derived buffers: after loading a reduced-vocab `d2t`, or after building on the
@@ -189,7 +204,7 @@ class DSparkModel(FusedInference, nn.Module):
         self.d2t, self.t2d = d2t.to(device), t2d.to(device)  # t2d [vocab_size]
         cfg = self.cfg
         with torch.device("cpu") if meta else contextlib.nullcontext():
-            self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+            self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, self.rope_table).to(device)
 
     def share_target_weights(self, *, embed_weight: torch.Tensor | None = None,
                              lm_head_weight: torch.Tensor | None = None) -> None:
@@ -252,7 +267,7 @@ class DSparkModel(FusedInference, nn.Module):
         mask: torch.Tensor | None,  # [batch, 1, num_query or 1, num_ctx + num_query] bool
         anchor_input: torch.Tensor | None = None,  # [batch, num_query, hidden] added to the rows' input
     ) -> torch.Tensor:  # [batch, num_query, hidden] final-normed
-        h = self.embed_tokens(block_ids).to(self.norm.weight.dtype)  # the activations' dtype
+        h = self.embed(block_ids)  # the activations' dtype
         if anchor_input is not None:
             h = h + anchor_input.to(h.dtype)
         cos, sin = self.rope(positions)

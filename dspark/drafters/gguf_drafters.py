@@ -4,7 +4,8 @@
 * `gemma4-assistant` (`Gemma4AssistantModel`: Gemma 4's assistant, `Gemma4AssistantForCausalLM`): method "mtp" on
   a Gemma 4 target (`gemma4_assistant.py`);
 * `dflash` (`DFlashModel`, `DSparkModel`: z-lab's DFlash and DeepSpec's / dspark's DSpark block drafters on
-  Qwen3-style layers): methods "dspark" and "dflash" (`dspark.py`).
+  Qwen3-style layers; `Gemma4DSparkModel`: DeepSpec's DSpark drafters for Gemma 4 targets, Gemma 4 draft layers):
+  methods "dspark" and "dflash" (`dspark.py`; the Gemma 4 layers' network in `gemma4_dspark.py`).
 
 The drafter loaders read a GGUF file as they read a checkpoint folder: `checkpoint.read_config`, `header_shapes`,
 `load_tensors` and `load_named` hand a `.gguf` path here and get the config.json dict an HF folder of the same
@@ -29,18 +30,29 @@ What the converter does, and how it is undone here:
   nothing, the "zlab" slot layout); the Markov rank read off `markov_w1`, the confidence head's input off
   `conf_proj`; a reduced vocabulary's `d2t` as absolute target ids; a full-vocabulary LM head and `t2d` dropped (the
   target's head is used, as for a folder without one); `fc` / `hidden_norm` / `norm` as `fc` / `enc.output_norm` /
-  `output_norm`.
+  `output_norm`;
+* dflash with Gemma 4 layers (told apart by their `post_attention_norm` / `post_ffw_norm` / `layer_output_scale`):
+  read into the `Gemma4DSparkModel` folder's config.json (`gemma4_dspark.gemma4_dspark_json` reads it as it reads
+  the folder's) and names. `post_attention_layernorm` as `post_attention_norm`, `pre_feedforward_layernorm` as
+  `ffn_norm` (Qwen's post-attention norm's name there), `layer_scalar` as `layer_output_scale`, `confidence_proj` as
+  `conf_proj`; `global_head_dim` / `num_global_key_value_heads` as the key length and KV heads; the embedding scale
+  sqrt(hidden), attention scale 1.0 and GELU-tanh as keys (checked, implied by the layout); proportional RoPE as
+  `rope_freqs` (1 per rotated pair, 1e30 after: its partial rotary factor read into the config), default RoPE as
+  none.
 
 Refused by name, from the header, before any tensor's data: a GGUF of another architecture; in a dflash file
-Gemma 4 DSpark draft layers (GELU, K = V attention, sandwich norms, layer scalars: `Gemma4DSparkModel`) and
 DeepSeek-V4 DSpark stages, DFlash2's convolutions and candidate selector, attention sinks, sliding-window or causal
-draft attention, partial RoPE, RoPE scaling other than linear, scaled embeddings, value / logit scales,
-soft-capping, quantization scale tensors, and any tensor without an HF name here: dspark's DSpark / DFlash network
-(`dspark_model.py`) has none of them.
+draft attention, value / logit scales, soft-capping, quantization scale tensors, and any tensor without an HF name
+here; with Qwen3-style layers also a GELU feed-forward, K = V attention, partial RoPE, `rope_freqs`, RoPE scaling
+other than linear, scaled embeddings and an attention scale (`dspark_model.py` has none of them); with Gemma 4
+layers also a separate V projection, another activation, layers lacking a sandwich norm or scalar, an embedding
+scale other than sqrt(hidden), an attention scale other than 1.0, partial RoPE other than proportional's, RoPE
+scaling and a reduced draft vocabulary (`d2t`: llama.cpp's converter refuses one for Gemma 4 DSpark too).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -49,6 +61,7 @@ import numpy as np
 import torch
 
 from dspark.drafters.formats import GGUF_KEY
+from dspark.drafters.gemma4_dspark import ARCHITECTURE as GEMMA4_DSPARK
 from dspark.models.files import CONFIG_ERRORS, CheckpointError, config_error
 from dspark.models.gguf_families import GEMMA4_GGUF, Header
 from dspark.models.gguf_format import GGMLType, gguf_field, gguf_reader, gguf_values
@@ -59,7 +72,7 @@ class GGUFDrafter:
     what: str  # the drafter, for messages
     methods: tuple[str, ...]  # the speculative methods that read it
     config: Callable[[Header], dict[str, Any]]  # header -> the config.json dict of its HF folder (refusals raise)
-    hf_name: Callable[[str], str]  # GGUF tensor name -> HF name ("": the config holds it); KeyError: none
+    hf_name: Callable[[Header, str], str]  # (header, GGUF tensor name) -> HF name ("": the config holds it); KeyError: none
 
 
 DRAFTERS: dict[str, GGUFDrafter] = {}
@@ -120,7 +133,7 @@ def _named(h: Header, record: GGUFDrafter, path) -> Iterable[tuple[Any, str]]:
     """(GGUF tensor, HF name) of every tensor the model reads (not those the config holds)."""
     for t in h.reader.tensors:
         try:
-            name = record.hf_name(t.name)
+            name = record.hf_name(h, t.name)
         except KeyError:
             raise ValueError(f"{path}: GGUF tensor {t.name!r} has no equivalent in dspark's {record.what} "
                              "(not supported)") from None
@@ -173,11 +186,14 @@ def _assistant_config(h: Header) -> dict[str, Any]:
             "tie_word_embeddings": text["tie_word_embeddings"], "text_config": {**text, "model_type": "gemma4_text"}}
 
 
-def _assistant_name(name: str) -> str:
+def _assistant_name(h: Header, name: str) -> str:
     return _ASSISTANT_NAMES[name] if name in _ASSISTANT_NAMES else GEMMA4_GGUF.hf_name(name, None)
 
 
 # -- dflash ---------------------------------------------------------------------------------------------------
+# Two networks run a dflash file: Qwen3-style draft layers (`dspark_model.DSparkModel`; z-lab's DFlash, DeepSpec's
+# and dspark's DSpark) and Gemma 4 draft layers (`gemma4_dspark.Gemma4DSparkModel`), told apart by the Gemma layer's
+# own tensors. Each variant maps the names to its HF folder's and builds that folder's config.json.
 _DFLASH_GLOBAL = {
     "fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight", "output_norm.weight": "norm.weight",
     "token_embd.weight": "embed_tokens.weight", "output.weight": "lm_head.weight", "d2t": "d2t",
@@ -192,43 +208,74 @@ _DFLASH_BLOCK = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# the Gemma 4 DSpark folder's names (`Gemma4DSparkModel`: the converter's renames undone; `rope_freqs` read into
+# the config)
+_GEMMA4_GLOBAL = {**{k: v for k, v in _DFLASH_GLOBAL.items() if k != "d2t"},
+                  "conf_proj.weight": "confidence_proj.weight", "conf_proj.bias": "confidence_proj.bias",
+                  "rope_freqs.weight": ""}
+_GEMMA4_BLOCK = {**{k: v for k, v in _DFLASH_BLOCK.items() if k != "attn_v.weight"},
+                 "post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+                 "layer_output_scale.weight": "layer_scalar"}
+_GEMMA4_LAYER = ("blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight", "blk.0.layer_output_scale.weight")
+_GELU_TANH = "gelu_pytorch_tanh"
 
 
-def _dflash_name(name: str) -> str:
-    if name in _DFLASH_GLOBAL:
-        return _DFLASH_GLOBAL[name]
+def _gemma4_layers(h: Header) -> bool:
+    """Whether the file's draft layers are Gemma 4's (its sandwich norms or layer scalars)."""
+    return any(name in h.tensors for name in _GEMMA4_LAYER)
+
+
+def _dflash_name(h: Header, name: str) -> str:
+    glob, block_map = (_GEMMA4_GLOBAL, _GEMMA4_BLOCK) if _gemma4_layers(h) else (_DFLASH_GLOBAL, _DFLASH_BLOCK)
+    if name in glob:
+        return glob[name]
     block, _, leaf = name.partition(".")[2].partition(".") if name.startswith("blk.") else ("", "", "")
-    if not block.isdigit() or leaf not in _DFLASH_BLOCK:
+    if not block.isdigit() or leaf not in block_map:
         raise KeyError(name)
-    return f"layers.{block}.{_DFLASH_BLOCK[leaf]}"
+    return f"layers.{block}.{block_map[leaf]}"
 
 
 def _has(h: Header, key: str) -> bool:
     return h.field(f"{h.arch}.{key}") is not None
 
 
-# (what dspark's DSpark / DFlash network lacks, whether the file has it), checked in order: the first is named
+# (what neither network has, whether the file has it), checked in order: the first is named
 _UNSUPPORTED: tuple[tuple[str, Callable[[Header], bool]], ...] = (
-    ("Gemma 4 DSpark draft layers (GELU, K = V attention, sandwich norms, layer scalars: Gemma4DSparkModel)",
-     lambda h: "blk.0.layer_output_scale.weight" in h.tensors or "blk.0.post_ffw_norm.weight" in h.tensors
-     or h.get("hidden_activation", "silu") != "silu"),
     ("DeepSeek-V4 DSpark stages (hyper-connections, MLA, experts)", lambda h: _has(h, "hyper_connection.count")),
     ("DFlash2's convolutions and candidate selector", lambda h: "selector_hidden.weight" in h.tensors
      or "blk.0.attn_conv_proj.weight" in h.tensors),
     ("attention sinks", lambda h: "blk.0.attn_sinks.weight" in h.tensors),
     ("sliding-window draft attention", lambda h: bool(h.get("attention.sliding_window", 0))),
     ("causal draft attention", lambda h: bool(h.get("attention.causal", False))),
+    ("an attention value scale", lambda h: _has(h, "attention.value_scale")),
+    ("a logit scale", lambda h: _has(h, "logit_scale")),
+    ("final logit soft-capping", lambda h: _has(h, "final_logit_softcapping")),
+    ("quantization scale tensors (*.scale)", lambda h: any(n.endswith(".scale") for n in h.tensors)),
+)
+_QWEN3_UNSUPPORTED: tuple[tuple[str, Callable[[Header], bool]], ...] = (
+    ("a GELU feed-forward (hidden_activation)", lambda h: h.get("hidden_activation", "silu") != "silu"),
     ("K = V draft attention (no attn_v)", lambda h: "blk.0.attn_v.weight" not in h.tensors),
     ("partial RoPE", lambda h: _has(h, "rope.dimension_count")
      and int(h.get("rope.dimension_count")) != int(h.get("attention.key_length", 0))),
     ("per-dimension RoPE frequencies (rope_freqs)", lambda h: "rope_freqs.weight" in h.tensors),
     ("scaled embeddings (embedding_scale; the converter writes it for Gemma targets)",
      lambda h: _has(h, "embedding_scale")),
-    ("an attention value scale", lambda h: _has(h, "attention.value_scale")),
     ("an attention scale", lambda h: _has(h, "attention.scale")),
-    ("a logit scale", lambda h: _has(h, "logit_scale")),
-    ("final logit soft-capping", lambda h: _has(h, "final_logit_softcapping")),
-    ("quantization scale tensors (*.scale)", lambda h: any(n.endswith(".scale") for n in h.tensors)),
+)
+_GEMMA4_UNSUPPORTED: tuple[tuple[str, Callable[[Header], bool]], ...] = (
+    ("a feed-forward activation other than gelu_pytorch_tanh", lambda h: h.get("hidden_activation", "") != _GELU_TANH),
+    ("a separate V projection (attn_v)", lambda h: "blk.0.attn_v.weight" in h.tensors),
+    ("a Gemma 4 layer without all of its sandwich norms and layer scalar",
+     lambda h: not all(name in h.tensors for name in _GEMMA4_LAYER)),
+    ("an embedding scale other than sqrt(embedding_length)", lambda h: not math.isclose(
+        float(h.get("embedding_scale", 0.0)), math.sqrt(int(h.get("embedding_length"))), rel_tol=1e-6)),
+    ("an attention scale other than 1.0", lambda h: float(h.get("attention.scale", 0.0)) != 1.0),
+    ("partial RoPE other than proportional RoPE's (rope.dimension_count below key_length)",
+     lambda h: int(h.get("rope.dimension_count", h.get("attention.key_length"))) != int(h.get("attention.key_length"))),
+    ("RoPE scaling", lambda h: h.get("rope.scaling.type", "none") not in ("none", None)),
+    ("a reduced draft vocabulary (d2t)", lambda h: "d2t" in h.tensors),
 )
 
 
@@ -253,34 +300,77 @@ def _rope_scaling(h: Header) -> dict[str, Any] | None:
     return {"rope_type": "linear", "factor": float(h.get("rope.scaling.factor"))}
 
 
-def _dflash_config(h: Header) -> dict[str, Any]:
-    """DeepSpec's flat config.json keys (`DSparkConfig.from_deepspec_json`), but the target's depth, which the file
-    does not hold (`dspark_checkpoint.read_dspark_config` takes the target's)."""
-    for what, has in _UNSUPPORTED:
+def _refuse(h: Header, checks, network: str) -> None:
+    """The first of `checks` the file has, refused by name; `network`: who lacks it ("dspark's ... does")."""
+    for what, has in checks:
         if has(h):
-            raise ValueError(f"this DFlash / DSpark GGUF has {what}, which dspark's DSpark / DFlash network "
-                             "(Qwen3-style draft layers) does not: not supported")
+            raise ValueError(f"this DFlash / DSpark GGUF has {what}, which {network} not: not supported")
+
+
+def _dspark_keys(h: Header) -> dict[str, Any]:
+    """The DSpark keys both layouts share: block, mask, taps, heads."""
     mask = h.field("tokenizer.ggml.mask_token_id")
     if mask is None:
         raise KeyError("tokenizer.ggml.mask_token_id")
-    hidden, heads = int(h.get("embedding_length")), int(h.get("attention.head_count"))
+    hidden = int(h.get("embedding_length"))
     rank = h.dims("markov_w1.weight")[0] if "markov_w1.weight" in h.tensors else 0
     conf = "conf_proj.weight" in h.tensors
-    d2t = h.dims("d2t")[0] if "d2t" in h.tensors else None
+    return {"vocab_size": _vocab_size(h), "hidden_size": hidden, "intermediate_size": int(h.get("feed_forward_length")),
+            "num_hidden_layers": int(h.get("block_count")), "num_attention_heads": int(h.get("attention.head_count")),
+            "rms_norm_eps": h.eps(), "max_position_embeddings": int(h.get("context_length")),
+            "block_size": int(h.get("block_size")), "mask_token_id": int(mask),
+            "target_layer_ids": [int(i) - 1 for i in h.get("target_layers")],
+            "markov_rank": rank, "markov_head_type": "vanilla", "enable_confidence_head": conf,
+            "confidence_head_with_markov": not conf or h.dims("conf_proj.weight")[0] == hidden + rank}
+
+
+def _gemma4_rope(h: Header, head_dim: int) -> dict[str, Any]:
+    """The full layers' rope_parameters: proportional where the file has `rope_freqs` (1 for each rotated pair,
+    then 1e30: frequency 0), else default."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(h.get("rope.freq_base", 1_000_000.0))}
+    if "rope_freqs.weight" not in h.tensors:
+        return rope
+    factors = h.f32("rope_freqs.weight")
+    pairs = int((factors == 1.0).sum())
+    if factors.shape != (head_dim // 2,) or not ((factors[:pairs] == 1.0).all() and (factors[pairs:] >= 1e29).all()):
+        raise ValueError("this Gemma 4 DSpark GGUF has per-dimension RoPE frequencies (rope_freqs) other than "
+                         "proportional RoPE's (1 for each rotated pair, then 1e30): not supported")
+    return {**rope, "rope_type": "proportional", "partial_rotary_factor": 2 * pairs / head_dim}
+
+
+def _dflash_config(h: Header) -> dict[str, Any]:
+    """The config.json of the drafter's HF folder: DeepSpec's flat keys (`DSparkConfig.from_deepspec_json`) for
+    Qwen3-style layers, the `Gemma4DSparkModel` layout (`gemma4_dspark.gemma4_dspark_json`) for Gemma 4 layers; but
+    the target's depth, which the file does not hold (`dspark_checkpoint.read_dspark_config` takes the target's)."""
+    _refuse(h, _UNSUPPORTED, "dspark's DSpark / DFlash networks do")
+    if _gemma4_layers(h):
+        _refuse(h, _GEMMA4_UNSUPPORTED, "dspark's Gemma 4 DSpark network does")
+        return _gemma4_dflash_config(h)
+    _refuse(h, _QWEN3_UNSUPPORTED, "dspark's DSpark / DFlash network (Qwen3-style draft layers) does")
+    keys = _dspark_keys(h)
+    heads, d2t = keys["num_attention_heads"], h.dims("d2t")[0] if "d2t" in h.tensors else None
     return {
-        "architectures": ["DFlashDraftModel" if not rank else "Qwen3DSparkModel"], "model_type": "qwen3",
-        "vocab_size": _vocab_size(h), "hidden_size": hidden, "intermediate_size": int(h.get("feed_forward_length")),
-        "num_hidden_layers": int(h.get("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(h.get("attention.head_count_kv", heads)),
-        "head_dim": int(h.get("attention.key_length", hidden // heads)), "rms_norm_eps": h.eps(),
-        "rope_theta": float(h.get("rope.freq_base", 10000.0)), "rope_scaling": _rope_scaling(h),
-        "max_position_embeddings": int(h.get("context_length")), "hidden_act": "silu",
-        "block_size": int(h.get("block_size")), "mask_token_id": int(mask),
-        "target_layer_ids": [int(i) - 1 for i in h.get("target_layers")],
+        "architectures": ["DFlashDraftModel" if not keys["markov_rank"] else "Qwen3DSparkModel"], "model_type": "qwen3",
+        **keys, "num_key_value_heads": int(h.get("attention.head_count_kv", heads)),
+        "head_dim": int(h.get("attention.key_length", keys["hidden_size"] // heads)),
+        "rope_theta": float(h.get("rope.freq_base", 10000.0)), "rope_scaling": _rope_scaling(h), "hidden_act": "silu",
         "slot_layout": "dspark" if h.get("sample_from_anchor", False) else "zlab",
-        "markov_rank": rank, "markov_head_type": "vanilla", "enable_confidence_head": conf,
-        "confidence_head_with_markov": not conf or h.dims("conf_proj.weight")[0] == hidden + rank,
         "draft_vocab_size": d2t, "d2t_format": "absolute",  # (vocab.D2T_FORMAT_KEY) as the converter writes it
+    }
+
+
+def _gemma4_dflash_config(h: Header) -> dict[str, Any]:
+    """A `Gemma4DSparkModel` config.json (the full layers' head as `global_head_dim` with
+    `num_global_key_value_heads`, K = V, the converter's fixed embedding and attention scales implied)."""
+    keys, head_dim = _dspark_keys(h), int(h.get("attention.key_length"))
+    kv = int(h.get("attention.head_count_kv", keys["num_attention_heads"]))
+    return {
+        "architectures": [GEMMA4_DSPARK], "model_type": "gemma4_dspark", **keys,
+        "num_key_value_heads": kv, "global_head_dim": head_dim, "num_global_key_value_heads": kv,
+        "attention_k_eq_v": True, "layer_types": ["full_attention"] * keys["num_hidden_layers"],
+        "hidden_activation": _GELU_TANH, "tie_word_embeddings": "output.weight" not in h.tensors,
+        "rope_parameters": {"full_attention": _gemma4_rope(h, head_dim)},
+        "sample_from_anchor": bool(h.get("sample_from_anchor", True)),
     }
 
 
