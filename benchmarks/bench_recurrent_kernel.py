@@ -73,7 +73,10 @@ def timed(fn, before) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def side_by_side(paths: dict, before, repeats: int) -> dict[str, float]:
+FASTEST: dict[str, float] = {}  # the same runs' minimum per path (a check on the medians under shared cores)
+
+
+def side_by_side(paths: dict, before, repeats: int, tag: str = "") -> dict[str, float]:
     """Median ms of each path, the paths alternating (one warm-up call each)."""
     times: dict[str, list[float]] = {name: [] for name in paths}
     for name, fn in paths.items():
@@ -81,6 +84,7 @@ def side_by_side(paths: dict, before, repeats: int) -> dict[str, float]:
     for i in range(repeats):
         for name in (list(paths) if i % 2 == 0 else list(paths)[::-1]):
             times[name].append(timed(paths[name], before))
+    FASTEST.update({f"{tag}{name}": min(t) for name, t in times.items()})
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -104,7 +108,7 @@ def case(layer: GatedDeltaNet, B: int, n: int, repeats: int) -> dict:
         recurrence = side_by_side({
             "torch": lambda: layer._windows(n, members, qkv, gate, beta, rows, state, core),
             "kernel": lambda: layer._windows_kernel(members, qkv, gate, beta, rows, state, core),
-        }, claim, repeats)
+        }, claim, repeats, "recurrence_")
         apply = window_kernel.windows_apply
 
         def forward(use_kernel: bool):
@@ -113,19 +117,21 @@ def case(layer: GatedDeltaNet, B: int, n: int, repeats: int) -> dict:
                 layer(x, rows, state)
             finally:
                 window_kernel.windows_apply = apply
-        whole = side_by_side({"torch": lambda: forward(False), "kernel": lambda: forward(True)}, claim, repeats)
+        whole = side_by_side({"torch": lambda: forward(False), "kernel": lambda: forward(True)}, claim, repeats,
+                             "layer_")
 
         def glue():
             b.float().sigmoid()
             -layer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + layer.dt_bias.float())
             gated_rms_norm(core, z.reshape(B * n, layer.num_v_heads, -1), layer.norm_weight, layer.eps)
-        glue_ms = side_by_side({"glue": glue}, claim, repeats)["glue"]
+        glue_ms = side_by_side({"glue": glue}, claim, repeats, "")["glue"]
     return {
         "B": B, "n": n,
         "recurrence_ms": recurrence, "recurrence_speedup": recurrence["torch"] / recurrence["kernel"],
         "layer_ms": whole, "layer_speedup": whole["torch"] / whole["kernel"],
         "recurrence_share_of_layer": {k: min(1.0, recurrence[k] / whole[k]) for k in whole},
         "glue_ms": glue_ms, "glue_share_of_layer_with_kernel": glue_ms / whole["kernel"],
+        "fastest_ms": dict(FASTEST),
     }
 
 

@@ -18,7 +18,10 @@ The recurrence (the gated delta rule, per value head with a [dk, dv] state S):
     S <- exp(g_t) * S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 `delta_rule_tokens` runs it one token at a time and returns every intermediate state (the verification
 path, for every request of a step with windows of the same length at once, and the slow twin of everything else); `delta_rule_chunked` runs a long prompt chunk in blocks of
-`CHUNK` tokens with the WY form (a unit lower-triangular solve per block), returning the last state only.
+`CHUNK` tokens with the WY form (a unit lower-triangular solve per block), returning the last state only. On the
+CPU the windows run through one kernel call per layer and step instead (dspark.kernels.recurrent: the conv, the q/k
+preparation and the one-token rule, each position's state written into the ring in place, `locate` naming the
+source and `kept` recording what it wrote); `delta_rule_tokens` and `keep` are its slow twin.
 """
 
 from __future__ import annotations
