@@ -10,8 +10,9 @@ tokens each (decode: n = 1; verification windows: n = 4, 8),
   glue        the torch ops around the recurrence a further fusion could take in: beta = sigmoid(b),
               g = -exp(A_log) softplus(a + dt_bias) and the gated RMSNorm.
 
-Medians of alternating repeats (the two paths take turns, so load from other processes falls on both). The ring is
-8 states long (1 + 7 drafts); each repeat starts every request after position 99 (the step profiler's `claim`).
+Medians over rounds: each round times every case once per path, the twin and the kernel in turns, so a case's
+repeats spread over the whole run and load from other processes falls on both paths alike. The ring is 8 states
+long (1 + 7 drafts); each repeat starts every request after position 99 (the step profiler's `claim`).
 
     python benchmarks/bench_recurrent_kernel.py --threads 2 --out benchmarks/results/recurrent_kernel.json
 """
@@ -66,73 +67,71 @@ def layer_for(shape: dict) -> GatedDeltaNet:
     return layer.eval()
 
 
-def timed(fn, before) -> float:
-    before()
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
+class Case:
+    """One (shape, B, n): its ring, rows and inputs, and the paths timed on them."""
 
+    def __init__(self, name: str, layer: GatedDeltaNet, B: int, n: int) -> None:
+        self.name, self.layer, self.B, self.n = name, layer, B, n
+        self.state = allocate_layer_state(num_slots=B, window=WINDOW, dtype=torch.float32, device="cpu",
+                                          **layer.state_shape())
+        self.rows = StateRows(slots=tuple(range(B)), starts=(START,) * B, lengths=(n,) * B,
+                              offsets=tuple(range(0, B * n, n)))
+        self.x = torch.randn(B * n, layer.in_proj.in_features, generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            self.qkv, self.z, self.b, self.a = layer.in_proj(self.x).split(layer.in_proj.split_sizes, dim=-1)
+            self.beta = self.b.sigmoid()
+            self.gate = -layer.A_log.exp() * torch.nn.functional.softplus(self.a + layer.dt_bias)
+        self.core = self.x.new_empty(B * n, layer.num_v_heads, layer.head_v_dim)
+        self.times: dict[str, list[float]] = {p: [] for p in PATHS}
 
-FASTEST: dict[str, float] = {}  # the same runs' minimum per path (a check on the medians under shared cores)
-
-
-def side_by_side(paths: dict, before, repeats: int, tag: str = "") -> dict[str, float]:
-    """Median ms of each path, the paths alternating (one warm-up call each)."""
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for name, fn in paths.items():
-        timed(fn, before)
-    for i in range(repeats):
-        for name in (list(paths) if i % 2 == 0 else list(paths)[::-1]):
-            times[name].append(timed(paths[name], before))
-    FASTEST.update({f"{tag}{name}": min(t) for name, t in times.items()})
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def case(layer: GatedDeltaNet, B: int, n: int, repeats: int) -> dict:
-    state = allocate_layer_state(num_slots=B, window=WINDOW, dtype=torch.float32, device="cpu",
-                                 **layer.state_shape())
-    rows = StateRows(slots=tuple(range(B)), starts=(START,) * B, lengths=(n,) * B,
-                     offsets=tuple(range(0, B * n, n)))
-    members = list(range(B))
-
-    def claim():
-        for s in range(B):
-            state.claim(s, START - 1)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(B * n, layer.in_proj.in_features, generator=g)
-    with torch.inference_mode():
-        qkv, z, b, a = layer.in_proj(x).split(layer.in_proj.split_sizes, dim=-1)
-        beta = b.sigmoid()
-        gate = -layer.A_log.exp() * torch.nn.functional.softplus(a + layer.dt_bias)
-        core = x.new_empty(B * n, layer.num_v_heads, layer.head_v_dim)
-        recurrence = side_by_side({
-            "torch": lambda: layer._windows(n, members, qkv, gate, beta, rows, state, core),
-            "kernel": lambda: layer._windows_kernel(members, qkv, gate, beta, rows, state, core),
-        }, claim, repeats, "recurrence_")
-        apply = window_kernel.windows_apply
-
-        def forward(use_kernel: bool):
-            window_kernel.windows_apply = apply if use_kernel else (lambda *args: False)
+    def run(self, path: str) -> None:
+        layer, st, members = self.layer, self.state, list(range(self.B))
+        if path == "recurrence_torch":
+            layer._windows(self.n, members, self.qkv, self.gate, self.beta, self.rows, st, self.core)
+        elif path == "recurrence_kernel":
+            layer._windows_kernel(members, self.qkv, self.gate, self.beta, self.rows, st, self.core)
+        elif path == "glue":
+            self.b.float().sigmoid()
+            -layer.A_log.float().exp() * torch.nn.functional.softplus(self.a.float() + layer.dt_bias.float())
+            gated_rms_norm(self.core, self.z.reshape(self.B * self.n, layer.num_v_heads, -1), layer.norm_weight,
+                           layer.eps)
+        else:  # a whole layer forward, the recurrence through the kernel or the twin
+            apply = window_kernel.windows_apply
+            if path == "layer_torch":
+                window_kernel.windows_apply = lambda *args: False
             try:
-                layer(x, rows, state)
+                layer(self.x, self.rows, st)
             finally:
                 window_kernel.windows_apply = apply
-        whole = side_by_side({"torch": lambda: forward(False), "kernel": lambda: forward(True)}, claim, repeats,
-                             "layer_")
 
-        def glue():
-            b.float().sigmoid()
-            -layer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + layer.dt_bias.float())
-            gated_rms_norm(core, z.reshape(B * n, layer.num_v_heads, -1), layer.norm_weight, layer.eps)
-        glue_ms = side_by_side({"glue": glue}, claim, repeats, "")["glue"]
-    return {
-        "B": B, "n": n,
-        "recurrence_ms": recurrence, "recurrence_speedup": recurrence["torch"] / recurrence["kernel"],
-        "layer_ms": whole, "layer_speedup": whole["torch"] / whole["kernel"],
-        "recurrence_share_of_layer": {k: min(1.0, recurrence[k] / whole[k]) for k in whole},
-        "glue_ms": glue_ms, "glue_share_of_layer_with_kernel": glue_ms / whole["kernel"],
-        "fastest_ms": dict(FASTEST),
-    }
+    def time(self, path: str) -> float:
+        for s in range(self.B):  # every repeat starts after position START - 1
+            self.state.claim(s, START - 1)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            self.run(path)
+            ms = (time.perf_counter() - t) * 1e3
+        self.times[path].append(ms)
+        return ms
+
+    def result(self, linear_layers: int) -> dict:
+        med = {p: statistics.median(t) for p, t in self.times.items()}
+        rec = {k: med[f"recurrence_{k}"] for k in ("torch", "kernel")}
+        whole = {k: med[f"layer_{k}"] for k in ("torch", "kernel")}
+        return {
+            "B": self.B, "n": self.n,
+            "recurrence_ms": rec, "recurrence_speedup": rec["torch"] / rec["kernel"],
+            "layer_ms": whole, "layer_speedup": whole["torch"] / whole["kernel"],
+            "recurrence_share_of_layer": {k: min(1.0, rec[k] / whole[k]) for k in whole},
+            "glue_ms": med["glue"], "glue_share_of_layer_with_kernel": med["glue"] / whole["kernel"],
+            # per decode / verification step: every linear-attention layer's recurrence and whole layer
+            "per_step_linear_layers_ms": {"recurrence": {k: v * linear_layers for k, v in rec.items()},
+                                          "layer": {k: v * linear_layers for k, v in whole.items()}},
+            "fastest_ms": {p: min(t) for p, t in self.times.items()},  # a check on the medians under shared cores
+        }
+
+
+PATHS = ("recurrence_torch", "recurrence_kernel", "layer_torch", "layer_kernel", "glue")
 
 
 def main() -> None:
@@ -147,27 +146,29 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not window_kernel.available():
         sys.exit("the CPU kernels are off or failed to build: nothing to compare")
-    results = {}
+    cases = []
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
-        layer = layer_for(shape)
-        rows = []
-        for B in (int(v) for v in args.batches.split(",")):
-            for n in (int(v) for v in args.tokens.split(",")):
-                r = case(layer, B, n, args.repeats)
-                # per decode / verification step: every linear-attention layer's recurrence and whole layer
-                r["per_step_linear_layers_ms"] = {
-                    part: {k: v * shape["linear_layers"] for k, v in r[f"{part}_ms"].items()}
-                    for part in ("recurrence", "layer")}
-                rows.append(r)
-                print(f"{name} B={B} n={n}: recurrence torch {r['recurrence_ms']['torch']:.3f} ms, kernel "
-                      f"{r['recurrence_ms']['kernel']:.3f} ms ({r['recurrence_speedup']:.1f}x); layer torch "
-                      f"{r['layer_ms']['torch']:.3f} ms, kernel {r['layer_ms']['kernel']:.3f} ms "
-                      f"({r['layer_speedup']:.2f}x); recurrence share of the layer "
-                      f"{r['recurrence_share_of_layer']['torch']:.0%} -> {r['recurrence_share_of_layer']['kernel']:.0%}; glue "
-                      f"{r['glue_ms']:.3f} ms",
-                      flush=True)
-        results[name] = {"shape": shape, "cases": rows}
+        layer = layer_for(SHAPES[name])
+        cases += [Case(name, layer, int(B), int(n)) for B in args.batches.split(",") for n in args.tokens.split(",")]
+    for c in cases:  # warm-up
+        for p in PATHS:
+            c.time(p)
+        c.times = {p: [] for p in PATHS}
+    # rounds over every case, so each case's repeats spread over the whole run; within a case the two paths
+    # alternate which goes first
+    for i in range(args.repeats):
+        for c in cases:
+            for p in (PATHS if i % 2 == 0 else PATHS[1::-1] + PATHS[3:1:-1] + PATHS[4:]):
+                c.time(p)
+    results: dict[str, dict] = {}
+    for c in cases:
+        r = c.result(SHAPES[c.name]["linear_layers"])
+        results.setdefault(c.name, {"shape": SHAPES[c.name], "cases": []})["cases"].append(r)
+        print(f"{c.name} B={c.B} n={c.n}: recurrence torch {r['recurrence_ms']['torch']:.3f} ms, kernel "
+              f"{r['recurrence_ms']['kernel']:.3f} ms ({r['recurrence_speedup']:.1f}x); layer torch "
+              f"{r['layer_ms']['torch']:.3f} ms, kernel {r['layer_ms']['kernel']:.3f} ms ({r['layer_speedup']:.2f}x); "
+              f"recurrence share of the layer {r['recurrence_share_of_layer']['torch']:.0%} -> "
+              f"{r['recurrence_share_of_layer']['kernel']:.0%}; glue {r['glue_ms']:.3f} ms", flush=True)
     out = {"benchmark": "recurrent_kernel", "threads": args.threads, "repeats": args.repeats, "window": WINDOW,
            "activations": "fp32", "products": "bf16 (use_bf16_products)", "kernel_kind": kernels.kernel_kind(),
            "isa": kernels.isa(), "torch": torch.__version__, "python": platform.python_version(), "results": results}
