@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 TESTS=(tests/test_kernels.py tests/test_dspark_drafter_dtypes.py tests/test_q4_1.py tests/test_gguf_blocks.py
        tests/test_fused_proposal.py tests/test_draft_topk.py tests/test_dspark_drafter.py tests/test_models.py
-       tests/test_gemma3.py tests/test_attention.py tests/test_kernel_isa.py)
+       tests/test_gemma3.py tests/test_attention.py tests/test_kernel_isa.py tests/test_recurrent_kernels.py)
 levels=("$@")
 [ ${#levels[@]} -gt 0 ] || levels=(avx2 avx512 avx512_bf16 amx off)
 supported=" $($PY -c 'from dspark.kernels.compiled import supported_isas; print(" ".join(supported_isas()))') "

@@ -15,7 +15,8 @@ verification step in one call, and `block_layers` a Llama or Gemma 3 stack whose
 parts (Q5_0 / Q4_K / Q6_K: `ggml.py`); their twin is the model's own per-layer modules (bit-identical
 results). `row_argmax` is torch.max(x, -1)'s answer for the greedy step. `draft_block` and `draft_context` run the
 DSpark drafter's greedy proposal and its context extension each in one call (their twin: the drafter's op-by-op
-path, `drafters/dspark_fused.py`).
+path, `drafters/dspark_fused.py`). `recurrent.py` is the Python side of `gated_delta_windows_`, the Gated DeltaNet
+layers' decode and verification windows in one call (its twin: the model's torch loop, `models/qwen3_next.py`).
 
 Switch: `DSPARK_CPU_KERNELS=0` turns them off (the slow twin), `=1` (the default) builds and uses them
 and, when the build fails, logs the compiler's message once and falls back to torch — the output is the

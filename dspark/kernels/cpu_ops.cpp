@@ -32,6 +32,9 @@
 //   draft_inputs_(...)             the rows, RoPE and attention indices of DSpark's draft blocks (cpu_ops_draft.inc).
 //   draft_block_(...)              DSpark's greedy proposal in one call: decoder_layers_, final norm, LM head,
 //                                  markov_walk, confidence head (cpu_ops_draft.inc).
+//   gated_delta_windows_(...)      the Gated DeltaNet layers' conv and delta rule for decode and verification
+//                                  windows, every position's state written into the state rings
+//                                  (cpu_ops_recurrent.inc).
 //   draft_context_(...)            DSpark's context extension in one call: context features, each layer's K/V
 //                                  (product, k norm, RoPE) stored in the pool (cpu_ops_draft.inc).
 //
@@ -53,6 +56,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 // The parts (textual includes: one translation unit, one anonymous namespace; the build hashes them all).
@@ -64,6 +68,7 @@
 #include "cpu_ops_kquants.inc"
 #include "cpu_ops_kpacked.inc"
 #include "cpu_ops_head.inc"
+#include "cpu_ops_recurrent.inc"
 
 // act[r0:r1] = activation(gate[r0:r1]) * up[r0:r1] (SiLU, or tanh-GELU): torch's own ops, serial inside the
 // stacks' parallel region, so the per-layer modules' numerics; on a row slice the same vector loop per row as over
@@ -281,6 +286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_context_", &draft_context_, "DSpark's context extension: features, then each layer's K/V stored (CPU)", release());
   m.def("block_mm", &block_mm, "x[M,K] fp32 @ GGUF blocks w[N, row bytes]^T (Q5_0, Q4_K, Q6_K; CPU)", release());
   m.def("q8_0_mm", &q8_0_mm, "x[M,K] fp32 (quantized to Q8_0) @ interleaved Q8_0 w[N, K/32*34]^T (CPU)", release());
+  m.def("gated_delta_windows_", &gated_delta_windows_, "Gated DeltaNet windows: conv, q/k norm, delta rule, every state kept in the rings (CPU)", release());
   m.def("block_layers_", &block_layers_, "all decoder layers of a few-row step, matrices as GGUF block parts (Llama, Gemma 3)", release());
   m.attr("has_bf16") = kHasBf16;
   m.attr("has_bf16w") = kHasBf16W;  // small_mm multiplies bf16 weights by the unrounded fp32 input (AVX2)

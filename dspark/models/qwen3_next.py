@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from dspark.kernels import recurrent as window_kernel
 from dspark.models.attention import AttnMetadata, paged_attention, store_kv
 from dspark.models.config import ModelConfig, eos_ids, hf_eos
 from dspark.models.family import ModelFamily
@@ -134,8 +135,12 @@ class GatedDeltaNet(nn.Module):
                 windows.setdefault(n, []).append(r)
             else:  # a long prompt chunk: the chunked recurrence, its last state only
                 self._chunk(r, qkv, g, beta, rows, state, core)
-        for n, members in windows.items():  # every state of a window is kept: a rejection rolls back into it
-            self._windows(n, members, qkv, g, beta, rows, state, core)
+        # every state of a window is kept (a rejection rolls back into it): all windows in one kernel call, or the
+        # torch twin per window length
+        if windows and not self._windows_kernel([r for m in windows.values() for r in m], qkv, g, beta, rows, state,
+                                                core):
+            for n, members in windows.items():
+                self._windows(n, members, qkv, g, beta, rows, state, core)
         normed = gated_rms_norm(core, z.reshape(T, self.num_v_heads, -1), self.norm_weight, self.eps)
         return self.out_proj(normed.reshape(T, -1))
 
@@ -148,7 +153,8 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(*lead, self.num_v_heads, -1).float()
 
     def _windows(self, n: int, members: list[int], qkv, g, beta, rows: StateRows, state: LayerState, core) -> None:
-        """Requests with n new tokens each, at once: the one-token recurrence, every position's state kept."""
+        """Requests with n new tokens each, at once: the one-token recurrence, every position's state kept (the torch
+        twin of `_windows_kernel`)."""
         slots, starts = [rows.slots[r] for r in members], [rows.starts[r] for r in members]
         idx = torch.tensor([rows.offsets[r] + t for r in members for t in range(n)], device=qkv.device)  # [B * n]
         conv0, rec0 = state.start_many(slots, starts, [rows.source(r) for r in members])  # [B, K-1, C], [B, Hv, dk, dv]
@@ -162,24 +168,59 @@ class GatedDeltaNet(nn.Module):
                 state.save(entry, pos, conv_states[j][pos - start], states[j][pos - start])
         core[idx] = out.reshape(len(members) * n, self.num_v_heads, -1).to(core.dtype)
 
+    def _windows_kernel(self, members: list[int], qkv, g, beta, rows: StateRows, state: LayerState, core) -> bool:
+        """The windows of `members` (any lengths up to the ring) in one kernel call (`window_kernel`:
+        dspark.kernels.recurrent), their states written into the ring in place; False (nothing done) where the kernel
+        does not apply."""
+        table = []
+        for r in members:  # where each starts (checked before anything is written)
+            slot, start = rows.slots[r], rows.starts[r]
+            table.append((slot, start, rows.lengths[r], rows.offsets[r], *state.locate(slot, start, rows.source(r))))
+        if not self._kernel(table, qkv, g, beta, state, core):
+            return False
+        for r, (slot, *_) in zip(members, table):
+            for pos, entry in rows.saves_of(r):  # a snapshot at a block boundary (prefix caching)
+                i = pos % state.window
+                state.save(entry, pos, state.conv[slot, i], state.recurrent[slot, i])
+        return True
+
+    def _kernel(self, table: list[tuple[int, ...]], qkv, g, beta, state: LayerState, core) -> bool:
+        """`window_kernel.gated_delta_windows` over the rows of `table` (slot, start, length, first row, ring /
+        snapshot source), the positions it wrote recorded in the ring; False where the kernel does not apply."""
+        if not window_kernel.gated_delta_windows(qkv, g, beta, self.conv_weight, state.conv, state.recurrent,
+                                                 state.snap_conv, state.snap_recurrent, table, self.num_k_heads, core):
+            return False
+        for slot, start, n, *_ in table:
+            state.kept(slot, start, n)
+        return True
+
     def _chunk(self, r: int, qkv, g, beta, rows: StateRows, state: LayerState, core) -> None:
         """A long prompt chunk: the chunked recurrence, cut after each position whose state a snapshot keeps. A piece
-        no longer than the ring runs the one-token loop, as a step of that piece alone would (a prefix hit resuming
-        at the cut computes what the cold run did)."""
+        no longer than the ring runs as a window (the kernel, or the one-token loop), as a step of that piece alone
+        would (a prefix hit resuming at the cut computes what the cold run did)."""
         slot, start, n, off = rows.slots[r], rows.starts[r], rows.lengths[r], rows.offsets[r]
+        source = state.locate(slot, start, rows.source(r))
         conv0, last = state.start(slot, start, rows.source(r))
         mixed, conv_states = causal_conv(qkv[off:off + n], conv0, self.conv_weight)  # [n, C], [n, K - 1, C]
         q, k, v = self._qkv(mixed)
-        g, beta = g[off:off + n], beta[off:off + n]
+        gc, bc = g[off:off + n], beta[off:off + n]
+        kernel = window_kernel.windows_apply(qkv, self.conv_weight, state.conv, state.recurrent, core)
         saves = dict(rows.saves_of(r))  # position -> snapshot entry
         a = 0
         for b in sorted({pos + 1 - start for pos in saves} | {n}):  # pieces [a, b) of the chunk
-            if b - a <= state.window:
-                out, states = delta_rule_tokens(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], last)
-                last = states[-1]
+            if b - a > state.window:
+                out, last = delta_rule_chunked(q[a:b], k[a:b], v[a:b], gc[a:b], bc[a:b], last)
+                core[off + a:off + b] = out.to(core.dtype)
+            elif kernel:  # from the state after start + a - 1, kept in the ring for the kernel to read
+                if a:
+                    state.keep(slot, start + a - 1, conv_states[a - 1:a], last.unsqueeze(0))
+                    source = ((start + a - 1) % state.window, -1)
+                self._kernel([(slot, start + a, b - a, off + a, *source)], qkv, g, beta, state, core)
+                last = state.recurrent[slot, (start + b - 1) % state.window].clone()
             else:
-                out, last = delta_rule_chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], last)
-            core[off + a:off + b] = out.to(core.dtype)
+                out, states = delta_rule_tokens(q[a:b], k[a:b], v[a:b], gc[a:b], bc[a:b], last)
+                last = states[-1]
+                core[off + a:off + b] = out.to(core.dtype)
             if start + b - 1 in saves:
                 state.save(saves[start + b - 1], start + b - 1, conv_states[b - 1], last)
             a = b

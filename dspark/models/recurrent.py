@@ -18,7 +18,10 @@ The recurrence (the gated delta rule, per value head with a [dk, dv] state S):
     S <- exp(g_t) * S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 `delta_rule_tokens` runs it one token at a time and returns every intermediate state (the verification
 path, for every request of a step with windows of the same length at once, and the slow twin of everything else); `delta_rule_chunked` runs a long prompt chunk in blocks of
-`CHUNK` tokens with the WY form (a unit lower-triangular solve per block), returning the last state only.
+`CHUNK` tokens with the WY form (a unit lower-triangular solve per block), returning the last state only. On the
+CPU the windows run through one kernel call per layer and step instead (dspark.kernels.recurrent: the conv, the q/k
+preparation and the one-token rule, each position's state written into the ring in place, `locate` naming the
+source and `kept` recording what it wrote); `delta_rule_tokens` and `keep` are its slow twin.
 """
 
 from __future__ import annotations
@@ -72,20 +75,30 @@ class LayerState:
     def window(self) -> int:
         return self.conv.shape[1]
 
-    def start(self, slot: int, start: int, source: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [kernel - 1, conv_dim], recurrent [Hv, dk, dv]) after position start - 1 (zeros at 0), copies; from
-        snapshot entry `source` where it is >= 0 (which must hold that position's state)."""
+    def locate(self, slot: int, start: int, source: int = -1) -> tuple[int, int]:
+        """Where the state after position start - 1 is: (ring entry of the slot, -1), (-1, snapshot entry `source`)
+        or (-1, -1) for zeros (start 0). A place that does not hold that position's state is a RuntimeError."""
         if source >= 0:
             if self.snap_positions[source] != start - 1:
                 raise RuntimeError(f"snapshot {source} holds the state after position {self.snap_positions[source]}, "
                                    f"not {start - 1}")
-            return self.snap_conv[source].clone(), self.snap_recurrent[source].clone()
+            return -1, source
         if start == 0:
-            return torch.zeros_like(self.conv[slot, 0]), torch.zeros_like(self.recurrent[slot, 0])
+            return -1, -1
         i = (start - 1) % self.window
         if self.positions[slot][i] != start - 1:
             raise RuntimeError(f"state slot {slot} keeps no state after position {start - 1} (it holds "
                                f"{sorted(p for p in self.positions[slot] if p >= 0)})")
+        return i, -1
+
+    def start(self, slot: int, start: int, source: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [kernel - 1, conv_dim], recurrent [Hv, dk, dv]) after position start - 1 (zeros at 0), copies; from
+        snapshot entry `source` where it is >= 0 (which must hold that position's state)."""
+        i, entry = self.locate(slot, start, source)
+        if entry >= 0:
+            return self.snap_conv[entry].clone(), self.snap_recurrent[entry].clone()
+        if i < 0:
+            return torch.zeros_like(self.conv[slot, 0]), torch.zeros_like(self.recurrent[slot, 0])
         return self.conv[slot, i].clone(), self.recurrent[slot, i].clone()
 
     def start_many(self, slots: list[int], starts: list[int], sources: list[int]
@@ -106,6 +119,11 @@ class LayerState:
         idx = torch.arange(first_pos, first_pos + n, device=conv.device) % self.window  # [n]
         self.conv[slot].index_copy_(0, idx, conv.to(self.conv.dtype))
         self.recurrent[slot].index_copy_(0, idx, recurrent)
+        self.kept(slot, first_pos, n)
+
+    def kept(self, slot: int, first_pos: int, n: int) -> None:
+        """Record that the ring holds the states after positions first_pos .. first_pos + n - 1 (written by `keep`,
+        or in place by the window kernel, dspark.kernels.recurrent)."""
         for p in range(first_pos, first_pos + n):
             self.positions[slot][p % self.window] = p
 
