@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import re
 import warnings
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from dspark.models.gguf_format import GGMLType, gguf_model_config, gguf_reader, 
 F32, F16, Q4_1, Q8_0, BF16 = (int(GGMLType[name]) for name in ("F32", "F16", "Q4_1", "Q8_0", "BF16"))
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _PAGE = mmap.PAGESIZE
+_LAYER_INDEX = re.compile(r"\.\d+\.")  # model.layers.<i>.…
 Q8_0X8 = 1008  # not a GGML id: Q8_0 rows interleaved by 8 (`pack_q8_0x8`), multiplied with the input quantized
 
 
@@ -235,6 +237,9 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     tensors = {t.name: t for t in source.reader.tensors}
     pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
     input_orders: dict[str, torch.Tensor] = {}
+    # (name less its layer index, rows, cols) -> the family's (rows, cols) orders: the converter changes every
+    # layer's matrix of one name and shape alike (its reorders follow the config's head counts)
+    orders: dict[tuple[str, int, int], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
     covered: set[str] = set()
     for t in source.reader.tensors:
         if t.name in ("token_embd.weight", "output.weight") or len(t.shape) != 2:
@@ -259,7 +264,10 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
         if permute and name.endswith("qkv_proj.weight") and shard in ("q", "k"):
             raw = unpermute_rope_rows(raw, config.num_attention_heads if shard == "q" else config.num_key_value_heads)
         if family is not None:
-            rows, cols = family.orders(hf, config, (raw.shape[0], int(t.shape[0])))
+            key = (_LAYER_INDEX.sub(".", hf, count=1), raw.shape[0], int(t.shape[0]))
+            if key not in orders:
+                orders[key] = family.orders(hf, config, key[1:])
+            rows, cols = orders[key]
             if rows is not None:
                 raw = raw.index_select(0, rows)
             if cols is not None:
