@@ -194,15 +194,29 @@ def drop_mapped_pages(view: np.ndarray) -> None:
         _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), 4)  # 4: MADV_DONTNEED
 
 
+def copy_dropping_pages(view: np.ndarray, chunk_bytes: int = 64 << 20) -> np.ndarray:
+    """A copy of a mapped view, made `chunk_bytes` of rows at a time, each chunk's pages of the file dropped once
+    copied (`drop_mapped_pages`): a large tensor (an embedding) holds its copy and at most a chunk of the
+    mapping, not both whole."""
+    out = np.empty(view.shape, dtype=view.dtype)
+    if view.ndim == 0 or view.nbytes <= chunk_bytes:
+        out[...] = view
+    else:
+        step = max(1, chunk_bytes // max(1, view[0].nbytes))  # rows a chunk
+        for i in range(0, view.shape[0], step):
+            out[i:i + step] = view[i:i + step]
+            drop_mapped_pages(view[i:i + step])
+    drop_mapped_pages(view)  # (the pages astride two chunks)
+    return out
+
+
 def gguf_rows(t, *, copy: bool = True) -> tuple[int, torch.Tensor]:
     """A gguf ReaderTensor -> (its GGML type id, its rows [n, row bytes] uint8, or [n, K] fp32 for F32).
     `copy=False`: a read-only view of the mapped file, for a caller that builds its own tensor from it (the
     Q8_0 embedding's packing) and keeps nothing of the view."""
     qtype = int(t.tensor_type)
     copied = copy or qtype == F32
-    data = np.array(t.data, copy=True) if copied else np.asarray(t.data)
-    if copied:
-        drop_mapped_pages(t.data)
+    data = copy_dropping_pages(t.data) if copied else np.asarray(t.data)
     if qtype == F32:
         return qtype, torch.from_numpy(data.astype(np.float32)).reshape(-1, int(t.shape[0]))
     with warnings.catch_warnings():  # torch warns of a read-only view (copy=False); it is read, never written
@@ -229,6 +243,7 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     un-interleaved as the dense load does), the embedding a BlockRows, the head the embedding's bytes when
     tied (or its own tensor); the other tensors (norms, biases) load as usual. No dense copy is kept."""
     from dspark.models.layers import Linear, VocabEmbedding
+    from dspark.utils.host import trim_heap
     config = source.config
     permute = family_of(config.architecture).gguf_qk_permuted
     arch = source.field("general.architecture")
@@ -288,6 +303,7 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
             raise ValueError(f"{source.path.name}: GGUF tensors cover {blocks.out_features} of the "
                              f"{module.out_features} rows of {module_name}")
         module.blocks, module.weight, module.weight_t = blocks, None, None
+        trim_heap()  # the freed rows go back now, not stacked under the next modules' and the embedding's
     load_vocab_blocks(model, tensors, covered)
     model.load_weights(source.weights(skip=covered))
     model.matmul_dtype = "gguf"
