@@ -243,7 +243,7 @@ def make(name: str, qtypes: list[str], folder: Path, quantize: Path, threads: in
             subprocess.run([str(quantize), str(f16), str(tmp), t, str(threads)], check=True,
                            stdout=subprocess.DEVNULL)
             tmp.rename(path)
-    if f16.stat().st_size > keep_f16_gb * 1e9:
+    if "F16" not in qtypes and f16.stat().st_size > keep_f16_gb * 1e9:
         f16.unlink()
     return paths
 
