@@ -13,6 +13,8 @@ native blocks:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -426,3 +428,36 @@ def test_the_default_model_resident_as_quantized_runs_with_the_kernels_off():
         out[mode] = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert torch.isfinite(out["off"]).all()
     assert (out["off"] - out["on"]).abs().max() < 0.05 * out["on"].abs().max()
+
+
+def _mapped_kib(path) -> int:
+    """KiB of the file at `path` this process maps resident (/proc/self/smaps: its mappings' Rss)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5:  # a mapping's header line: its file is the last field
+            inside = line.rstrip().endswith(str(path))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps")
+def test_a_tensor_copied_from_the_mapped_file_holds_at_most_a_chunk_of_its_pages(tmp_path, monkeypatch):
+    """`gguf_rows`' copy drops the file's pages a chunk of rows at a time: beside the copy, the process never maps
+    more than a chunk of a large tensor (an embedding copied whole, then dropped, held both at once), and none
+    once it is copied; the copy equals the file's bytes."""
+    from dspark.models import blocks as mb
+    if not hasattr(mb._LIBC, "madvise"):
+        pytest.skip("no madvise in this C library")
+    path = tmp_path / "rows.bin"
+    data = np.random.default_rng(0).integers(0, 256, (2048, 16384), dtype=np.uint8)  # 32 MiB of rows
+    data.tofile(path)
+    view = np.memmap(path, dtype=np.uint8, mode="r", shape=data.shape)
+    seen, drop = [], mb.drop_mapped_pages
+    monkeypatch.setattr(mb, "drop_mapped_pages", lambda v: (seen.append(_mapped_kib(path)), drop(v)))
+    out = mb.copy_dropping_pages(view, chunk_bytes=4 << 20)
+    assert np.array_equal(out, data) and type(out) is np.ndarray
+    # a chunk, and what a fault maps around it (a large folio of the page cache: up to 2 MiB)
+    assert len(seen) > 8 and max(seen) <= (4 << 10) + (2 << 10) + 256
+    assert _mapped_kib(path) <= 2 << 10

@@ -296,3 +296,36 @@ def test_the_quantized_file_loads_resident_as_its_blocks(conv, request):
     ref, got = _logits(dense, ids), _logits(ours, ids)
     err = float((got - ref).abs().max()) / float(ref.max() - ref.min())
     assert err <= BOUNDS[conv.cfg.architecture.startswith("Gemma4"), "q8_0"], err
+
+
+def test_the_block_load_reads_a_matrix_order_once_per_name_and_shape(conv, request, monkeypatch):
+    """`--matmul-dtype gguf` asks the family for the converter's row / column orders of a matrix once per name and
+    shape (every layer's alike: test_the_quantized_file_loads_resident_as_its_blocks checks the matrices), and
+    `orders` of a matrix its `undo` hands back unchanged builds no index tensors (every Gemma 4 matrix, the Qwens'
+    but the reordered Gated DeltaNet ones)."""
+    import re
+    if conv.cfg.num_experts and conv.cfg.architecture.startswith("Qwen") and "not slow" in (request.config.option.markexpr or ""):
+        pytest.skip("the Qwen MoE q8_0 conversions (~10 s each) run under -m slow")
+    asked, probed = [], []
+    orders = gguf_families.GGUFFamily.orders
+
+    def counted(self, hf, cfg, shape):
+        asked.append((re.sub(r"\.\d+\.", ".", hf, count=1), *shape))
+        return orders(self, hf, cfg, shape)
+
+    class Torch:  # gguf_families' torch, its index tensors (`arange`) recorded
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def arange(self, *a, **k):
+            probed.append(a)
+            return torch.arange(*a, **k)
+    monkeypatch.setattr(gguf_families.GGUFFamily, "orders", counted)
+    monkeypatch.setattr(gguf_families, "torch", Torch())
+    load_model(conv.file("q8_0"), matmul_dtype="gguf")
+    assert asked and len(asked) == len(set(asked))
+    layers = conv.cfg.num_hidden_layers
+    assert len(asked) < 4 * layers  # (one ask per matrix would be at least 4 a layer)
+    reordered = conv.cfg.architecture == "Qwen3_5ForCausalLM" and conv.cfg.linear_num_key_heads != \
+        conv.cfg.linear_num_value_heads
+    assert bool(probed) == reordered

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import re
 import warnings
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from dspark.models.gguf_format import GGMLType, gguf_model_config, gguf_reader, 
 F32, F16, Q4_1, Q8_0, BF16 = (int(GGMLType[name]) for name in ("F32", "F16", "Q4_1", "Q8_0", "BF16"))
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _PAGE = mmap.PAGESIZE
+_LAYER_INDEX = re.compile(r"\.\d+\.")  # model.layers.<i>.…
 Q8_0X8 = 1008  # not a GGML id: Q8_0 rows interleaved by 8 (`pack_q8_0x8`), multiplied with the input quantized
 
 
@@ -200,15 +202,29 @@ def drop_mapped_pages(view: np.ndarray) -> None:
         _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), 4)  # 4: MADV_DONTNEED
 
 
+def copy_dropping_pages(view: np.ndarray, chunk_bytes: int = 64 << 20) -> np.ndarray:
+    """A copy of a mapped view, made `chunk_bytes` of rows at a time, each chunk's pages of the file dropped once
+    copied (`drop_mapped_pages`): a large tensor (an embedding) holds its copy and at most a chunk of the
+    mapping, not both whole."""
+    out = np.empty(view.shape, dtype=view.dtype)
+    if view.ndim == 0 or view.nbytes <= chunk_bytes:
+        out[...] = view
+    else:
+        step = max(1, chunk_bytes // max(1, view[0].nbytes))  # rows a chunk
+        for i in range(0, view.shape[0], step):
+            out[i:i + step] = view[i:i + step]
+            drop_mapped_pages(view[i:i + step])
+    drop_mapped_pages(view)  # (the pages astride two chunks)
+    return out
+
+
 def gguf_rows(t, *, copy: bool = True) -> tuple[int, torch.Tensor]:
     """A gguf ReaderTensor -> (its GGML type id, its rows [n, row bytes] uint8, or [n, K] fp32 for F32).
     `copy=False`: a read-only view of the mapped file, for a caller that builds its own tensor from it (the
     Q8_0 embedding's packing) and keeps nothing of the view."""
     qtype = int(t.tensor_type)
     copied = copy or qtype == F32
-    data = np.array(t.data, copy=True) if copied else np.asarray(t.data)
-    if copied:
-        drop_mapped_pages(t.data)
+    data = copy_dropping_pages(t.data) if copied else np.asarray(t.data)
     if qtype == F32:
         return qtype, torch.from_numpy(data.astype(np.float32)).reshape(-1, int(t.shape[0]))
     with warnings.catch_warnings():  # torch warns of a read-only view (copy=False); it is read, never written
@@ -235,6 +251,7 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     un-interleaved as the dense load does), the embedding a BlockRows, the head the embedding's bytes when
     tied (or its own tensor); the other tensors (norms, biases) load as usual. No dense copy is kept."""
     from dspark.models.layers import Linear, VocabEmbedding
+    from dspark.utils.host import trim_heap
     config = source.config
     permute = family_of(config.architecture).gguf_qk_permuted
     arch = source.field("general.architecture")
@@ -243,6 +260,9 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
     tensors = {t.name: t for t in source.reader.tensors}
     pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
     input_orders: dict[str, torch.Tensor] = {}
+    # (name less its layer index, rows, cols) -> the family's (rows, cols) orders: the converter changes every
+    # layer's matrix of one name and shape alike (its reorders follow the config's head counts)
+    orders: dict[tuple[str, int, int], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
     covered: set[str] = set()
     for t in source.reader.tensors:
         if t.name in ("token_embd.weight", "output.weight") or len(t.shape) != 2:
@@ -267,7 +287,10 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
         if permute and name.endswith("qkv_proj.weight") and shard in ("q", "k"):
             raw = unpermute_rope_rows(raw, config.num_attention_heads if shard == "q" else config.num_key_value_heads)
         if family is not None:
-            rows, cols = family.orders(hf, config, (raw.shape[0], int(t.shape[0])))
+            key = (_LAYER_INDEX.sub(".", hf, count=1), raw.shape[0], int(t.shape[0]))
+            if key not in orders:
+                orders[key] = family.orders(hf, config, key[1:])
+            rows, cols = orders[key]
             if rows is not None:
                 raw = raw.index_select(0, rows)
             if cols is not None:
@@ -288,6 +311,7 @@ def load_gguf_matrices(model: torch.nn.Module, source) -> None:
             raise ValueError(f"{source.path.name}: GGUF tensors cover {blocks.out_features} of the "
                              f"{module.out_features} rows of {module_name}")
         module.blocks, module.weight, module.weight_t = blocks, None, None
+        trim_heap()  # the freed rows go back now, not stacked under the next modules' and the embedding's
     load_vocab_blocks(model, tensors, covered)
     model.load_weights(source.weights(skip=covered))
     model.matmul_dtype = "gguf"

@@ -276,8 +276,12 @@ class GGUFFamily:
         """(rows, cols) long or None: `undo` of a matrix [n, k] named `hf` is its rows in order `rows` and its
         columns in order `cols` (None: as they are), read off `undo` itself on index tensors, so a quantized
         matrix, whose rows cannot be re-cut along its columns, is reordered by whole rows or through its input.
-        ValueError where `undo` does more to the matrix than reorder it."""
+        ValueError where `undo` does more to the matrix than reorder it. An `undo` that hands back the tensor it
+        was given left the matrix as it is: (None, None) without the index tensors."""
         n, k = shape
+        untouched = torch.zeros((), dtype=torch.int16).expand(n, k)  # [n, k] in no memory
+        if self.undo(hf, untouched, cfg) is untouched:
+            return None, None
         dtype = torch.int16 if max(n, k) < 2 ** 15 else torch.int32
         out = []
         for dim, size in ((0, n), (1, k)):
