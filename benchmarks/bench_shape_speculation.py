@@ -10,6 +10,11 @@ macro 3.61). Layer cost = (c(k) - head(k)) / layers.
 
     python benchmarks/bench_shape_speculation.py --shape qwen3-4b --type Q4_K_M --llama-bin /work/llbuild/bin \
         --out benchmarks/results/shape_speculation_qwen3_4b.json
+    python benchmarks/bench_shape_speculation.py --shape qwen3.5-2b --type Q4_K_M --llama-bin /work/llbuild/bin \
+        --out benchmarks/results/shape_speculation_qwen3.5_2b.json
+
+On a hybrid (Qwen3.5) a layer's cost is the mean over its linear-attention and full-attention layers, and a
+verification window keeps every position's recurrent state (the rollback a rejection needs), which c(k) includes.
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ def _median_s(fn, reps: int) -> float:
 
 
 def main() -> None:
-    from gguf_shapes import make
+    from gguf_shapes_hf import SHAPES as HF_SHAPES, make
+    from gguf_shapes import SHAPES
     from dspark import LLM
     from dspark.bench.report import run_info, write_result_file
     from dspark.engine.step_profiler import StepProfiler
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--shape", default="qwen3-4b", choices=sorted({*SHAPES, *HF_SHAPES}))
     ap.add_argument("--type", default="Q4_K_M")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=Path.home() / ".cache/dspark/shapes")

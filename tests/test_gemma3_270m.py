@@ -126,7 +126,8 @@ def test_auto_picks_the_resident_blocks_and_no_dense_copy_is_kept(gemma_blocks):
     assert embed.block_rows.qtype == Q8_0X8 and head.blocks.types == (Q8_0X8,)  # interleaved by 8 for the head
     assert head.blocks.parts[0][1].data_ptr() == embed.block_rows.data.data_ptr()  # tied: one copy of the rows
     types = {t for m in model.modules() if isinstance(m, Linear) for t in m.blocks.types}
-    assert types == {Q8_0, *ggml.BLOCK_TYPES}  # Q5_0, Q4_K, Q6_K and Q8_0, each on its own product
+    q4_k = ggml.Q4_KX16 if ggml.k_group_rows() == 16 else 12  # AVX-512 VNNI builds read Q4_K packed by 16 rows
+    assert types == {Q8_0, 6, q4_k, 14}  # Q5_0, Q4_K, Q6_K and Q8_0, each on its own product
     # less than the file: the embedding keeps the file's 34 bytes a block (interleaved), the v parts' Q8_0 36
     assert held_bytes(model) < resolve_model_path(NAME).stat().st_size
 
@@ -143,6 +144,8 @@ def _assert_product(out, x, qtype, w):
         exact, fast, on = ggml.q8_0_product_reference, ggml.q8_0_block_linear, ggml.ops() is not None
     elif qtype == Q8_0:
         exact, fast, on = qb.q8_0_product_reference, qb.q8_0_linear, kernels.has_q8_0_kernels()
+    elif qtype == ggml.Q4_KX16:
+        exact, on = (lambda a, b: ggml.product_reference(a, ggml.unpack_k16(b), 12)), True
     else:
         exact, fast = (lambda a, b: ggml.product_reference(a, b, qtype)), (lambda a, b: ggml.block_linear(a, b, qtype))
         on = ggml.ops() is not None
