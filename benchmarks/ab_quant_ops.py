@@ -28,9 +28,14 @@ TYPES = {6: "Q5_0", 12: "Q4_K", 14: "Q6_K", 8: "Q8_0 head"}  # the head: q8_0_mm
 
 
 def product(build, t: int, x: torch.Tensor, w) -> torch.Tensor:
-    """`w`: the head's rows as {layout: tensor}, each build reading its own (interleaved by 8 or plain)."""
+    """`w`: the head's rows as {layout: tensor}, each build reading its own (interleaved by 8 or plain); Q4_K
+    rows as {"packed": ..., "file": ...}, packed by 16 for a build that reads them (`ggml.pack_k16`)."""
     if t == 8:
         return build.q8_0_mm(x, w["x8" if getattr(build, "q8_0_interleaved", False) else "plain"])
+    if isinstance(w, dict):
+        from dspark.kernels.ggml import Q4_KX16
+        packed = getattr(build, "k_quant_group_rows", 0) == 16
+        return build.block_mm(x, w["packed"], Q4_KX16) if packed else build.block_mm(x, w["file"], t)
     return build.block_mm(x, w, t)
 
 
@@ -64,6 +69,8 @@ def main() -> None:
     model, _, _ = load_model(args.model, matmul_dtype="gguf")
     parts = [(t, w, m.in_features) for m in model.modules() if isinstance(m, Linear)
              for t, w in m.blocks.parts if t in TYPES and t != 8]
+    parts += [(12, {"packed": w, "file": ggml.unpack_k16(w)}, m.in_features) for m in model.modules()
+              if isinstance(m, Linear) for t, w in m.blocks.parts if t == ggml.Q4_KX16]
     types = dict(TYPES)
     if args.model == "gemma-3-270m":
         parts += [(8, head_layouts(), model.config.hidden_size)]
@@ -86,7 +93,7 @@ def main() -> None:
                             product(build, t, xs[k], w)
                     times[(name, qtype)].append(time.perf_counter() - t0)
         for qtype, label in types.items():
-            mine = [w["x8"] if t == 8 else w for t, w, _ in parts if t == qtype]
+            mine = [w["x8"] if t == 8 else w["file"] if isinstance(w, dict) else w for t, w, _ in parts if t == qtype]
             med = {name: statistics.median(times[(name, qtype)]) * 1e3 for name in builds}
             results.append({"type": label, "rows": m, "matrices": len(mine),
                             "mbytes": sum(w.numel() for w in mine) / 1e6, "median_ms_per_sweep": med,
