@@ -63,6 +63,7 @@ import torch
 from dspark.drafters.formats import GGUF_KEY
 from dspark.drafters.gemma4_dspark import ARCHITECTURE as GEMMA4_DSPARK
 from dspark.models.files import CONFIG_ERRORS, CheckpointError, config_error
+from dspark.models.gguf_format import GGUF_BLOCK_NAMES
 from dspark.models.gguf_families import GEMMA4_GGUF, Header
 from dspark.models.gguf_format import GGMLType, gguf_field, gguf_reader, gguf_values
 
@@ -200,14 +201,7 @@ _DFLASH_GLOBAL = {
     "markov_w1.weight": "markov_head.markov_w1.weight", "markov_w2.weight": "markov_head.markov_w2.weight",
     "conf_proj.weight": "confidence_head.proj.weight", "conf_proj.bias": "confidence_head.proj.bias",
 }
-_DFLASH_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
+_DFLASH_BLOCK = {f"{k}.weight": f"{v}.weight" for k, v in GGUF_BLOCK_NAMES.items()}  # llama.cpp's block names
 # the Gemma 4 DSpark folder's names (`Gemma4DSparkModel`: the converter's renames undone; `rope_freqs` read into
 # the config)
 _GEMMA4_GLOBAL = {**{k: v for k, v in _DFLASH_GLOBAL.items() if k != "d2t"},
