@@ -158,11 +158,17 @@ def _q5_0(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"d": _half(blocks[..., 0:2]), "q": low | (high << 4)}
 
 
-def _q4_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
-    """blocks [N, nb, 144] -> d, dmin [N, nb], sc, mn [N, nb, 8], q [N, nb, 8, 32] (0..15)."""
-    s = blocks[..., 4:16].int()
+def _q4_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K block's 12 scale bytes [..., 12] (an integer dtype wider than uint8) -> its 6-bit scales and mins
+    [..., 8] (GGUF's get_scale_min_k4)."""
     sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], -1)
     mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc, mn
+
+
+def _q4_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """blocks [N, nb, 144] -> d, dmin [N, nb], sc, mn [N, nb, 8], q [N, nb, 8, 32] (0..15)."""
+    sc, mn = _q4_k_scales(blocks[..., 4:16].int())
     qs = blocks[..., 16:].int().reshape(*blocks.shape[:2], 4, 32)
     q = torch.stack([qs & 0x0F, qs >> 4], -2).reshape(*blocks.shape[:2], 8, 32)
     return {"d": _half(blocks[..., 0:2]), "dmin": _half(blocks[..., 2:4]), "sc": sc, "mn": mn, "q": q}
@@ -259,10 +265,8 @@ def pack_k16(raw: torch.Tensor) -> torch.Tensor:
     scale pairs, 4 quant bytes), one copy of the matrix at a time."""
     G, nb = raw.shape[0] // K_PACK_ROWS, raw.shape[1] // 144
     r = raw.reshape(G, K_PACK_ROWS, nb, 144)
-    s = r[..., 4:16].reshape(-1, 12).t().short()  # [12, blocks]: the 6-bit scales and mins, packed
-    sc = torch.cat([s[0:4] & 63, (s[8:12] & 0x0F) | ((s[0:4] >> 6) << 4)])  # [8, blocks] (GGUF's get_scale_min_k4)
-    mn = torch.cat([s[4:8] & 63, (s[8:12] >> 4) | ((s[4:8] >> 6) << 4)])
-    pairs = lambda t: (t[0::2] | (t[1::2] << 8)).reshape(4, G, K_PACK_ROWS, nb).permute(1, 3, 0, 2)  # noqa: E731
+    sc, mn = _q4_k_scales(r[..., 4:16].short())  # [G, 16, nb, 8]
+    pairs = lambda t: (t[..., 0::2] | (t[..., 1::2] << 8)).permute(0, 2, 3, 1)  # noqa: E731 [G, nb, 4, 16]
     fields = [r[..., 0:4].contiguous().view(torch.int16).permute(0, 2, 3, 1),  # [G, nb, 2, 16]: d, dmin
               pairs(sc), pairs(mn),  # [G, nb, 4, 16] int16: scales (mins) 2k, 2k + 1 as bytes
               r[..., 16:].contiguous().view(torch.int32).permute(0, 2, 3, 1)]  # [G, nb, 32, 16]: 4 quant bytes
